@@ -1,0 +1,33 @@
+//! `GET /version`, `GET /status`, `PUT /logLevel/:level`.
+
+use std::rc::Rc;
+
+use super::auth::require_admin;
+use crate::http::{Request, Response};
+use crate::logging::LogLevel;
+use crate::model::{Checked, Rejection};
+use crate::runtime::Core;
+use crate::status::Health;
+
+pub fn version() -> Response {
+    Response::text(200, env!("CARGO_PKG_VERSION"))
+}
+
+/// 200 `OK`; 500 naming a malformed connection string; 503 while a source is connecting.
+pub fn status(core: &Rc<Core>) -> Response {
+    match core.shared.status.health() {
+        Health::Ok => Response::text(200, "OK"),
+        Health::Misconfigured(message) => Response::error(500, &message),
+        Health::Starting(message) => Response::error(503, &format!("Still initializing: {message}")),
+    }
+}
+
+pub fn set_log_level(core: &Rc<Core>, req: &Request, level: &str) -> Checked<Response> {
+    require_admin(&core.settings, req)?;
+    let level = LogLevel::parse(level).ok_or_else(|| {
+        Rejection::bad_request("Unknown log level (use error, warn, info, verbose or debug)")
+    })?;
+    core.shared.log.set(level);
+    tracing::info!(level = level.name(), "log level changed");
+    Ok(Response::no_content())
+}

@@ -1,0 +1,148 @@
+//! The REST API of SPEC.md: routing, authentication, and one module per resource.
+//!
+//! Handlers validate the request completely before changing anything, then run the change on
+//! the core that owns the data (see `runtime::core`). Every error is `{"errorMessage": …}`.
+
+mod auth;
+mod device_hub;
+mod grants;
+mod ingest;
+mod last_values;
+mod meta;
+mod sessions;
+mod subscriptions;
+
+use std::rc::Rc;
+
+use http::Method;
+
+use crate::http::{Request, Response};
+use crate::model::{Checked, Rejection};
+use crate::runtime::Core;
+
+pub use auth::admin_key_matches;
+
+/// The routes of SPEC.md plus `POST /ingest`.
+enum Route {
+    Version,
+    Status,
+    LogLevel(String),
+    Session,
+    AllSessions,
+    OneSession(String),
+    Grants,
+    Subscription,
+    Subscriptions,
+    LastValue(String, Option<String>),
+    DeviceTwin(String),
+    ConnectionState(String),
+    DirectMethod,
+    DesiredProperties,
+    Ingest,
+}
+
+impl Route {
+    fn find(segments: Vec<String>) -> Option<Route> {
+        let mut it = segments.into_iter();
+        let first = it.next()?;
+        let second = it.next();
+        let third = it.next();
+        if it.next().is_some() {
+            return None;
+        }
+        Some(match (first.as_str(), second, third) {
+            ("version", None, None) => Route::Version,
+            ("status", None, None) => Route::Status,
+            ("logLevel", Some(level), None) => Route::LogLevel(level),
+            ("session", None, None) => Route::Session,
+            ("sessions", None, None) => Route::AllSessions,
+            ("sessions", Some(id), None) => Route::OneSession(id),
+            ("grants", None, None) => Route::Grants,
+            ("subscription", None, None) => Route::Subscription,
+            ("subscriptions", None, None) => Route::Subscriptions,
+            ("lastValue", Some(device), key) => Route::LastValue(device, key),
+            ("deviceTwin", Some(device), None) => Route::DeviceTwin(device),
+            ("connectionState", Some(device), None) => Route::ConnectionState(device),
+            ("directMethod", None, None) => Route::DirectMethod,
+            ("deviceTwinDesiredProperties", None, None) => Route::DesiredProperties,
+            ("ingest", None, None) => Route::Ingest,
+            _ => return None,
+        })
+    }
+
+    fn allowed(&self) -> &'static str {
+        match self {
+            Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) => "GET",
+            Route::LastValue(_, None) => "GET, DELETE",
+            Route::LastValue(_, Some(_)) => "GET",
+            Route::LogLevel(_) => "PUT",
+            Route::Session | Route::DirectMethod | Route::Ingest => "POST",
+            Route::AllSessions | Route::OneSession(_) => "DELETE",
+            Route::Grants | Route::Subscription | Route::Subscriptions => "PUT, DELETE",
+            Route::DesiredProperties => "PATCH",
+        }
+    }
+}
+
+const CORS_METHODS: &str = "GET, PUT, POST, PATCH, DELETE, OPTIONS";
+const CORS_HEADERS: &str = "sessionId, Shared-Access-Key, Content-Type";
+
+fn preflight() -> Response {
+    Response::no_content()
+        .with_header("access-control-allow-methods", CORS_METHODS)
+        .with_header("access-control-allow-headers", CORS_HEADERS)
+        .with_header("access-control-max-age", "86400")
+}
+
+pub async fn handle(core: &Rc<Core>, req: Request) -> Response {
+    if req.method == Method::OPTIONS {
+        return preflight();
+    }
+    let route = match req.segments() {
+        Ok(segments) => Route::find(segments),
+        Err(r) => return Response::rejection(r),
+    };
+    let Some(route) = route else {
+        return Response::error(404, &format!("Not found: {} {}", req.method, req.path));
+    };
+    let result = dispatch(core, route, req).await;
+    result.unwrap_or_else(Response::rejection)
+}
+
+async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Response> {
+    use Method as M;
+    match (&route, &req.method) {
+        (Route::Version, &M::GET) => Ok(meta::version()),
+        (Route::Status, &M::GET) => Ok(meta::status(core)),
+        (Route::LogLevel(level), &M::PUT) => meta::set_log_level(core, &req, level),
+        (Route::Session, &M::POST) => sessions::create(core).await,
+        (Route::AllSessions, &M::DELETE) => sessions::delete_all(core, &req).await,
+        (Route::OneSession(id), &M::DELETE) => sessions::delete(core, &req, id).await,
+        (Route::Grants, &M::PUT) => grants::change(core, &req, true).await,
+        (Route::Grants, &M::DELETE) => grants::change(core, &req, false).await,
+        (Route::Subscription, &M::PUT) => subscriptions::single(core, &req, true).await,
+        (Route::Subscription, &M::DELETE) => subscriptions::single(core, &req, false).await,
+        (Route::Subscriptions, &M::PUT) => subscriptions::bulk(core, &req, true).await,
+        (Route::Subscriptions, &M::DELETE) => subscriptions::bulk(core, &req, false).await,
+        (Route::LastValue(device, key), &M::GET) => last_values::read_telemetry(core, &req, device, key.as_deref()).await,
+        (Route::LastValue(device, None), &M::DELETE) => last_values::delete_telemetry(core, &req, device).await,
+        (Route::DeviceTwin(device), &M::GET) => last_values::read_twin(core, &req, device).await,
+        (Route::ConnectionState(device), &M::GET) => last_values::read_connection_state(core, &req, device).await,
+        (Route::DirectMethod, &M::POST) => device_hub::direct_method(core, &req).await,
+        (Route::DesiredProperties, &M::PATCH) => device_hub::desired_properties(core, &req).await,
+        (Route::Ingest, &M::POST) => ingest::post(core, &req).await,
+        _ => Ok(Response::error(405, &format!("Method {} not allowed on {}", req.method, req.path))
+            .with_header("allow", route.allowed())),
+    }
+}
+
+/// A device id taken from the path, within the length limit.
+fn path_device(device: &str) -> Checked<&str> {
+    if device.len() > crate::config::MAX_DEVICE_ID_LEN {
+        return Err(Rejection::bad_request(format!(
+            "deviceId is longer than {} bytes",
+            crate::config::MAX_DEVICE_ID_LEN
+        )));
+    }
+    Ok(device)
+}

@@ -1,0 +1,92 @@
+//! `PUT/DELETE /subscription` and the bulk `PUT/DELETE /subscriptions`.
+//!
+//! Bulk rules (SPEC 11/12): every element is validated before anything is applied (one bad
+//! element: 400, nothing applied); elements without a grant are skipped; the answer lists
+//! the applied elements exactly as sent. Bodies: a bare array, or `{"subscriptionRequests": […]}`
+//! as the Node admin SDK sends it (with the session in a `sessionId` header).
+
+use std::rc::Rc;
+
+use serde_json::Value;
+
+use super::auth::{no_such_session, parse_session};
+use crate::http::{Request, Response};
+use crate::ids::SessionId;
+use crate::model::{Checked, Rejection, SubscriptionRequest};
+use crate::runtime::Core;
+use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+
+fn op(session: SessionId, r: SubscriptionRequest, add: bool) -> DeviceOp {
+    let device = r.device.into_boxed_str();
+    if add {
+        DeviceOp::Subscribe { device, session, sub: r.subscription }
+    } else {
+        DeviceOp::Unsubscribe { device, session, sub: r.subscription }
+    }
+}
+
+async fn run(core: &Rc<Core>, session: SessionId, ops: Vec<DeviceOp>) -> Checked<Vec<DeviceReply>> {
+    match core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops }).await {
+        Some(SessionReply::Scoped(Some(replies))) => Ok(replies),
+        _ => Err(no_such_session()),
+    }
+}
+
+pub async fn single(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response> {
+    let request = SubscriptionRequest::parse(&req.json()?, req.header("sessionid"))?;
+    let session = parse_session(&request.session)?;
+    match run(core, session, vec![op(session, request, add)]).await?.first() {
+        Some(DeviceReply::Permitted(true)) => Ok(Response::no_content()),
+        _ => Err(Rejection::new(403, "subscription request not granted")),
+    }
+}
+
+pub async fn bulk(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response> {
+    let body = req.json()?;
+    let elements = match body {
+        Value::Array(items) => items,
+        Value::Object(mut obj) => match obj.remove("subscriptionRequests") {
+            Some(Value::Array(items)) => items,
+            _ => return Err(Rejection::bad_request(
+                "body must be an array of subscription requests or {\"subscriptionRequests\": [...]}",
+            )),
+        },
+        _ => return Err(Rejection::bad_request("body must be an array of subscription requests")),
+    };
+    let header_session = req.header("sessionid");
+    let mut parsed = Vec::with_capacity(elements.len());
+    for (i, element) in elements.iter().enumerate() {
+        let request = SubscriptionRequest::parse(element, header_session).map_err(|e| {
+            Rejection::bad_request(format!(
+                "Not all elements in the request body are subscription requests: element {i}: {}",
+                e.message
+            ))
+        })?;
+        parsed.push(request);
+    }
+    // Group by session (normally one), keeping each element's position.
+    let mut groups: Vec<(SessionId, Vec<(usize, SubscriptionRequest)>)> = Vec::new();
+    for (i, request) in parsed.into_iter().enumerate() {
+        let session = parse_session(&request.session)?;
+        match groups.iter_mut().find(|(s, _)| *s == session) {
+            Some((_, members)) => members.push((i, request)),
+            None => groups.push((session, vec![(i, request)])),
+        }
+    }
+    if groups.len() > 1 {
+        // Every session must exist before anything is applied.
+        for (session, _) in &groups {
+            run(core, *session, Vec::new()).await?;
+        }
+    }
+    let mut applied = vec![false; elements.len()];
+    for (session, members) in groups {
+        let (positions, ops): (Vec<usize>, Vec<DeviceOp>) =
+            members.into_iter().map(|(i, r)| (i, op(session, r, add))).unzip();
+        for (i, reply) in positions.into_iter().zip(run(core, session, ops).await?) {
+            applied[i] = reply == DeviceReply::Permitted(true);
+        }
+    }
+    let echoed: Vec<Value> = elements.into_iter().zip(applied).filter(|(_, ok)| *ok).map(|(e, _)| e).collect();
+    Ok(Response::json(200, Value::Array(echoed).to_string()))
+}

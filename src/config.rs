@@ -1,0 +1,225 @@
+//! Configuration: command-line flags and environment variables.
+//!
+//! Every deployment parameter of ux4iot is accepted under its SPEC name as a flag
+//! (`--connectionStateCacheTTL`), in kebab case (`--connection-state-cache-ttl`) and as an
+//! environment variable in SCREAMING_SNAKE form (`CONNECTION_STATE_CACHE_TTL`) or in its
+//! original camelCase spelling (`connectionStateCacheTTL`, as Azure deployments set it).
+//! Older names (`throttlingParameter`, `customTimestampProperty`) are aliases.
+//! An invalid value stops start-up with clap's message, which names the parameter.
+
+use std::net::IpAddr;
+
+use clap::Parser;
+
+use crate::connection_string::{EventHubConnection, ServiceConnection};
+
+/// Longest accepted device id, in bytes (IoT Hub's own limit is 128 characters).
+pub const MAX_DEVICE_ID_LEN: usize = 128;
+/// Longest accepted telemetry key or direct method name, in bytes.
+pub const MAX_KEY_LEN: usize = 256;
+/// Longest accepted request head (request line plus headers), in bytes.
+pub const MAX_REQUEST_HEAD_BYTES: usize = 16 * 1024;
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "hubcast", version, about = "Live device data gateway (ux4iot-compatible)")]
+pub struct Config {
+    /// Address to listen on.
+    #[arg(long, env = "BIND", default_value = "0.0.0.0")]
+    pub bind: IpAddr,
+
+    /// TCP port to listen on (0 = pick a free port; the chosen one is printed).
+    #[arg(long, env = "PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Number of cores (runtimes) to run; default: all available cores.
+    #[arg(long, env = "CORES", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub cores: Option<u16>,
+
+    /// I/O driver: `auto` (io_uring, falling back to epoll), `uring` or `epoll`.
+    #[arg(long, env = "IO_DRIVER", default_value = "auto", value_parser = ["auto", "uring", "epoll"])]
+    pub io_driver: String,
+
+    /// Run a built-in fleet of N simulated devices (no Azure account needed).
+    #[arg(long, env = "SIMULATE", default_value_t = 0)]
+    pub simulate: u32,
+
+    /// Primary admin secret (the Shared-Access-Key). Generated at start when neither secret is set.
+    #[arg(long = "primary-admin-secret", visible_alias = "primaryAdminSecret", env = "PRIMARY_ADMIN_SECRET")]
+    pub primary_admin_secret: Option<String>,
+
+    /// Secondary admin secret; accepted like the primary one.
+    #[arg(long = "secondary-admin-secret", visible_alias = "secondaryAdminSecret", env = "SECONDARY_ADMIN_SECRET")]
+    pub secondary_admin_secret: Option<String>,
+
+    /// Public base URL printed in the admin connection string (default: http://<bind>:<port>).
+    #[arg(long = "public-url", env = "PUBLIC_URL")]
+    pub public_url: Option<String>,
+
+    /// Log level: error, warn, info, verbose or debug. Changeable at runtime with PUT /logLevel/:level.
+    #[arg(long = "log-level", visible_alias = "logLevel", env = "LOG_LEVEL", default_value = "info",
+          value_parser = ["error", "warn", "info", "verbose", "debug"])]
+    pub log_level: String,
+
+    /// Event Hub (or IoT Hub built-in endpoint) connection string for device messages.
+    #[arg(long = "iot-hub-event-hub-connection-string", visible_alias = "iotHubEventHubConnectionString",
+          env = "IOT_HUB_EVENT_HUB_CONNECTION_STRING")]
+    pub iot_hub_event_hub_connection_string: Option<String>,
+
+    /// Consumer group of the event stream.
+    #[arg(long = "event-hub-consumer-group", visible_alias = "eventHubConsumerGroup",
+          env = "EVENT_HUB_CONSUMER_GROUP", default_value = "$Default")]
+    pub event_hub_consumer_group: String,
+
+    /// IoT Hub service connection string (enables twin reads, direct methods, desired properties).
+    #[arg(long = "iot-hub-service-connection-string", visible_alias = "iotHubServiceConnectionString",
+          env = "IOT_HUB_SERVICE_CONNECTION_STRING")]
+    pub iot_hub_service_connection_string: Option<String>,
+
+    /// Minimum milliseconds between telemetry pushes per session and device (-1 = off).
+    #[arg(long = "throttling-interval", visible_aliases = ["throttlingInterval", "throttlingParameter", "throttling-parameter"],
+          env = "THROTTLING_INTERVAL", default_value_t = -1, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-1..))]
+    pub throttling_interval: i64,
+
+    /// Seconds a connection state stays valid without news from the device (0 or -1 = forever).
+    #[arg(long = "connection-state-cache-ttl", visible_alias = "connectionStateCacheTTL",
+          env = "CONNECTION_STATE_CACHE_TTL", default_value_t = 60, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-1..))]
+    pub connection_state_cache_ttl: i64,
+
+    /// Seconds a device twin read from the hub is cached (-1 = no cache, 0 = forever).
+    #[arg(long = "device-twin-cache-ttl", visible_alias = "deviceTwinCacheTTL",
+          env = "DEVICE_TWIN_CACHE_TTL", default_value_t = -1, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-1..))]
+    pub device_twin_cache_ttl: i64,
+
+    /// Body key holding the message timestamp.
+    #[arg(long = "custom-timestamp-key", visible_aliases = ["customTimestampKey", "customTimestampProperty", "custom-timestamp-property"],
+          env = "CUSTOM_TIMESTAMP_KEY", default_value = "_ts")]
+    pub custom_timestamp_key: String,
+
+    /// Body key holding the device id (plain Event Hub input).
+    #[arg(long = "custom-device-id-key", visible_alias = "customDeviceIdKey",
+          env = "CUSTOM_DEVICE_ID_KEY", default_value = "deviceId")]
+    pub custom_device_id_key: String,
+
+    /// Body key holding a boolean connection state (empty = not used).
+    #[arg(long = "custom-connection-state-key", visible_alias = "customConnectionStateKey",
+          env = "CUSTOM_CONNECTION_STATE_KEY", default_value = "")]
+    pub custom_connection_state_key: String,
+
+    /// Publish "connected" whenever telemetry arrives.
+    #[arg(long = "connection-state-on-telemetry", visible_alias = "connectionStateOnTelemetry",
+          env = "CONNECTION_STATE_ON_TELEMETRY", default_value_t = true, action = clap::ArgAction::Set)]
+    pub connection_state_on_telemetry: bool,
+
+    /// Seconds a session without activity (no request, no open socket) is kept.
+    #[arg(long = "session-grace-period", visible_alias = "sessionGracePeriod",
+          env = "SESSION_GRACE_PERIOD", default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub session_grace_period: u64,
+
+    /// Largest accepted request body in bytes (larger: 413).
+    #[arg(long = "max-body-bytes", visible_alias = "maxBodyBytes", env = "MAX_BODY_BYTES",
+          default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u64).range(64..))]
+    pub max_body_bytes: u64,
+
+    /// Most simultaneous client connections (split evenly across cores).
+    #[arg(long = "max-connections", visible_alias = "maxConnections", env = "MAX_CONNECTIONS",
+          default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+
+    /// Most live sessions (split evenly across cores).
+    #[arg(long = "max-sessions", visible_alias = "maxSessions", env = "MAX_SESSIONS",
+          default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_sessions: u64,
+
+    /// Seconds an idle keep-alive HTTP connection stays open.
+    #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
+          default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_idle_timeout: u64,
+}
+
+/// The parts of the configuration derived once at start-up.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    pub cores: usize,
+    pub admin_secrets: Vec<String>,
+    /// `Err(message)` when the connection string was given but malformed: reported by GET /status.
+    pub event_hub: Option<Result<EventHubConnection, String>>,
+    pub service: Option<Result<ServiceConnection, String>>,
+}
+
+impl Settings {
+    pub fn iot_hub_api_enabled(&self) -> bool {
+        matches!(self.service, Some(Ok(_)))
+    }
+}
+
+/// Copy camelCase environment variables (`connectionStateCacheTTL`) to the SCREAMING_SNAKE names
+/// clap reads, unless the latter is set. Runs before any thread exists.
+pub fn normalise_environment() {
+    const CAMEL: &[(&str, &str)] = &[
+        ("primaryAdminSecret", "PRIMARY_ADMIN_SECRET"),
+        ("secondaryAdminSecret", "SECONDARY_ADMIN_SECRET"),
+        ("logLevel", "LOG_LEVEL"),
+        ("iotHubEventHubConnectionString", "IOT_HUB_EVENT_HUB_CONNECTION_STRING"),
+        ("eventHubConsumerGroup", "EVENT_HUB_CONSUMER_GROUP"),
+        ("iotHubServiceConnectionString", "IOT_HUB_SERVICE_CONNECTION_STRING"),
+        ("throttlingInterval", "THROTTLING_INTERVAL"),
+        ("throttlingParameter", "THROTTLING_INTERVAL"),
+        ("THROTTLING_PARAMETER", "THROTTLING_INTERVAL"),
+        ("connectionStateCacheTTL", "CONNECTION_STATE_CACHE_TTL"),
+        ("deviceTwinCacheTTL", "DEVICE_TWIN_CACHE_TTL"),
+        ("customTimestampKey", "CUSTOM_TIMESTAMP_KEY"),
+        ("customTimestampProperty", "CUSTOM_TIMESTAMP_KEY"),
+        ("CUSTOM_TIMESTAMP_PROPERTY", "CUSTOM_TIMESTAMP_KEY"),
+        ("customDeviceIdKey", "CUSTOM_DEVICE_ID_KEY"),
+        ("customConnectionStateKey", "CUSTOM_CONNECTION_STATE_KEY"),
+        ("connectionStateOnTelemetry", "CONNECTION_STATE_ON_TELEMETRY"),
+        ("sessionGracePeriod", "SESSION_GRACE_PERIOD"),
+        ("maxBodyBytes", "MAX_BODY_BYTES"),
+        ("maxConnections", "MAX_CONNECTIONS"),
+        ("maxSessions", "MAX_SESSIONS"),
+    ];
+    for (camel, screaming) in CAMEL {
+        if std::env::var_os(screaming).is_none() {
+            if let Some(value) = std::env::var_os(camel) {
+                // Safety: called at the top of main, before any other thread is started.
+                unsafe { std::env::set_var(screaming, value) };
+            }
+        }
+    }
+}
+
+impl Config {
+    /// Derive the start-up settings; generates an admin secret when none is configured.
+    pub fn settle(self) -> Settings {
+        let cores = self
+            .cores
+            .map(usize::from)
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let mut admin_secrets: Vec<String> = [&self.primary_admin_secret, &self.secondary_admin_secret]
+            .into_iter()
+            .flatten()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect();
+        if admin_secrets.is_empty() {
+            admin_secrets.push(crate::ids::random_token(32));
+        }
+        let non_empty = |s: &Option<String>| s.as_ref().filter(|s| !s.trim().is_empty()).cloned();
+        let event_hub = non_empty(&self.iot_hub_event_hub_connection_string).map(|s| {
+            EventHubConnection::parse(&s).map_err(|e| {
+                format!("EventHub connection string misformed ({e}). Please check the iotHubEventHubConnectionString environment variable")
+            })
+        });
+        let service = non_empty(&self.iot_hub_service_connection_string).map(|s| {
+            ServiceConnection::parse(&s).map_err(|e| {
+                format!("IoTHub connection string misformed ({e}). Please check the iotHubServiceConnectionString environment variable")
+            })
+        });
+        Settings { config: self, cores, admin_secrets, event_hub, service }
+    }
+}

@@ -1,0 +1,32 @@
+//! hubcast: a live device data gateway (ux4iot-compatible).
+//!
+//! The data path, as the modules are laid out:
+//!
+//! - [`config`]: flags and environment → [`config::Settings`]; [`connection_string`] parsing.
+//! - [`runtime`]: one monoio runtime per core, SO_REUSEPORT listeners, the cross-core
+//!   [`runtime::mesh`] and the one routing function ([`runtime::routing`]).
+//! - [`ingest`]: the one message type every source feeds, body parsing (simd-json) on the
+//!   owning core, and the simulated fleet.
+//! - [`shard`]: a core's state — devices (last values, twin, connection state, per-session
+//!   grants and subscriptions) and sessions.
+//! - [`http`]: HTTP/1.1 connections; [`api`]: the REST endpoints of SPEC.md.
+//! - [`logging`], [`status`]: operations.
+
+pub mod api;
+pub mod config;
+pub mod connection_string;
+pub mod http;
+pub mod ids;
+pub mod ingest;
+pub mod logging;
+pub mod model;
+pub mod runtime;
+pub mod shard;
+pub mod status;
+pub mod timefmt;
+
+/// Process-wide services every core can reach; none of them is on the message path.
+pub struct Shared {
+    pub log: logging::LogControl,
+    pub status: status::StatusBoard,
+}

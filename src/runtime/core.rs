@@ -1,0 +1,267 @@
+//! One core: its shard, its view of the mesh, and the helpers that run an operation wherever
+//! its data lives (in place when local, over the mesh otherwise).
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_channel::oneshot;
+
+use crate::config::Settings;
+use crate::ids::SessionId;
+use crate::ingest::{IngestMessage, IngestSettings};
+use crate::runtime::mesh::{await_reply, CoreMsg, Inbox, Mesh};
+use crate::runtime::routing::{core_of_device, core_of_session};
+use crate::shard::{DeviceOp, DeviceReply, DeviceTable, SessionOp, SessionReply, SessionTable};
+use crate::Shared;
+
+pub struct Core {
+    pub index: usize,
+    pub settings: Arc<Settings>,
+    pub shared: Arc<Shared>,
+    pub mesh: Rc<Mesh>,
+    pub devices: RefCell<DeviceTable>,
+    pub sessions: RefCell<SessionTable>,
+    /// Open client connections on this core (limit: maxConnections / cores).
+    pub connections: Cell<usize>,
+}
+
+impl Core {
+    pub fn new(index: usize, settings: Arc<Settings>, shared: Arc<Shared>, mesh: Rc<Mesh>) -> Rc<Self> {
+        let c = &settings.config;
+        let ingest = IngestSettings {
+            custom_timestamp_key: c.custom_timestamp_key.clone(),
+            custom_device_id_key: c.custom_device_id_key.clone(),
+            custom_connection_state_key: c.custom_connection_state_key.clone(),
+            connection_state_on_telemetry: c.connection_state_on_telemetry,
+        };
+        let per_core_sessions = (c.max_sessions as usize).div_ceil(settings.cores);
+        let sessions = SessionTable::new(Duration::from_secs(c.session_grace_period), per_core_sessions);
+        Rc::new(Self {
+            index,
+            shared,
+            mesh,
+            devices: RefCell::new(DeviceTable::new(ingest)),
+            sessions: RefCell::new(sessions),
+            connections: Cell::new(0),
+            settings,
+        })
+    }
+
+    pub fn cores(&self) -> usize {
+        self.settings.cores
+    }
+
+    pub fn device_core(&self, device: &str) -> usize {
+        core_of_device(device, self.cores())
+    }
+
+    pub fn session_core(&self, session: SessionId) -> usize {
+        core_of_session(session, self.cores())
+    }
+
+    /// Runs device operations (all owned by core `target`) and returns their replies in order.
+    pub async fn device_ops(self: &Rc<Self>, target: usize, ops: Vec<DeviceOp>) -> Vec<DeviceReply> {
+        if target == self.index {
+            let mut devices = self.devices.borrow_mut();
+            return ops.into_iter().map(|op| devices.apply(op)).collect();
+        }
+        let (tx, rx) = oneshot::channel();
+        self.mesh.post(target, CoreMsg::Devices { ops, reply: Some(tx) });
+        await_reply(rx).await.unwrap_or_default()
+    }
+
+    /// Runs device operations for devices on any core, concurrently per core, replies in order.
+    pub async fn device_ops_anywhere(self: &Rc<Self>, ops: Vec<DeviceOp>) -> Vec<DeviceReply> {
+        let n = ops.len();
+        let mut per_core: Vec<(Vec<usize>, Vec<DeviceOp>)> = (0..self.cores()).map(|_| Default::default()).collect();
+        for (i, op) in ops.into_iter().enumerate() {
+            let c = self.device_core(op.device());
+            per_core[c].0.push(i);
+            per_core[c].1.push(op);
+        }
+        let mut pending = Vec::new();
+        for (core, (slots, ops)) in per_core.into_iter().enumerate() {
+            if !ops.is_empty() {
+                let me = self.clone();
+                pending.push((slots, monoio::spawn(async move { me.device_ops(core, ops).await })));
+            }
+        }
+        let mut replies: Vec<Option<DeviceReply>> = (0..n).map(|_| None).collect();
+        for (slots, handle) in pending {
+            for (slot, reply) in slots.into_iter().zip(handle.await) {
+                replies[slot] = Some(reply);
+            }
+        }
+        replies.into_iter().map(|r| r.unwrap_or(DeviceReply::Done)).collect()
+    }
+
+    /// Runs a session operation on the session's core.
+    pub async fn session_op(self: &Rc<Self>, session: SessionId, op: SessionOp) -> Option<SessionReply> {
+        let target = self.session_core(session);
+        self.session_op_on(target, op).await
+    }
+
+    pub async fn session_op_on(self: &Rc<Self>, target: usize, op: SessionOp) -> Option<SessionReply> {
+        if target == self.index {
+            return Some(self.run_session_op(op).await);
+        }
+        let (tx, rx) = oneshot::channel();
+        self.mesh.post(target, CoreMsg::Session { op, reply: tx });
+        await_reply(rx).await
+    }
+
+    /// Session operations run here, on the session's core; their device steps go out from
+    /// here too, so they stay ordered with this session's clean-up messages.
+    async fn run_session_op(self: &Rc<Self>, op: SessionOp) -> SessionReply {
+        let now = Instant::now();
+        match op {
+            SessionOp::Create(id) => {
+                if self.sessions.borrow_mut().create(id, now) {
+                    tracing::debug!(session = %id, "session opened");
+                    SessionReply::Created
+                } else {
+                    SessionReply::Full
+                }
+            }
+            SessionOp::Delete(id) => {
+                let record = self.sessions.borrow_mut().remove(id);
+                let found = record.is_some();
+                if let Some(record) = record {
+                    self.forget_session(id, record.devices);
+                }
+                SessionReply::Deleted(found)
+            }
+            SessionOp::DeleteAll => {
+                let all = self.sessions.borrow_mut().drain();
+                let any = !all.is_empty();
+                for (id, record) in all {
+                    self.forget_session(id, record.devices);
+                }
+                SessionReply::Deleted(any)
+            }
+            SessionOp::Scoped { session, register_devices, ops } => {
+                {
+                    let mut sessions = self.sessions.borrow_mut();
+                    let Some(record) = sessions.touch(session, now) else {
+                        return SessionReply::Scoped(None);
+                    };
+                    if register_devices {
+                        for op in &ops {
+                            if !record.devices.contains(op.device()) {
+                                record.devices.insert(op.device().into());
+                            }
+                        }
+                    }
+                }
+                SessionReply::Scoped(Some(self.device_ops_anywhere(ops).await))
+            }
+        }
+    }
+
+    /// Drops a gone session's grants and subscriptions on every device it touched.
+    fn forget_session(self: &Rc<Self>, session: SessionId, devices: hashbrown::HashSet<Box<str>>) {
+        let ops: Vec<DeviceOp> = devices.into_iter().map(|device| DeviceOp::ForgetSession { device, session }).collect();
+        if ops.is_empty() {
+            return;
+        }
+        let me = self.clone();
+        monoio::spawn(async move {
+            me.device_ops_anywhere(ops).await;
+        });
+    }
+
+    /// Applies device messages owned by this core.
+    pub fn ingest_local(&self, batch: Vec<IngestMessage>) {
+        let mut devices = self.devices.borrow_mut();
+        for msg in batch {
+            devices.ingest(msg);
+        }
+    }
+
+    /// Routes device messages to their owning cores; resolves when all are applied.
+    pub async fn ingest(self: &Rc<Self>, batch: Vec<IngestMessage>) {
+        let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
+        for msg in batch {
+            per_core[self.device_core(&msg.device_id)].push(msg);
+        }
+        let mut waits = Vec::new();
+        for (core, batch) in per_core.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            if core == self.index {
+                self.ingest_local(batch);
+            } else {
+                let (tx, rx) = oneshot::channel();
+                self.mesh.post(core, CoreMsg::Ingest { batch, done: Some(tx) });
+                waits.push(rx);
+            }
+        }
+        for rx in waits {
+            await_reply(rx).await;
+        }
+    }
+
+    /// Routes device messages without waiting (sources that do not need an acknowledgement).
+    pub fn ingest_detached(self: &Rc<Self>, batch: Vec<IngestMessage>) {
+        let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
+        for msg in batch {
+            per_core[self.device_core(&msg.device_id)].push(msg);
+        }
+        for (core, batch) in per_core.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            if core == self.index {
+                self.ingest_local(batch);
+            } else {
+                self.mesh.post(core, CoreMsg::Ingest { batch, done: None });
+            }
+        }
+    }
+
+    /// Serves this core's inbox: work other cores sent here.
+    pub async fn serve_inbox(self: Rc<Self>, inbox: Inbox) {
+        while let Ok(batch) = inbox.recv().await {
+            for msg in batch {
+                match msg {
+                    CoreMsg::Ingest { batch, done } => {
+                        self.ingest_local(batch);
+                        if let Some(done) = done {
+                            let _ = done.send(());
+                        }
+                    }
+                    CoreMsg::Devices { ops, reply } => {
+                        let replies: Vec<DeviceReply> = {
+                            let mut devices = self.devices.borrow_mut();
+                            ops.into_iter().map(|op| devices.apply(op)).collect()
+                        };
+                        if let Some(reply) = reply {
+                            let _ = reply.send(replies);
+                        }
+                    }
+                    CoreMsg::Session { op, reply } => {
+                        let me = self.clone();
+                        monoio::spawn(async move {
+                            let _ = reply.send(me.run_session_op(op).await);
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Expires idle sessions, every half second.
+    pub async fn expire_sessions(self: Rc<Self>) {
+        loop {
+            monoio::time::sleep(Duration::from_millis(500)).await;
+            let expired = self.sessions.borrow_mut().expire(Instant::now());
+            for (id, record) in expired {
+                tracing::debug!(session = %id, "session expired");
+                self.forget_session(id, record.devices);
+            }
+        }
+    }
+}

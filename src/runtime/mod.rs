@@ -1,0 +1,128 @@
+//! The thread-per-core runtime: N monoio runtimes, one per core, each with its own
+//! SO_REUSEPORT listener, its own shard of state and an inbox for cross-core messages.
+
+pub mod core;
+pub mod mesh;
+pub mod routing;
+
+pub use self::core::Core;
+
+use std::io;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::rc::Rc;
+use std::sync::{mpsc, Arc};
+
+use socket2::{Domain, Protocol, Socket, Type};
+
+use crate::config::Settings;
+use crate::Shared;
+use mesh::Mesh;
+
+/// Accept tasks per core listener: several, so a connection storm drains the backlog fast.
+const ACCEPTORS_PER_CORE: usize = 4;
+
+/// One listening socket with SO_REUSEPORT; the kernel spreads connections over the cores.
+fn reuseport_listener(addr: SocketAddr) -> io::Result<StdListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(4096)?;
+    Ok(socket.into())
+}
+
+/// Binds one listener per core on the same port (an ephemeral port is chosen by the first).
+fn bind_all(settings: &Settings) -> io::Result<(Vec<StdListener>, SocketAddr)> {
+    let first = reuseport_listener(SocketAddr::new(settings.config.bind, settings.config.port))?;
+    let addr = first.local_addr()?;
+    let mut listeners = vec![first];
+    for _ in 1..settings.cores {
+        listeners.push(reuseport_listener(addr)?);
+    }
+    Ok((listeners, addr))
+}
+
+type UringRuntime = monoio::FusionRuntime<
+    monoio::time::TimeDriver<monoio::IoUringDriver>,
+    monoio::time::TimeDriver<monoio::LegacyDriver>,
+>;
+
+/// Builds a core's runtime: io_uring when the kernel allows it (unless `epoll` is forced).
+fn build_runtime(driver: &str) -> io::Result<(UringRuntime, &'static str)> {
+    let entries = 1024;
+    if driver != "epoll" {
+        let uring = monoio::RuntimeBuilder::<monoio::IoUringDriver>::new().with_entries(entries).enable_timer().build();
+        match uring {
+            Ok(rt) => return Ok((rt.into(), "io_uring")),
+            Err(e) if driver == "uring" => return Err(e),
+            Err(e) => tracing::warn!(error = %e, "io_uring refused; falling back to epoll"),
+        }
+    }
+    let legacy = monoio::RuntimeBuilder::<monoio::LegacyDriver>::new().enable_timer().build()?;
+    Ok((legacy.into(), "epoll"))
+}
+
+/// Starts every core and blocks until they stop.
+pub fn run(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<()> {
+    let (listeners, addr) = bind_all(&settings)?;
+    let channels: Vec<_> = (0..settings.cores).map(|_| async_channel::unbounded()).collect();
+    let senders: Vec<mesh::InboxSender> = channels.iter().map(|(tx, _)| tx.clone()).collect();
+    let (ready_tx, ready_rx) = mpsc::channel::<io::Result<&'static str>>();
+    let mut threads = Vec::new();
+    for (index, (listener, (_, inbox))) in listeners.into_iter().zip(channels).enumerate() {
+        let settings = settings.clone();
+        let shared = shared.clone();
+        let senders = senders.clone();
+        let ready = ready_tx.clone();
+        let thread = std::thread::Builder::new().name(format!("hubcast-core-{index}")).spawn(move || {
+            let (mut runtime, driver) = match build_runtime(&settings.config.io_driver) {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let listener = match monoio::net::TcpListener::from_std(listener) {
+                    Ok(l) => Rc::new(l),
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                let core = Core::new(index, settings.clone(), shared, Mesh::new(index, senders));
+                monoio::spawn(core.clone().serve_inbox(inbox));
+                monoio::spawn(core.clone().expire_sessions());
+                if index == 0 && settings.config.simulate > 0 {
+                    monoio::spawn(crate::ingest::simulate::run(core.clone(), settings.config.simulate));
+                }
+                for _ in 1..ACCEPTORS_PER_CORE {
+                    monoio::spawn(crate::http::accept_loop(core.clone(), listener.clone()));
+                }
+                tracing::debug!(core = index, driver, "core started");
+                let _ = ready.send(Ok(driver));
+                crate::http::accept_loop(core, listener).await;
+            });
+        })?;
+        threads.push(thread);
+    }
+    drop(ready_tx);
+    let mut driver = "";
+    for _ in 0..settings.cores {
+        driver = ready_rx.recv().map_err(|_| io::Error::other("a core failed to start"))??;
+    }
+    let url = format!("http://{addr}");
+    println!("hubcast {} listening on {url} ({} cores, {driver})", env!("CARGO_PKG_VERSION"), settings.cores);
+    if settings.config.primary_admin_secret.is_none() && settings.config.secondary_admin_secret.is_none() {
+        let endpoint = settings.config.public_url.clone().unwrap_or_else(|| {
+            if addr.ip().is_unspecified() { format!("http://127.0.0.1:{}", addr.port()) } else { url.clone() }
+        });
+        println!("Admin connection string: Endpoint={endpoint};SharedAccessKey={}", settings.admin_secrets[0]);
+    }
+    tracing::info!(%addr, cores = settings.cores, driver, "hubcast started");
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}

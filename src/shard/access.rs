@@ -1,0 +1,227 @@
+//! What one session may do with one device (grants) and what it receives (subscriptions).
+//!
+//! Lives on the device's core next to the device's data, so the fan-out decision and every
+//! grant check is a local lookup. Rules (see README "Grants and subscriptions"):
+//! - a key-less grant (`telemetryKey`/`directMethodName` null or absent) covers every key;
+//! - subscribing to one telemetry key needs that key's grant or the wildcard; subscribing to
+//!   all keys needs the wildcard;
+//! - revoking a key removes that key's grant; revoking without a key removes every grant of
+//!   that kind; subscriptions no remaining grant covers are dropped at once.
+
+use smallvec::SmallVec;
+
+use crate::model::{DataKind, Grant, GrantKind, Subscription};
+
+/// A set of keys with a wildcard.
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct KeySet {
+    pub all: bool,
+    pub keys: SmallVec<[Box<str>; 2]>,
+}
+
+impl KeySet {
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.keys.is_empty()
+    }
+
+    /// Whether `key` (`None` = every key) is covered.
+    pub fn covers(&self, key: Option<&str>) -> bool {
+        match key {
+            None => self.all,
+            Some(k) => self.all || self.keys.iter().any(|x| &**x == k),
+        }
+    }
+
+    /// Whether a single concrete key passes this set.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.all || self.keys.iter().any(|x| &**x == key)
+    }
+
+    fn insert(&mut self, key: Option<&str>) {
+        match key {
+            None => self.all = true,
+            Some(k) if !self.keys.iter().any(|x| &**x == k) => self.keys.push(k.into()),
+            Some(_) => {}
+        }
+    }
+
+    fn remove(&mut self, key: Option<&str>) {
+        match key {
+            None => self.all = false,
+            Some(k) => self.keys.retain(|x| &**x != k),
+        }
+    }
+
+    /// Keep only what `grants` covers.
+    fn restrict_to(&mut self, grants: &KeySet) {
+        if !grants.all {
+            self.all = false;
+            self.keys.retain(|k| grants.keys.iter().any(|g| g == k));
+        }
+    }
+}
+
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct Grants {
+    pub telemetry: KeySet,
+    pub device_twin: bool,
+    pub connection_state: bool,
+    pub d2c_messages: bool,
+    pub desired_properties: bool,
+    pub direct_methods: KeySet,
+}
+
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct Subscriptions {
+    pub telemetry: KeySet,
+    pub device_twin: bool,
+    pub connection_state: bool,
+    pub d2c_messages: bool,
+}
+
+impl Subscriptions {
+    pub fn is_empty(&self) -> bool {
+        self.telemetry.is_empty() && !self.device_twin && !self.connection_state && !self.d2c_messages
+    }
+}
+
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct Access {
+    pub grants: Grants,
+    pub subs: Subscriptions,
+}
+
+impl Access {
+    pub fn is_empty(&self) -> bool {
+        self.grants == Grants::default() && self.subs.is_empty()
+    }
+
+    pub fn add_grant(&mut self, grant: &Grant) {
+        let g = &mut self.grants;
+        match grant.kind {
+            GrantKind::Data(DataKind::Telemetry) => g.telemetry.insert(grant.key.as_deref()),
+            GrantKind::Data(DataKind::DeviceTwin) => g.device_twin = true,
+            GrantKind::Data(DataKind::ConnectionState) => g.connection_state = true,
+            GrantKind::Data(DataKind::D2cMessages) => g.d2c_messages = true,
+            GrantKind::DesiredProperties => g.desired_properties = true,
+            GrantKind::DirectMethod => g.direct_methods.insert(grant.key.as_deref()),
+        }
+    }
+
+    /// Removes the permission and, at once, every subscription no remaining grant covers.
+    pub fn revoke(&mut self, grant: &Grant) {
+        let g = &mut self.grants;
+        match grant.kind {
+            GrantKind::Data(DataKind::Telemetry) => match grant.key.as_deref() {
+                None => g.telemetry = KeySet::default(),
+                key => g.telemetry.remove(key),
+            },
+            GrantKind::Data(DataKind::DeviceTwin) => g.device_twin = false,
+            GrantKind::Data(DataKind::ConnectionState) => g.connection_state = false,
+            GrantKind::Data(DataKind::D2cMessages) => g.d2c_messages = false,
+            GrantKind::DesiredProperties => g.desired_properties = false,
+            GrantKind::DirectMethod => match grant.key.as_deref() {
+                None => g.direct_methods = KeySet::default(),
+                key => g.direct_methods.remove(key),
+            },
+        }
+        let s = &mut self.subs;
+        s.telemetry.restrict_to(&g.telemetry);
+        s.device_twin &= g.device_twin;
+        s.connection_state &= g.connection_state;
+        s.d2c_messages &= g.d2c_messages;
+    }
+
+    /// Whether the grants cover this subscription.
+    pub fn permits(&self, sub: &Subscription) -> bool {
+        let g = &self.grants;
+        match sub.kind {
+            DataKind::Telemetry => g.telemetry.covers(sub.key.as_deref()),
+            DataKind::DeviceTwin => g.device_twin,
+            DataKind::ConnectionState => g.connection_state,
+            DataKind::D2cMessages => g.d2c_messages,
+        }
+    }
+
+    /// Whether the grants cover this grant-shaped permission (direct methods, desired properties…).
+    pub fn holds(&self, grant: &Grant) -> bool {
+        match grant.kind {
+            GrantKind::Data(kind) => self.permits(&Subscription { kind, key: grant.key.clone() }),
+            GrantKind::DesiredProperties => self.grants.desired_properties,
+            GrantKind::DirectMethod => self.grants.direct_methods.covers(grant.key.as_deref()),
+        }
+    }
+
+    /// Adds the subscription if permitted; returns whether it was.
+    pub fn subscribe(&mut self, sub: &Subscription) -> bool {
+        if !self.permits(sub) {
+            return false;
+        }
+        let s = &mut self.subs;
+        match sub.kind {
+            DataKind::Telemetry => s.telemetry.insert(sub.key.as_deref()),
+            DataKind::DeviceTwin => s.device_twin = true,
+            DataKind::ConnectionState => s.connection_state = true,
+            DataKind::D2cMessages => s.d2c_messages = true,
+        }
+        true
+    }
+
+    /// Removes the subscription if permitted (ux4iot answers 403 otherwise); returns whether it was.
+    pub fn unsubscribe(&mut self, sub: &Subscription) -> bool {
+        if !self.permits(sub) {
+            return false;
+        }
+        let s = &mut self.subs;
+        match sub.kind {
+            DataKind::Telemetry => s.telemetry.remove(sub.key.as_deref()),
+            DataKind::DeviceTwin => s.device_twin = false,
+            DataKind::ConnectionState => s.connection_state = false,
+            DataKind::D2cMessages => s.d2c_messages = false,
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn telemetry(key: Option<&str>) -> Grant {
+        Grant { kind: GrantKind::Data(DataKind::Telemetry), key: key.map(Into::into) }
+    }
+    fn sub(key: Option<&str>) -> Subscription {
+        Subscription { kind: DataKind::Telemetry, key: key.map(Into::into) }
+    }
+
+    #[test]
+    fn wildcard_grant_covers_every_key_and_all_keys() {
+        let mut a = Access::default();
+        a.add_grant(&telemetry(None));
+        assert!(a.subscribe(&sub(Some("t"))));
+        assert!(a.subscribe(&sub(None)));
+    }
+
+    #[test]
+    fn per_key_grant_does_not_cover_all_keys() {
+        let mut a = Access::default();
+        a.add_grant(&telemetry(Some("a")));
+        assert!(a.subscribe(&sub(Some("a"))));
+        assert!(!a.subscribe(&sub(Some("b"))));
+        assert!(!a.subscribe(&sub(None)));
+    }
+
+    #[test]
+    fn revoking_the_wildcard_drops_uncovered_subscriptions() {
+        let mut a = Access::default();
+        a.add_grant(&telemetry(None));
+        a.add_grant(&telemetry(Some("b")));
+        a.subscribe(&sub(Some("a")));
+        a.subscribe(&sub(None));
+        a.revoke(&telemetry(Some("b")));
+        assert!(a.subs.telemetry.all, "wildcard still held");
+        a.revoke(&telemetry(None));
+        assert!(a.subs.telemetry.is_empty());
+        assert!(a.grants.telemetry.is_empty(), "revoke without key removes every telemetry grant");
+    }
+}

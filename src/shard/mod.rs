@@ -1,0 +1,87 @@
+//! A core's shard of the state: the devices it owns (last values, grants, subscriber lists)
+//! and the sessions it owns. Only the owning core's thread ever touches a shard.
+//!
+//! The operations other cores may request are the closed set [`DeviceOp`] / [`SessionOp`].
+
+pub mod access;
+pub mod devices;
+pub mod sessions;
+
+use crate::ids::SessionId;
+use crate::model::{Grant, Rejection, Subscription};
+
+pub use devices::DeviceTable;
+pub use sessions::SessionTable;
+
+/// Who is reading: the admin key (no grant checks) or a session (grants checked).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Viewer {
+    Admin,
+    Session(SessionId),
+}
+
+/// An operation on one device, run on the device's core.
+#[derive(Debug)]
+pub enum DeviceOp {
+    Grant { device: Box<str>, session: SessionId, grant: Grant },
+    Revoke { device: Box<str>, session: SessionId, grant: Grant },
+    Subscribe { device: Box<str>, session: SessionId, sub: Subscription },
+    Unsubscribe { device: Box<str>, session: SessionId, sub: Subscription },
+    /// Last telemetry: one key, or all keys (`key: None`).
+    ReadTelemetry { device: Box<str>, key: Option<Box<str>>, viewer: Viewer },
+    DeleteTelemetry { device: Box<str>, viewer: Viewer },
+    ReadTwin { device: Box<str>, viewer: Viewer },
+    ReadConnectionState { device: Box<str>, viewer: Viewer },
+    /// Whether the session holds a grant covering `grant` (direct methods, desired properties).
+    CheckGrant { device: Box<str>, session: SessionId, grant: Grant },
+    /// The session is gone: drop its grants and subscriptions on this device.
+    ForgetSession { device: Box<str>, session: SessionId },
+}
+
+impl DeviceOp {
+    pub fn device(&self) -> &str {
+        match self {
+            DeviceOp::Grant { device, .. }
+            | DeviceOp::Revoke { device, .. }
+            | DeviceOp::Subscribe { device, .. }
+            | DeviceOp::Unsubscribe { device, .. }
+            | DeviceOp::ReadTelemetry { device, .. }
+            | DeviceOp::DeleteTelemetry { device, .. }
+            | DeviceOp::ReadTwin { device, .. }
+            | DeviceOp::ReadConnectionState { device, .. }
+            | DeviceOp::CheckGrant { device, .. }
+            | DeviceOp::ForgetSession { device, .. } => device,
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum DeviceReply {
+    Done,
+    /// Subscribe/unsubscribe/check: whether a grant permitted it.
+    Permitted(bool),
+    /// A read: the JSON response body, or why not.
+    Body(Result<String, Rejection>),
+}
+
+/// An operation on one session, run on the session's core.
+#[derive(Debug)]
+pub enum SessionOp {
+    Create(SessionId),
+    Delete(SessionId),
+    /// Delete every session this core owns.
+    DeleteAll,
+    /// Check the session exists and keep it alive; remember the devices of `ops` when
+    /// `register_devices` (grants), then run `ops` on their devices' cores.
+    Scoped { session: SessionId, register_devices: bool, ops: Vec<DeviceOp> },
+}
+
+#[derive(Debug)]
+pub enum SessionReply {
+    Created,
+    /// This core holds its share of `maxSessions` already.
+    Full,
+    Deleted(bool),
+    /// `None`: no such session.
+    Scoped(Option<Vec<DeviceReply>>),
+}

@@ -1,0 +1,114 @@
+//! The sessions a core owns, with idle expiry.
+//!
+//! Expiry keeps one deadline per session in a min-heap and re-arms it lazily: touching a
+//! session only updates `last_active`; when its deadline comes up, a session that was active
+//! since is pushed back with its new deadline instead of expiring. No periodic full scan.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::{Duration, Instant};
+
+use hashbrown::{HashMap, HashSet};
+
+use crate::ids::SessionId;
+
+pub struct SessionRecord {
+    last_active: Instant,
+    /// Devices the session has held grants on: where to clean up when it goes.
+    pub devices: HashSet<Box<str>>,
+    /// Open sockets; a session with a socket never expires.
+    pub sockets: u32,
+}
+
+pub struct SessionTable {
+    sessions: HashMap<SessionId, SessionRecord>,
+    deadlines: BinaryHeap<Reverse<(Instant, SessionId)>>,
+    grace: Duration,
+    capacity: usize,
+}
+
+impl SessionTable {
+    pub fn new(grace: Duration, capacity: usize) -> Self {
+        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, capacity }
+    }
+
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    /// Returns false when this core's share of the session limit is used up.
+    pub fn create(&mut self, id: SessionId, now: Instant) -> bool {
+        if self.sessions.len() >= self.capacity {
+            return false;
+        }
+        self.sessions.insert(id, SessionRecord { last_active: now, devices: HashSet::new(), sockets: 0 });
+        self.deadlines.push(Reverse((now + self.grace, id)));
+        true
+    }
+
+    /// Marks the session active; `None` when there is no such session.
+    pub fn touch(&mut self, id: SessionId, now: Instant) -> Option<&mut SessionRecord> {
+        let record = self.sessions.get_mut(&id)?;
+        record.last_active = now;
+        Some(record)
+    }
+
+    pub fn remove(&mut self, id: SessionId) -> Option<SessionRecord> {
+        self.sessions.remove(&id)
+    }
+
+    pub fn drain(&mut self) -> Vec<(SessionId, SessionRecord)> {
+        self.deadlines.clear();
+        self.sessions.drain().collect()
+    }
+
+    /// Removes and returns the sessions idle for the grace period at `now`.
+    pub fn expire(&mut self, now: Instant) -> Vec<(SessionId, SessionRecord)> {
+        let mut expired = Vec::new();
+        while let Some(Reverse((deadline, id))) = self.deadlines.peek().copied() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop();
+            let Some(record) = self.sessions.get(&id) else { continue };
+            let due = record.last_active + self.grace;
+            if record.sockets == 0 && due <= now {
+                expired.push((id, self.sessions.remove(&id).expect("present")));
+            } else {
+                self.deadlines.push(Reverse((due.max(now + self.grace / 4), id)));
+            }
+        }
+        expired
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_sessions_expire_and_active_ones_do_not() {
+        let t0 = Instant::now();
+        let grace = Duration::from_secs(10);
+        let mut table = SessionTable::new(grace, 10);
+        let (a, b) = (SessionId(1), SessionId(2));
+        table.create(a, t0);
+        table.create(b, t0);
+        table.touch(b, t0 + Duration::from_secs(8));
+        let gone = table.expire(t0 + Duration::from_secs(11));
+        assert_eq!(gone.iter().map(|(id, _)| *id).collect::<Vec<_>>(), vec![a]);
+        assert!(table.touch(b, t0 + Duration::from_secs(11)).is_some());
+        assert!(table.expire(t0 + Duration::from_secs(30)).iter().any(|(id, _)| *id == b));
+    }
+
+    #[test]
+    fn capacity_is_enforced() {
+        let mut table = SessionTable::new(Duration::from_secs(1), 1);
+        assert!(table.create(SessionId(1), Instant::now()));
+        assert!(!table.create(SessionId(2), Instant::now()));
+    }
+}
