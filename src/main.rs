@@ -30,8 +30,11 @@ fn main() -> ExitCode {
         status.misconfigured(message.clone());
     }
     let shared = Arc::new(Shared { log, status });
-    match hubcast::runtime::run(Arc::new(settings), shared) {
-        Ok(()) => ExitCode::SUCCESS,
+    match hubcast::runtime::start(Arc::new(settings), shared) {
+        Ok(running) => {
+            running.wait();
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("hubcast: {e}");
             ExitCode::FAILURE

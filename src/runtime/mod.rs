@@ -2,10 +2,12 @@
 //! SO_REUSEPORT listener, its own shard of state and an inbox for cross-core messages.
 
 pub mod core;
+pub mod ingress;
 pub mod mesh;
 pub mod routing;
 
 pub use self::core::Core;
+pub use self::ingress::Ingress;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
@@ -63,9 +65,26 @@ fn build_runtime(driver: &str) -> io::Result<(UringRuntime, &'static str)> {
     Ok((legacy.into(), "epoll"))
 }
 
-/// Starts every core and blocks until they stop.
-pub fn run(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<()> {
+/// A started gateway: its address, the door for outside sources, and the core threads.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub ingress: Ingress,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Blocks until every core has stopped.
+    pub fn wait(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Starts every core; returns once all of them are serving.
+pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running> {
     let (listeners, addr) = bind_all(&settings)?;
+    let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
     let channels: Vec<_> = (0..settings.cores).map(|_| async_channel::unbounded()).collect();
     let senders: Vec<mesh::InboxSender> = channels.iter().map(|(tx, _)| tx.clone()).collect();
     let (ready_tx, ready_rx) = mpsc::channel::<io::Result<&'static str>>();
@@ -75,6 +94,7 @@ pub fn run(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<()> {
         let shared = shared.clone();
         let senders = senders.clone();
         let ready = ready_tx.clone();
+        let ingress_queue = ingress_queues.remove(0);
         let thread = std::thread::Builder::new().name(format!("hubcast-core-{index}")).spawn(move || {
             let (mut runtime, driver) = match build_runtime(&settings.config.io_driver) {
                 Ok(r) => r,
@@ -93,6 +113,7 @@ pub fn run(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<()> {
                 };
                 let core = Core::new(index, settings.clone(), shared, Mesh::new(index, senders));
                 monoio::spawn(core.clone().serve_inbox(inbox));
+                monoio::spawn(ingress::serve(core.clone(), ingress_queue));
                 monoio::spawn(core.clone().expire_sessions());
                 if index == 0 && settings.config.simulate > 0 {
                     monoio::spawn(crate::ingest::simulate::run(core.clone(), settings.config.simulate));
@@ -121,8 +142,5 @@ pub fn run(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<()> {
         println!("Admin connection string: Endpoint={endpoint};SharedAccessKey={}", settings.admin_secrets[0]);
     }
     tracing::info!(%addr, cores = settings.cores, driver, "hubcast started");
-    for t in threads {
-        let _ = t.join();
-    }
-    Ok(())
+    Ok(Running { addr, ingress, threads })
 }

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on a fresh machine: installs what the tests need, then cargo test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Node.js clients used by the Socket.IO tests (the real socket.io-client from npm).
+if [ -f tests/js/package.json ]; then
+  if ! command -v node >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null
+  fi
+  (cd tests/js && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
+# Local brokers some tests talk to (started when present and stopped).
+if [ -x scripts/services.sh ]; then
+  scripts/services.sh
+fi
+
+cargo test --all-targets -- --test-threads="${TEST_THREADS:-4}"
