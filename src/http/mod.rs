@@ -61,9 +61,15 @@ impl Decoder for HeadDecoder {
     type Error = ReadError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Decoded<RequestHead>, ReadError> {
+        // The head must end within the limit, however many bytes one read brought in.
+        if src.len() > MAX_REQUEST_HEAD_BYTES {
+            let window = &src[..MAX_REQUEST_HEAD_BYTES + 4];
+            if memchr::memmem::find(window, b"\r\n\r\n").is_none() {
+                return Err(ReadError::HeadTooLarge);
+            }
+        }
         match self.0.decode(src)? {
             Decoded::Some(head) => Ok(Decoded::Some(head)),
-            _ if src.len() > MAX_REQUEST_HEAD_BYTES => Err(ReadError::HeadTooLarge),
             Decoded::Insufficient => Ok(Decoded::Insufficient),
             Decoded::InsufficientAtLeast(n) => Ok(Decoded::InsufficientAtLeast(n)),
         }
