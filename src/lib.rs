@@ -20,10 +20,12 @@ pub mod ids;
 pub mod ingest;
 pub mod logging;
 pub mod model;
+pub mod push;
 pub mod runtime;
 pub mod shard;
 pub mod status;
 pub mod timefmt;
+pub mod transport;
 
 /// Process-wide services every core can reach; none of them is on the message path.
 pub struct Shared {

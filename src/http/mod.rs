@@ -184,6 +184,21 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
             Ok(Some(Err(ReadError::Malformed(e)))) => {
                 (Response::error(400, &format!("malformed HTTP request: {e}")).closing(), false)
             }
+            Ok(Some(Ok(head))) if crate::transport::is_upgrade(&head) => {
+                match crate::transport::check_upgrade(&head) {
+                    Ok(kind) => {
+                        if !out.is_empty() {
+                            let (result, _) = write.write_all(std::mem::take(&mut out)).await;
+                            if result.is_err() {
+                                return;
+                            }
+                        }
+                        crate::transport::upgrade(core, head, kind, framed, write).await;
+                        return;
+                    }
+                    Err(response) => (response.closing(), false),
+                }
+            }
             Ok(Some(Ok(head))) => {
                 let keep_alive = wants_keep_alive(&head);
                 match monoio::time::timeout(idle, read_body(&mut framed, &head, limit)).await {

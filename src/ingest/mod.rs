@@ -94,6 +94,18 @@ pub fn parse_telemetry(body: &mut [u8], settings: &IngestSettings) -> Option<Par
     Some(parsed)
 }
 
+/// The body as JSON text for `d2cMessages` subscribers: JSON bodies (of any type) as they
+/// are; anything else as `{"base64": "<the bytes>"}`.
+pub fn message_json(body: &[u8]) -> String {
+    if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
+        if let Ok(text) = std::str::from_utf8(body) {
+            return text.trim().to_string();
+        }
+    }
+    use base64::Engine;
+    format!("{{\"base64\":\"{}\"}}", base64::engine::general_purpose::STANDARD.encode(body))
+}
+
 /// The device id a body names under `customDeviceIdKey`, for sources without annotations.
 pub fn device_id_in_body(body: &[u8], key: &str) -> Option<String> {
     let mut copy = body.to_vec();
@@ -125,6 +137,12 @@ mod tests {
         assert_eq!(serde_json::from_str::<serde_json::Value>(geo).unwrap(), serde_json::json!({"lat":1,"lng":2}));
         assert_eq!(p.timestamp, parse_iso("2024-01-02T03:04:05.000Z"));
         assert_eq!(p.connection_state, Some(false));
+    }
+
+    #[test]
+    fn message_bodies_pass_through_or_are_wrapped() {
+        assert_eq!(message_json(b" [1,2] "), "[1,2]");
+        assert_eq!(message_json(b"\xff\x00"), r#"{"base64":"/wA="}"#);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::rc::Rc;
 use futures_channel::oneshot;
 
 use crate::ingest::IngestMessage;
+use crate::push::Delivery;
 use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
 
 /// Where the answer to a cross-core request goes.
@@ -25,6 +26,10 @@ pub enum CoreMsg {
     Devices { ops: Vec<DeviceOp>, reply: Option<Reply<Vec<DeviceReply>>> },
     /// An operation on a session this core owns.
     Session { op: SessionOp, reply: Reply<SessionReply> },
+    /// Live data for sessions this core owns (from the devices' cores).
+    Deliver(Vec<Delivery>),
+    /// A WebSocket whose handshake was read on another core, moving to its session's core.
+    AdoptSocket(crate::transport::MovedSocket),
 }
 
 pub type Inbox = async_channel::Receiver<Vec<CoreMsg>>;

@@ -3,19 +3,48 @@
 //! Telemetry values are kept as their JSON text, so answering a read or building a push frame
 //! is concatenation, never re-serialisation.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use hashbrown::HashMap;
 use serde_json::Value;
+use smallvec::SmallVec;
 
 use crate::ids::SessionId;
 use crate::ingest::{IngestMessage, IngestSettings, SourceKind};
 use crate::model::{Grant, Rejection};
+use crate::push::envelope::EnvelopeBuilder;
+use crate::push::{Delivery, FrameKind};
 use crate::shard::access::Access;
 use crate::shard::{DeviceOp, DeviceReply, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 pub struct LastValue {
-    pub json: Box<str>,
+    /// Shared with the publication that carried it to subscribers.
+    pub json: Arc<str>,
     pub at: Millis,
+}
+
+/// What one device message changed, to be pushed to the device's subscribers.
+#[derive(Default)]
+pub struct Publication {
+    pub at: Millis,
+    pub telemetry: SmallVec<[(Box<str>, Arc<str>); 8]>,
+    pub connection: Option<bool>,
+    pub twin: Option<String>,
+    /// The whole body, for `d2cMessages` subscribers (JSON text).
+    pub message: Option<String>,
+}
+
+/// How live pushes are timed on this core.
+#[derive(Debug, Clone, Copy)]
+pub struct PushTiming {
+    /// `throttlingInterval`; `None` = off.
+    pub throttle: Option<Duration>,
+    /// `connectionStateCacheTTL`; `None` = forever.
+    pub connection_ttl: Option<Duration>,
 }
 
 pub struct Twin {
@@ -36,9 +65,18 @@ pub struct Device {
     pub twin: Option<Twin>,
     pub connection: Option<ConnectionState>,
     pub access: HashMap<SessionId, Access>,
+    /// When the device was last heard from (for the connection-state TTL).
+    last_seen: Option<Instant>,
+    /// An off-line check is scheduled for this device.
+    offline_check_armed: bool,
 }
 
 impl Device {
+    /// Whether any session's subscriptions satisfy `test`.
+    fn wants(&self, test: impl Fn(&Access) -> bool) -> bool {
+        self.access.values().any(test)
+    }
+
     fn has_data(&self) -> bool {
         !self.telemetry.is_empty() || self.twin.is_some() || self.connection.is_some()
     }
@@ -47,6 +85,11 @@ impl Device {
 pub struct DeviceTable {
     devices: HashMap<Box<str>, Device>,
     settings: IngestSettings,
+    timing: PushTiming,
+    /// Trailing throttle flushes: (due, device, session). Entries are checked, not trusted.
+    throttle_due: BinaryHeap<Reverse<(Instant, Box<str>, SessionId)>>,
+    /// Off-line checks: (due, device), re-armed lazily from `last_seen`.
+    offline_due: BinaryHeap<Reverse<(Instant, Box<str>)>>,
 }
 
 /// Appends `s` as a JSON string literal.
@@ -71,8 +114,14 @@ fn forbidden() -> Rejection {
 }
 
 impl DeviceTable {
-    pub fn new(settings: IngestSettings) -> Self {
-        Self { devices: HashMap::new(), settings }
+    pub fn new(settings: IngestSettings, timing: PushTiming) -> Self {
+        Self {
+            devices: HashMap::new(),
+            settings,
+            timing,
+            throttle_due: BinaryHeap::new(),
+            offline_due: BinaryHeap::new(),
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -243,8 +292,17 @@ impl DeviceTable {
         }
     }
 
-    /// Applies one device message to the owning shard.
-    pub fn ingest(&mut self, msg: IngestMessage) {
+    /// Applies one device message and pushes what it changed to the device's subscribers.
+    pub fn ingest_and_publish(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
+        let device_id: Arc<str> = Arc::from(&*msg.device_id);
+        if let Some(publication) = self.ingest(msg, now) {
+            self.publish(&device_id, publication, now, out);
+        }
+    }
+
+    /// Applies one device message to the owning shard; returns what subscribers should get
+    /// (`None` when the device has no subscriber or nothing changed).
+    pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
         let IngestMessage { device_id, source, properties, mut body, enqueued_at } = msg;
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
@@ -255,13 +313,24 @@ impl DeviceTable {
             .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
         match source {
             SourceKind::Telemetry => {
+                // The whole body goes to d2cMessages subscribers, whatever it holds.
+                let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
+                let message = wants_message.then(|| crate::ingest::message_json(&body));
                 let Some(parsed) = crate::ingest::parse_telemetry(&mut body, &self.settings) else {
                     tracing::debug!(device = &*device_id, "telemetry body is not a JSON object; not cached");
-                    return;
+                    let at = header_time.unwrap_or_else(now_millis);
+                    return message.map(|message| Publication { at, message: Some(message), ..Default::default() });
                 };
                 let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
+                let connection_ttl = self.timing.connection_ttl;
                 let device = self.devices.entry_ref(&*device_id).or_default();
+                let mut publication = Publication { at, message, ..Default::default() };
+                let subscribed = device.wants(|a| !a.subs.is_empty());
                 for (key, json) in parsed.values {
+                    let json: Arc<str> = Arc::from(json);
+                    if subscribed {
+                        publication.telemetry.push((key.clone(), json.clone()));
+                    }
                     device.telemetry.insert(key, LastValue { json, at });
                 }
                 let connected = match parsed.connection_state {
@@ -276,12 +345,16 @@ impl DeviceTable {
                 if let Some(connected) = connected {
                     let sequence = device.connection.as_mut().and_then(|c| c.sequence.take());
                     device.connection = Some(ConnectionState { connected, at, sequence });
+                    publication.connection = Some(connected);
                 }
+                device.last_seen = Some(now);
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                return subscribed.then_some(publication);
             }
             SourceKind::TwinChange => {
                 let Ok(doc) = serde_json::from_slice::<Value>(&body) else {
                     tracing::debug!(device = &*device_id, "twin change body is not JSON; ignored");
-                    return;
+                    return None;
                 };
                 let at = header_time.unwrap_or_else(now_millis);
                 let device = self.devices.entry_ref(&*device_id).or_default();
@@ -292,17 +365,21 @@ impl DeviceTable {
                         twin.at = at;
                     }
                 }
+                if device.wants(|a| a.subs.device_twin) {
+                    let twin = device.twin.as_ref().map(|t| t.doc.to_string());
+                    return Some(Publication { at, twin, ..Default::default() });
+                }
             }
             SourceKind::ConnectionState => {
                 if !self.settings.custom_connection_state_key.is_empty() {
-                    return; // the body key is the only source of truth then (reference §9)
+                    return None; // the body key is the only source of truth then (reference §9)
                 }
                 let connected = match property("opType") {
                     Some("deviceConnected") => true,
                     Some("deviceDisconnected") => false,
                     other => {
                         tracing::debug!(device = &*device_id, op = ?other, "unknown connection event");
-                        return;
+                        return None;
                     }
                 };
                 let sequence: Option<Box<str>> = serde_json::from_slice::<Value>(&body)
@@ -315,10 +392,16 @@ impl DeviceTable {
                 {
                     if sequence_order(new, old).is_le() {
                         tracing::debug!(device = &*device_id, new, old, "stale connection event dropped");
-                        return;
+                        return None;
                     }
                 }
                 device.connection = Some(ConnectionState { connected, at, sequence });
+                device.last_seen = Some(now);
+                let connection_ttl = self.timing.connection_ttl;
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                if device.wants(|a| a.subs.connection_state) {
+                    return Some(Publication { at, connection: Some(connected), ..Default::default() });
+                }
             }
             SourceKind::Lifecycle => {
                 if property("opType") == Some("deleteDeviceIdentity") {
@@ -329,6 +412,151 @@ impl DeviceTable {
                     }
                     self.prune(&device_id);
                 }
+            }
+        }
+        None
+    }
+
+    fn arm_offline_check(
+        due: &mut BinaryHeap<Reverse<(Instant, Box<str>)>>,
+        ttl: Option<Duration>,
+        device_id: &str,
+        device: &mut Device,
+        now: Instant,
+    ) {
+        if let (Some(ttl), Some(c)) = (ttl, &device.connection) {
+            if c.connected && !device.offline_check_armed {
+                device.offline_check_armed = true;
+                due.push(Reverse((now + ttl, device_id.into())));
+            }
+        }
+    }
+
+    /// Pushes a publication to every session subscribed to what it carries.
+    pub fn publish(&mut self, device_id: &Arc<str>, p: Publication, now: Instant, out: &mut Vec<Delivery>) {
+        let throttle = self.timing.throttle;
+        let Some(device) = self.devices.get_mut(&**device_id) else { return };
+        let timestamp = iso(p.at);
+        let envelope = EnvelopeBuilder::new(device_id, &timestamp);
+        // Built on first use, shared by every session that gets the same content.
+        let mut all_telemetry: Option<Arc<str>> = None;
+        let mut connection: Option<Arc<str>> = None;
+        let mut twin: Option<Arc<str>> = None;
+        let mut message: Option<Arc<str>> = None;
+        for (&session, access) in device.access.iter_mut() {
+            let subs = &access.subs;
+            if subs.is_empty() {
+                continue;
+            }
+            let mut send = |kind: FrameKind, frame: Arc<str>| {
+                out.push(Delivery { session, device: device_id.clone(), kind, frame });
+            };
+            if !p.telemetry.is_empty() && !subs.telemetry.is_empty() {
+                match throttle {
+                    Some(interval) => {
+                        let throttled = access.throttle.get_or_insert_with(Default::default);
+                        let free = !throttled.armed
+                            && throttled.last_sent.is_none_or(|t| now.duration_since(t) >= interval);
+                        if free {
+                            let values = p.telemetry.iter().filter(|(k, _)| access.subs.telemetry.contains_key(k));
+                            if values.clone().next().is_some() {
+                                throttled.last_sent = Some(now);
+                                send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, &**v))));
+                            }
+                        } else {
+                            for (k, v) in p.telemetry.iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)) {
+                                match throttled.pending.iter_mut().find(|(pk, _)| pk == k) {
+                                    Some(slot) => slot.1 = v.clone(),
+                                    None => throttled.pending.push((k.clone(), v.clone())),
+                                }
+                                throttled.pending_at = throttled.pending_at.max(p.at);
+                            }
+                            if !throttled.armed && !throttled.pending.is_empty() {
+                                throttled.armed = true;
+                                let due = throttled.last_sent.map_or(now, |t| t + interval);
+                                self.throttle_due.push(Reverse((due, (**device_id).into(), session)));
+                            }
+                        }
+                    }
+                    None if subs.telemetry.all => {
+                        let frame = all_telemetry
+                            .get_or_insert_with(|| envelope.telemetry(p.telemetry.iter().map(|(k, v)| (&**k, &**v))))
+                            .clone();
+                        send(FrameKind::Telemetry, frame);
+                    }
+                    None => {
+                        let values = p.telemetry.iter().filter(|(k, _)| subs.telemetry.contains_key(k));
+                        if values.clone().next().is_some() {
+                            send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, &**v))));
+                        }
+                    }
+                }
+            }
+            let subs = &access.subs;
+            if let (Some(c), true) = (p.connection, subs.connection_state) {
+                send(FrameKind::ConnectionState, connection.get_or_insert_with(|| envelope.connection_state(c)).clone());
+            }
+            if let (Some(t), true) = (&p.twin, subs.device_twin) {
+                send(FrameKind::DeviceTwin, twin.get_or_insert_with(|| envelope.device_twin(t)).clone());
+            }
+            if let (Some(m), true) = (&p.message, subs.d2c_messages) {
+                send(FrameKind::Message, message.get_or_insert_with(|| envelope.message(m)).clone());
+            }
+        }
+    }
+
+    /// Sends the telemetry held back by throttling whose interval has passed.
+    pub fn flush_throttled(&mut self, now: Instant, out: &mut Vec<Delivery>) {
+        while let Some(Reverse((due, _, _))) = self.throttle_due.peek() {
+            if *due > now {
+                break;
+            }
+            let Reverse((_, device_id, session)) = self.throttle_due.pop().expect("peeked");
+            let Some(access) = self.devices.get_mut(&*device_id).and_then(|d| d.access.get_mut(&session)) else {
+                continue;
+            };
+            let Some(throttled) = access.throttle.as_deref_mut() else { continue };
+            throttled.armed = false;
+            let pending = std::mem::take(&mut throttled.pending);
+            // Subscriptions may have changed since the keys were held back.
+            let values: SmallVec<[(Box<str>, Arc<str>); 4]> =
+                pending.into_iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)).collect();
+            if values.is_empty() {
+                continue;
+            }
+            throttled.last_sent = Some(now);
+            let device: Arc<str> = Arc::from(&*device_id);
+            let envelope = EnvelopeBuilder::new(&device, &iso(throttled.pending_at));
+            let frame = envelope.telemetry(values.iter().map(|(k, v)| (&**k, &**v)));
+            out.push(Delivery { session, device, kind: FrameKind::Telemetry, frame });
+        }
+    }
+
+    /// Marks devices silent for the connection-state TTL as disconnected and tells subscribers.
+    pub fn expire_connections(&mut self, now: Instant, out: &mut Vec<Delivery>) {
+        let Some(ttl) = self.timing.connection_ttl else { return };
+        while let Some(Reverse((due, _))) = self.offline_due.peek() {
+            if *due > now {
+                break;
+            }
+            let Reverse((_, device_id)) = self.offline_due.pop().expect("peeked");
+            let Some(device) = self.devices.get_mut(&*device_id) else { continue };
+            let silent_since = device.last_seen.unwrap_or(now);
+            let connected = device.connection.as_ref().is_some_and(|c| c.connected);
+            if !connected {
+                device.offline_check_armed = false;
+            } else if silent_since + ttl > now {
+                self.offline_due.push(Reverse((silent_since + ttl, device_id)));
+            } else {
+                device.offline_check_armed = false;
+                let at = now_millis();
+                if let Some(c) = device.connection.as_mut() {
+                    c.connected = false;
+                    c.at = at;
+                }
+                tracing::debug!(device = &*device_id, "silent for the connection TTL: disconnected");
+                let publication = Publication { at, connection: Some(false), ..Default::default() };
+                self.publish(&Arc::from(&*device_id), publication, now, out);
             }
         }
     }

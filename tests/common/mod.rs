@@ -17,6 +17,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
+pub mod ws;
+
 /// The primary admin secret every [`Server::start`] configures.
 pub const ADMIN_KEY: &str = "test-primary";
 /// The secondary admin secret every [`Server::start`] configures.

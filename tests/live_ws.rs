@@ -1,0 +1,276 @@
+//! Live push over plain WebSocket (`/ws?sessionId=…`), with --cores 2 so devices and sockets
+//! sit on different cores.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(3);
+const QUIET: Duration = Duration::from_millis(400);
+
+fn subscribed(server: &Server, device: &str, subs: &[Value]) -> String {
+    let session = server.new_session();
+    for sub in subs {
+        let mut grant = sub.clone();
+        grant["deviceId"] = json!(device);
+        server.grant(&session, grant.clone());
+        let (status, body) = server.subscribe(&session, grant);
+        assert_eq!(status, 204, "{body}");
+    }
+    session
+}
+
+fn telemetry_sub(key: Option<&str>) -> Value {
+    json!({"type": "telemetry", "telemetryKey": key})
+}
+
+fn only(kind: &str) -> Value {
+    json!({"type": kind})
+}
+
+#[test]
+fn telemetry_is_filtered_to_the_subscribed_keys() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(Some("temperature"))]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"temperature": 21.5, "humidity": 40}}));
+    let frame = live.next_json(WAIT).expect("a telemetry frame");
+    assert_eq!(frame["deviceId"], "dev-1");
+    assert_eq!(frame["telemetry"], json!({"temperature": 21.5}));
+    assert!(parse_utc_millis(frame["timestamp"].as_str().unwrap()).is_some());
+    assert_eq!(frame.as_object().unwrap().len(), 3, "exactly one discriminator: {frame}");
+}
+
+#[test]
+fn a_message_without_subscribed_keys_sends_nothing() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(Some("temperature"))]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"humidity": 40}}));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "telemetry is never empty");
+}
+
+#[test]
+fn wildcard_subscription_gets_every_key() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1, "b": {"x": true}, "c": "s"}}));
+    let frame = live.next_json(WAIT).expect("a telemetry frame");
+    assert_eq!(frame["telemetry"], json!({"a": 1, "b": {"x": true}, "c": "s"}));
+}
+
+#[test]
+fn one_message_per_device_per_kind_per_incoming_message() {
+    let server = Server::start(&[]);
+    let session = subscribed(
+        &server,
+        "dev-1",
+        &[telemetry_sub(Some("a")), telemetry_sub(Some("b")), only("connectionState"), only("d2cMessages")],
+    );
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1, "b": 2, "c": 3}}));
+    let frames = live.collect(Duration::from_millis(800));
+    assert_eq!(frames.len(), 3, "{frames:?}");
+    let of = |key: &str| frames.iter().filter(|f| f.get(key).is_some()).collect::<Vec<_>>();
+    assert_eq!(of("telemetry").len(), 1);
+    assert_eq!(of("telemetry")[0]["telemetry"], json!({"a": 1, "b": 2}));
+    assert_eq!(of("connectionState")[0]["connectionState"], json!(true));
+    assert_eq!(of("message")[0]["message"], json!({"a": 1, "b": 2, "c": 3}), "d2c gets the whole body");
+    for f in &frames {
+        assert_eq!(f.as_object().unwrap().len(), 3, "one discriminator per frame: {f}");
+    }
+}
+
+#[test]
+fn other_devices_and_unsubscribed_kinds_are_not_delivered() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    server.grant(&session, json!({"type": "connectionState", "deviceId": "dev-1"}));
+    let mut live = server.live(&session);
+    server.ingest(json!([{"deviceId": "dev-2", "body": {"a": 1}}, {"deviceId": "dev-1", "body": {"a": 2}}]));
+    let frames = live.collect(Duration::from_millis(800));
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    assert_eq!(frames[0]["deviceId"], "dev-1");
+}
+
+#[test]
+fn unknown_session_is_rejected_with_a_close_frame() {
+    let server = Server::start(&[]);
+    let mut live = server.ws("/ws?sessionId=AAAAAAAAAAAAAAAAAAAAAA");
+    assert_eq!(live.wait_closed(WAIT), Some(1008));
+    assert!(live.closed.as_ref().unwrap().1.contains("session"));
+    let mut missing = server.ws("/ws");
+    assert_eq!(missing.wait_closed(WAIT), Some(1008));
+}
+
+#[test]
+fn deleting_the_session_closes_its_sockets_at_once() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut a = server.live(&session);
+    let mut b = server.live(&session);
+    let (status, _, _) = server.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
+    assert_eq!(status, 204);
+    assert!(a.wait_closed(WAIT).is_some());
+    assert!(b.wait_closed(WAIT).is_some());
+}
+
+#[test]
+fn every_socket_of_a_session_gets_the_data() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut sockets: Vec<_> = (0..4).map(|_| server.live(&session)).collect();
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 7}}));
+    for live in &mut sockets {
+        assert_eq!(live.next_json(WAIT).expect("frame")["telemetry"], json!({"n": 7}));
+    }
+}
+
+#[test]
+fn revoking_a_grant_stops_delivery_at_once() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    assert!(live.next_json(WAIT).is_some());
+    server.revoke(&session, json!({"type": "telemetry", "deviceId": "dev-1", "telemetryKey": null}));
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 2}}));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new());
+}
+
+#[test]
+fn adding_a_grant_publishes_nothing() {
+    let server = Server::start(&[]);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    let session = server.new_session();
+    let mut live = server.live(&session);
+    server.grant(&session, json!({"type": "telemetry", "deviceId": "dev-1"}));
+    server.grant(&session, json!({"type": "connectionState", "deviceId": "dev-1"}));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new());
+}
+
+#[test]
+fn silent_devices_go_offline_after_the_connection_ttl() {
+    let server = Server::start(&["--connection-state-cache-ttl", "1"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+    let offline = live.next_json(Duration::from_secs(4)).expect("offline after the TTL");
+    assert_eq!(offline["connectionState"], json!(false));
+    let (_, state) = server.call_json("GET", "/connectionState/dev-1", &[ADMIN], None);
+    assert_eq!(state["data"], json!(false));
+}
+
+#[test]
+fn devices_that_keep_talking_stay_online() {
+    let server = Server::start(&["--connection-state-cache-ttl", "1", "--connection-state-on-telemetry", "false"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
+        "properties": {"opType": "deviceConnected"}, "body": {"sequenceNumber": "01"}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(300));
+        server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    }
+    assert_eq!(live.collect(Duration::from_millis(200)), Vec::<Value>::new(), "no offline while talking");
+}
+
+#[test]
+fn zero_ttl_never_expires() {
+    let server = Server::start(&["--connection-state-cache-ttl", "0"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+    assert_eq!(live.collect(Duration::from_millis(1500)), Vec::<Value>::new());
+}
+
+#[test]
+fn custom_connection_state_key_drives_the_state_and_stays_in_telemetry() {
+    let server = Server::start(&["--custom-connection-state-key", "online"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"online": false, "t": 1}}));
+    let frames = live.collect(Duration::from_millis(800));
+    let state = frames.iter().find(|f| f.get("connectionState").is_some()).expect("a state");
+    assert_eq!(state["connectionState"], json!(false));
+    let tel = frames.iter().find(|f| f.get("telemetry").is_some()).expect("telemetry");
+    assert_eq!(tel["telemetry"], json!({"online": false, "t": 1}));
+    // Telemetry without the key publishes no state; connection events are ignored.
+    server.ingest(json!([{"deviceId": "dev-1", "body": {"t": 2}},
+        {"deviceId": "dev-1", "source": "deviceConnectionStateEvents", "properties": {"opType": "deviceConnected"}, "body": {}}]));
+    let frames = live.collect(Duration::from_millis(600));
+    assert!(frames.iter().all(|f| f.get("connectionState").is_none()), "{frames:?}");
+}
+
+#[test]
+fn stale_connection_events_are_dropped() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    let event = |op: &str, seq: &str| json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
+        "properties": {"opType": op}, "body": {"sequenceNumber": seq}});
+    server.ingest(event("deviceDisconnected", "000000000000000001D5"));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(false));
+    server.ingest(event("deviceConnected", "000000000000000001D4"));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "older event ignored");
+    server.ingest(event("deviceConnected", "000000000000000001D6"));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+}
+
+#[test]
+fn twin_updates_are_merged_and_pushed_whole() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[only("deviceTwin")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "source": "twinChangeEvents", "properties": {"opType": "replaceTwin"},
+        "body": {"version": 1, "properties": {"reported": {"fw": "1.0", "mode": "eco"}, "desired": {"x": 1}}}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["deviceTwin"]["properties"]["reported"]["fw"], "1.0");
+    server.ingest(json!({"deviceId": "dev-1", "source": "twinChangeEvents", "properties": {"opType": "updateTwin"},
+        "body": {"version": 2, "properties": {"reported": {"fw": "1.1", "mode": null}}}}));
+    let twin = &live.next_json(WAIT).unwrap()["deviceTwin"];
+    assert_eq!(twin, &json!({"version": 2, "properties": {"reported": {"fw": "1.1"}, "desired": {"x": 1}}}));
+}
+
+#[test]
+fn throttling_coalesces_keys_and_flushes_a_trailing_message() {
+    let server = Server::start(&["--throttling-interval", "500"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1}}));
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 2, "b": 1}}));
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 3}}));
+    let frames = live.collect(Duration::from_millis(1200));
+    let telemetry: Vec<&Value> = frames.iter().filter(|f| f.get("telemetry").is_some()).map(|f| &f["telemetry"]).collect();
+    assert_eq!(telemetry, vec![&json!({"a": 1}), &json!({"a": 3, "b": 1})], "leading, then merged trailing");
+    let states = frames.iter().filter(|f| f.get("connectionState").is_some()).count();
+    assert_eq!(states, 3, "connection state is not throttled");
+}
+
+#[test]
+fn a_stalled_client_does_not_delay_a_healthy_one() {
+    let server = Server::start(&["--socket-queue-hard-limit", "64", "--socket-queue-soft-limit", "8"]);
+    let stalled_session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
+    let healthy_session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let _stalled = server.live(&stalled_session); // never read
+    let mut healthy = server.live(&healthy_session);
+    let payload = "x".repeat(16 * 1024);
+    for round in 0..40 {
+        let batch: Vec<Value> = (0..10).map(|i| json!({"deviceId": "dev-1", "body": {"n": round * 10 + i, "pad": payload}})).collect();
+        server.ingest(Value::Array(batch));
+        // Bursts beyond the soft limit may be conflated; the newest value always arrives.
+        loop {
+            let frame = healthy.next_json(WAIT).expect("the healthy client keeps getting data");
+            if frame["telemetry"]["n"] == json!(round * 10 + 9) {
+                break;
+            }
+        }
+    }
+    assert!(healthy.closed.is_none(), "the healthy client stays connected");
+}
