@@ -98,6 +98,9 @@ pub async fn handle(core: &Rc<Core>, req: Request) -> Response {
     if req.method == Method::OPTIONS {
         return preflight();
     }
+    if req.path.trim_end_matches('/') == "/socket.io" {
+        return crate::transport::socketio_polling::http(core, &req).await;
+    }
     let route = match req.segments() {
         Ok(segments) => Route::find(segments),
         Err(r) => return Response::rejection(r),

@@ -28,6 +28,8 @@ pub struct Core {
     pub sessions: RefCell<SessionTable>,
     /// Open client connections on this core (limit: maxConnections / cores).
     pub connections: Cell<usize>,
+    /// Engine.IO long-polling sessions held here (by sid).
+    pub polling: RefCell<hashbrown::HashMap<Box<str>, Rc<crate::transport::socketio_polling::PollingSocket>>>,
 }
 
 impl Core {
@@ -53,6 +55,7 @@ impl Core {
             devices: RefCell::new(DeviceTable::new(ingest, timing)),
             sessions: RefCell::new(sessions),
             connections: Cell::new(0),
+            polling: RefCell::default(),
             settings,
         })
     }
@@ -330,6 +333,12 @@ impl Core {
                     }
                     CoreMsg::Deliver(deliveries) => self.deliver_local(deliveries),
                     CoreMsg::AdoptSocket(moved) => crate::transport::adopt(self.clone(), moved),
+                    CoreMsg::Poll { request, reply } => {
+                        let me = self.clone();
+                        monoio::spawn(async move {
+                            let _ = reply.send(crate::transport::socketio_polling::serve(me, request).await);
+                        });
+                    }
                 }
             }
         }

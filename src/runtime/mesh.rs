@@ -30,6 +30,8 @@ pub enum CoreMsg {
     Deliver(Vec<Delivery>),
     /// A WebSocket whose handshake was read on another core, moving to its session's core.
     AdoptSocket(crate::transport::MovedSocket),
+    /// An Engine.IO long-polling request for a polling session this core holds.
+    Poll { request: crate::transport::socketio_polling::PollRequest, reply: Reply<crate::http::Response> },
 }
 
 pub type Inbox = async_channel::Receiver<Vec<CoreMsg>>;

@@ -31,7 +31,7 @@ use frame::{FrameReader, Incoming};
 /// A write that makes no progress for this long means a stalled client: the socket is dropped.
 const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
-static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
+pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Which protocol a WebSocket speaks.
 #[derive(Debug, Clone)]
@@ -108,7 +108,14 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
         tracing::warn!("could not reunite the socket halves after an upgrade");
         return;
     };
-    let target = session.map_or(core.index, |s| core.session_core(s));
+    // A polling session's upgrade goes to the core holding it (its sid names the core).
+    let polling_core = match &kind {
+        SocketKind::SocketIo { upgrade_sid: Some(sid) } => {
+            sid.split_once('-').and_then(|(c, _)| c.parse::<usize>().ok()).filter(|c| *c < core.cores())
+        }
+        _ => None,
+    };
+    let target = polling_core.unwrap_or_else(|| session.map_or(core.index, |s| core.session_core(s)));
     if target == core.index {
         monoio::spawn(run(core, stream, leftover, kind, session));
     } else {
@@ -139,6 +146,8 @@ pub struct Conn {
     pub attached: Cell<bool>,
     /// Last time anything arrived from the client.
     pub last_heard: Cell<Instant>,
+    /// The Engine.IO sid of the polling session this WebSocket is taking over.
+    pub upgrading: std::cell::RefCell<Option<Box<str>>>,
     fd: RawFd,
 }
 
@@ -172,6 +181,7 @@ async fn run(core: Rc<Core>, stream: TcpStream, leftover: Vec<u8>, kind: SocketK
         kind: kind.clone(),
         attached: Cell::new(false),
         last_heard: Cell::new(Instant::now()),
+        upgrading: Default::default(),
         fd,
     });
     let (mut read, write) = stream.into_split();
@@ -285,7 +295,8 @@ async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>) {
     }
 }
 
-/// Pings the client every `pingInterval`; closes when nothing came back within `pingTimeout`.
+/// Pings the client `pingInterval` after its last answer (as Engine.IO does); closes the
+/// socket when an answer takes longer than `pingTimeout`.
 async fn pinger(conn: Rc<Conn>) {
     let c = &conn.core.settings.config;
     let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
@@ -294,18 +305,26 @@ async fn pinger(conn: Rc<Conn>) {
         if conn.outlet.is_closing() {
             return;
         }
-        let sent = Instant::now();
         conn.outlet.push(match conn.kind {
             SocketKind::Plain => Out::Ping,
             SocketKind::SocketIo { .. } => Out::Packet("2".into()),
         });
-        monoio::time::sleep(timeout).await;
-        if conn.outlet.is_closing() {
-            return;
-        }
-        if conn.last_heard.get() < sent {
+        if !answered_in_time(&conn.last_heard, &conn.outlet, timeout).await {
             conn.outlet.close(CloseReason::new(1001, "ping timeout"));
             return;
         }
     }
+}
+
+/// Waits until something is heard after now, up to `timeout`.
+pub async fn answered_in_time(last_heard: &Cell<Instant>, outlet: &Outlet, timeout: Duration) -> bool {
+    let sent = Instant::now();
+    let step = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_millis(250));
+    while sent.elapsed() < timeout {
+        monoio::time::sleep(step).await;
+        if last_heard.get() >= sent || outlet.is_closing() {
+            return true;
+        }
+    }
+    last_heard.get() >= sent
 }

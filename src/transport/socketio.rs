@@ -7,11 +7,15 @@
 //! from the handshake query (`?sessionId=…`); an unknown or expired one gets a CONNECT_ERROR
 //! and the socket is closed.
 
+use std::cell::Cell;
+use std::rc::Rc;
+
 use serde_json::json;
 
 use super::Conn;
-use crate::ids::random_token;
-use crate::push::outlet::{CloseReason, Out};
+use crate::ids::{random_token, SessionId};
+use crate::push::outlet::{CloseReason, Out, Outlet};
+use crate::runtime::Core;
 
 /// What precedes an envelope in a `data` event (the envelope and `]` follow).
 pub const EVENT_PREFIX: &[u8] = b"42[\"data\",";
@@ -44,15 +48,25 @@ pub fn greet_websocket(conn: &Conn, upgrade_sid: Option<&str>) -> bool {
     true
 }
 
-/// The reply to a Socket.IO CONNECT for this socket: ack, or an error for a bad session.
-pub fn connect_reply(conn: &Conn, packet: &str) -> (String, bool) {
+/// The reply to a Socket.IO CONNECT (without the Engine.IO `4`): an ack after attaching the
+/// socket to its session, or an error for a bad namespace or an unknown session.
+pub fn connect_reply(
+    core: &Rc<Core>,
+    session: Option<SessionId>,
+    outlet: &Rc<Outlet>,
+    attached: &Cell<bool>,
+    packet: &str,
+) -> (String, bool) {
     // `0` + optional namespace (`/nsp,`) + optional auth JSON.
     let rest = &packet[1..];
     if rest.starts_with('/') && !rest.starts_with("/,") && rest != "/" {
         let nsp = rest.split(',').next().unwrap_or(rest);
         return (format!("4{nsp},{}", json!({"message": "Invalid namespace"})), false);
     }
-    if conn.attached.get() || conn.attach() {
+    if !attached.get() {
+        attached.set(session.is_some_and(|s| core.attach_socket(s, outlet.clone())));
+    }
+    if attached.get() {
         (format!("0{}", json!({"sid": random_token(15)})), true)
     } else {
         (format!("4{}", json!({"message": "unknown or expired session: open a new one with POST /session"})), false)
@@ -63,8 +77,10 @@ pub fn connect_reply(conn: &Conn, packet: &str) -> (String, bool) {
 pub fn on_websocket_text(conn: &Conn, text: &str) {
     let mut chars = text.chars();
     match chars.next() {
-        Some('2') => conn.outlet.push(Out::Packet(format!("3{}", chars.as_str()).into())), // ping (probe)
-        Some('3') | Some('6') | Some('5') => {}                                                    // pong, noop, upgrade
+        Some('2') if chars.as_str() == "probe" => super::socketio_polling::on_probe(conn),
+        Some('2') => conn.outlet.push(Out::Packet(format!("3{}", chars.as_str()).into())),
+        Some('5') => super::socketio_polling::complete_upgrade(conn),
+        Some('3') | Some('6') => {} // pong, noop
         Some('1') => conn.outlet.close(CloseReason::new(1000, "client closed")),
         Some('4') => on_socketio_packet(conn, chars.as_str()),
         _ => conn.outlet.close(CloseReason::new(1002, "not an Engine.IO packet")),
@@ -75,7 +91,7 @@ pub fn on_websocket_text(conn: &Conn, text: &str) {
 pub fn on_socketio_packet(conn: &Conn, packet: &str) {
     match packet.as_bytes().first() {
         Some(b'0') => {
-            let (reply, ok) = connect_reply(conn, packet);
+            let (reply, ok) = connect_reply(&conn.core, conn.session, &conn.outlet, &conn.attached, packet);
             conn.outlet.push(Out::Packet(format!("4{reply}").into()));
             if !ok {
                 conn.outlet.finish(CloseReason::new(1000, "connection refused"));

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
+pub mod sio;
 pub mod ws;
 
 /// The primary admin secret every [`Server::start`] configures.
