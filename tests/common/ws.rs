@@ -15,16 +15,23 @@ pub struct Live {
     pub closed: Option<(u16, String)>,
 }
 
-impl Server {
-    /// Opens `/ws?sessionId=…` (or any path) with a standard WebSocket client.
-    pub fn ws(&self, path_and_query: &str) -> Live {
-        let addr = self.base.trim_start_matches("http://").to_string();
+/// Opens a WebSocket to `base` (`http://host:port`) at `path_and_query`.
+pub fn connect(base: &str, path_and_query: &str) -> Live {
+    {
+        let addr = base.trim_start_matches("http://").to_string();
         let stream = TcpStream::connect(&addr).expect("connect");
         stream.set_nodelay(true).ok();
         let url = format!("ws://{addr}{path_and_query}");
         let (ws, response) = tungstenite::client(url.as_str(), stream).expect("websocket handshake");
         assert_eq!(response.status().as_u16(), 101);
         Live { ws, closed: None }
+    }
+}
+
+impl Server {
+    /// Opens `/ws?sessionId=…` (or any path) with a standard WebSocket client.
+    pub fn ws(&self, path_and_query: &str) -> Live {
+        connect(&self.base, path_and_query)
     }
 
     pub fn live(&self, session: &str) -> Live {
