@@ -343,3 +343,16 @@ fn the_epoll_driver_serves_and_moves_sockets_between_cores() {
         assert_eq!(live.next_json(WAIT).expect("frame")["telemetry"], json!({"n": 1}));
     }
 }
+
+#[test]
+fn an_open_socket_keeps_its_session_and_the_grace_period_starts_when_it_closes() {
+    let server = Server::start(&["--session-grace-period", "1"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let live = server.live(&session);
+    std::thread::sleep(Duration::from_millis(2500));
+    let grant = json!({"type": "connectionState", "deviceId": "dev-1"});
+    assert_eq!(server.try_grant(&session, grant.clone()).0, 204, "alive while its socket is open");
+    live.close();
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(server.try_grant(&session, grant).0, 404, "expired after the grace period");
+}

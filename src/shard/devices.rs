@@ -30,6 +30,7 @@ pub struct LastValue {
 /// What one device message changed, to be pushed to the device's subscribers.
 #[derive(Default)]
 pub struct Publication {
+    pub device: Arc<str>,
     pub at: Millis,
     pub telemetry: SmallVec<[(Box<str>, Arc<str>); 8]>,
     pub connection: Option<bool>,
@@ -69,6 +70,10 @@ pub struct Device {
     last_seen: Option<Instant>,
     /// An off-line check is scheduled for this device.
     offline_check_armed: bool,
+}
+
+fn subscribed_any(device: &Device) -> bool {
+    device.wants(|a| !a.subs.is_empty())
 }
 
 impl Device {
@@ -294,9 +299,9 @@ impl DeviceTable {
 
     /// Applies one device message and pushes what it changed to the device's subscribers.
     pub fn ingest_and_publish(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
-        let device_id: Arc<str> = Arc::from(&*msg.device_id);
         if let Some(publication) = self.ingest(msg, now) {
-            self.publish(&device_id, publication, now, out);
+            let device = publication.device.clone();
+            self.publish(&device, publication, now, out);
         }
     }
 
@@ -319,13 +324,17 @@ impl DeviceTable {
                 let Some(parsed) = crate::ingest::parse_telemetry(&mut body, &self.settings) else {
                     tracing::debug!(device = &*device_id, "telemetry body is not a JSON object; not cached");
                     let at = header_time.unwrap_or_else(now_millis);
-                    return message.map(|message| Publication { at, message: Some(message), ..Default::default() });
+                    let device = Arc::from(&*device_id);
+                    return message.map(|message| Publication { device, at, message: Some(message), ..Default::default() });
                 };
                 let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
                 let connection_ttl = self.timing.connection_ttl;
                 let device = self.devices.entry_ref(&*device_id).or_default();
+                let subscribed = subscribed_any(device);
                 let mut publication = Publication { at, message, ..Default::default() };
-                let subscribed = device.wants(|a| !a.subs.is_empty());
+                if subscribed {
+                    publication.device = Arc::from(&*device_id);
+                }
                 for (key, json) in parsed.values {
                     let json: Arc<str> = Arc::from(json);
                     if subscribed {
@@ -367,7 +376,7 @@ impl DeviceTable {
                 }
                 if device.wants(|a| a.subs.device_twin) {
                     let twin = device.twin.as_ref().map(|t| t.doc.to_string());
-                    return Some(Publication { at, twin, ..Default::default() });
+                    return Some(Publication { device: Arc::from(&*device_id), at, twin, ..Default::default() });
                 }
             }
             SourceKind::ConnectionState => {
@@ -400,7 +409,7 @@ impl DeviceTable {
                 let connection_ttl = self.timing.connection_ttl;
                 Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
                 if device.wants(|a| a.subs.connection_state) {
-                    return Some(Publication { at, connection: Some(connected), ..Default::default() });
+                    return Some(Publication { device: Arc::from(&*device_id), at, connection: Some(connected), ..Default::default() });
                 }
             }
             SourceKind::Lifecycle => {
@@ -555,8 +564,9 @@ impl DeviceTable {
                     c.at = at;
                 }
                 tracing::debug!(device = &*device_id, "silent for the connection TTL: disconnected");
-                let publication = Publication { at, connection: Some(false), ..Default::default() };
-                self.publish(&Arc::from(&*device_id), publication, now, out);
+                let device: Arc<str> = Arc::from(&*device_id);
+                let publication = Publication { device: device.clone(), at, connection: Some(false), ..Default::default() };
+                self.publish(&device, publication, now, out);
             }
         }
     }
