@@ -243,13 +243,30 @@ fn throttling_coalesces_keys_and_flushes_a_trailing_message() {
     let server = Server::start(&["--throttling-interval", "500"]);
     let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
     let mut live = server.live(&session);
-    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1}}));
-    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 2, "b": 1}}));
-    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 3}}));
-    let frames = live.collect(Duration::from_millis(1200));
-    let telemetry: Vec<&Value> = frames.iter().filter(|f| f.get("telemetry").is_some()).map(|f| &f["telemetry"]).collect();
-    assert_eq!(telemetry, vec![&json!({"a": 1}), &json!({"a": 3, "b": 1})], "leading, then merged trailing");
-    let states = frames.iter().filter(|f| f.get("connectionState").is_some()).count();
+    // One batch: applied together on the device's core, so all three fall in one interval.
+    let started = std::time::Instant::now();
+    server.ingest(json!([
+        {"deviceId": "dev-1", "body": {"a": 1}},
+        {"deviceId": "dev-1", "body": {"a": 2, "b": 1}},
+        {"deviceId": "dev-1", "body": {"a": 3}}
+    ]));
+    let mut telemetry = Vec::new();
+    let mut states = 0;
+    let mut trailing_after = None;
+    while telemetry.len() < 2 {
+        let frame = live.next_json(WAIT).expect("leading and trailing telemetry");
+        if let Some(t) = frame.get("telemetry") {
+            telemetry.push(t.clone());
+            if telemetry.len() == 2 {
+                trailing_after = Some(started.elapsed());
+            }
+        } else if frame.get("connectionState").is_some() {
+            states += 1;
+        }
+    }
+    assert_eq!(telemetry, vec![json!({"a": 1}), json!({"a": 3, "b": 1})], "leading, then merged trailing");
+    assert!(trailing_after.unwrap() >= Duration::from_millis(450), "the trailing message waits for the interval");
+    states += live.collect(Duration::from_millis(700)).iter().filter(|f| f.get("connectionState").is_some()).count();
     assert_eq!(states, 3, "connection state is not throttled");
 }
 
