@@ -154,6 +154,11 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(2..))]
     pub socket_queue_hard_limit: u64,
 
+    /// Serve GET /metrics without the admin key (for a Prometheus scraper inside a private network).
+    #[arg(long = "metrics-open", env = "METRICS_OPEN", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_open: bool,
+
     /// Seconds an idle keep-alive HTTP connection stays open.
     #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]

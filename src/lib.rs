@@ -19,6 +19,7 @@ pub mod http;
 pub mod ids;
 pub mod ingest;
 pub mod logging;
+pub mod metrics;
 pub mod model;
 pub mod push;
 pub mod runtime;
@@ -31,4 +32,6 @@ pub mod transport;
 pub struct Shared {
     pub log: logging::LogControl,
     pub status: status::StatusBoard,
+    /// Metrics of sources running outside the cores (the AMQP consumer), read at scrape time.
+    pub external_metrics: std::sync::OnceLock<Box<dyn Fn() -> metrics::ExternalSeries + Send + Sync>>,
 }

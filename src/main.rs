@@ -29,7 +29,7 @@ fn main() -> ExitCode {
         tracing::error!("{message}");
         status.misconfigured(message.clone());
     }
-    let shared = Arc::new(Shared { log, status });
+    let shared = Arc::new(Shared { log, status, external_metrics: Default::default() });
     match hubcast::runtime::start(Arc::new(settings), shared) {
         Ok(running) => {
             running.wait();

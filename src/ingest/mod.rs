@@ -13,12 +13,13 @@ use smallvec::SmallVec;
 use crate::timefmt::{parse_iso, Millis};
 
 /// `iothub-message-source` of a device message.
+/// (Discriminants index `metrics::SOURCES`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SourceKind {
-    Telemetry,
-    TwinChange,
-    ConnectionState,
-    Lifecycle,
+    Telemetry = 0,
+    TwinChange = 1,
+    ConnectionState = 2,
+    Lifecycle = 3,
 }
 
 impl SourceKind {

@@ -28,6 +28,9 @@ pub struct Core {
     pub sessions: RefCell<SessionTable>,
     /// Open client connections on this core (limit: maxConnections / cores).
     pub connections: Cell<usize>,
+    pub metrics: crate::metrics::CoreMetrics,
+    /// This core's queues, for their depth in metrics.
+    pub queues: RefCell<Option<(Inbox, crate::runtime::ingress::IngressQueue)>>,
     /// Engine.IO long-polling sessions held here (by sid).
     pub polling: RefCell<hashbrown::HashMap<Box<str>, Rc<crate::transport::socketio_polling::PollingSocket>>>,
 }
@@ -56,6 +59,8 @@ impl Core {
             sessions: RefCell::new(sessions),
             connections: Cell::new(0),
             polling: RefCell::default(),
+            metrics: Default::default(),
+            queues: RefCell::default(),
             settings,
         })
     }
@@ -198,6 +203,7 @@ impl Core {
         {
             let mut devices = self.devices.borrow_mut();
             for msg in batch {
+                self.metrics.message_in(msg.source as usize);
                 devices.ingest_and_publish(msg, now, &mut deliveries);
             }
         }
@@ -332,6 +338,9 @@ impl Core {
                         });
                     }
                     CoreMsg::Deliver(deliveries) => self.deliver_local(deliveries),
+                    CoreMsg::Metrics(reply) => {
+                        let _ = reply.send(self.metrics_snapshot());
+                    }
                     CoreMsg::AdoptSocket(moved) => crate::transport::adopt(self.clone(), moved),
                     CoreMsg::Poll { request, reply } => {
                         let me = self.clone();
@@ -342,6 +351,21 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// This core's metrics, with the sizes of its shard.
+    pub fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
+        let (grants, subscriptions) = self.devices.borrow().access_counts();
+        let queues = self.queues.borrow();
+        let state = crate::metrics::StateCounts {
+            devices: self.devices.borrow().len() as u64,
+            sessions: self.sessions.borrow().len() as u64,
+            grants,
+            subscriptions,
+            inbox_depth: queues.as_ref().map_or(0, |(inbox, _)| inbox.len() as u64),
+            ingress_depth: queues.as_ref().map_or(0, |(_, ingress)| ingress.len() as u64),
+        };
+        self.metrics.snapshot(state)
     }
 
     /// Expires idle sessions, every half second.

@@ -26,6 +26,8 @@ pub enum CoreMsg {
     Devices { ops: Vec<DeviceOp>, reply: Option<Reply<Vec<DeviceReply>>> },
     /// An operation on a session this core owns.
     Session { op: SessionOp, reply: Reply<SessionReply> },
+    /// This core's metrics snapshot, for `GET /metrics`.
+    Metrics(Reply<crate::metrics::Snapshot>),
     /// Live data for sessions this core owns (from the devices' cores).
     Deliver(Vec<Delivery>),
     /// A WebSocket whose handshake was read on another core, moving to its session's core.

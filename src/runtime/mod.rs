@@ -112,6 +112,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
                     }
                 };
                 let core = Core::new(index, settings.clone(), shared, Mesh::new(index, senders));
+                *core.queues.borrow_mut() = Some((inbox.clone(), ingress_queue.clone()));
                 monoio::spawn(core.clone().serve_inbox(inbox));
                 monoio::spawn(ingress::serve(core.clone(), ingress_queue));
                 monoio::spawn(core.clone().expire_sessions());

@@ -137,6 +137,23 @@ impl DeviceTable {
         self.devices.is_empty()
     }
 
+    /// Grants and subscriptions held on this core's devices (counted at scrape time).
+    pub fn access_counts(&self) -> (u64, u64) {
+        let mut grants = 0u64;
+        let mut subs = 0u64;
+        for d in self.devices.values() {
+            for a in d.access.values() {
+                let (g, s) = (&a.grants, &a.subs);
+                grants += g.telemetry.all as u64 + g.telemetry.keys.len() as u64 + g.device_twin as u64
+                    + g.connection_state as u64 + g.d2c_messages as u64 + g.desired_properties as u64
+                    + g.direct_methods.all as u64 + g.direct_methods.keys.len() as u64;
+                subs += s.telemetry.all as u64 + s.telemetry.keys.len() as u64 + s.device_twin as u64
+                    + s.connection_state as u64 + s.d2c_messages as u64;
+            }
+        }
+        (grants, subs)
+    }
+
     pub fn get(&self, device: &str) -> Option<&Device> {
         self.devices.get(device)
     }

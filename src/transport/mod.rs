@@ -42,12 +42,14 @@ pub enum SocketKind {
     SocketIo { upgrade_sid: Option<String> },
 }
 
-/// A WebSocket moving to its session's core.
+/// A WebSocket moving to its session's core (the 101 answer is sent from there, once the
+/// socket is attached: when a client sees the WebSocket open, data reaches it).
 pub struct MovedSocket {
     pub fd: OwnedFd,
     pub leftover: Vec<u8>,
     pub kind: SocketKind,
     pub session: Option<SessionId>,
+    pub handshake: Vec<u8>,
 }
 
 /// Whether a request asks for a WebSocket upgrade.
@@ -92,16 +94,12 @@ pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
 }
 
 /// Completes a checked upgrade read on this core and sends the socket to its session's core.
-pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, mut write: OwnedWriteHalf<TcpStream>) {
+pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, write: OwnedWriteHalf<TcpStream>) {
     let key = head.headers.get("sec-websocket-key").map(|v| v.as_bytes().to_vec()).unwrap_or_default();
     let accept = tungstenite::handshake::derive_accept_key(&key);
     let response = format!(
         "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept}\r\n\r\n"
     );
-    let (result, _) = write.write_all(response.into_bytes()).await;
-    if result.is_err() {
-        return;
-    }
     let session = query_param(&head, "sessionId").and_then(|s| SessionId::parse(&s));
     let leftover = framed.read_buffer().to_vec();
     let Ok(stream) = framed.into_inner().reunite(write) else {
@@ -117,11 +115,12 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
     };
     let target = polling_core.unwrap_or_else(|| session.map_or(core.index, |s| core.session_core(s)));
     if target == core.index {
-        monoio::spawn(run(core, stream, leftover, kind, session));
+        monoio::spawn(run(core, stream, leftover, kind, session, response.into_bytes()));
     } else {
         // Safety of ownership: the stream is consumed; the fd now belongs to the message.
         let fd = unsafe { OwnedFd::from_raw_fd(stream.into_raw_fd()) };
-        core.mesh.post(target, CoreMsg::AdoptSocket(MovedSocket { fd, leftover, kind, session }));
+        let handshake = response.into_bytes();
+        core.mesh.post(target, CoreMsg::AdoptSocket(MovedSocket { fd, leftover, kind, session, handshake }));
     }
 }
 
@@ -130,7 +129,7 @@ pub fn adopt(core: Rc<Core>, moved: MovedSocket) {
     let std_stream = std::net::TcpStream::from(moved.fd);
     match TcpStream::from_std(std_stream) {
         Ok(stream) => {
-            monoio::spawn(run(core, stream, moved.leftover, moved.kind, moved.session));
+            monoio::spawn(run(core, stream, moved.leftover, moved.kind, moved.session, moved.handshake));
         }
         Err(e) => tracing::warn!(error = %e, "could not adopt a moved socket"),
     }
@@ -152,6 +151,14 @@ pub struct Conn {
 }
 
 impl Conn {
+    /// Index into `metrics::TRANSPORTS`.
+    fn transport(&self) -> usize {
+        match self.kind {
+            SocketKind::Plain => 0,
+            SocketKind::SocketIo { .. } => 1,
+        }
+    }
+
     /// Attaches the socket to its session; false for an unknown or expired session.
     pub fn attach(&self) -> bool {
         let ok = self.session.is_some_and(|s| self.core.attach_socket(s, self.outlet.clone()));
@@ -170,7 +177,14 @@ pub fn limits(core: &Core) -> QueueLimits {
     QueueLimits { soft: c.socket_queue_soft_limit as usize, hard: c.socket_queue_hard_limit as usize }
 }
 
-async fn run(core: Rc<Core>, stream: TcpStream, leftover: Vec<u8>, kind: SocketKind, session: Option<SessionId>) {
+async fn run(
+    core: Rc<Core>,
+    stream: TcpStream,
+    leftover: Vec<u8>,
+    kind: SocketKind,
+    session: Option<SessionId>,
+    handshake: Vec<u8>,
+) {
     let _ = stream.set_nodelay(true);
     let fd = stream.as_raw_fd();
     let outlet = Outlet::new(NEXT_SOCKET_ID.fetch_add(1, Ordering::Relaxed), limits(&core));
@@ -184,6 +198,7 @@ async fn run(core: Rc<Core>, stream: TcpStream, leftover: Vec<u8>, kind: SocketK
         upgrading: Default::default(),
         fd,
     });
+    conn.core.metrics.socket_opened(conn.transport());
     let (mut read, write) = stream.into_split();
     let greeting_ok = match &kind {
         SocketKind::Plain => {
@@ -196,7 +211,7 @@ async fn run(core: Rc<Core>, stream: TcpStream, leftover: Vec<u8>, kind: SocketK
         }
         SocketKind::SocketIo { upgrade_sid } => socketio::greet_websocket(&conn, upgrade_sid.as_deref()),
     };
-    monoio::spawn(writer(conn.clone(), write));
+    monoio::spawn(writer(conn.clone(), write, handshake));
     if greeting_ok {
         monoio::spawn(pinger(conn.clone()));
     }
@@ -256,13 +271,28 @@ async fn run(core: Rc<Core>, stream: TcpStream, leftover: Vec<u8>, kind: SocketK
             conn.core.detach_socket(s, conn.outlet.id);
         }
     }
+    conn.core.metrics.socket_closed(conn.transport());
 }
 
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
-async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>) {
-    let mut buf: Vec<u8> = Vec::with_capacity(16 * 1024);
+async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
+    let (result, mut buf) = write.write_all(handshake).await;
+    if result.is_err() {
+        conn.outlet.close(CloseReason::new(1001, "write failed"));
+        conn.shutdown();
+        return;
+    }
+    buf.clear();
+    buf.reserve(16 * 1024);
     loop {
         let drained = conn.outlet.drain().await;
+        let metrics = &conn.core.metrics;
+        let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
+        metrics.messages_out(conn.transport(), envelopes as u64);
+        metrics.conflated(drained.conflated);
+        if drained.closing.as_ref().is_some_and(|r| r.text.starts_with("slow consumer")) {
+            metrics.slow_consumer_closed();
+        }
         buf.clear();
         for item in &drained.items {
             match (&conn.kind, item) {

@@ -43,6 +43,8 @@ pub struct PollingSocket {
 }
 
 const RECORD_SEPARATOR: u8 = 0x1e;
+/// Index into `metrics::TRANSPORTS`.
+const POLLING: usize = 2;
 
 fn engine_error(code: u8, message: &str) -> Response {
     Response::json(400, json!({"code": code, "message": message, "errorMessage": message}).to_string())
@@ -110,6 +112,7 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
         poll_active: Cell::new(false),
     });
     core.polling.borrow_mut().insert(sid.clone(), socket.clone());
+    core.metrics.socket_opened(POLLING);
     monoio::spawn(pinger(core.clone(), socket));
     text(open_packet(&sid, &["websocket"], c.ping_interval, c.ping_timeout))
 }
@@ -159,6 +162,9 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
     let drained = monoio::time::timeout(wait, socket.outlet.drain()).await;
     socket.poll_active.set(false);
     let Ok(drained) = drained else { return text("6") };
+    let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
+    core.metrics.messages_out(POLLING, envelopes as u64);
+    core.metrics.conflated(drained.conflated);
     let mut body = Vec::new();
     for item in &drained.items {
         if !body.is_empty() {
@@ -188,7 +194,9 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
 }
 
 fn forget(core: &Rc<Core>, socket: &PollingSocket) {
-    core.polling.borrow_mut().remove(&socket.sid);
+    if core.polling.borrow_mut().remove(&socket.sid).is_some() {
+        core.metrics.socket_closed(POLLING);
+    }
     if socket.attached.replace(false) {
         if let Some(s) = socket.session {
             core.detach_socket(s, socket.outlet.id);
@@ -247,6 +255,7 @@ pub fn on_probe(conn: &Conn) {
 pub fn complete_upgrade(conn: &Conn) {
     let Some(sid) = conn.upgrading.borrow_mut().take() else { return };
     let Some(socket) = conn.core.polling.borrow_mut().remove(&*sid) else { return };
+    conn.core.metrics.socket_closed(POLLING);
     // Whatever the polling side still held goes out on the WebSocket, in order.
     for item in socket.outlet.try_drain().items {
         if item != Out::Packet("6".into()) {
