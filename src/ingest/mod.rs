@@ -6,8 +6,10 @@
 
 pub mod simulate;
 
+use std::cell::RefCell;
+use std::sync::Arc;
+
 use simd_json::prelude::*;
-use simd_json::BorrowedValue;
 use smallvec::SmallVec;
 
 use crate::timefmt::{parse_iso, Millis};
@@ -58,29 +60,35 @@ pub struct IngestSettings {
     pub connection_state_on_telemetry: bool,
 }
 
-/// What a telemetry body contributes: top-level keys as JSON text, its own timestamp and
-/// connection state if it carries them.
-pub struct ParsedTelemetry {
-    pub values: SmallVec<[(Box<str>, Box<str>); 8]>,
+/// What a telemetry body contributes: top-level keys (borrowed from the body) with their
+/// values as JSON text, its own timestamp and connection state if it carries them.
+pub struct ParsedTelemetry<'a> {
+    pub values: SmallVec<[(&'a str, Arc<str>); 8]>,
     pub timestamp: Option<Millis>,
     pub connection_state: Option<bool>,
 }
 
-/// Parses a telemetry body; `None` unless it is a JSON object.
+thread_local! {
+    /// simd-json's scratch buffers, reused by every parse on this core.
+    static PARSE_BUFFERS: RefCell<simd_json::Buffers> = RefCell::new(simd_json::Buffers::default());
+}
+
+/// Parses a telemetry body in place with simd-json (tape, no intermediate map); `None`
+/// unless it is a JSON object.
 ///
 /// The timestamp key is metadata and is not kept as telemetry; the device-id key is dropped
-/// too when it names this device (plain Event Hub input). The custom connection-state key
-/// stays in the telemetry (ux4iot 3.6.1).
-pub fn parse_telemetry(body: &mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry> {
-    let value = simd_json::to_borrowed_value(body).ok()?;
-    let BorrowedValue::Object(obj) = value else { return None };
+/// too when it is a string (plain Event Hub input). The custom connection-state key stays in
+/// the telemetry (ux4iot 3.6.1).
+pub fn parse_telemetry<'a>(body: &'a mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry<'a>> {
+    let tape = PARSE_BUFFERS.with(|b| simd_json::to_tape_with_buffers(body, &mut b.borrow_mut()).ok())?;
+    let obj = tape.as_value().as_object()?;
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
-    for (key, v) in obj.iter() {
-        let key: &str = key;
+    let mut scratch = Vec::with_capacity(64);
+    for (key, v) in &obj {
         if key == settings.custom_timestamp_key {
-            parsed.timestamp = match v {
-                BorrowedValue::String(s) => parse_iso(s),
-                v => v.as_i64(),
+            parsed.timestamp = match v.as_str() {
+                Some(s) => parse_iso(s),
+                None => v.as_i64(),
             };
             continue;
         }
@@ -90,7 +98,9 @@ pub fn parse_telemetry(body: &mut [u8], settings: &IngestSettings) -> Option<Par
         if !settings.custom_connection_state_key.is_empty() && key == settings.custom_connection_state_key {
             parsed.connection_state = v.as_bool();
         }
-        parsed.values.push((key.into(), v.encode().into()));
+        scratch.clear();
+        v.write(&mut scratch).ok()?;
+        parsed.values.push((key, Arc::from(std::str::from_utf8(&scratch).ok()?)));
     }
     Some(parsed)
 }

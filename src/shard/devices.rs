@@ -353,11 +353,16 @@ impl DeviceTable {
                     publication.device = Arc::from(&*device_id);
                 }
                 for (key, json) in parsed.values {
-                    let json: Arc<str> = Arc::from(json);
                     if subscribed {
-                        publication.telemetry.push((key.clone(), json.clone()));
+                        publication.telemetry.push((Box::from(&*key), json.clone()));
                     }
-                    device.telemetry.insert(key, LastValue { json, at });
+                    // Keys repeat message after message: allocate one only the first time.
+                    match device.telemetry.get_mut(&*key) {
+                        Some(last) => *last = LastValue { json, at },
+                        None => {
+                            device.telemetry.insert(Box::from(&*key), LastValue { json, at });
+                        }
+                    }
                 }
                 let connected = match parsed.connection_state {
                     Some(state) => Some(state),
