@@ -373,3 +373,22 @@ fn an_open_socket_keeps_its_session_and_the_grace_period_starts_when_it_closes()
     std::thread::sleep(Duration::from_millis(2500));
     assert_eq!(server.try_grant(&session, grant).0, 404, "expired after the grace period");
 }
+
+#[test]
+fn live_sockets_count_towards_the_connection_limit() {
+    let server = Server::start(&["--max-connections", "2", "--cores", "1"]);
+    let session = {
+        let setup = new_agent(); // its keep-alive connection closes when it is dropped
+        server.new_session_on(&setup)
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    let _a = server.live(&session);
+    let _b = server.live(&session);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut third = server.connect();
+    match raw_exchange(&mut third, b"GET /version HTTP/1.1\r\nhost: x\r\n\r\n") {
+        RawOutcome::Response(r) => assert_eq!(r.status, 503),
+        RawOutcome::Closed => {}
+        RawOutcome::TimedOut => panic!("a connection over the limit must be refused at once"),
+    }
+}

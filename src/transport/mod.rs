@@ -28,6 +28,9 @@ use crate::runtime::mesh::CoreMsg;
 use crate::runtime::Core;
 use frame::{FrameReader, Incoming};
 
+/// Initial read buffer of a socket.
+const READ_CHUNK: usize = 1024;
+
 /// A write that makes no progress for this long means a stalled client: the socket is dropped.
 const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
@@ -199,6 +202,8 @@ async fn run(
         fd,
     });
     conn.core.metrics.socket_opened(conn.transport());
+    // A live socket counts towards the connection limit of the core it lives on.
+    conn.core.connections.set(conn.core.connections.get() + 1);
     let (mut read, write) = stream.into_split();
     let greeting_ok = match &kind {
         SocketKind::Plain => {
@@ -220,7 +225,9 @@ async fn run(
     let read_deadline = Duration::from_millis(c.ping_interval + c.ping_timeout) + Duration::from_secs(5);
     let mut parser = FrameReader::default();
     let mut pending = leftover;
-    let mut chunk = Vec::with_capacity(8 * 1024);
+    // Small: an idle socket keeps this buffer in the kernel's hands for as long as it waits,
+    // and clients only send pongs and small packets (it grows for a bigger burst).
+    let mut chunk = Vec::with_capacity(READ_CHUNK);
     let mut incoming = Vec::new();
     'read: loop {
         match parser.parse(&mut pending, &mut incoming) {
@@ -260,7 +267,15 @@ async fn run(
         chunk = buf;
         match result {
             Ok(0) | Err(_) => break,
-            Ok(n) => pending.extend_from_slice(&chunk[..n]),
+            Ok(n) => {
+                pending.extend_from_slice(&chunk[..n]);
+                if n == chunk.capacity() && chunk.capacity() < 16 * READ_CHUNK {
+                    chunk.reserve(chunk.capacity());
+                }
+            }
+        }
+        if pending.is_empty() && pending.capacity() > 4 * READ_CHUNK {
+            pending = Vec::new();
         }
     }
     if !conn.outlet.is_closing() {
@@ -272,18 +287,19 @@ async fn run(
         }
     }
     conn.core.metrics.socket_closed(conn.transport());
+    conn.core.connections.set(conn.core.connections.get() - 1);
 }
 
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
 async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
-    let (result, mut buf) = write.write_all(handshake).await;
+    let (result, _) = write.write_all(handshake).await;
     if result.is_err() {
         conn.outlet.close(CloseReason::new(1001, "write failed"));
         conn.shutdown();
         return;
     }
-    buf.clear();
-    buf.reserve(16 * 1024);
+    // Grows to the largest burst written; released again after a big one.
+    let mut buf: Vec<u8> = Vec::new();
     loop {
         let drained = conn.outlet.drain().await;
         let metrics = &conn.core.metrics;
@@ -321,6 +337,9 @@ async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake:
         if drained.closing.is_some() {
             conn.shutdown();
             return;
+        }
+        if buf.capacity() > 256 * 1024 {
+            buf = Vec::new();
         }
     }
 }

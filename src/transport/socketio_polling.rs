@@ -219,6 +219,10 @@ async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
     loop {
         monoio::time::sleep(interval).await;
         if !alive() {
+            // Closed while no poll was pending (e.g. session deleted): nobody will collect it.
+            if !socket.poll_active.get() {
+                forget(&core, &socket);
+            }
             return;
         }
         socket.outlet.push(Out::Packet("2".into()));
