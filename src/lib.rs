@@ -10,12 +10,15 @@
 //! - [`shard`]: a core's state — devices (last values, twin, connection state, per-session
 //!   grants and subscriptions) and sessions.
 //! - [`http`]: HTTP/1.1 connections; [`api`]: the REST endpoints of SPEC.md.
+//! - [`hub`]: the IoT Hub service REST client (twin, desired properties, direct methods),
+//!   on its own thread behind a bounded queue.
 //! - [`logging`], [`status`]: operations.
 
 pub mod api;
 pub mod config;
 pub mod connection_string;
 pub mod http;
+pub mod hub;
 pub mod ids;
 pub mod ingest;
 pub mod logging;
@@ -29,4 +32,6 @@ pub mod timefmt;
 pub struct Shared {
     pub log: logging::LogControl,
     pub status: status::StatusBoard,
+    /// The IoT Hub service client; `None` without a (well-formed) service connection string.
+    pub hub: Option<hub::HubClient>,
 }

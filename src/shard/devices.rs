@@ -3,6 +3,8 @@
 //! Telemetry values are kept as their JSON text, so answering a read or building a push frame
 //! is concatenation, never re-serialisation.
 
+use std::time::Instant;
+
 use hashbrown::HashMap;
 use serde_json::Value;
 
@@ -10,7 +12,7 @@ use crate::ids::SessionId;
 use crate::ingest::{IngestMessage, IngestSettings, SourceKind};
 use crate::model::{Grant, Rejection};
 use crate::shard::access::Access;
-use crate::shard::{DeviceOp, DeviceReply, Viewer};
+use crate::shard::{DeviceOp, DeviceReply, TwinCacheTtl, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 pub struct LastValue {
@@ -36,6 +38,8 @@ pub struct Device {
     pub twin: Option<Twin>,
     pub connection: Option<ConnectionState>,
     pub access: HashMap<SessionId, Access>,
+    /// When `twin` was last set from an IoT Hub read; twin change events merge into it since.
+    pub hub_twin_read: Option<Instant>,
 }
 
 impl Device {
@@ -190,6 +194,14 @@ impl DeviceTable {
                     None => Err(Rejection::new(404, "No device found")),
                 })
             }
+            DeviceOp::ReadHubTwin { device, viewer, ttl } => self.read_hub_twin(&device, viewer, ttl),
+            DeviceOp::StoreHubTwin { device, doc } => DeviceReply::Body(Ok(self.store_hub_twin(&device, doc))),
+            DeviceOp::ReadConnectionStateOrMiss { device, viewer } => {
+                match self.apply(DeviceOp::ReadConnectionState { device, viewer }) {
+                    DeviceReply::Body(Err(r)) if r.status == 404 => DeviceReply::Miss,
+                    other => other,
+                }
+            }
         }
     }
 
@@ -325,6 +337,7 @@ impl DeviceTable {
                     if let Some(d) = self.devices.get_mut(&*device_id) {
                         d.telemetry = HashMap::new();
                         d.twin = None;
+                        d.hub_twin_read = None;
                         d.connection = None;
                     }
                     self.prune(&device_id);
@@ -335,6 +348,48 @@ impl DeviceTable {
 
     pub fn holds_grant(&self, device: &str, session: SessionId, grant: &Grant) -> bool {
         self.access(device, session).is_some_and(|a| a.holds(grant))
+    }
+
+    /// IoT Hub configured: serve the twin only when it rests on a hub read that `ttl` still
+    /// counts as fresh. A twin known only from change events may be partial (an `updateTwin`
+    /// carries just the change), so it is never served in place of a hub read.
+    fn read_hub_twin(&self, device: &str, viewer: Viewer, ttl: TwinCacheTtl) -> DeviceReply {
+        if let Viewer::Session(s) = viewer {
+            if !self.access(device, s).is_some_and(|a| a.grants.device_twin) {
+                return DeviceReply::Body(Err(Rejection::new(403, "Forbidden to read device twin: missing grant")));
+            }
+        }
+        let Some(d) = self.devices.get(device) else { return DeviceReply::Miss };
+        let (Some(twin), Some(read)) = (d.twin.as_ref(), d.hub_twin_read) else { return DeviceReply::Miss };
+        let fresh = match ttl {
+            TwinCacheTtl::Off => false,
+            TwinCacheTtl::Forever => true,
+            TwinCacheTtl::For(ttl) => read.elapsed() < ttl,
+        };
+        if fresh {
+            DeviceReply::Body(Ok(record(device, &twin.doc.to_string(), &iso(twin.at))))
+        } else {
+            DeviceReply::Miss
+        }
+    }
+
+    /// Caches a twin from the hub and returns the record to serve. When the cached twin (a
+    /// previous hub read plus change events) has a higher `version`, the events were newer
+    /// than this read: the cached document is kept, its read time renewed.
+    fn store_hub_twin(&mut self, device: &str, doc: Value) -> String {
+        let now = now_millis();
+        let d = self.devices.entry_ref(device).or_default();
+        let version = |v: &Value| v.get("version").and_then(Value::as_u64);
+        let keep_cached = match (d.hub_twin_read, d.twin.as_ref()) {
+            (Some(_), Some(cached)) => version(&cached.doc).zip(version(&doc)).is_some_and(|(c, n)| c > n),
+            _ => false,
+        };
+        if !keep_cached {
+            d.twin = Some(Twin { doc, at: now });
+        }
+        d.hub_twin_read = Some(Instant::now());
+        let twin = d.twin.as_ref().expect("set above");
+        record(device, &twin.doc.to_string(), &iso(twin.at))
     }
 }
 
