@@ -155,7 +155,7 @@ pub struct Config {
     pub iot_hub_max_concurrency: u64,
 
     /// Most IoT Hub requests waiting for a free slot; beyond: 503 "IoT Hub client busy".
-    #[arg(long = "iot-hub-queue-size", env = "IOT_HUB_QUEUE_SIZE", default_value_t = 1024,
+    #[arg(long = "iot-hub-queue-size", env = "IOT_HUB_QUEUE_SIZE", default_value_t = 256,
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub iot_hub_queue_size: u64,
 

@@ -254,3 +254,18 @@ fn desired_patch_forwards_hub_errors() {
     }
     hub.assert_clean();
 }
+
+#[test]
+fn payloads_larger_than_the_hubs_limits_are_413_before_any_hub_call() {
+    let hub = HubDouble::start();
+    hub.add_device("d1", true);
+    let server = start(&hub, &[]);
+    let big = "x".repeat(129 * 1024);
+    let (status, body) = invoke(&server, &[ADMIN], "d1", json!({"methodName": "m", "payload": big}));
+    assert_error(status, &body, 413, "128");
+    let (status, body) = patch(&server, &[ADMIN], "d1", json!({"blob": "y".repeat(33 * 1024)}));
+    assert_error(status, &body, 413, "32");
+    assert_eq!(hub.request_count(), 0);
+    let (status, body) = invoke(&server, &[ADMIN], "d1", json!({"methodName": "m", "payload": "x".repeat(100 * 1024)}));
+    assert_eq!(status, 200, "{body}");
+}

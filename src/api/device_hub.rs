@@ -17,6 +17,21 @@ use crate::hub::{method_budget, HubCall, HubClient};
 use crate::runtime::Core;
 use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply, TwinCacheTtl};
 
+/// IoT Hub's limit on a direct method payload (request and response): 128 KB.
+pub const MAX_METHOD_PAYLOAD_BYTES: usize = 128 * 1024;
+/// IoT Hub's limit on a twin's desired properties: 32 KB; a larger patch cannot succeed.
+pub const MAX_DESIRED_PATCH_BYTES: usize = 32 * 1024;
+
+/// Refuses, before it is queued for the hub, a value the hub would refuse for its size; this
+/// also bounds the memory a full queue of waiting calls can hold.
+fn within(value: Option<&Value>, max: usize, what: &str) -> Checked<()> {
+    let len = value.map_or(0, |v| v.to_string().len());
+    if len > max {
+        return Err(Rejection::new(413, format!("{what} is {len} bytes; IoT Hub accepts at most {} KiB", max / 1024)));
+    }
+    Ok(())
+}
+
 /// A validated direct-method call.
 pub struct MethodCall {
     pub device: String,
@@ -65,6 +80,7 @@ fn parse_method_call(body: &Value) -> Checked<MethodCall> {
             return Err(Rejection::bad_request(format!("field `methodParams.{field}` must be a number")));
         }
     }
+    within(params_obj.get("payload"), MAX_METHOD_PAYLOAD_BYTES, "methodParams.payload")?;
     Ok(MethodCall { device, method: method.into(), params: params.clone() })
 }
 
@@ -119,6 +135,7 @@ pub async fn desired_properties(core: &Rc<Core>, req: &Request) -> Checked<Respo
         None | Some(Value::Null) => return Err(Rejection::bad_request("missing field `desiredPropertyPatch`")),
         Some(_) => return Err(Rejection::bad_request("field `desiredPropertyPatch` must be an object")),
     }
+    within(obj.get("desiredPropertyPatch"), MAX_DESIRED_PATCH_BYTES, "desiredPropertyPatch")?;
     authorize(core, req, &device, Grant { kind: GrantKind::DesiredProperties, key: None }).await?;
     let patch = obj.get("desiredPropertyPatch").cloned().unwrap_or(Value::Null);
     let hub = hub(core)?;

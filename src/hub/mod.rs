@@ -163,7 +163,8 @@ impl HubClient {
         let job = Job { call, deadline: Instant::now() + budget, budget, reply };
         if let Err(e) = self.queue.try_send(job) {
             return Err(if e.is_full() {
-                tracing::warn!(call = name, "IoT Hub client busy: queue full");
+                // debug, not warn: under overload this would log once per refused request.
+                tracing::debug!(call = name, "IoT Hub client busy: queue full");
                 Rejection::new(503, "IoT Hub client busy: too many requests waiting for the IoT Hub; try again later")
             } else {
                 Rejection::new(503, "IoT Hub client stopped")
@@ -211,7 +212,10 @@ async fn worker(queue: async_channel::Receiver<Job>, http: reqwest::Client, base
         };
         match &result {
             Ok(answer) => tracing::debug!(call = job.call.name(), status = answer.status, "IoT Hub answered"),
-            Err(r) => tracing::info!(call = job.call.name(), status = r.status, error = r.message, "IoT Hub call failed"),
+            Err(r) if r.status >= 500 => {
+                tracing::warn!(call = job.call.name(), status = r.status, error = r.message, "IoT Hub call failed")
+            }
+            Err(r) => tracing::debug!(call = job.call.name(), status = r.status, error = r.message, "IoT Hub refused"),
         }
         let _ = job.reply.send(result);
     }

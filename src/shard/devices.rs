@@ -432,6 +432,29 @@ mod tests {
     }
 
     #[test]
+    fn hub_twin_cache_keeps_a_newer_cached_version_and_honours_the_ttl() {
+        let settings = IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        };
+        let mut table = DeviceTable::new(settings);
+        let read = |t: &mut DeviceTable, ttl| t.apply(DeviceOp::ReadHubTwin { device: "d".into(), viewer: Viewer::Admin, ttl });
+        assert_eq!(read(&mut table, TwinCacheTtl::Forever), DeviceReply::Miss);
+        table.apply(DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 5, "a": 1}) });
+        assert_eq!(read(&mut table, TwinCacheTtl::Off), DeviceReply::Miss);
+        let DeviceReply::Body(Ok(body)) = read(&mut table, TwinCacheTtl::Forever) else { panic!("cached") };
+        assert!(body.contains(r#""a":1"#), "{body}");
+        // An older hub read does not replace a newer cached twin.
+        let reply = table.apply(DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 4, "a": 0}) });
+        assert!(matches!(&reply, DeviceReply::Body(Ok(b)) if b.contains(r#""a":1"#)), "{reply:?}");
+        let short = TwinCacheTtl::For(std::time::Duration::from_millis(1));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(read(&mut table, short), DeviceReply::Miss);
+    }
+
+    #[test]
     fn sequence_numbers_compare_as_fixed_width_hex() {
         assert!(sequence_order("000000000000000001D4", "000000000000000001D5").is_lt());
         assert!(sequence_order("1D5", "0000000001D4").is_gt());
