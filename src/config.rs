@@ -175,6 +175,36 @@ pub struct Config {
     #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     pub http_idle_timeout: u64,
+
+    /// Base URL of the IoT Hub service API (default: https://<HostName of the service connection
+    /// string>). For a proxy or a local test double; the SAS token stays scoped to HostName.
+    #[arg(long = "iot-hub-service-url", env = "IOT_HUB_SERVICE_URL")]
+    pub iot_hub_service_url: Option<String>,
+
+    /// Allow a plain `http://` --iot-hub-service-url (local test doubles only: it sends the SAS token in clear).
+    #[arg(long = "iot-hub-allow-insecure-http", env = "IOT_HUB_ALLOW_INSECURE_HTTP", default_value_t = false,
+          action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub iot_hub_allow_insecure_http: bool,
+
+    /// Most IoT Hub requests in flight at once (and open connections to the hub).
+    #[arg(long = "iot-hub-max-concurrency", env = "IOT_HUB_MAX_CONCURRENCY", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub iot_hub_max_concurrency: u64,
+
+    /// Most IoT Hub requests waiting for a free slot; beyond: 503 "IoT Hub client busy".
+    #[arg(long = "iot-hub-queue-size", env = "IOT_HUB_QUEUE_SIZE", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub iot_hub_queue_size: u64,
+
+    /// Seconds a twin read or desired-property patch may take, queueing included (then 504).
+    #[arg(long = "iot-hub-timeout", env = "IOT_HUB_TIMEOUT", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=600))]
+    pub iot_hub_timeout: u64,
+
+    /// Advanced: lifetime in seconds of the SAS tokens signed for the IoT Hub (renewed when a quarter is left).
+    #[arg(long = "iot-hub-sas-token-lifetime", env = "IOT_HUB_SAS_TOKEN_LIFETIME", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(2..=31_536_000))]
+    pub iot_hub_sas_token_lifetime: u64,
 }
 
 /// The parts of the configuration derived once at start-up.
@@ -191,6 +221,16 @@ pub struct Settings {
 impl Settings {
     pub fn iot_hub_api_enabled(&self) -> bool {
         matches!(self.service, Some(Ok(_)))
+    }
+
+    /// How long a twin read from the IoT Hub is served from the cache (`deviceTwinCacheTTL`).
+    pub fn twin_cache_ttl(&self) -> crate::shard::TwinCacheTtl {
+        use crate::shard::TwinCacheTtl;
+        match self.config.device_twin_cache_ttl {
+            ttl if ttl < 0 => TwinCacheTtl::Off,
+            0 => TwinCacheTtl::Forever,
+            secs => TwinCacheTtl::For(std::time::Duration::from_secs(secs as u64)),
+        }
     }
 }
 

@@ -83,11 +83,15 @@ pub struct ServiceConnection {
 impl ServiceConnection {
     pub fn parse(s: &str) -> Result<Self, ParseError> {
         let p = parts(s)?;
-        Ok(Self {
+        let connection = Self {
             host_name: require(&p, "hostname", "HostName")?,
             key_name: require(&p, "sharedaccesskeyname", "SharedAccessKeyName")?,
             key: require(&p, "sharedaccesskey", "SharedAccessKey")?,
-        })
+        };
+        // IoT Hub signs with the base64-decoded key: a key that does not decode cannot sign.
+        crate::hub::sas::Signer::new(&connection.host_name, &connection.key_name, &connection.key)
+            .map_err(ParseError)?;
+        Ok(connection)
     }
 }
 
@@ -115,5 +119,7 @@ mod tests {
     fn garbage_is_rejected_with_a_reason() {
         assert!(EventHubConnection::parse("garbage").is_err());
         assert!(ServiceConnection::parse("HostName=h").unwrap_err().to_string().contains("SharedAccessKeyName"));
+        let bad_key = "HostName=h;SharedAccessKeyName=service;SharedAccessKey=not base64!";
+        assert!(ServiceConnection::parse(bad_key).unwrap_err().to_string().contains("base64"));
     }
 }

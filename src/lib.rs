@@ -10,12 +10,15 @@
 //! - [`shard`]: a core's state — devices (last values, twin, connection state, per-session
 //!   grants and subscriptions) and sessions.
 //! - [`http`]: HTTP/1.1 connections; [`api`]: the REST endpoints of SPEC.md.
+//! - [`hub`]: the IoT Hub service REST client (twin, desired properties, direct methods),
+//!   on its own thread behind a bounded queue.
 //! - [`logging`], [`status`]: operations.
 
 pub mod api;
 pub mod config;
 pub mod connection_string;
 pub mod http;
+pub mod hub;
 pub mod ids;
 pub mod ingest;
 pub mod logging;
@@ -34,4 +37,6 @@ pub struct Shared {
     pub status: status::StatusBoard,
     /// Metrics of sources running outside the cores (the AMQP consumer), read at scrape time.
     pub external_metrics: std::sync::OnceLock<Box<dyn Fn() -> metrics::ExternalSeries + Send + Sync>>,
+    /// The IoT Hub service client; `None` without a (well-formed) service connection string.
+    pub hub: Option<hub::HubClient>,
 }

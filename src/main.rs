@@ -29,7 +29,21 @@ fn main() -> ExitCode {
         tracing::error!("{message}");
         status.misconfigured(message.clone());
     }
-    let shared = Arc::new(Shared { log, status, external_metrics: Default::default() });
+    let hub = match hubcast::hub::HubOptions::from_settings(&settings) {
+        Ok(None) => None,
+        Ok(Some(options)) => match hubcast::hub::HubClient::start(options) {
+            Ok(client) => Some(client),
+            Err(e) => {
+                eprintln!("hubcast: cannot start the IoT Hub service client: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Err(message) => {
+            eprintln!("hubcast: {message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let shared = Arc::new(Shared { log, status, hub, external_metrics: Default::default() });
     match hubcast::runtime::start(Arc::new(settings), shared) {
         Ok(running) => {
             running.wait();

@@ -53,9 +53,9 @@ impl GrantKind {
         })
     }
 
-    /// Whether this grant needs the IoT Hub service API.
+    /// Whether this grant needs the IoT Hub service API (the twin is read from the hub).
     pub fn needs_hub(self) -> bool {
-        matches!(self, Self::DesiredProperties | Self::DirectMethod)
+        matches!(self, Self::DesiredProperties | Self::DirectMethod | Self::Data(DataKind::DeviceTwin))
     }
 }
 

@@ -19,7 +19,6 @@ fn subscription_grant_types_answer_204_with_empty_body() {
     for grant in [
         telemetry("d1", Some("temperature")),
         telemetry("d1", None),
-        kind("deviceTwin", "d1"),
         kind("connectionState", "d1"),
         kind("d2cMessages", "d1"),
     ] {
@@ -35,6 +34,8 @@ fn hub_grant_types_are_400_without_service_connection_string() {
         json!({"type": "directMethod", "deviceId": "d1", "directMethodName": "reboot"}),
         json!({"type": "directMethod", "deviceId": "d1", "directMethodName": null}),
         kind("desiredProperties", "d1"),
+        kind("deviceTwin", "d1"), // the twin is read from the hub
+        json!({"grantType": "subscribeToDeviceTwin", "deviceId": "d1"}),
     ] {
         let (status, body) = server.try_grant(&session, grant.clone());
         assert_error(status, &body, 400, "IoT Hub API disabled");
@@ -48,6 +49,7 @@ fn hub_grant_types_answer_204_with_service_connection_string() {
     server.grant(&session, json!({"type": "directMethod", "deviceId": "d1", "directMethodName": "reboot"}));
     server.grant(&session, json!({"type": "directMethod", "deviceId": "d1", "directMethodName": null}));
     server.grant(&session, kind("desiredProperties", "d1"));
+    server.grant(&session, kind("deviceTwin", "d1"));
 }
 
 #[test]
@@ -103,7 +105,7 @@ fn legacy_grant_format_is_accepted() {
 
 #[test]
 fn all_legacy_subscription_grant_names_are_accepted() {
-    let server = Server::start(&[]);
+    let server = Server::start(&["--iot-hub-service-connection-string", SERVICE]); // for the twin
     let session = server.new_session();
     for (legacy, current) in [
         ("subscribeToTelemetry", "telemetry"),
@@ -122,7 +124,7 @@ fn all_legacy_subscription_grant_names_are_accepted() {
 
 #[test]
 fn revoking_a_grant_answers_204_and_withdraws_it() {
-    let server = Server::start(&[]);
+    let server = Server::start(&["--iot-hub-service-connection-string", SERVICE]);
     let session = server.new_session();
     server.grant(&session, kind("deviceTwin", "d1"));
     let (status, body) = server.try_revoke(&session, kind("deviceTwin", "d1"));

@@ -157,16 +157,16 @@ fn body_over_the_limit_is_413() {
 fn device_id_longer_than_128_bytes_is_400() {
     let (server, session) = server_with_grant(&[]);
     let long = "d".repeat(129);
-    let (status, body) = server.try_grant(&session, kind("deviceTwin", &long));
+    let (status, body) = server.try_grant(&session, kind("connectionState", &long));
     assert_error(status, &body, 400, "");
-    let (status, body) = server.subscribe(&session, kind("deviceTwin", &long));
+    let (status, body) = server.subscribe(&session, kind("connectionState", &long));
     assert_error(status, &body, 400, "");
     let (status, body, _) = server.call("POST", "/ingest", &[ADMIN], Some(json!({"deviceId": long, "body": {"t": 1}})));
     assert_error(status, &body, 400, "");
     // Exactly 128 bytes is fine.
     let max = "d".repeat(128);
-    server.grant(&session, kind("deviceTwin", &max));
-    assert_eq!(server.subscribe(&session, kind("deviceTwin", &max)).0, 204);
+    server.grant(&session, kind("connectionState", &max));
+    assert_eq!(server.subscribe(&session, kind("connectionState", &max)).0, 204);
     assert_state_intact(&server, &session);
 }
 

@@ -5,6 +5,11 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
+/// A well-formed IoT Hub service connection string: `deviceTwin` grants need one. The hub is
+/// never contacted by these tests.
+const WITH_HUB: &[&str] =
+    &["--iot-hub-service-connection-string", "HostName=127.0.0.1;SharedAccessKeyName=iothubowner;SharedAccessKey=a2V5"];
+
 const TYPES: [&str; 4] = ["telemetry", "deviceTwin", "connectionState", "d2cMessages"];
 
 fn request(session: &str, kind_name: &str, device: &str) -> Value {
@@ -33,7 +38,7 @@ fn granted_session(server: &Server) -> String {
 
 #[test]
 fn subscribing_to_each_granted_type_answers_204() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     for t in TYPES {
         let (status, body, _) = server.call("PUT", "/subscription", &[], Some(request(&session, t, "d1")));
@@ -44,7 +49,7 @@ fn subscribing_to_each_granted_type_answers_204() {
 
 #[test]
 fn subscribing_without_grant_is_403() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = server.new_session();
     for t in TYPES {
         let (status, body, _) = server.call("PUT", "/subscription", &[], Some(request(&session, t, "d1")));
@@ -54,7 +59,7 @@ fn subscribing_without_grant_is_403() {
 
 #[test]
 fn grant_for_one_type_does_not_cover_another() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = server.new_session();
     server.grant(&session, kind("deviceTwin", "d1"));
     for t in ["telemetry", "connectionState", "d2cMessages"] {
@@ -65,7 +70,7 @@ fn grant_for_one_type_does_not_cover_another() {
 
 #[test]
 fn subscribing_with_unknown_session_is_404() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     for t in TYPES {
         let (status, body, _) =
             server.call("PUT", "/subscription", &[], Some(request("no-such-session-abcdefghij", t, "d1")));
@@ -78,7 +83,7 @@ fn subscribing_with_unknown_session_is_404() {
 
 #[test]
 fn unknown_subscription_type_is_400() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     for t in ["directMethod", "desiredProperties", "bogus"] {
         let (status, body, _) = server.call("PUT", "/subscription", &[], Some(request(&session, t, "d1")));
@@ -90,7 +95,7 @@ fn unknown_subscription_type_is_400() {
 
 #[test]
 fn subscriptions_are_a_set() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     for t in TYPES {
         let req = request(&session, t, "d1");
@@ -107,7 +112,7 @@ fn subscriptions_are_a_set() {
 
 #[test]
 fn unsubscribing_needs_the_grant() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = server.new_session();
     let (status, body, _) = server.call("DELETE", "/subscription", &[], Some(request(&session, "deviceTwin", "d1")));
     assert_error(status, &body, 403, "");
@@ -115,7 +120,7 @@ fn unsubscribing_needs_the_grant() {
 
 #[test]
 fn bulk_subscribe_answers_the_request_when_all_are_granted() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     let items = json!([
         with_session(&session, telemetry("d1", Some("temperature"))),
@@ -131,7 +136,7 @@ fn bulk_subscribe_answers_the_request_when_all_are_granted() {
 
 #[test]
 fn bulk_subscribe_accepts_the_admin_sdk_body_shape() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     let items = json!([
         with_session(&session, telemetry("d1", Some("temperature"))),
@@ -145,7 +150,7 @@ fn bulk_subscribe_accepts_the_admin_sdk_body_shape() {
 
 #[test]
 fn bulk_subscribe_skips_ungranted_requests() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = server.new_session();
     server.grant(&session, telemetry("d1", Some("a")));
     server.grant(&session, kind("deviceTwin", "d2"));
@@ -165,7 +170,7 @@ fn bulk_subscribe_skips_ungranted_requests() {
 
 #[test]
 fn bulk_subscribe_with_an_invalid_element_fails_whole() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     let valid = with_session(&session, telemetry("d1", Some("temperature")));
     let invalid_elements = [
@@ -194,7 +199,7 @@ fn bulk_subscribe_with_an_invalid_element_fails_whole() {
 
 #[test]
 fn bulk_body_that_is_not_a_list_is_400() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     for body in [json!({"sessionId": session}), json!(5), json!({"subscriptionRequests": 5})] {
         let (status, text, _) = server.call("PUT", "/subscriptions", &[], Some(body.clone()));
@@ -205,7 +210,7 @@ fn bulk_body_that_is_not_a_list_is_400() {
 
 #[test]
 fn bulk_with_empty_list_answers_empty_list() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     for method in ["PUT", "DELETE"] {
         let (status, applied) = bulk(&server, method, json!([]));
         assert_eq!((status, applied), (200, json!([])), "{method} /subscriptions []");
@@ -216,7 +221,7 @@ fn bulk_with_empty_list_answers_empty_list() {
 
 #[test]
 fn bulk_unsubscribe_mirrors_bulk_subscribe() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = server.new_session();
     server.grant(&session, telemetry("d1", None));
     server.grant(&session, kind("connectionState", "d1"));
@@ -238,7 +243,7 @@ fn bulk_unsubscribe_mirrors_bulk_subscribe() {
 
 #[test]
 fn bulk_unsubscribe_accepts_the_session_header_with_a_bare_list() {
-    let server = Server::start(&[]);
+    let server = Server::start(WITH_HUB);
     let session = granted_session(&server);
     let items = json!([with_session(&session, kind("deviceTwin", "d1"))]);
     let (status, text, _) = server.call("DELETE", "/subscriptions", &[("sessionId", &session)], Some(items.clone()));

@@ -2,24 +2,70 @@
 //! service API when `iotHubServiceConnectionString` is configured.
 //!
 //! Order of checks: hub configured (400), body (400), caller (401/404), grant (403), then
-//! the hub call. The admin key skips the grant check.
+//! the hub call. The admin key skips the grant check. The hub's error statuses are forwarded
+//! with its message; 503/504 of our own mean a busy client or a hub that did not answer in time
+//! (see `crate::hub`).
 
 use std::rc::Rc;
 
-use serde_json::Value;
+use serde_json::{json, Map, Value};
 
 use super::auth::{admin_key_matches, no_such_session, parse_session};
 use crate::http::{Request, Response};
 use crate::model::{as_object, device_id, optional_key, Checked, Grant, GrantKind, Rejection};
+use crate::hub::{method_budget, HubCall, HubClient};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply, TwinCacheTtl};
+
+/// IoT Hub's limit on a direct method payload (request and response): 128 KB.
+pub const MAX_METHOD_PAYLOAD_BYTES: usize = 128 * 1024;
+/// IoT Hub's limit on a twin's desired properties: 32 KB; a larger patch cannot succeed.
+pub const MAX_DESIRED_PATCH_BYTES: usize = 32 * 1024;
+
+/// Refuses, before it is queued for the hub, a value the hub would refuse for its size; this
+/// also bounds the memory a full queue of waiting calls can hold.
+fn within(value: Option<&Value>, max: usize, what: &str) -> Checked<()> {
+    let len = value.map_or(0, |v| v.to_string().len());
+    if len > max {
+        return Err(Rejection::new(413, format!("{what} is {len} bytes; IoT Hub accepts at most {} KiB", max / 1024)));
+    }
+    Ok(())
+}
 
 /// A validated direct-method call.
 pub struct MethodCall {
     pub device: String,
     pub method: String,
-    #[allow(dead_code)] // forwarded to the hub by the service client
     pub params: Value,
+}
+
+impl MethodCall {
+    /// The hub's request body (`methodName`, `payload`, and the timeouts the caller gave) and
+    /// our deadline for the call.
+    fn hub_call(self) -> (HubCall, std::time::Duration) {
+        let given = |field: &str| self.params.get(field).filter(|v| !v.is_null()).cloned();
+        let mut body = Map::new();
+        body.insert("methodName".into(), Value::String(self.method.clone()));
+        body.insert("payload".into(), given("payload").unwrap_or(Value::Null));
+        let response_timeout = given("responseTimeoutInSeconds");
+        let connect_timeout = given("connectTimeoutInSeconds");
+        let budget = method_budget(
+            response_timeout.as_ref().and_then(Value::as_f64),
+            connect_timeout.as_ref().and_then(Value::as_f64),
+        );
+        if let Some(v) = response_timeout {
+            body.insert("responseTimeoutInSeconds".into(), v);
+        }
+        if let Some(v) = connect_timeout {
+            body.insert("connectTimeoutInSeconds".into(), v);
+        }
+        (HubCall::InvokeMethod { device: self.device, body: Value::Object(body) }, budget)
+    }
+}
+
+/// The hub client (present whenever the API is enabled: start-up stops if it cannot start).
+fn hub(core: &Core) -> Checked<&HubClient> {
+    core.shared.hub.as_ref().ok_or_else(|| Rejection::new(503, "IoT Hub service client not running"))
 }
 
 fn parse_method_call(body: &Value) -> Checked<MethodCall> {
@@ -34,6 +80,7 @@ fn parse_method_call(body: &Value) -> Checked<MethodCall> {
             return Err(Rejection::bad_request(format!("field `methodParams.{field}` must be a number")));
         }
     }
+    within(params_obj.get("payload"), MAX_METHOD_PAYLOAD_BYTES, "methodParams.payload")?;
     Ok(MethodCall { device, method: method.into(), params: params.clone() })
 }
 
@@ -66,7 +113,12 @@ pub async fn direct_method(core: &Rc<Core>, req: &Request) -> Checked<Response> 
     let call = parse_method_call(&req.json()?)?;
     let grant = Grant { kind: GrantKind::DirectMethod, key: Some(call.method.as_str().into()) };
     authorize(core, req, &call.device, grant).await?;
-    Err(Rejection::new(501, "the IoT Hub service client is not available in this build"))
+    let (hub_call, budget) = call.hub_call();
+    let answer = hub(core)?.call(hub_call, budget).await?;
+    // HTTP 200 from the hub; the device's own status is inside (`{status, payload}`).
+    let field = |name: &str| answer.body.get(name).cloned().unwrap_or(Value::Null);
+    let body = json!({ "status": field("status"), "payload": field("payload") });
+    Ok(Response::json(200, body.to_string()))
 }
 
 pub async fn desired_properties(core: &Rc<Core>, req: &Request) -> Checked<Response> {
@@ -83,6 +135,17 @@ pub async fn desired_properties(core: &Rc<Core>, req: &Request) -> Checked<Respo
         None | Some(Value::Null) => return Err(Rejection::bad_request("missing field `desiredPropertyPatch`")),
         Some(_) => return Err(Rejection::bad_request("field `desiredPropertyPatch` must be an object")),
     }
+    within(obj.get("desiredPropertyPatch"), MAX_DESIRED_PATCH_BYTES, "desiredPropertyPatch")?;
     authorize(core, req, &device, Grant { kind: GrantKind::DesiredProperties, key: None }).await?;
-    Err(Rejection::new(501, "the IoT Hub service client is not available in this build"))
+    let patch = obj.get("desiredPropertyPatch").cloned().unwrap_or(Value::Null);
+    let hub = hub(core)?;
+    let answer = hub.call(HubCall::PatchDesired { device: device.clone(), patch }, hub.timeout()).await?;
+    // The hub answers with the whole updated twin: keep it when twins are cached.
+    if core.settings.twin_cache_ttl() != TwinCacheTtl::Off && answer.body.is_object() {
+        let target = core.device_core(&device);
+        let op = DeviceOp::StoreHubTwin { device: device.into_boxed_str(), doc: answer.body.clone() };
+        core.device_ops(target, vec![op]).await;
+    }
+    let body = json!({ "status": answer.status, "payload": answer.body });
+    Ok(Response::json(200, body.to_string()))
 }

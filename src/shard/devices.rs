@@ -18,7 +18,7 @@ use crate::model::{Grant, Rejection};
 use crate::push::envelope::EnvelopeBuilder;
 use crate::push::{Delivery, FrameKind};
 use crate::shard::access::Access;
-use crate::shard::{DeviceOp, DeviceReply, Viewer};
+use crate::shard::{DeviceOp, DeviceReply, TwinCacheTtl, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 pub struct LastValue {
@@ -70,6 +70,8 @@ pub struct Device {
     last_seen: Option<Instant>,
     /// An off-line check is scheduled for this device.
     offline_check_armed: bool,
+    /// When `twin` was last set from an IoT Hub read; twin change events merge into it since.
+    pub hub_twin_read: Option<Instant>,
 }
 
 fn subscribed_any(device: &Device) -> bool {
@@ -261,6 +263,14 @@ impl DeviceTable {
                     None => Err(Rejection::new(404, "No device found")),
                 })
             }
+            DeviceOp::ReadHubTwin { device, viewer, ttl } => self.read_hub_twin(&device, viewer, ttl),
+            DeviceOp::StoreHubTwin { device, doc } => DeviceReply::Body(Ok(self.store_hub_twin(&device, doc))),
+            DeviceOp::ReadConnectionStateOrMiss { device, viewer } => {
+                match self.apply(DeviceOp::ReadConnectionState { device, viewer }) {
+                    DeviceReply::Body(Err(r)) if r.status == 404 => DeviceReply::Miss,
+                    other => other,
+                }
+            }
         }
     }
 
@@ -439,6 +449,7 @@ impl DeviceTable {
                     if let Some(d) = self.devices.get_mut(&*device_id) {
                         d.telemetry = HashMap::new();
                         d.twin = None;
+                        d.hub_twin_read = None;
                         d.connection = None;
                     }
                     self.prune(&device_id);
@@ -596,6 +607,48 @@ impl DeviceTable {
     pub fn holds_grant(&self, device: &str, session: SessionId, grant: &Grant) -> bool {
         self.access(device, session).is_some_and(|a| a.holds(grant))
     }
+
+    /// IoT Hub configured: serve the twin only when it rests on a hub read that `ttl` still
+    /// counts as fresh. A twin known only from change events may be partial (an `updateTwin`
+    /// carries just the change), so it is never served in place of a hub read.
+    fn read_hub_twin(&self, device: &str, viewer: Viewer, ttl: TwinCacheTtl) -> DeviceReply {
+        if let Viewer::Session(s) = viewer {
+            if !self.access(device, s).is_some_and(|a| a.grants.device_twin) {
+                return DeviceReply::Body(Err(Rejection::new(403, "Forbidden to read device twin: missing grant")));
+            }
+        }
+        let Some(d) = self.devices.get(device) else { return DeviceReply::Miss };
+        let (Some(twin), Some(read)) = (d.twin.as_ref(), d.hub_twin_read) else { return DeviceReply::Miss };
+        let fresh = match ttl {
+            TwinCacheTtl::Off => false,
+            TwinCacheTtl::Forever => true,
+            TwinCacheTtl::For(ttl) => read.elapsed() < ttl,
+        };
+        if fresh {
+            DeviceReply::Body(Ok(record(device, &twin.doc.to_string(), &iso(twin.at))))
+        } else {
+            DeviceReply::Miss
+        }
+    }
+
+    /// Caches a twin from the hub and returns the record to serve. When the cached twin (a
+    /// previous hub read plus change events) has a higher `version`, the events were newer
+    /// than this read: the cached document is kept, its read time renewed.
+    fn store_hub_twin(&mut self, device: &str, doc: Value) -> String {
+        let now = now_millis();
+        let d = self.devices.entry_ref(device).or_default();
+        let version = |v: &Value| v.get("version").and_then(Value::as_u64);
+        let keep_cached = match (d.hub_twin_read, d.twin.as_ref()) {
+            (Some(_), Some(cached)) => version(&cached.doc).zip(version(&doc)).is_some_and(|(c, n)| c > n),
+            _ => false,
+        };
+        if !keep_cached {
+            d.twin = Some(Twin { doc, at: now });
+        }
+        d.hub_twin_read = Some(Instant::now());
+        let twin = d.twin.as_ref().expect("set above");
+        record(device, &twin.doc.to_string(), &iso(twin.at))
+    }
 }
 
 /// IoT Hub sequence numbers are hex strings (usually fixed-width): compare them as numbers.
@@ -634,6 +687,29 @@ mod tests {
         let mut twin = json!({"version": 1, "properties": {"reported": {"a": 1, "b": {"c": 2}}}});
         merge_patch(&mut twin, json!({"version": 2, "properties": {"reported": {"b": {"d": 3}, "a": null}}}));
         assert_eq!(twin, json!({"version": 2, "properties": {"reported": {"b": {"c": 2, "d": 3}}}}));
+    }
+
+    #[test]
+    fn hub_twin_cache_keeps_a_newer_cached_version_and_honours_the_ttl() {
+        let settings = IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        };
+        let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None });
+        let read = |t: &mut DeviceTable, ttl| t.apply(DeviceOp::ReadHubTwin { device: "d".into(), viewer: Viewer::Admin, ttl });
+        assert_eq!(read(&mut table, TwinCacheTtl::Forever), DeviceReply::Miss);
+        table.apply(DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 5, "a": 1}) });
+        assert_eq!(read(&mut table, TwinCacheTtl::Off), DeviceReply::Miss);
+        let DeviceReply::Body(Ok(body)) = read(&mut table, TwinCacheTtl::Forever) else { panic!("cached") };
+        assert!(body.contains(r#""a":1"#), "{body}");
+        // An older hub read does not replace a newer cached twin.
+        let reply = table.apply(DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 4, "a": 0}) });
+        assert!(matches!(&reply, DeviceReply::Body(Ok(b)) if b.contains(r#""a":1"#)), "{reply:?}");
+        let short = TwinCacheTtl::For(std::time::Duration::from_millis(1));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert_eq!(read(&mut table, short), DeviceReply::Miss);
     }
 
     #[test]

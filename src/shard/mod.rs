@@ -36,6 +36,23 @@ pub enum DeviceOp {
     CheckGrant { device: Box<str>, session: SessionId, grant: Grant },
     /// The session is gone: drop its grants and subscriptions on this device.
     ForgetSession { device: Box<str>, session: SessionId },
+    /// IoT Hub configured: the cached twin if a hub read is fresh per `ttl`, else `Miss`
+    /// (the viewer's grant is checked first).
+    ReadHubTwin { device: Box<str>, viewer: Viewer, ttl: TwinCacheTtl },
+    /// A twin read from (or returned by) the IoT Hub: cache it; replies with the record served.
+    StoreHubTwin { device: Box<str>, doc: serde_json::Value },
+    /// The cached connection state, or `Miss` when none is known (grant checked first).
+    ReadConnectionStateOrMiss { device: Box<str>, viewer: Viewer },
+}
+
+/// `deviceTwinCacheTTL`: how long a twin read from the IoT Hub is served from the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TwinCacheTtl {
+    /// `-1`: never; every read asks the hub.
+    Off,
+    /// `0`: the first hub read is kept (and kept current by twin change events).
+    Forever,
+    For(std::time::Duration),
 }
 
 impl DeviceOp {
@@ -50,7 +67,10 @@ impl DeviceOp {
             | DeviceOp::ReadTwin { device, .. }
             | DeviceOp::ReadConnectionState { device, .. }
             | DeviceOp::CheckGrant { device, .. }
-            | DeviceOp::ForgetSession { device, .. } => device,
+            | DeviceOp::ForgetSession { device, .. }
+            | DeviceOp::ReadHubTwin { device, .. }
+            | DeviceOp::StoreHubTwin { device, .. }
+            | DeviceOp::ReadConnectionStateOrMiss { device, .. } => device,
         }
     }
 }
@@ -62,6 +82,8 @@ pub enum DeviceReply {
     Permitted(bool),
     /// A read: the JSON response body, or why not.
     Body(Result<String, Rejection>),
+    /// A read the cache cannot answer (permitted, but nothing fresh): ask the IoT Hub.
+    Miss,
 }
 
 /// An operation on one session, run on the session's core.
