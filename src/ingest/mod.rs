@@ -4,7 +4,10 @@
 //! A source only finds the device id and routes the raw body to `core_of_device`; the body
 //! is parsed there, with simd-json, by the core that owns the device's state.
 
+pub mod faults;
 pub mod simulate;
+
+use std::borrow::Cow;
 
 use simd_json::prelude::*;
 use simd_json::BorrowedValue;
@@ -71,8 +74,14 @@ pub struct ParsedTelemetry {
 /// too when it names this device (plain Event Hub input). The custom connection-state key
 /// stays in the telemetry (ux4iot 3.6.1).
 pub fn parse_telemetry(body: &mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry> {
-    let value = simd_json::to_borrowed_value(body).ok()?;
-    let BorrowedValue::Object(obj) = value else { return None };
+    parse_telemetry_checked(body, settings).ok()
+}
+
+/// [`parse_telemetry`], saying why a body is not telemetry ([`faults::Fault::NotJson`] or
+/// [`faults::Fault::NotObject`]). Parses in place: `body` is garbage afterwards.
+pub fn parse_telemetry_checked(body: &mut [u8], settings: &IngestSettings) -> Result<ParsedTelemetry, faults::Fault> {
+    let value = simd_json::to_borrowed_value(body).map_err(|_| faults::Fault::NotJson)?;
+    let BorrowedValue::Object(obj) = value else { return Err(faults::Fault::NotObject) };
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
     for (key, v) in obj.iter() {
         let key: &str = key;
@@ -91,7 +100,22 @@ pub fn parse_telemetry(body: &mut [u8], settings: &IngestSettings) -> Option<Par
         }
         parsed.values.push((key.into(), v.encode().into()));
     }
-    Some(parsed)
+    Ok(parsed)
+}
+
+/// The `data` a `d2cMessages` subscriber receives for a device message body, as JSON text:
+/// a JSON body as it is (any JSON value, not only objects); any other body (not UTF-8, not
+/// JSON, empty) as `{"base64": "<the body, standard base64 with padding>"}`.
+///
+/// This validates the whole body, so call it before [`parse_telemetry`] rewrites it.
+pub fn d2c_data(body: &[u8]) -> Cow<'_, str> {
+    if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
+        if let Ok(text) = std::str::from_utf8(body) {
+            return Cow::Borrowed(text.trim());
+        }
+    }
+    use base64::Engine as _;
+    Cow::Owned(format!("{{\"base64\":\"{}\"}}", base64::engine::general_purpose::STANDARD.encode(body)))
 }
 
 /// The device id a body names under `customDeviceIdKey`, for sources without annotations.
@@ -131,5 +155,16 @@ mod tests {
     fn non_objects_are_not_telemetry() {
         assert!(parse_telemetry(&mut b"[1,2]".to_vec(), &settings()).is_none());
         assert!(parse_telemetry(&mut b"not json".to_vec(), &settings()).is_none());
+        assert_eq!(parse_telemetry_checked(&mut b"[1,2]".to_vec(), &settings()).err(), Some(faults::Fault::NotObject));
+        assert_eq!(parse_telemetry_checked(&mut b"{oops".to_vec(), &settings()).err(), Some(faults::Fault::NotJson));
+    }
+
+    #[test]
+    fn d2c_data_passes_json_through_and_wraps_anything_else_in_base64() {
+        assert_eq!(d2c_data(br#"{"t": 1}"#), r#"{"t": 1}"#);
+        assert_eq!(d2c_data(b"[1,2]\n"), "[1,2]");
+        assert_eq!(d2c_data(b"hello"), r#"{"base64":"aGVsbG8="}"#);
+        assert_eq!(d2c_data(&[0xff, 0x00]), r#"{"base64":"/wA="}"#);
+        assert_eq!(d2c_data(b""), r#"{"base64":""}"#);
     }
 }

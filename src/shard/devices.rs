@@ -7,6 +7,7 @@ use hashbrown::HashMap;
 use serde_json::Value;
 
 use crate::ids::SessionId;
+use crate::ingest::faults::{Fault, FAULTS};
 use crate::ingest::{IngestMessage, IngestSettings, SourceKind};
 use crate::model::{Grant, Rejection};
 use crate::shard::access::Access;
@@ -255,9 +256,12 @@ impl DeviceTable {
             .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
         match source {
             SourceKind::Telemetry => {
-                let Some(parsed) = crate::ingest::parse_telemetry(&mut body, &self.settings) else {
-                    tracing::debug!(device = &*device_id, "telemetry body is not a JSON object; not cached");
-                    return;
+                let parsed = match crate::ingest::parse_telemetry_checked(&mut body, &self.settings) {
+                    Ok(parsed) => parsed,
+                    Err(fault) => {
+                        FAULTS.record(fault, Some(&device_id), "telemetry body");
+                        return;
+                    }
                 };
                 let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
                 let device = self.devices.entry_ref(&*device_id).or_default();
@@ -279,9 +283,10 @@ impl DeviceTable {
                 }
             }
             SourceKind::TwinChange => {
-                let Ok(doc) = serde_json::from_slice::<Value>(&body) else {
-                    tracing::debug!(device = &*device_id, "twin change body is not JSON; ignored");
-                    return;
+                let doc = match serde_json::from_slice::<Value>(&body) {
+                    Ok(doc @ Value::Object(_)) => doc,
+                    Ok(_) => return FAULTS.record(Fault::NotObject, Some(&device_id), "twin change body"),
+                    Err(_) => return FAULTS.record(Fault::NotJson, Some(&device_id), "twin change body"),
                 };
                 let at = header_time.unwrap_or_else(now_millis);
                 let device = self.devices.entry_ref(&*device_id).or_default();
