@@ -142,7 +142,12 @@ pub async fn open(endpoint: &Endpoint, profile: SaslProfile, container_id: &str)
         } else {
             builder.open_with_stream(tcp).await
         };
-        opened.map_err(|e| format!("AMQP open with {target} failed: {e} (check SharedAccessKeyName and SharedAccessKey)"))
+        opened.map_err(|e| match e {
+            fe2o3_amqp::connection::OpenError::SaslError { code, .. } => {
+                format!("{target} refused the credentials (SASL {code:?}): check SharedAccessKeyName and SharedAccessKey")
+            }
+            e => format!("AMQP open with {target} failed: {e}"),
+        })
     };
     timeout(OPEN_TIMEOUT, work).await.map_err(|_| format!("no AMQP connection to {target} within {OPEN_TIMEOUT:?}"))?
 }

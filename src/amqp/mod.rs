@@ -269,10 +269,12 @@ impl Supervisor {
         Ok((token, expiry))
     }
 
-    /// When to renew a token of `ttl`: a fifth of its life (at most five minutes) before it ends.
-    fn renewal_delay(&self) -> Duration {
-        let ttl = self.plan.token_ttl;
-        ttl - (ttl / 5).min(Duration::from_secs(300))
+    /// How long until a token expiring at `expiry` (seconds) is renewed: a fifth of its
+    /// lifetime (at most five minutes) before it ends.
+    fn renewal_delay(&self, expiry: i64) -> Duration {
+        let margin = (self.plan.token_ttl / 5).min(Duration::from_secs(300));
+        let left = Duration::from_millis(u64::try_from(expiry * 1000 - now_millis()).unwrap_or(0));
+        left.saturating_sub(margin)
     }
 
     async fn consume(&self, connection: &mut ConnectionHandle<()>, endpoint: &Endpoint, auth: Auth) -> Stop {
@@ -284,6 +286,7 @@ impl Supervisor {
         };
         let mut cbs = None;
         let mut token = None;
+        let mut renew_at = Instant::now();
         if auth == Auth::Cbs {
             let mut link = match NodeLink::attach(&mut control, "$cbs", &self.container_id).await {
                 Ok(l) => l,
@@ -298,6 +301,7 @@ impl Supervisor {
             }
             cbs = Some(link);
             token = Some(t);
+            renew_at = Instant::now() + self.renewal_delay(expiry);
         }
 
         // The partitions, or the entity itself when the broker has no $management node.
@@ -367,7 +371,6 @@ impl Supervisor {
         tracing::info!(endpoint = %endpoint.describe(), partitions = addresses.len(), consumer_group = %self.plan.consumer_group, ?auth, "event hub connected");
 
         // Wait for the first partition to end; meanwhile keep the CBS token fresh.
-        let mut renew_at = Instant::now() + self.renewal_delay();
         let stop = loop {
             tokio::select! {
                 ended = tasks.join_next() => {
@@ -381,13 +384,13 @@ impl Supervisor {
                 _ = tokio::time::sleep_until(renew_at), if cbs.is_some() => {
                     let link = cbs.as_mut().expect("guarded by the select condition");
                     let renewed = match self.token(endpoint) {
-                        Ok((t, expiry)) => connect::put_token(link, &endpoint.audience(), &t, expiry).await.map_err(|e| e.to_string()),
+                        Ok((t, expiry)) => connect::put_token(link, &endpoint.audience(), &t, expiry).await.map(|()| expiry).map_err(|e| e.to_string()),
                         Err(e) => Err(e),
                     };
                     match renewed {
-                        Ok(()) => {
-                            tracing::debug!("CBS token renewed");
-                            renew_at = Instant::now() + self.renewal_delay();
+                        Ok(expiry) => {
+                            tracing::debug!(expiry, "CBS token renewed");
+                            renew_at = Instant::now() + self.renewal_delay(expiry);
                         }
                         Err(e) => break Stop::Retry { reason: format!("CBS token renewal: {e}"), worked: true },
                     }

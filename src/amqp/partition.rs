@@ -104,7 +104,7 @@ pub async fn consume(
         let mut failure = None;
         match receiver.recv::<Body<Value>>().await {
             Ok(d) => deliveries.push(d),
-            Err(e) => return End::Lost(format!("partition {label}: {e}")),
+            Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
         }
         // Take whatever else has already arrived, without waiting (recv is cancel safe).
         while deliveries.len() < MAX_BATCH {
@@ -113,7 +113,7 @@ pub async fn consume(
                 r = receiver.recv::<Body<Value>>() => match r {
                     Ok(d) => deliveries.push(d),
                     Err(e) => {
-                        failure = Some(format!("partition {label}: {e}"));
+                        failure = Some(format!("connection lost (partition {label}: {e})"));
                         break;
                     }
                 },
