@@ -305,7 +305,14 @@ impl NodeLink {
                 if correlation.is_some_and(|c| c != MessageId::Ulong(id)) {
                     continue; // a late reply to an earlier (timed out) request
                 }
-                return Ok(reply_of(message));
+                let reply = reply_of(message);
+                if reply.status == 0 {
+                    // Event Hubs always answers with a status code; a message without one is
+                    // not a reply (a broker that treats "$management" as a queue name echoes
+                    // the request back).
+                    return Err(NodeError::Missing(format!("{node} answered without a status-code: not an Event Hubs node")));
+                }
+                return Ok(reply);
             }
         };
         timeout(CALL_TIMEOUT, work).await.map_err(|_| NodeError::Failed(format!("no reply from {node} within {CALL_TIMEOUT:?}")))?

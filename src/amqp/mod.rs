@@ -143,8 +143,15 @@ impl Plan {
     }
 
     fn auth_for(&self, endpoint: &Endpoint) -> Auth {
-        self.auth.unwrap_or(if endpoint.tls { Auth::Cbs } else { Auth::Plain })
+        self.auth.unwrap_or(if endpoint.tls && !is_queue_address(&endpoint.entity) { Auth::Cbs } else { Auth::Plain })
     }
+}
+
+/// An `EntityPath` that starts with `/` is a broker's queue address (RabbitMQ's `/queue/x`,
+/// `/amq/queue/x`, `/queues/x`), never an Event Hub name (those cannot contain `/`): it is
+/// read as one plain AMQP queue, without `$management`, partitions or start position.
+pub fn is_queue_address(entity: &str) -> bool {
+    entity.starts_with('/')
 }
 
 /// Starts the consumer thread. `source` is its slot on the status board.
@@ -304,9 +311,14 @@ impl Supervisor {
             renew_at = Instant::now() + self.renewal_delay(expiry);
         }
 
-        // The partitions, or the entity itself when the broker has no $management node.
+        // The partitions, or the entity itself when it is a queue of a plain AMQP broker.
         let mut addresses: Vec<(String, String, Option<String>)> = Vec::new(); // (label, address, filter)
-        match NodeLink::attach(&mut control, "$management", &self.container_id).await {
+        let management = if is_queue_address(&endpoint.entity) {
+            Err(NodeError::Missing("EntityPath is a queue address".into()))
+        } else {
+            NodeLink::attach(&mut control, "$management", &self.container_id).await
+        };
+        match management {
             Ok(mut mgmt) => {
                 let ids = match connect::partition_ids(&mut mgmt, &endpoint.entity, token.as_deref()).await {
                     Ok(ids) => ids,
@@ -333,11 +345,13 @@ impl Supervisor {
                 }
             }
             Err(NodeError::Missing(e)) => {
-                tracing::warn!(
-                    reason = %e,
-                    address = %endpoint.entity,
-                    "the broker has no $management node: reading EntityPath as one plain AMQP queue (no partitions, no start position)"
-                );
+                if !is_queue_address(&endpoint.entity) {
+                    tracing::warn!(
+                        reason = %e,
+                        address = %endpoint.entity,
+                        "the broker has no $management node: reading EntityPath as one plain AMQP queue (no partitions, no start position)"
+                    );
+                }
                 addresses.push((endpoint.entity.clone(), endpoint.entity.clone(), None));
             }
             Err(e) => return retry(format!("$management: {e}")),
@@ -368,7 +382,13 @@ impl Supervisor {
             }
         }
         self.status().set_connected();
-        tracing::info!(endpoint = %endpoint.describe(), partitions = addresses.len(), consumer_group = %self.plan.consumer_group, ?auth, "event hub connected");
+        tracing::info!(
+            endpoint = %endpoint.describe(),
+            partitions = addresses.len(),
+            consumer_group = %self.plan.consumer_group,
+            ?auth,
+            "event hub connected"
+        );
 
         // Wait for the first partition to end; meanwhile keep the CBS token fresh.
         let stop = loop {
