@@ -724,7 +724,7 @@ fn selector_of(sender: &Sender) -> Option<String> {
 /// Index of the first event the selector lets through.
 fn start_index(events: &[Event], filter: &str) -> usize {
     let Some((field, rest)) = filter.split_once("amqp.annotation.").and_then(|(_, r)| {
-        let field_end = r.find(|c: char| c == ' ' || c == '>' || c == '=')?;
+        let field_end = r.find([' ', '>', '='])?;
         Some((&r[..field_end], &r[field_end..]))
     }) else {
         return events.len(); // no filter: Event Hubs starts at the end
