@@ -92,6 +92,10 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub event_hub_prefetch: u32,
 
+    /// PEM file of extra root certificates trusted for amqps (besides the public web roots).
+    #[arg(long = "event-hub-ca-file", env = "EVENT_HUB_CA_FILE")]
+    pub event_hub_ca_file: Option<std::path::PathBuf>,
+
     /// Largest device message body read from the event stream, in bytes (larger: counted, skipped).
     #[arg(long = "max-message-bytes", visible_alias = "maxMessageBytes", env = "MAX_MESSAGE_BYTES",
           default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u64).range(1..))]

@@ -218,3 +218,25 @@ fn a_connection_string_without_entity_path_is_a_configuration_error() {
     assert_eq!(status, 500);
     assert!(body.contains("EntityPath") && body.contains("iotHubEventHubConnectionString"), "{body}");
 }
+
+#[test]
+fn amqps_with_tls_first_and_cbs_reads_the_hub() {
+    let hub = FakeHub::start_tls(&["0"], FakeAuth::Cbs);
+    let cs = hub.tls_connection_string();
+    let ca = amqp_support::test_ca_file();
+    let server = Server::start(&["--iot-hub-event-hub-connection-string", &cs, "--event-hub-ca-file", &ca]);
+    server.wait_connected();
+    hub.publish("0", NewEvent::telemetry("tls-1", json!({"secure": true})));
+    server.wait_for("/lastValue/tls-1/secure", WAIT, |s, _| s == 200);
+    assert!(hub.stats().put_tokens >= 1, "auth auto is CBS over TLS");
+}
+
+#[test]
+fn amqps_refuses_a_certificate_no_trusted_root_issued() {
+    let hub = FakeHub::start_tls(&["0"], FakeAuth::Cbs);
+    let cs = hub.tls_connection_string();
+    let server = Server::start(&["--iot-hub-event-hub-connection-string", &cs]);
+    let (_, body) = server.wait_for("/status", WAIT, |s, b| s == 503 && b.contains("TLS"));
+    assert!(body.contains("UnknownIssuer") || body.contains("certificate"), "{body}");
+    assert_eq!(hub.stats().put_tokens, 0);
+}

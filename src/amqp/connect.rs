@@ -6,7 +6,8 @@
 //! with `tokio::spawn`). Every network step is bounded by a timeout, so a peer that stops
 //! answering turns into an error the supervisor retries, never into a hang.
 
-use std::sync::{Arc, OnceLock};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use fe2o3_amqp::connection::ConnectionHandle;
@@ -18,6 +19,7 @@ use fe2o3_amqp::types::messaging::{ApplicationProperties, Body, Message, Message
 use fe2o3_amqp::types::primitives::{SimpleValue, Timestamp, Value};
 use fe2o3_amqp::{Connection, Receiver, Sender};
 use tokio::net::TcpStream;
+use tokio_rustls::rustls::ClientConfig;
 use tokio::time::timeout;
 
 use super::sas::{self, KeyConvention};
@@ -98,26 +100,42 @@ pub fn parse_url(url: &str) -> Result<(bool, String, u16), String> {
     Ok((tls, host, port))
 }
 
-fn tls_config() -> Arc<tokio_rustls::rustls::ClientConfig> {
-    static CONFIG: OnceLock<Arc<tokio_rustls::rustls::ClientConfig>> = OnceLock::new();
-    CONFIG
-        .get_or_init(|| {
-            use tokio_rustls::rustls;
-            let mut roots = rustls::RootCertStore::empty();
-            roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-            let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .expect("ring supports the default TLS versions")
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-            Arc::new(config)
-        })
-        .clone()
+/// The TLS client configuration: the public web roots (webpki-roots), plus the certificates
+/// of `ca_file` (PEM) when given. TLS is rustls with the ring provider: no OpenSSL.
+pub fn tls_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let shown = path.display();
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .and_then(|certs| certs.collect::<Result<_, _>>())
+            .map_err(|e| format!("cannot read the certificates of {shown}: {e}"))?;
+        if certs.is_empty() {
+            return Err(format!("{shown} holds no PEM certificate"));
+        }
+        for cert in certs {
+            roots.add(cert).map_err(|e| format!("{shown}: {e}"))?;
+        }
+    }
+    let config = ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
 }
 
 /// Opens an AMQP connection: TCP, then TLS when the endpoint asks for it (TLS first, then
 /// the AMQP header, as Event Hubs expects), then SASL with `profile`, then `open`.
-pub async fn open(endpoint: &Endpoint, profile: SaslProfile, container_id: &str) -> Result<ConnectionHandle<()>, String> {
+pub async fn open(
+    endpoint: &Endpoint,
+    tls: &Arc<ClientConfig>,
+    profile: SaslProfile,
+    container_id: &str,
+) -> Result<ConnectionHandle<()>, String> {
     let target = format!("{}:{}", endpoint.dial_host, endpoint.port);
     let work = async {
         let tcp = TcpStream::connect((endpoint.dial_host.as_str(), endpoint.port))
@@ -134,7 +152,7 @@ pub async fn open(endpoint: &Endpoint, profile: SaslProfile, container_id: &str)
         let opened = if endpoint.tls {
             let name = tokio_rustls::rustls::pki_types::ServerName::try_from(endpoint.hostname.clone())
                 .map_err(|e| format!("`{}` is not a valid TLS server name: {e}", endpoint.hostname))?;
-            let stream = tokio_rustls::TlsConnector::from(tls_config())
+            let stream = tokio_rustls::TlsConnector::from(tls.clone())
                 .connect(name, tcp)
                 .await
                 .map_err(|e| format!("TLS with {target} failed: {e}"))?;
@@ -443,7 +461,13 @@ pub struct IotHubHost {
 /// `amqp:link:redirect` the hub answers with (reference `iothub-wire.md` §2.8). The result
 /// is the Event Hubs namespace, port and entity; the same key works there (signed the Event
 /// Hubs way).
-pub async fn follow_redirect(hub: &IotHubHost, key_name: &str, key: &str, container_id: &str) -> Result<Endpoint, String> {
+pub async fn follow_redirect(
+    hub: &IotHubHost,
+    tls: &Arc<ClientConfig>,
+    key_name: &str,
+    key: &str,
+    container_id: &str,
+) -> Result<Endpoint, String> {
     let hub_name = hub.host.split(['.', ':']).next().unwrap_or_default();
     let expiry = crate::timefmt::now_millis() / 1000 + 3600;
     let resource = format!("{}/messages/events", hub.host);
@@ -456,7 +480,7 @@ pub async fn follow_redirect(hub: &IotHubHost, key_name: &str, key: &str, contai
         entity: "messages/events".into(),
     };
     let profile = SaslProfile::Plain { username: format!("{key_name}@sas.root.{hub_name}"), password };
-    let mut connection = open(&endpoint, profile, container_id).await?;
+    let mut connection = open(&endpoint, tls, profile, container_id).await?;
     let result = async {
         let mut session = timeout(CALL_TIMEOUT, fe2o3_amqp::Session::begin(&mut connection))
             .await

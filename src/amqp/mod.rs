@@ -98,6 +98,8 @@ pub struct Plan {
     pub token_ttl: Duration,
     pub prefetch: u32,
     pub map: MapSettings,
+    /// Roots trusted for amqps (public web roots, plus `--event-hub-ca-file`).
+    pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
 }
 
 impl Plan {
@@ -135,6 +137,8 @@ impl Plan {
             start: c.event_hub_start_position.clone(),
             token_ttl: Duration::from_secs(c.event_hub_token_ttl),
             prefetch: c.event_hub_prefetch,
+            tls: connect::tls_config(c.event_hub_ca_file.as_deref())
+                .map_err(|e| format!("{e}. Please check --event-hub-ca-file (EVENT_HUB_CA_FILE)"))?,
             map: MapSettings {
                 custom_device_id_key: c.custom_device_id_key.clone(),
                 max_message_bytes: usize::try_from(c.max_message_bytes).unwrap_or(usize::MAX),
@@ -246,7 +250,7 @@ impl Supervisor {
         let endpoint = match &self.plan.origin {
             Origin::EventHub(e) => e.clone(),
             Origin::IotHub(hub) => {
-                match connect::follow_redirect(hub, &self.plan.key_name, &self.plan.key, &self.container_id).await {
+                match connect::follow_redirect(hub, &self.plan.tls, &self.plan.key_name, &self.plan.key, &self.container_id).await {
                     Ok(e) => {
                         tracing::info!(endpoint = %e.describe(), "IoT Hub redirected to its built-in endpoint");
                         e
@@ -260,7 +264,7 @@ impl Supervisor {
             Auth::Plain => SaslProfile::Plain { username: self.plan.key_name.clone(), password: self.plan.key.clone() },
             Auth::Cbs => SaslProfile::Anonymous,
         };
-        let mut connection = match connect::open(&endpoint, profile, &self.container_id).await {
+        let mut connection = match connect::open(&endpoint, &self.plan.tls, profile, &self.container_id).await {
             Ok(c) => c,
             Err(e) => return retry(e),
         };

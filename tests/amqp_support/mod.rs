@@ -285,6 +285,8 @@ struct State {
 
 struct Inner {
     auth: FakeAuth,
+    /// amqps: TLS first (Event Hubs' "alternative TLS establishment"), then AMQP.
+    tls: Option<tokio_rustls::TlsAcceptor>,
     /// IoT Hub mode: redirect `messages/events` to this (port, entity).
     redirect_to: Option<(u16, String)>,
     port: AtomicU64,
@@ -303,17 +305,24 @@ pub struct FakeHub {
 impl FakeHub {
     /// An Event Hub named [`ENTITY`] with the given partitions.
     pub fn start(partitions: &[&str], auth: FakeAuth) -> FakeHub {
-        Self::launch(partitions, auth, None)
+        Self::launch(partitions, auth, None, false)
+    }
+
+    /// Like [`FakeHub::start`], over TLS with a certificate for `localhost` issued by the test
+    /// CA `tests/amqp_support/tls/ca.pem`.
+    pub fn start_tls(partitions: &[&str], auth: FakeAuth) -> FakeHub {
+        Self::launch(partitions, auth, None, true)
     }
 
     /// An IoT Hub front that redirects `messages/events` to `target`.
     pub fn start_iot_hub(target: &FakeHub) -> FakeHub {
-        Self::launch(&[], FakeAuth::Plain, Some((target.port, ENTITY.to_string())))
+        Self::launch(&[], FakeAuth::Plain, Some((target.port, ENTITY.to_string())), false)
     }
 
-    fn launch(partitions: &[&str], auth: FakeAuth, redirect_to: Option<(u16, String)>) -> FakeHub {
+    fn launch(partitions: &[&str], auth: FakeAuth, redirect_to: Option<(u16, String)>, tls: bool) -> FakeHub {
         let inner = Arc::new(Inner {
             auth,
+            tls: tls.then(tls_acceptor),
             redirect_to,
             port: AtomicU64::new(0),
             state: Mutex::new(State {
@@ -361,6 +370,11 @@ impl FakeHub {
     /// `Endpoint=amqp://127.0.0.1:PORT;…;EntityPath=fake-hub`
     pub fn connection_string(&self) -> String {
         format!("Endpoint=amqp://127.0.0.1:{};SharedAccessKeyName={KEY_NAME};SharedAccessKey={KEY};EntityPath={ENTITY}", self.port)
+    }
+
+    /// `Endpoint=amqps://localhost:PORT;…` for a [`FakeHub::start_tls`] hub.
+    pub fn tls_connection_string(&self) -> String {
+        format!("Endpoint=amqps://localhost:{};SharedAccessKeyName={KEY_NAME};SharedAccessKey={KEY};EntityPath={ENTITY}", self.port)
     }
 
     /// `HostName=amqp://127.0.0.1:PORT;…` (the IoT Hub form).
@@ -439,6 +453,28 @@ impl Drop for FakeHub {
             let _ = stop.send(());
         }
     }
+}
+
+/// Path of the test CA certificate (PEM) that issued the fake's `localhost` certificate.
+pub fn test_ca_file() -> String {
+    format!("{}/tests/amqp_support/tls/ca.pem", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tls_acceptor() -> tokio_rustls::TlsAcceptor {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let dir = format!("{}/tests/amqp_support/tls", env!("CARGO_MANIFEST_DIR"));
+    let certs: Vec<CertificateDer<'static>> =
+        CertificateDer::pem_file_iter(format!("{dir}/server.pem")).unwrap().collect::<Result<_, _>>().unwrap();
+    let key = PrivateKeyDer::from_pem_file(format!("{dir}/server.key")).unwrap();
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
 
 fn kill_all(inner: &Inner) {
@@ -569,7 +605,14 @@ async fn serve_connection(inner: Arc<Inner>, tcp: tokio::net::TcpStream) {
     inner.state.lock().unwrap().conns.insert(id, Arc::downgrade(&conn));
     let sasl = FakeSasl { auth: inner.auth, iot_hub: inner.redirect_to.is_some(), conn: conn.clone() };
     let acceptor = ConnectionAcceptor::builder().container_id("fake-event-hub").sasl_acceptor(sasl).build();
-    if let Ok(mut connection) = acceptor.accept(tcp).await {
+    let accepted = match &inner.tls {
+        Some(tls) => match tls.accept(tcp).await {
+            Ok(stream) => acceptor.accept(stream).await,
+            Err(_) => Err(fe2o3_amqp::connection::OpenError::IllegalState),
+        },
+        None => acceptor.accept(tcp).await,
+    };
+    if let Ok(mut connection) = accepted {
         let sessions = SessionAcceptor::new();
         while let Ok(session) = sessions.accept(&mut connection).await {
             tokio::spawn(serve_session(inner.clone(), conn.clone(), session));
