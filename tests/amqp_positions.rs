@@ -165,3 +165,21 @@ fn messages_the_broker_sends_again_after_a_reconnect_are_skipped() {
     let handed: Vec<i64> = batches["0"].iter().filter(|(n, _, _)| *n > 0).flat_map(|&(_, a, b)| a..=b).collect();
     assert_eq!(handed, (0..=10).collect::<Vec<_>>(), "each message handed over once: {batches:?}");
 }
+
+#[test]
+fn the_broker_sends_no_more_than_the_link_credit_while_hubcast_takes_nothing() {
+    const PREFETCH: usize = 16;
+    let hub = FakeHub::start(&["0"], FakeAuth::Plain);
+    let server = start(&hub, &["--event-hub-prefetch", "16"]);
+    server.freeze(true);
+    for i in 0..200 {
+        hub.publish("0", NewEvent::telemetry("slow", json!({ format!("k{i}"): i })));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let sent = hub.stats().deliveries;
+    server.freeze(false);
+    assert!(sent > 0 && sent <= PREFETCH, "{sent} messages sent to a gateway that accepted none (credit {PREFETCH})");
+    server.wait_for("/lastValue/slow", WAIT, |s, b| {
+        s == 200 && serde_json::from_str::<serde_json::Value>(b).unwrap()["data"].as_object().unwrap().len() == 200
+    });
+}

@@ -138,6 +138,13 @@ impl Server {
         self.wait_for("/status", Duration::from_secs(10), |s, _| s == 200);
     }
 
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the process: a gateway that takes nothing.
+    pub fn freeze(&self, frozen: bool) {
+        let signal = if frozen { "-STOP" } else { "-CONT" };
+        let status = Command::new("kill").args([signal, &self.child.id().to_string()]).status().unwrap();
+        assert!(status.success());
+    }
+
     pub fn stderr_lines(&self) -> Vec<String> {
         self.stderr.lock().unwrap().clone()
     }
@@ -266,6 +273,8 @@ pub struct Stats {
     pub redirects: usize,
     /// Connections dropped because their CBS token expired.
     pub expired: usize,
+    /// Events sent on partition links (each needs a unit of link credit).
+    pub deliveries: usize,
 }
 
 struct State {
@@ -717,6 +726,7 @@ async fn serve_outgoing(inner: Arc<Inner>, conn: Arc<Conn>, mut sender: Sender) 
         next += 1;
         let kill = {
             let mut state = inner.state.lock().unwrap();
+            state.stats.deliveries += 1;
             match state.drop_after.as_mut() {
                 Some(0) | Some(1) => {
                     state.drop_after = None;
