@@ -165,6 +165,31 @@ pub struct Config {
           default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_sessions: u64,
 
+    /// Milliseconds between server pings on live sockets (Engine.IO `pingInterval`).
+    #[arg(long = "ping-interval", visible_alias = "pingInterval", env = "PING_INTERVAL",
+          default_value_t = 25_000, value_parser = clap::value_parser!(u64).range(100..))]
+    pub ping_interval: u64,
+
+    /// Milliseconds a client has to answer a ping before its socket is closed.
+    #[arg(long = "ping-timeout", visible_alias = "pingTimeout", env = "PING_TIMEOUT",
+          default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..))]
+    pub ping_timeout: u64,
+
+    /// Messages waiting on one socket beyond which its telemetry is conflated (newest per device).
+    #[arg(long = "socket-queue-soft-limit", env = "SOCKET_QUEUE_SOFT_LIMIT", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub socket_queue_soft_limit: u64,
+
+    /// Messages waiting on one socket beyond which it is closed as a slow consumer.
+    #[arg(long = "socket-queue-hard-limit", env = "SOCKET_QUEUE_HARD_LIMIT", default_value_t = 8192,
+          value_parser = clap::value_parser!(u64).range(2..))]
+    pub socket_queue_hard_limit: u64,
+
+    /// Serve GET /metrics without the admin key (for a Prometheus scraper inside a private network).
+    #[arg(long = "metrics-open", env = "METRICS_OPEN", default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_open: bool,
+
     /// Seconds an idle keep-alive HTTP connection stays open.
     #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]

@@ -22,14 +22,19 @@ pub mod http;
 pub mod ids;
 pub mod ingest;
 pub mod logging;
+pub mod metrics;
 pub mod model;
+pub mod push;
 pub mod runtime;
 pub mod shard;
 pub mod status;
 pub mod timefmt;
+pub mod transport;
 
 /// Process-wide services every core can reach; none of them is on the message path.
 pub struct Shared {
     pub log: logging::LogControl,
     pub status: status::StatusBoard,
+    /// Metrics of sources running outside the cores (the AMQP consumer), read at scrape time.
+    pub external_metrics: std::sync::OnceLock<Box<dyn Fn() -> metrics::ExternalSeries + Send + Sync>>,
 }

@@ -28,7 +28,15 @@ fn main() -> ExitCode {
         tracing::error!("{message}");
         status.misconfigured(message.clone());
     }
-    let shared = Arc::new(Shared { log, status });
+    let shared = Arc::new(Shared { log, status, external_metrics: Default::default() });
+    let with_amqp = consumer.is_some();
+    let _ = shared.external_metrics.set(Box::new(move || {
+        let mut series = hubcast::ingest::faults::FAULTS.series();
+        if with_amqp {
+            series.extend(hubcast::amqp::STATS.series());
+        }
+        series
+    }));
     match hubcast::runtime::start(settings.clone(), shared.clone()) {
         Ok(running) => {
             if let Some((plan, source)) = consumer {

@@ -22,6 +22,7 @@ pub mod partition;
 pub mod sas;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,6 +44,33 @@ use partition::{End, Positions};
 /// First retry delay after a failure; doubled per failure in a row, up to [`BACKOFF_CAP`].
 const BACKOFF_BASE: Duration = Duration::from_millis(200);
 const BACKOFF_CAP: Duration = Duration::from_secs(30);
+
+/// Counters of the consumer, for `GET /metrics`.
+pub struct Stats {
+    /// 1 while every partition receiver is attached.
+    pub connected: AtomicU64,
+    /// Connections established (the first one and every reconnect).
+    pub connects: AtomicU64,
+    /// Messages received from the event stream, usable or not.
+    pub received: AtomicU64,
+}
+
+pub static STATS: Stats = Stats { connected: AtomicU64::new(0), connects: AtomicU64::new(0), received: AtomicU64::new(0) };
+
+impl Stats {
+    /// The counters as `GET /metrics` series.
+    pub fn series(&self) -> crate::metrics::ExternalSeries {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("hubcast_amqp_connected", "1 while every partition receiver of the event stream is attached.", get(&self.connected)),
+            ("hubcast_amqp_connects_total", "AMQP connections established to the event stream (reconnects included).", get(&self.connects)),
+            ("hubcast_amqp_messages_received_total", "Messages received from the event stream.", get(&self.received)),
+        ]
+        .into_iter()
+        .map(|(name, help, v)| (name.to_string(), help.to_string(), String::new(), v))
+        .collect()
+    }
+}
 
 /// Where a partition is read from the first time (later: after the last message received).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -386,6 +414,8 @@ impl Supervisor {
             }
         }
         self.status().set_connected();
+        STATS.connected.store(1, Ordering::Relaxed);
+        STATS.connects.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             endpoint = %endpoint.describe(),
             partitions = addresses.len(),
@@ -421,6 +451,7 @@ impl Supervisor {
                 }
             }
         };
+        STATS.connected.store(0, Ordering::Relaxed);
         // Let the other partitions finish the batch they are handing over; once the
         // connection closes their receivers fail and they return.
         let _ = timeout(Duration::from_secs(2), connection.close()).await;

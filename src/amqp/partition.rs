@@ -121,6 +121,7 @@ pub async fn consume(
             }
         }
 
+        super::STATS.received.fetch_add(deliveries.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut batch = Vec::with_capacity(deliveries.len());
         let mut infos: Vec<DeliveryInfo> = Vec::with_capacity(deliveries.len());
         let mut newest = last.clone();

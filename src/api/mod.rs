@@ -9,6 +9,7 @@ mod grants;
 mod ingest;
 mod last_values;
 mod meta;
+mod metrics;
 mod sessions;
 mod subscriptions;
 
@@ -39,9 +40,31 @@ enum Route {
     DirectMethod,
     DesiredProperties,
     Ingest,
+    Metrics,
 }
 
 impl Route {
+    /// The route's label in metrics.
+    fn label(&self) -> &'static str {
+        match self {
+            Route::Version => "version",
+            Route::Status => "status",
+            Route::LogLevel(_) => "logLevel",
+            Route::Session => "session",
+            Route::AllSessions | Route::OneSession(_) => "sessions",
+            Route::Grants => "grants",
+            Route::Subscription => "subscription",
+            Route::Subscriptions => "subscriptions",
+            Route::LastValue(..) => "lastValue",
+            Route::DeviceTwin(_) => "deviceTwin",
+            Route::ConnectionState(_) => "connectionState",
+            Route::DirectMethod => "directMethod",
+            Route::DesiredProperties => "deviceTwinDesiredProperties",
+            Route::Ingest => "ingest",
+            Route::Metrics => "metrics",
+        }
+    }
+
     fn find(segments: Vec<String>) -> Option<Route> {
         let mut it = segments.into_iter();
         let first = it.next()?;
@@ -66,13 +89,14 @@ impl Route {
             ("directMethod", None, None) => Route::DirectMethod,
             ("deviceTwinDesiredProperties", None, None) => Route::DesiredProperties,
             ("ingest", None, None) => Route::Ingest,
+            ("metrics", None, None) => Route::Metrics,
             _ => return None,
         })
     }
 
     fn allowed(&self) -> &'static str {
         match self {
-            Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) => "GET",
+            Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) | Route::Metrics => "GET",
             Route::LastValue(_, None) => "GET, DELETE",
             Route::LastValue(_, Some(_)) => "GET",
             Route::LogLevel(_) => "PUT",
@@ -95,18 +119,30 @@ fn preflight() -> Response {
 }
 
 pub async fn handle(core: &Rc<Core>, req: Request) -> Response {
+    let started = std::time::Instant::now();
+    let (label, response) = route_and_run(core, req).await;
+    core.metrics.request(label, started.elapsed());
+    response
+}
+
+/// Runs the request; returns the route's index in `metrics::ROUTES` with the response.
+async fn route_and_run(core: &Rc<Core>, req: Request) -> (usize, Response) {
+    let label = |name: &str| crate::metrics::ROUTES.iter().position(|r| *r == name).unwrap_or(crate::metrics::ROUTES.len() - 1);
     if req.method == Method::OPTIONS {
-        return preflight();
+        return (label("preflight"), preflight());
+    }
+    if req.path.trim_end_matches('/') == "/socket.io" {
+        return (label("socket.io"), crate::transport::socketio_polling::http(core, &req).await);
     }
     let route = match req.segments() {
         Ok(segments) => Route::find(segments),
-        Err(r) => return Response::rejection(r),
+        Err(r) => return (label("other"), Response::rejection(r)),
     };
     let Some(route) = route else {
-        return Response::error(404, &format!("Not found: {} {}", req.method, req.path));
+        return (label("other"), Response::error(404, &format!("Not found: {} {}", req.method, req.path)));
     };
-    let result = dispatch(core, route, req).await;
-    result.unwrap_or_else(Response::rejection)
+    let index = label(route.label());
+    (index, dispatch(core, route, req).await.unwrap_or_else(Response::rejection))
 }
 
 async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Response> {
@@ -131,6 +167,7 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
         (Route::DirectMethod, &M::POST) => device_hub::direct_method(core, &req).await,
         (Route::DesiredProperties, &M::PATCH) => device_hub::desired_properties(core, &req).await,
         (Route::Ingest, &M::POST) => ingest::post(core, &req).await,
+        (Route::Metrics, &M::GET) => metrics::get(core, &req).await,
         _ => Ok(Response::error(405, &format!("Method {} not allowed on {}", req.method, req.path))
             .with_header("allow", route.allowed())),
     }

@@ -61,9 +61,15 @@ impl Decoder for HeadDecoder {
     type Error = ReadError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Decoded<RequestHead>, ReadError> {
+        // The head must end within the limit, however many bytes one read brought in.
+        if src.len() > MAX_REQUEST_HEAD_BYTES {
+            let window = &src[..MAX_REQUEST_HEAD_BYTES + 4];
+            if memchr::memmem::find(window, b"\r\n\r\n").is_none() {
+                return Err(ReadError::HeadTooLarge);
+            }
+        }
         match self.0.decode(src)? {
             Decoded::Some(head) => Ok(Decoded::Some(head)),
-            _ if src.len() > MAX_REQUEST_HEAD_BYTES => Err(ReadError::HeadTooLarge),
             Decoded::Insufficient => Ok(Decoded::Insufficient),
             Decoded::InsufficientAtLeast(n) => Ok(Decoded::InsufficientAtLeast(n)),
         }
@@ -177,6 +183,21 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
             ),
             Ok(Some(Err(ReadError::Malformed(e)))) => {
                 (Response::error(400, &format!("malformed HTTP request: {e}")).closing(), false)
+            }
+            Ok(Some(Ok(head))) if crate::transport::is_upgrade(&head) => {
+                match crate::transport::check_upgrade(&head) {
+                    Ok(kind) => {
+                        if !out.is_empty() {
+                            let (result, _) = write.write_all(std::mem::take(&mut out)).await;
+                            if result.is_err() {
+                                return;
+                            }
+                        }
+                        crate::transport::upgrade(core, head, kind, framed, write).await;
+                        return;
+                    }
+                    Err(response) => (response.closing(), false),
+                }
             }
             Ok(Some(Ok(head))) => {
                 let keep_alive = wants_keep_alive(&head);

@@ -117,6 +117,21 @@ impl Faults {
     pub fn snapshot(&self) -> [(&'static str, u64); 7] {
         Fault::ALL.map(|f| (f.name(), self.count(f)))
     }
+
+    /// The counters as `GET /metrics` series: `hubcast_ingest_faults_total{kind="…"}`.
+    pub fn series(&self) -> crate::metrics::ExternalSeries {
+        self.snapshot()
+            .into_iter()
+            .map(|(kind, n)| {
+                (
+                    "hubcast_ingest_faults_total".to_string(),
+                    "Device messages that could not be used, by kind of fault.".to_string(),
+                    format!("{{kind=\"{kind}\"}}"),
+                    n,
+                )
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

@@ -7,21 +7,22 @@
 pub mod faults;
 pub mod simulate;
 
-use std::borrow::Cow;
+use std::cell::RefCell;
+use std::sync::Arc;
 
 use simd_json::prelude::*;
-use simd_json::BorrowedValue;
 use smallvec::SmallVec;
 
 use crate::timefmt::{parse_iso, Millis};
 
 /// `iothub-message-source` of a device message.
+/// (Discriminants index `metrics::SOURCES`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SourceKind {
-    Telemetry,
-    TwinChange,
-    ConnectionState,
-    Lifecycle,
+    Telemetry = 0,
+    TwinChange = 1,
+    ConnectionState = 2,
+    Lifecycle = 3,
 }
 
 impl SourceKind {
@@ -60,35 +61,46 @@ pub struct IngestSettings {
     pub connection_state_on_telemetry: bool,
 }
 
-/// What a telemetry body contributes: top-level keys as JSON text, its own timestamp and
-/// connection state if it carries them.
-pub struct ParsedTelemetry {
-    pub values: SmallVec<[(Box<str>, Box<str>); 8]>,
+/// What a telemetry body contributes: top-level keys (borrowed from the body) with their
+/// values as JSON text, its own timestamp and connection state if it carries them.
+pub struct ParsedTelemetry<'a> {
+    pub values: SmallVec<[(&'a str, Arc<str>); 8]>,
     pub timestamp: Option<Millis>,
     pub connection_state: Option<bool>,
 }
 
-/// Parses a telemetry body; `None` unless it is a JSON object.
+thread_local! {
+    /// simd-json's scratch buffers, reused by every parse on this core.
+    static PARSE_BUFFERS: RefCell<simd_json::Buffers> = RefCell::new(simd_json::Buffers::default());
+}
+
+/// Parses a telemetry body in place with simd-json (tape, no intermediate map); `None`
+/// unless it is a JSON object.
 ///
 /// The timestamp key is metadata and is not kept as telemetry; the device-id key is dropped
-/// too when it names this device (plain Event Hub input). The custom connection-state key
-/// stays in the telemetry (ux4iot 3.6.1).
-pub fn parse_telemetry(body: &mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry> {
+/// too when it is a string (plain Event Hub input). The custom connection-state key stays in
+/// the telemetry (ux4iot 3.6.1).
+pub fn parse_telemetry<'a>(body: &'a mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry<'a>> {
     parse_telemetry_checked(body, settings).ok()
 }
 
 /// [`parse_telemetry`], saying why a body is not telemetry ([`faults::Fault::NotJson`] or
-/// [`faults::Fault::NotObject`]). Parses in place: `body` is garbage afterwards.
-pub fn parse_telemetry_checked(body: &mut [u8], settings: &IngestSettings) -> Result<ParsedTelemetry, faults::Fault> {
-    let value = simd_json::to_borrowed_value(body).map_err(|_| faults::Fault::NotJson)?;
-    let BorrowedValue::Object(obj) = value else { return Err(faults::Fault::NotObject) };
+/// [`faults::Fault::NotObject`]).
+pub fn parse_telemetry_checked<'a>(
+    body: &'a mut [u8],
+    settings: &IngestSettings,
+) -> Result<ParsedTelemetry<'a>, faults::Fault> {
+    let tape = PARSE_BUFFERS
+        .with(|b| simd_json::to_tape_with_buffers(body, &mut b.borrow_mut()))
+        .map_err(|_| faults::Fault::NotJson)?;
+    let obj = tape.as_value().as_object().ok_or(faults::Fault::NotObject)?;
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
-    for (key, v) in obj.iter() {
-        let key: &str = key;
+    let mut scratch = Vec::with_capacity(64);
+    for (key, v) in &obj {
         if key == settings.custom_timestamp_key {
-            parsed.timestamp = match v {
-                BorrowedValue::String(s) => parse_iso(s),
-                v => v.as_i64(),
+            parsed.timestamp = match v.as_str() {
+                Some(s) => parse_iso(s),
+                None => v.as_i64(),
             };
             continue;
         }
@@ -98,24 +110,23 @@ pub fn parse_telemetry_checked(body: &mut [u8], settings: &IngestSettings) -> Re
         if !settings.custom_connection_state_key.is_empty() && key == settings.custom_connection_state_key {
             parsed.connection_state = v.as_bool();
         }
-        parsed.values.push((key.into(), v.encode().into()));
+        scratch.clear();
+        v.write(&mut scratch).map_err(|_| faults::Fault::NotJson)?;
+        parsed.values.push((key, Arc::from(std::str::from_utf8(&scratch).map_err(|_| faults::Fault::NotJson)?)));
     }
     Ok(parsed)
 }
 
-/// The `data` a `d2cMessages` subscriber receives for a device message body, as JSON text:
-/// a JSON body as it is (any JSON value, not only objects); any other body (not UTF-8, not
-/// JSON, empty) as `{"base64": "<the body, standard base64 with padding>"}`.
-///
-/// This validates the whole body, so call it before [`parse_telemetry`] rewrites it.
-pub fn d2c_data(body: &[u8]) -> Cow<'_, str> {
+/// The body as JSON text for `d2cMessages` subscribers: JSON bodies (of any type) as they
+/// are; anything else as `{"base64": "<the bytes>"}`.
+pub fn message_json(body: &[u8]) -> String {
     if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
         if let Ok(text) = std::str::from_utf8(body) {
-            return Cow::Borrowed(text.trim());
+            return text.trim().to_string();
         }
     }
-    use base64::Engine as _;
-    Cow::Owned(format!("{{\"base64\":\"{}\"}}", base64::engine::general_purpose::STANDARD.encode(body)))
+    use base64::Engine;
+    format!("{{\"base64\":\"{}\"}}", base64::engine::general_purpose::STANDARD.encode(body))
 }
 
 /// The device id a body names under `customDeviceIdKey`, for sources without annotations.
@@ -152,19 +163,18 @@ mod tests {
     }
 
     #[test]
+    fn message_bodies_pass_through_or_are_wrapped() {
+        assert_eq!(message_json(b" [1,2] "), "[1,2]");
+        assert_eq!(message_json(b"\xff\x00"), r#"{"base64":"/wA="}"#);
+        assert_eq!(message_json(b"hello"), r#"{"base64":"aGVsbG8="}"#);
+        assert_eq!(message_json(b""), r#"{"base64":""}"#);
+    }
+
+    #[test]
     fn non_objects_are_not_telemetry() {
         assert!(parse_telemetry(&mut b"[1,2]".to_vec(), &settings()).is_none());
         assert!(parse_telemetry(&mut b"not json".to_vec(), &settings()).is_none());
         assert_eq!(parse_telemetry_checked(&mut b"[1,2]".to_vec(), &settings()).err(), Some(faults::Fault::NotObject));
         assert_eq!(parse_telemetry_checked(&mut b"{oops".to_vec(), &settings()).err(), Some(faults::Fault::NotJson));
-    }
-
-    #[test]
-    fn d2c_data_passes_json_through_and_wraps_anything_else_in_base64() {
-        assert_eq!(d2c_data(br#"{"t": 1}"#), r#"{"t": 1}"#);
-        assert_eq!(d2c_data(b"[1,2]\n"), "[1,2]");
-        assert_eq!(d2c_data(b"hello"), r#"{"base64":"aGVsbG8="}"#);
-        assert_eq!(d2c_data(&[0xff, 0x00]), r#"{"base64":"/wA="}"#);
-        assert_eq!(d2c_data(b""), r#"{"base64":""}"#);
     }
 }

@@ -11,6 +11,9 @@ use futures_channel::oneshot;
 use crate::config::Settings;
 use crate::ids::SessionId;
 use crate::ingest::{IngestMessage, IngestSettings};
+use crate::push::outlet::{CloseReason, Outlet};
+use crate::push::Delivery;
+use crate::shard::devices::PushTiming;
 use crate::runtime::mesh::{await_reply, CoreMsg, Inbox, Mesh};
 use crate::runtime::routing::{core_of_device, core_of_session};
 use crate::shard::{DeviceOp, DeviceReply, DeviceTable, SessionOp, SessionReply, SessionTable};
@@ -25,6 +28,11 @@ pub struct Core {
     pub sessions: RefCell<SessionTable>,
     /// Open client connections on this core (limit: maxConnections / cores).
     pub connections: Cell<usize>,
+    pub metrics: crate::metrics::CoreMetrics,
+    /// This core's queues, for their depth in metrics.
+    pub queues: RefCell<Option<(Inbox, crate::runtime::ingress::IngressQueue)>>,
+    /// Engine.IO long-polling sessions held here (by sid).
+    pub polling: RefCell<hashbrown::HashMap<Box<str>, Rc<crate::transport::socketio_polling::PollingSocket>>>,
 }
 
 impl Core {
@@ -36,15 +44,23 @@ impl Core {
             custom_connection_state_key: c.custom_connection_state_key.clone(),
             connection_state_on_telemetry: c.connection_state_on_telemetry,
         };
+        let seconds = |s: i64| (s > 0).then(|| Duration::from_secs(s as u64));
+        let timing = PushTiming {
+            throttle: (c.throttling_interval > 0).then(|| Duration::from_millis(c.throttling_interval as u64)),
+            connection_ttl: seconds(c.connection_state_cache_ttl),
+        };
         let per_core_sessions = (c.max_sessions as usize).div_ceil(settings.cores);
         let sessions = SessionTable::new(Duration::from_secs(c.session_grace_period), per_core_sessions);
         Rc::new(Self {
             index,
             shared,
             mesh,
-            devices: RefCell::new(DeviceTable::new(ingest)),
+            devices: RefCell::new(DeviceTable::new(ingest, timing)),
             sessions: RefCell::new(sessions),
             connections: Cell::new(0),
+            polling: RefCell::default(),
+            metrics: Default::default(),
+            queues: RefCell::default(),
             settings,
         })
     }
@@ -129,7 +145,7 @@ impl Core {
                 let record = self.sessions.borrow_mut().remove(id);
                 let found = record.is_some();
                 if let Some(record) = record {
-                    self.forget_session(id, record.devices);
+                    self.end_session(id, record, "session deleted");
                 }
                 SessionReply::Deleted(found)
             }
@@ -137,7 +153,7 @@ impl Core {
                 let all = self.sessions.borrow_mut().drain();
                 let any = !all.is_empty();
                 for (id, record) in all {
-                    self.forget_session(id, record.devices);
+                    self.end_session(id, record, "session deleted");
                 }
                 SessionReply::Deleted(any)
             }
@@ -160,6 +176,14 @@ impl Core {
         }
     }
 
+    /// A session is gone: close its sockets and drop its grants and subscriptions.
+    fn end_session(self: &Rc<Self>, id: SessionId, record: crate::shard::sessions::SessionRecord, why: &str) {
+        for outlet in &record.sockets {
+            outlet.close(CloseReason::new(1000, why));
+        }
+        self.forget_session(id, record.devices);
+    }
+
     /// Drops a gone session's grants and subscriptions on every device it touched.
     fn forget_session(self: &Rc<Self>, session: SessionId, devices: hashbrown::HashSet<Box<str>>) {
         let ops: Vec<DeviceOp> = devices.into_iter().map(|device| DeviceOp::ForgetSession { device, session }).collect();
@@ -172,12 +196,77 @@ impl Core {
         });
     }
 
-    /// Applies device messages owned by this core.
-    pub fn ingest_local(&self, batch: Vec<IngestMessage>) {
-        let mut devices = self.devices.borrow_mut();
-        for msg in batch {
-            devices.ingest(msg);
+    /// Applies device messages owned by this core and pushes what they changed.
+    pub fn ingest_local(self: &Rc<Self>, batch: Vec<IngestMessage>) {
+        let now = Instant::now();
+        let mut deliveries = Vec::new();
+        {
+            let mut devices = self.devices.borrow_mut();
+            for msg in batch {
+                self.metrics.message_in(msg.source as usize);
+                devices.ingest_and_publish(msg, now, &mut deliveries);
+            }
         }
+        self.dispatch(deliveries);
+    }
+
+    /// Sends deliveries to their sessions' cores, one batch per core.
+    pub fn dispatch(self: &Rc<Self>, deliveries: Vec<Delivery>) {
+        if deliveries.is_empty() {
+            return;
+        }
+        if self.cores() == 1 {
+            return self.deliver_local(deliveries);
+        }
+        let mut per_core: Vec<Vec<Delivery>> = (0..self.cores()).map(|_| Vec::new()).collect();
+        for d in deliveries {
+            per_core[self.session_core(d.session)].push(d);
+        }
+        for (core, batch) in per_core.into_iter().enumerate() {
+            if batch.is_empty() {
+                continue;
+            }
+            if core == self.index {
+                self.deliver_local(batch);
+            } else {
+                self.mesh.post(core, CoreMsg::Deliver(batch));
+            }
+        }
+    }
+
+    /// Hands deliveries to the sockets of sessions this core owns.
+    pub fn deliver_local(&self, deliveries: Vec<Delivery>) {
+        let sessions = self.sessions.borrow();
+        for d in &deliveries {
+            if let Some(record) = sessions.get(d.session) {
+                for outlet in &record.sockets {
+                    outlet.deliver(d);
+                }
+            }
+        }
+    }
+
+    /// Attaches a socket to its session (on the session's core); false if there is no such session.
+    pub fn attach_socket(&self, session: SessionId, outlet: Rc<Outlet>) -> bool {
+        match self.sessions.borrow_mut().touch(session, Instant::now()) {
+            Some(record) => {
+                record.sockets.push(outlet);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Detaches a closed socket; the session's grace period starts when its last socket goes.
+    pub fn detach_socket(&self, session: SessionId, outlet_id: u64) {
+        if let Some(record) = self.sessions.borrow_mut().touch(session, Instant::now()) {
+            record.sockets.retain(|o| o.id != outlet_id);
+        }
+    }
+
+    /// Whether the session exists (on the session's core), keeping it alive.
+    pub fn session_alive(&self, session: SessionId) -> bool {
+        self.sessions.borrow_mut().touch(session, Instant::now()).is_some()
     }
 
     /// Routes device messages to their owning cores; resolves when all are applied.
@@ -248,9 +337,35 @@ impl Core {
                             let _ = reply.send(me.run_session_op(op).await);
                         });
                     }
+                    CoreMsg::Deliver(deliveries) => self.deliver_local(deliveries),
+                    CoreMsg::Metrics(reply) => {
+                        let _ = reply.send(self.metrics_snapshot());
+                    }
+                    CoreMsg::AdoptSocket(moved) => crate::transport::adopt(self.clone(), moved),
+                    CoreMsg::Poll { request, reply } => {
+                        let me = self.clone();
+                        monoio::spawn(async move {
+                            let _ = reply.send(crate::transport::socketio_polling::serve(me, request).await);
+                        });
+                    }
                 }
             }
         }
+    }
+
+    /// This core's metrics, with the sizes of its shard.
+    pub fn metrics_snapshot(&self) -> crate::metrics::Snapshot {
+        let (grants, subscriptions) = self.devices.borrow().access_counts();
+        let queues = self.queues.borrow();
+        let state = crate::metrics::StateCounts {
+            devices: self.devices.borrow().len() as u64,
+            sessions: self.sessions.borrow().len() as u64,
+            grants,
+            subscriptions,
+            inbox_depth: queues.as_ref().map_or(0, |(inbox, _)| inbox.len() as u64),
+            ingress_depth: queues.as_ref().map_or(0, |(_, ingress)| ingress.len() as u64),
+        };
+        self.metrics.snapshot(state)
     }
 
     /// Expires idle sessions, every half second.
@@ -260,8 +375,32 @@ impl Core {
             let expired = self.sessions.borrow_mut().expire(Instant::now());
             for (id, record) in expired {
                 tracing::debug!(session = %id, "session expired");
-                self.forget_session(id, record.devices);
+                self.end_session(id, record, "session expired");
             }
+        }
+    }
+
+    /// Push timers of this core's devices: trailing throttle flushes (every 5 ms while
+    /// throttling is on) and connection-state TTL expiry (every 250 ms).
+    pub async fn push_timers(self: Rc<Self>) {
+        let throttling = self.settings.config.throttling_interval > 0;
+        let tick = if throttling { Duration::from_millis(5) } else { Duration::from_millis(250) };
+        let mut last_ttl_check = Instant::now();
+        loop {
+            monoio::time::sleep(tick).await;
+            let now = Instant::now();
+            let mut deliveries = Vec::new();
+            {
+                let mut devices = self.devices.borrow_mut();
+                if throttling {
+                    devices.flush_throttled(now, &mut deliveries);
+                }
+                if now.duration_since(last_ttl_check) >= Duration::from_millis(250) {
+                    last_ttl_check = now;
+                    devices.expire_connections(now, &mut deliveries);
+                }
+            }
+            self.dispatch(deliveries);
         }
     }
 }

@@ -12,6 +12,7 @@ use std::rc::Rc;
 use futures_channel::oneshot;
 
 use crate::ingest::IngestMessage;
+use crate::push::Delivery;
 use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
 
 /// Where the answer to a cross-core request goes.
@@ -25,6 +26,14 @@ pub enum CoreMsg {
     Devices { ops: Vec<DeviceOp>, reply: Option<Reply<Vec<DeviceReply>>> },
     /// An operation on a session this core owns.
     Session { op: SessionOp, reply: Reply<SessionReply> },
+    /// This core's metrics snapshot, for `GET /metrics`.
+    Metrics(Reply<crate::metrics::Snapshot>),
+    /// Live data for sessions this core owns (from the devices' cores).
+    Deliver(Vec<Delivery>),
+    /// A WebSocket whose handshake was read on another core, moving to its session's core.
+    AdoptSocket(crate::transport::MovedSocket),
+    /// An Engine.IO long-polling request for a polling session this core holds.
+    Poll { request: crate::transport::socketio_polling::PollRequest, reply: Reply<crate::http::Response> },
 }
 
 pub type Inbox = async_channel::Receiver<Vec<CoreMsg>>;

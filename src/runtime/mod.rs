@@ -112,9 +112,11 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
                     }
                 };
                 let core = Core::new(index, settings.clone(), shared, Mesh::new(index, senders));
+                *core.queues.borrow_mut() = Some((inbox.clone(), ingress_queue.clone()));
                 monoio::spawn(core.clone().serve_inbox(inbox));
                 monoio::spawn(ingress::serve(core.clone(), ingress_queue));
                 monoio::spawn(core.clone().expire_sessions());
+                monoio::spawn(core.clone().push_timers());
                 if index == 0 && settings.config.simulate > 0 {
                     monoio::spawn(crate::ingest::simulate::run(core.clone(), settings.config.simulate));
                 }

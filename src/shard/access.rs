@@ -85,10 +85,23 @@ impl Subscriptions {
     }
 }
 
+/// Telemetry held back by `throttlingInterval` for one session and device.
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct Throttle {
+    /// When telemetry was last sent to this session for this device.
+    pub last_sent: Option<std::time::Instant>,
+    /// Keys that arrived since, newest value per key, and the newest timestamp.
+    pub pending: SmallVec<[(Box<str>, std::sync::Arc<str>); 4]>,
+    pub pending_at: i64,
+    /// A trailing flush is scheduled.
+    pub armed: bool,
+}
+
 #[derive(Default, Debug, Clone, PartialEq, Eq)]
 pub struct Access {
     pub grants: Grants,
     pub subs: Subscriptions,
+    pub throttle: Option<Box<Throttle>>,
 }
 
 impl Access {

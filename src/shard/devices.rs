@@ -3,20 +3,50 @@
 //! Telemetry values are kept as their JSON text, so answering a read or building a push frame
 //! is concatenation, never re-serialisation.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use hashbrown::HashMap;
 use serde_json::Value;
+use smallvec::SmallVec;
 
 use crate::ids::SessionId;
 use crate::ingest::faults::{Fault, FAULTS};
 use crate::ingest::{IngestMessage, IngestSettings, SourceKind};
 use crate::model::{Grant, Rejection};
+use crate::push::envelope::EnvelopeBuilder;
+use crate::push::{Delivery, FrameKind};
 use crate::shard::access::Access;
 use crate::shard::{DeviceOp, DeviceReply, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 pub struct LastValue {
-    pub json: Box<str>,
+    /// Shared with the publication that carried it to subscribers.
+    pub json: Arc<str>,
     pub at: Millis,
+}
+
+/// What one device message changed, to be pushed to the device's subscribers.
+#[derive(Default)]
+pub struct Publication {
+    pub device: Arc<str>,
+    pub at: Millis,
+    pub telemetry: SmallVec<[(Box<str>, Arc<str>); 8]>,
+    pub connection: Option<bool>,
+    pub twin: Option<String>,
+    /// The whole body, for `d2cMessages` subscribers (JSON text).
+    pub message: Option<String>,
+}
+
+/// How live pushes are timed on this core.
+#[derive(Debug, Clone, Copy)]
+pub struct PushTiming {
+    /// `throttlingInterval`; `None` = off.
+    pub throttle: Option<Duration>,
+    /// `connectionStateCacheTTL`; `None` = forever.
+    pub connection_ttl: Option<Duration>,
 }
 
 pub struct Twin {
@@ -37,9 +67,22 @@ pub struct Device {
     pub twin: Option<Twin>,
     pub connection: Option<ConnectionState>,
     pub access: HashMap<SessionId, Access>,
+    /// When the device was last heard from (for the connection-state TTL).
+    last_seen: Option<Instant>,
+    /// An off-line check is scheduled for this device.
+    offline_check_armed: bool,
+}
+
+fn subscribed_any(device: &Device) -> bool {
+    device.wants(|a| !a.subs.is_empty())
 }
 
 impl Device {
+    /// Whether any session's subscriptions satisfy `test`.
+    fn wants(&self, test: impl Fn(&Access) -> bool) -> bool {
+        self.access.values().any(test)
+    }
+
     fn has_data(&self) -> bool {
         !self.telemetry.is_empty() || self.twin.is_some() || self.connection.is_some()
     }
@@ -48,6 +91,11 @@ impl Device {
 pub struct DeviceTable {
     devices: HashMap<Box<str>, Device>,
     settings: IngestSettings,
+    timing: PushTiming,
+    /// Trailing throttle flushes: (due, device, session). Entries are checked, not trusted.
+    throttle_due: BinaryHeap<Reverse<(Instant, Box<str>, SessionId)>>,
+    /// Off-line checks: (due, device), re-armed lazily from `last_seen`.
+    offline_due: BinaryHeap<Reverse<(Instant, Box<str>)>>,
 }
 
 /// Appends `s` as a JSON string literal.
@@ -72,8 +120,14 @@ fn forbidden() -> Rejection {
 }
 
 impl DeviceTable {
-    pub fn new(settings: IngestSettings) -> Self {
-        Self { devices: HashMap::new(), settings }
+    pub fn new(settings: IngestSettings, timing: PushTiming) -> Self {
+        Self {
+            devices: HashMap::new(),
+            settings,
+            timing,
+            throttle_due: BinaryHeap::new(),
+            offline_due: BinaryHeap::new(),
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -82,6 +136,23 @@ impl DeviceTable {
 
     pub fn is_empty(&self) -> bool {
         self.devices.is_empty()
+    }
+
+    /// Grants and subscriptions held on this core's devices (counted at scrape time).
+    pub fn access_counts(&self) -> (u64, u64) {
+        let mut grants = 0u64;
+        let mut subs = 0u64;
+        for d in self.devices.values() {
+            for a in d.access.values() {
+                let (g, s) = (&a.grants, &a.subs);
+                grants += g.telemetry.all as u64 + g.telemetry.keys.len() as u64 + g.device_twin as u64
+                    + g.connection_state as u64 + g.d2c_messages as u64 + g.desired_properties as u64
+                    + g.direct_methods.all as u64 + g.direct_methods.keys.len() as u64;
+                subs += s.telemetry.all as u64 + s.telemetry.keys.len() as u64 + s.device_twin as u64
+                    + s.connection_state as u64 + s.d2c_messages as u64;
+            }
+        }
+        (grants, subs)
     }
 
     pub fn get(&self, device: &str) -> Option<&Device> {
@@ -244,8 +315,17 @@ impl DeviceTable {
         }
     }
 
-    /// Applies one device message to the owning shard.
-    pub fn ingest(&mut self, msg: IngestMessage) {
+    /// Applies one device message and pushes what it changed to the device's subscribers.
+    pub fn ingest_and_publish(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
+        if let Some(publication) = self.ingest(msg, now) {
+            let device = publication.device.clone();
+            self.publish(&device, publication, now, out);
+        }
+    }
+
+    /// Applies one device message to the owning shard; returns what subscribers should get
+    /// (`None` when the device has no subscriber or nothing changed).
+    pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
         let IngestMessage { device_id, source, properties, mut body, enqueued_at } = msg;
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
@@ -256,17 +336,37 @@ impl DeviceTable {
             .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
         match source {
             SourceKind::Telemetry => {
+                // The whole body goes to d2cMessages subscribers, whatever it holds.
+                let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
+                let message = wants_message.then(|| crate::ingest::message_json(&body));
                 let parsed = match crate::ingest::parse_telemetry_checked(&mut body, &self.settings) {
                     Ok(parsed) => parsed,
                     Err(fault) => {
                         FAULTS.record(fault, Some(&device_id), "telemetry body");
-                        return;
+                        let at = header_time.unwrap_or_else(now_millis);
+                        let device = Arc::from(&*device_id);
+                        return message.map(|message| Publication { device, at, message: Some(message), ..Default::default() });
                     }
                 };
                 let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
+                let connection_ttl = self.timing.connection_ttl;
                 let device = self.devices.entry_ref(&*device_id).or_default();
+                let subscribed = subscribed_any(device);
+                let mut publication = Publication { at, message, ..Default::default() };
+                if subscribed {
+                    publication.device = Arc::from(&*device_id);
+                }
                 for (key, json) in parsed.values {
-                    device.telemetry.insert(key, LastValue { json, at });
+                    if subscribed {
+                        publication.telemetry.push((Box::from(&*key), json.clone()));
+                    }
+                    // Keys repeat message after message: allocate one only the first time.
+                    match device.telemetry.get_mut(&*key) {
+                        Some(last) => *last = LastValue { json, at },
+                        None => {
+                            device.telemetry.insert(Box::from(&*key), LastValue { json, at });
+                        }
+                    }
                 }
                 let connected = match parsed.connection_state {
                     Some(state) => Some(state),
@@ -280,13 +380,23 @@ impl DeviceTable {
                 if let Some(connected) = connected {
                     let sequence = device.connection.as_mut().and_then(|c| c.sequence.take());
                     device.connection = Some(ConnectionState { connected, at, sequence });
+                    publication.connection = Some(connected);
                 }
+                device.last_seen = Some(now);
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                return subscribed.then_some(publication);
             }
             SourceKind::TwinChange => {
                 let doc = match serde_json::from_slice::<Value>(&body) {
                     Ok(doc @ Value::Object(_)) => doc,
-                    Ok(_) => return FAULTS.record(Fault::NotObject, Some(&device_id), "twin change body"),
-                    Err(_) => return FAULTS.record(Fault::NotJson, Some(&device_id), "twin change body"),
+                    Ok(_) => {
+                        FAULTS.record(Fault::NotObject, Some(&device_id), "twin change body");
+                        return None;
+                    }
+                    Err(_) => {
+                        FAULTS.record(Fault::NotJson, Some(&device_id), "twin change body");
+                        return None;
+                    }
                 };
                 let at = header_time.unwrap_or_else(now_millis);
                 let device = self.devices.entry_ref(&*device_id).or_default();
@@ -297,17 +407,21 @@ impl DeviceTable {
                         twin.at = at;
                     }
                 }
+                if device.wants(|a| a.subs.device_twin) {
+                    let twin = device.twin.as_ref().map(|t| t.doc.to_string());
+                    return Some(Publication { device: Arc::from(&*device_id), at, twin, ..Default::default() });
+                }
             }
             SourceKind::ConnectionState => {
                 if !self.settings.custom_connection_state_key.is_empty() {
-                    return; // the body key is the only source of truth then (reference §9)
+                    return None; // the body key is the only source of truth then (reference §9)
                 }
                 let connected = match property("opType") {
                     Some("deviceConnected") => true,
                     Some("deviceDisconnected") => false,
                     other => {
                         tracing::debug!(device = &*device_id, op = ?other, "unknown connection event");
-                        return;
+                        return None;
                     }
                 };
                 let sequence: Option<Box<str>> = serde_json::from_slice::<Value>(&body)
@@ -320,10 +434,16 @@ impl DeviceTable {
                 {
                     if sequence_order(new, old).is_le() {
                         tracing::debug!(device = &*device_id, new, old, "stale connection event dropped");
-                        return;
+                        return None;
                     }
                 }
                 device.connection = Some(ConnectionState { connected, at, sequence });
+                device.last_seen = Some(now);
+                let connection_ttl = self.timing.connection_ttl;
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                if device.wants(|a| a.subs.connection_state) {
+                    return Some(Publication { device: Arc::from(&*device_id), at, connection: Some(connected), ..Default::default() });
+                }
             }
             SourceKind::Lifecycle => {
                 if property("opType") == Some("deleteDeviceIdentity") {
@@ -334,6 +454,152 @@ impl DeviceTable {
                     }
                     self.prune(&device_id);
                 }
+            }
+        }
+        None
+    }
+
+    fn arm_offline_check(
+        due: &mut BinaryHeap<Reverse<(Instant, Box<str>)>>,
+        ttl: Option<Duration>,
+        device_id: &str,
+        device: &mut Device,
+        now: Instant,
+    ) {
+        if let (Some(ttl), Some(c)) = (ttl, &device.connection) {
+            if c.connected && !device.offline_check_armed {
+                device.offline_check_armed = true;
+                due.push(Reverse((now + ttl, device_id.into())));
+            }
+        }
+    }
+
+    /// Pushes a publication to every session subscribed to what it carries.
+    pub fn publish(&mut self, device_id: &Arc<str>, p: Publication, now: Instant, out: &mut Vec<Delivery>) {
+        let throttle = self.timing.throttle;
+        let Some(device) = self.devices.get_mut(&**device_id) else { return };
+        let timestamp = iso(p.at);
+        let envelope = EnvelopeBuilder::new(device_id, &timestamp);
+        // Built on first use, shared by every session that gets the same content.
+        let mut all_telemetry: Option<Arc<str>> = None;
+        let mut connection: Option<Arc<str>> = None;
+        let mut twin: Option<Arc<str>> = None;
+        let mut message: Option<Arc<str>> = None;
+        for (&session, access) in device.access.iter_mut() {
+            let subs = &access.subs;
+            if subs.is_empty() {
+                continue;
+            }
+            let mut send = |kind: FrameKind, frame: Arc<str>| {
+                out.push(Delivery { session, device: device_id.clone(), kind, frame });
+            };
+            if !p.telemetry.is_empty() && !subs.telemetry.is_empty() {
+                match throttle {
+                    Some(interval) => {
+                        let throttled = access.throttle.get_or_insert_with(Default::default);
+                        let free = !throttled.armed
+                            && throttled.last_sent.is_none_or(|t| now.duration_since(t) >= interval);
+                        if free {
+                            let values = p.telemetry.iter().filter(|(k, _)| access.subs.telemetry.contains_key(k));
+                            if values.clone().next().is_some() {
+                                throttled.last_sent = Some(now);
+                                send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, &**v))));
+                            }
+                        } else {
+                            for (k, v) in p.telemetry.iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)) {
+                                match throttled.pending.iter_mut().find(|(pk, _)| pk == k) {
+                                    Some(slot) => slot.1 = v.clone(),
+                                    None => throttled.pending.push((k.clone(), v.clone())),
+                                }
+                                throttled.pending_at = throttled.pending_at.max(p.at);
+                            }
+                            if !throttled.armed && !throttled.pending.is_empty() {
+                                throttled.armed = true;
+                                let due = throttled.last_sent.map_or(now, |t| t + interval);
+                                self.throttle_due.push(Reverse((due, (**device_id).into(), session)));
+                            }
+                        }
+                    }
+                    None if subs.telemetry.all => {
+                        let frame = all_telemetry
+                            .get_or_insert_with(|| envelope.telemetry(p.telemetry.iter().map(|(k, v)| (&**k, &**v))))
+                            .clone();
+                        send(FrameKind::Telemetry, frame);
+                    }
+                    None => {
+                        let values = p.telemetry.iter().filter(|(k, _)| subs.telemetry.contains_key(k));
+                        if values.clone().next().is_some() {
+                            send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, &**v))));
+                        }
+                    }
+                }
+            }
+            let subs = &access.subs;
+            if let (Some(c), true) = (p.connection, subs.connection_state) {
+                send(FrameKind::ConnectionState, connection.get_or_insert_with(|| envelope.connection_state(c)).clone());
+            }
+            if let (Some(t), true) = (&p.twin, subs.device_twin) {
+                send(FrameKind::DeviceTwin, twin.get_or_insert_with(|| envelope.device_twin(t)).clone());
+            }
+            if let (Some(m), true) = (&p.message, subs.d2c_messages) {
+                send(FrameKind::Message, message.get_or_insert_with(|| envelope.message(m)).clone());
+            }
+        }
+    }
+
+    /// Sends the telemetry held back by throttling whose interval has passed.
+    pub fn flush_throttled(&mut self, now: Instant, out: &mut Vec<Delivery>) {
+        while let Some(Reverse((due, _, _))) = self.throttle_due.peek() {
+            if *due > now {
+                break;
+            }
+            let Reverse((_, device_id, session)) = self.throttle_due.pop().expect("peeked");
+            let Some(access) = self.devices.get_mut(&*device_id).and_then(|d| d.access.get_mut(&session)) else {
+                continue;
+            };
+            let Some(throttled) = access.throttle.as_deref_mut() else { continue };
+            throttled.armed = false;
+            let pending = std::mem::take(&mut throttled.pending);
+            // Subscriptions may have changed since the keys were held back.
+            let values: SmallVec<[(Box<str>, Arc<str>); 4]> =
+                pending.into_iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)).collect();
+            if values.is_empty() {
+                continue;
+            }
+            throttled.last_sent = Some(now);
+            let device: Arc<str> = Arc::from(&*device_id);
+            let envelope = EnvelopeBuilder::new(&device, &iso(throttled.pending_at));
+            let frame = envelope.telemetry(values.iter().map(|(k, v)| (&**k, &**v)));
+            out.push(Delivery { session, device, kind: FrameKind::Telemetry, frame });
+        }
+    }
+
+    /// Marks devices silent for the connection-state TTL as disconnected and tells subscribers.
+    pub fn expire_connections(&mut self, now: Instant, out: &mut Vec<Delivery>) {
+        let Some(ttl) = self.timing.connection_ttl else { return };
+        while let Some(Reverse((due, _))) = self.offline_due.peek() {
+            if *due > now {
+                break;
+            }
+            let Reverse((_, device_id)) = self.offline_due.pop().expect("peeked");
+            let Some(device) = self.devices.get_mut(&*device_id) else { continue };
+            let silent_since = device.last_seen.unwrap_or(now);
+            let connected = device.connection.as_ref().is_some_and(|c| c.connected);
+            if !connected {
+                device.offline_check_armed = false;
+            } else if silent_since + ttl > now {
+                self.offline_due.push(Reverse((silent_since + ttl, device_id)));
+            } else {
+                device.offline_check_armed = false;
+                let at = now_millis();
+                if let Some(c) = device.connection.as_mut() {
+                    c.connected = false;
+                    c.at = at;
+                }
+                tracing::debug!(device = &*device_id, "silent for the connection TTL: disconnected");
+                let device: Arc<str> = Arc::from(&*device_id);
+                let publication = Publication { device: device.clone(), at, connection: Some(false), ..Default::default() };
+                self.publish(&device, publication, now, out);
             }
         }
     }

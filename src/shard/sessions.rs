@@ -8,16 +8,20 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
+use std::rc::Rc;
+
 use hashbrown::{HashMap, HashSet};
+use smallvec::SmallVec;
 
 use crate::ids::SessionId;
+use crate::push::outlet::Outlet;
 
 pub struct SessionRecord {
     last_active: Instant,
     /// Devices the session has held grants on: where to clean up when it goes.
     pub devices: HashSet<Box<str>>,
-    /// Open sockets; a session with a socket never expires.
-    pub sockets: u32,
+    /// Open sockets (each gets the session's data); a session with a socket never expires.
+    pub sockets: SmallVec<[Rc<Outlet>; 1]>,
 }
 
 pub struct SessionTable {
@@ -45,7 +49,7 @@ impl SessionTable {
         if self.sessions.len() >= self.capacity {
             return false;
         }
-        self.sessions.insert(id, SessionRecord { last_active: now, devices: HashSet::new(), sockets: 0 });
+        self.sessions.insert(id, SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new() });
         self.deadlines.push(Reverse((now + self.grace, id)));
         true
     }
@@ -55,6 +59,10 @@ impl SessionTable {
         let record = self.sessions.get_mut(&id)?;
         record.last_active = now;
         Some(record)
+    }
+
+    pub fn get(&self, id: SessionId) -> Option<&SessionRecord> {
+        self.sessions.get(&id)
     }
 
     pub fn remove(&mut self, id: SessionId) -> Option<SessionRecord> {
@@ -76,7 +84,7 @@ impl SessionTable {
             self.deadlines.pop();
             let Some(record) = self.sessions.get(&id) else { continue };
             let due = record.last_active + self.grace;
-            if record.sockets == 0 && due <= now {
+            if record.sockets.is_empty() && due <= now {
                 expired.push((id, self.sessions.remove(&id).expect("present")));
             } else {
                 self.deadlines.push(Reverse((due.max(now + self.grace / 4), id)));

@@ -1,0 +1,186 @@
+//! Metrics: per-core counters (plain `Cell`s, touched only by their core) gathered from every
+//! core over the mesh when `GET /metrics` is scraped, rendered in Prometheus text format.
+
+use std::cell::Cell;
+use std::fmt::Write;
+use std::time::Duration;
+
+/// Request latency histogram bounds, in seconds.
+pub const LATENCY_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5];
+
+/// Every route label, in a fixed order (index = position).
+pub const ROUTES: [&str; 18] = [
+    "version", "status", "logLevel", "session", "sessions", "grants", "subscription", "subscriptions",
+    "lastValue", "deviceTwin", "connectionState", "directMethod", "deviceTwinDesiredProperties", "ingest",
+    "metrics", "socket.io", "preflight", "other",
+];
+
+pub const SOURCES: [&str; 4] = ["Telemetry", "twinChangeEvents", "deviceConnectionStateEvents", "deviceLifecycleEvents"];
+pub const TRANSPORTS: [&str; 3] = ["websocket", "socketio_websocket", "socketio_polling"];
+
+#[derive(Default)]
+pub struct Histogram {
+    buckets: [Cell<u64>; LATENCY_BOUNDS.len()],
+    count: Cell<u64>,
+    sum_micros: Cell<u64>,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = LATENCY_BOUNDS.iter().position(|b| secs <= *b) {
+            self.buckets[i].set(self.buckets[i].get() + 1);
+        }
+        self.count.set(self.count.get() + 1);
+        self.sum_micros.set(self.sum_micros.get() + d.as_micros() as u64);
+    }
+}
+
+fn bump(c: &Cell<u64>, n: u64) {
+    c.set(c.get() + n);
+}
+
+/// One core's counters.
+#[derive(Default)]
+pub struct CoreMetrics {
+    pub messages_in: [Cell<u64>; SOURCES.len()],
+    pub messages_out: [Cell<u64>; TRANSPORTS.len()],
+    pub sockets_open: [Cell<u64>; TRANSPORTS.len()],
+    pub conflated: Cell<u64>,
+    pub slow_consumers_closed: Cell<u64>,
+    pub requests: [Histogram; ROUTES.len()],
+}
+
+impl CoreMetrics {
+    pub fn message_in(&self, source: usize) {
+        bump(&self.messages_in[source], 1);
+    }
+    pub fn messages_out(&self, transport: usize, n: u64) {
+        bump(&self.messages_out[transport], n);
+    }
+    pub fn socket_opened(&self, transport: usize) {
+        bump(&self.sockets_open[transport], 1);
+    }
+    pub fn socket_closed(&self, transport: usize) {
+        self.sockets_open[transport].set(self.sockets_open[transport].get().saturating_sub(1));
+    }
+    pub fn conflated(&self, n: u64) {
+        bump(&self.conflated, n);
+    }
+    pub fn slow_consumer_closed(&self) {
+        bump(&self.slow_consumers_closed, 1);
+    }
+    pub fn request(&self, route: usize, d: Duration) {
+        self.requests[route].observe(d);
+    }
+
+    pub fn snapshot(&self, state: StateCounts) -> Snapshot {
+        let get = |c: &Cell<u64>| c.get();
+        Snapshot {
+            messages_in: self.messages_in.iter().map(get).collect(),
+            messages_out: self.messages_out.iter().map(get).collect(),
+            sockets_open: self.sockets_open.iter().map(get).collect(),
+            conflated: self.conflated.get(),
+            slow_consumers_closed: self.slow_consumers_closed.get(),
+            requests: self
+                .requests
+                .iter()
+                .map(|h| (h.buckets.iter().map(get).collect(), h.count.get(), h.sum_micros.get()))
+                .collect(),
+            state,
+        }
+    }
+}
+
+/// Sizes read from a core's shard at scrape time.
+#[derive(Debug, Default, Clone)]
+pub struct StateCounts {
+    pub devices: u64,
+    pub sessions: u64,
+    pub grants: u64,
+    pub subscriptions: u64,
+    pub inbox_depth: u64,
+    pub ingress_depth: u64,
+}
+
+/// A core's metrics, sent to the core answering the scrape.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub messages_in: Vec<u64>,
+    pub messages_out: Vec<u64>,
+    pub sockets_open: Vec<u64>,
+    pub conflated: u64,
+    pub slow_consumers_closed: u64,
+    pub requests: Vec<(Vec<u64>, u64, u64)>,
+    pub state: StateCounts,
+}
+
+/// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
+pub type ExternalSeries = Vec<(String, String, String, u64)>;
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Renders every core's snapshot (index = core).
+pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
+    let mut out = String::with_capacity(16 * 1024);
+    family(&mut out, "hubcast_messages_in_total", "counter", "Device messages ingested, by iothub-message-source.");
+    for (i, source) in SOURCES.iter().enumerate() {
+        let total: u64 = cores.iter().map(|c| c.messages_in[i]).sum();
+        let _ = writeln!(out, "hubcast_messages_in_total{{source=\"{source}\"}} {total}");
+    }
+    family(&mut out, "hubcast_messages_out_total", "counter", "Data messages written to clients, by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate() {
+        let total: u64 = cores.iter().map(|c| c.messages_out[i]).sum();
+        let _ = writeln!(out, "hubcast_messages_out_total{{transport=\"{t}\"}} {total}");
+    }
+    family(&mut out, "hubcast_sockets", "gauge", "Open live-data sockets, by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate() {
+        let total: u64 = cores.iter().map(|c| c.sockets_open[i]).sum();
+        let _ = writeln!(out, "hubcast_sockets{{transport=\"{t}\"}} {total}");
+    }
+    family(&mut out, "hubcast_conflated_total", "counter", "Telemetry messages replaced by newer ones for slow sockets.");
+    let _ = writeln!(out, "hubcast_conflated_total {}", cores.iter().map(|c| c.conflated).sum::<u64>());
+    family(&mut out, "hubcast_slow_consumers_closed_total", "counter", "Sockets closed for exceeding the hard queue limit.");
+    let _ = writeln!(out, "hubcast_slow_consumers_closed_total {}", cores.iter().map(|c| c.slow_consumers_closed).sum::<u64>());
+    for (name, help, pick) in [
+        ("hubcast_devices", "Devices with cached state or grants.", (|s: &StateCounts| s.devices) as fn(&StateCounts) -> u64),
+        ("hubcast_sessions", "Live sessions.", |s| s.sessions),
+        ("hubcast_grants", "Grants held (per session, device and kind or key).", |s| s.grants),
+        ("hubcast_subscriptions", "Subscriptions held (per session, device and kind or key).", |s| s.subscriptions),
+    ] {
+        family(&mut out, name, "gauge", help);
+        let _ = writeln!(out, "{name} {}", cores.iter().map(|c| pick(&c.state)).sum::<u64>());
+    }
+    family(&mut out, "hubcast_core_queue_depth", "gauge", "Batches waiting in a core's queues.");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_core_queue_depth{{core=\"{core}\",queue=\"inbox\"}} {}", c.state.inbox_depth);
+        let _ = writeln!(out, "hubcast_core_queue_depth{{core=\"{core}\",queue=\"ingress\"}} {}", c.state.ingress_depth);
+    }
+    family(&mut out, "hubcast_request_duration_seconds", "histogram", "REST request latency, by route.");
+    for (r, route) in ROUTES.iter().enumerate() {
+        let count: u64 = cores.iter().map(|c| c.requests[r].1).sum();
+        if count == 0 {
+            continue;
+        }
+        let mut cumulative = 0;
+        for (b, bound) in LATENCY_BOUNDS.iter().enumerate() {
+            cumulative += cores.iter().map(|c| c.requests[r].0[b]).sum::<u64>();
+            let _ = writeln!(out, "hubcast_request_duration_seconds_bucket{{route=\"{route}\",le=\"{bound}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "hubcast_request_duration_seconds_bucket{{route=\"{route}\",le=\"+Inf\"}} {count}");
+        let sum: u64 = cores.iter().map(|c| c.requests[r].2).sum();
+        let _ = writeln!(out, "hubcast_request_duration_seconds_sum{{route=\"{route}\"}} {}", sum as f64 / 1e6);
+        let _ = writeln!(out, "hubcast_request_duration_seconds_count{{route=\"{route}\"}} {count}");
+    }
+    let mut last = String::new();
+    for (name, help, labels, value) in external {
+        if *name != last {
+            family(&mut out, name, "gauge", help);
+            last = name.clone();
+        }
+        let _ = writeln!(out, "{name}{labels} {value}");
+    }
+    out
+}

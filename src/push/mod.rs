@@ -1,0 +1,34 @@
+//! Live push: what the device's core decides to send to whom, and the per-socket queues on
+//! the socket's core.
+//!
+//! The device's core builds each envelope once (shared by every session whose filter gives
+//! the same content) and posts per-core batches of [`Delivery`]s to the sessions' cores.
+//! There each socket has an [`outlet::Outlet`]: a bounded queue its writer task drains in
+//! coalesced writes.
+
+pub mod envelope;
+pub mod outlet;
+
+use std::sync::Arc;
+
+use crate::ids::SessionId;
+
+/// What a frame carries, for the slow-consumer rules: telemetry may be conflated, the rest
+/// is never dropped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameKind {
+    Telemetry,
+    ConnectionState,
+    DeviceTwin,
+    Message,
+}
+
+/// One envelope for one session.
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    pub session: SessionId,
+    pub device: Arc<str>,
+    pub kind: FrameKind,
+    /// The JSON envelope `{deviceId, timestamp, <kind>}`.
+    pub frame: Arc<str>,
+}

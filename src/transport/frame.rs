@@ -1,0 +1,171 @@
+//! RFC 6455 framing over our own buffers (tungstenite's header codec; monoio-tungstenite's
+//! stream type cannot be split into a reader and a writer task).
+
+use std::io::Cursor;
+
+use tungstenite::protocol::frame::coding::{Control, Data, OpCode};
+use tungstenite::protocol::frame::FrameHeader;
+
+/// Largest message a client may send us (clients only send small protocol packets).
+pub const MAX_INCOMING_MESSAGE: usize = 64 * 1024;
+
+/// One complete incoming message or control frame.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Incoming {
+    Text(String),
+    Binary,
+    Ping(Vec<u8>),
+    Pong,
+    Close,
+}
+
+/// A protocol violation: the close code and reason to answer with.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Violation(pub u16, pub &'static str);
+
+/// Reassembles client frames into messages.
+#[derive(Default)]
+pub struct FrameReader {
+    fragments: Vec<u8>,
+    fragment_text: bool,
+    in_fragmented: bool,
+}
+
+impl FrameReader {
+    /// Parses as many frames from `buf` as are complete; returns the bytes consumed.
+    pub fn parse(&mut self, buf: &mut [u8], out: &mut Vec<Incoming>) -> Result<usize, Violation> {
+        let mut pos = 0;
+        loop {
+            let mut cursor = Cursor::new(&buf[pos..]);
+            let (header, len) = match FrameHeader::parse(&mut cursor) {
+                Ok(Some(h)) => h,
+                Ok(None) => return Ok(pos),
+                Err(_) => return Err(Violation(1002, "malformed frame")),
+            };
+            let header_len = cursor.position() as usize;
+            if len as usize > MAX_INCOMING_MESSAGE {
+                return Err(Violation(1009, "message too big"));
+            }
+            let len = len as usize;
+            if buf.len() - pos < header_len + len {
+                return Ok(pos);
+            }
+            if header.rsv1 || header.rsv2 || header.rsv3 {
+                return Err(Violation(1002, "reserved bits set"));
+            }
+            let Some(mask) = header.mask else {
+                return Err(Violation(1002, "client frames must be masked"));
+            };
+            let payload = &mut buf[pos + header_len..pos + header_len + len];
+            for (i, b) in payload.iter_mut().enumerate() {
+                *b ^= mask[i & 3];
+            }
+            pos += header_len + len;
+            match header.opcode {
+                OpCode::Control(c) => {
+                    if !header.is_final || len > 125 {
+                        return Err(Violation(1002, "bad control frame"));
+                    }
+                    out.push(match c {
+                        Control::Ping => Incoming::Ping(payload.to_vec()),
+                        Control::Pong => Incoming::Pong,
+                        Control::Close => Incoming::Close,
+                        Control::Reserved(_) => return Err(Violation(1002, "reserved opcode")),
+                    });
+                }
+                OpCode::Data(d) => {
+                    match d {
+                        Data::Continue if !self.in_fragmented => {
+                            return Err(Violation(1002, "continuation without a message"))
+                        }
+                        Data::Continue => {}
+                        Data::Text | Data::Binary if self.in_fragmented => {
+                            return Err(Violation(1002, "new message inside a fragmented one"))
+                        }
+                        Data::Text => self.fragment_text = true,
+                        Data::Binary => self.fragment_text = false,
+                        Data::Reserved(_) => return Err(Violation(1002, "reserved opcode")),
+                    }
+                    if self.fragments.len() + len > MAX_INCOMING_MESSAGE {
+                        return Err(Violation(1009, "message too big"));
+                    }
+                    self.fragments.extend_from_slice(payload);
+                    self.in_fragmented = !header.is_final;
+                    if header.is_final {
+                        let data = std::mem::take(&mut self.fragments);
+                        if self.fragment_text {
+                            let text = String::from_utf8(data).map_err(|_| Violation(1007, "text is not UTF-8"))?;
+                            out.push(Incoming::Text(text));
+                        } else {
+                            out.push(Incoming::Binary);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn header(opcode: OpCode) -> FrameHeader {
+    FrameHeader { is_final: true, rsv1: false, rsv2: false, rsv3: false, opcode, mask: None }
+}
+
+/// Appends one unmasked server frame.
+pub fn write_frame(out: &mut Vec<u8>, opcode: OpCode, parts: &[&[u8]]) {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    header(opcode).format(len as u64, out).expect("writing to a Vec cannot fail");
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+}
+
+pub fn write_text(out: &mut Vec<u8>, parts: &[&[u8]]) {
+    write_frame(out, OpCode::Data(Data::Text), parts);
+}
+
+pub fn write_close(out: &mut Vec<u8>, code: u16, reason: &str) {
+    let reason = &reason.as_bytes()[..reason.len().min(120)];
+    write_frame(out, OpCode::Control(Control::Close), &[&code.to_be_bytes(), reason]);
+}
+
+pub fn write_ping(out: &mut Vec<u8>) {
+    write_frame(out, OpCode::Control(Control::Ping), &[]);
+}
+
+pub fn write_pong(out: &mut Vec<u8>, payload: &[u8]) {
+    write_frame(out, OpCode::Control(Control::Pong), &[payload]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn masked(opcode: u8, fin: bool, payload: &[u8]) -> Vec<u8> {
+        let mask = [1, 2, 3, 4];
+        let mut v = vec![opcode | if fin { 0x80 } else { 0 }, 0x80 | payload.len() as u8];
+        v.extend_from_slice(&mask);
+        v.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i & 3]));
+        v
+    }
+
+    #[test]
+    fn fragmented_text_is_reassembled_and_partial_frames_wait() {
+        let mut buf = masked(0x1, false, b"he");
+        buf.extend(masked(0x0, true, b"llo"));
+        let mut reader = FrameReader::default();
+        let mut out = Vec::new();
+        let whole = buf.len();
+        assert_eq!(reader.parse(&mut buf[..whole - 1].to_vec(), &mut out).unwrap(), 8);
+        let mut out = Vec::new();
+        let mut reader = FrameReader::default();
+        assert_eq!(reader.parse(&mut buf, &mut out).unwrap(), whole);
+        assert_eq!(out, vec![Incoming::Text("hello".into())]);
+    }
+
+    #[test]
+    fn unmasked_and_invalid_utf8_frames_are_violations() {
+        let mut reader = FrameReader::default();
+        assert_eq!(reader.parse(&mut vec![0x81, 0x01, b'a'], &mut Vec::new()).unwrap_err().0, 1002);
+        assert_eq!(reader.parse(&mut masked(0x1, true, &[0xff]), &mut Vec::new()).unwrap_err().0, 1007);
+    }
+}

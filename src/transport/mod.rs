@@ -1,0 +1,379 @@
+//! Live-data transports: plain WebSocket (`/ws?sessionId=…`) and Socket.IO v4 (Engine.IO 4)
+//! over WebSocket or HTTP long-polling (`/socket.io/`).
+//!
+//! A socket lives on its session's core: after the upgrade handshake is read on whichever
+//! core accepted the connection, the socket (fd plus any bytes read past the request) moves
+//! to `core_of_session` over the mesh. There it gets an [`Outlet`] attached to the session;
+//! the device cores' deliveries land in it, and one writer task drains it in coalesced
+//! writes. A reader task handles client frames; a pinger keeps the connection honest.
+
+pub mod frame;
+pub mod socketio;
+pub mod socketio_polling;
+
+use std::cell::Cell;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt, OwnedWriteHalf, Splitable};
+use monoio::net::TcpStream;
+use monoio_http::common::request::RequestHead;
+
+use crate::http::{Framed, Request, Response};
+use crate::ids::SessionId;
+use crate::push::outlet::{CloseReason, Out, Outlet, QueueLimits};
+use crate::runtime::mesh::CoreMsg;
+use crate::runtime::Core;
+use frame::{FrameReader, Incoming};
+
+/// Initial read buffer of a socket.
+const READ_CHUNK: usize = 1024;
+
+/// A write that makes no progress for this long means a stalled client: the socket is dropped.
+const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
+
+pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Which protocol a WebSocket speaks.
+#[derive(Debug, Clone)]
+pub enum SocketKind {
+    /// `/ws`: one JSON text frame per envelope.
+    Plain,
+    /// `/socket.io/?EIO=4&transport=websocket`; `upgrade_sid` when upgrading a polling session.
+    SocketIo { upgrade_sid: Option<String> },
+}
+
+/// A WebSocket moving to its session's core (the 101 answer is sent from there, once the
+/// socket is attached: when a client sees the WebSocket open, data reaches it).
+pub struct MovedSocket {
+    pub fd: OwnedFd,
+    pub leftover: Vec<u8>,
+    pub kind: SocketKind,
+    pub session: Option<SessionId>,
+    pub handshake: Vec<u8>,
+}
+
+/// Whether a request asks for a WebSocket upgrade.
+pub fn is_upgrade(head: &RequestHead) -> bool {
+    head.headers
+        .get(http::header::UPGRADE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"))
+}
+
+fn query_param(head: &RequestHead, name: &str) -> Option<String> {
+    let req = Request {
+        method: head.method.clone(),
+        path: String::new(),
+        query: head.uri.query().map(str::to_string),
+        headers: Default::default(),
+        body: Default::default(),
+    };
+    req.query_param(name)
+}
+
+/// Checks an upgrade request; the error is the HTTP answer to give instead.
+pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
+    let path = head.uri.path().trim_end_matches('/');
+    let kind = match path {
+        "/ws" => SocketKind::Plain,
+        "/socket.io" => {
+            if query_param(head, "EIO").as_deref() != Some("4") {
+                return Err(Response::error(400, "unsupported Engine.IO protocol version (EIO=4 required)"));
+            }
+            SocketKind::SocketIo { upgrade_sid: query_param(head, "sid") }
+        }
+        _ => return Err(Response::error(404, &format!("Not found: {} {}", head.method, head.uri.path()))),
+    };
+    if head.method != http::Method::GET {
+        return Err(Response::error(405, "WebSocket upgrades use GET").with_header("allow", "GET"));
+    }
+    let version_ok = head.headers.get("sec-websocket-version").is_some_and(|v| v.as_bytes() == b"13");
+    if !version_ok || head.headers.get("sec-websocket-key").is_none() {
+        return Err(Response::error(400, "a WebSocket upgrade needs Sec-WebSocket-Key and Sec-WebSocket-Version: 13"));
+    }
+    Ok(kind)
+}
+
+/// Completes a checked upgrade read on this core and sends the socket to its session's core.
+pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, write: OwnedWriteHalf<TcpStream>) {
+    let key = head.headers.get("sec-websocket-key").map(|v| v.as_bytes().to_vec()).unwrap_or_default();
+    let accept = tungstenite::handshake::derive_accept_key(&key);
+    let response = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\nsec-websocket-accept: {accept}\r\n\r\n"
+    );
+    let session = query_param(&head, "sessionId").and_then(|s| SessionId::parse(&s));
+    let leftover = framed.read_buffer().to_vec();
+    let Ok(stream) = framed.into_inner().reunite(write) else {
+        tracing::warn!("could not reunite the socket halves after an upgrade");
+        return;
+    };
+    // A polling session's upgrade goes to the core holding it (its sid names the core).
+    let polling_core = match &kind {
+        SocketKind::SocketIo { upgrade_sid: Some(sid) } => {
+            sid.split_once('-').and_then(|(c, _)| c.parse::<usize>().ok()).filter(|c| *c < core.cores())
+        }
+        _ => None,
+    };
+    let target = polling_core.unwrap_or_else(|| session.map_or(core.index, |s| core.session_core(s)));
+    if target == core.index {
+        monoio::spawn(run(core, stream, leftover, kind, session, response.into_bytes()));
+    } else {
+        // Safety of ownership: the stream is consumed; the fd now belongs to the message.
+        let fd = unsafe { OwnedFd::from_raw_fd(stream.into_raw_fd()) };
+        let handshake = response.into_bytes();
+        core.mesh.post(target, CoreMsg::AdoptSocket(MovedSocket { fd, leftover, kind, session, handshake }));
+    }
+}
+
+/// Takes over a socket moved here from another core.
+pub fn adopt(core: Rc<Core>, moved: MovedSocket) {
+    let std_stream = std::net::TcpStream::from(moved.fd);
+    match TcpStream::from_std(std_stream) {
+        Ok(stream) => {
+            monoio::spawn(run(core, stream, moved.leftover, moved.kind, moved.session, moved.handshake));
+        }
+        Err(e) => tracing::warn!(error = %e, "could not adopt a moved socket"),
+    }
+}
+
+/// One live socket's shared state.
+pub struct Conn {
+    pub core: Rc<Core>,
+    pub outlet: Rc<Outlet>,
+    pub session: Option<SessionId>,
+    pub kind: SocketKind,
+    /// Attached to its session (gets deliveries).
+    pub attached: Cell<bool>,
+    /// Last time anything arrived from the client.
+    pub last_heard: Cell<Instant>,
+    /// The Engine.IO sid of the polling session this WebSocket is taking over.
+    pub upgrading: std::cell::RefCell<Option<Box<str>>>,
+    fd: RawFd,
+}
+
+impl Conn {
+    /// Index into `metrics::TRANSPORTS`.
+    fn transport(&self) -> usize {
+        match self.kind {
+            SocketKind::Plain => 0,
+            SocketKind::SocketIo { .. } => 1,
+        }
+    }
+
+    /// Attaches the socket to its session; false for an unknown or expired session.
+    pub fn attach(&self) -> bool {
+        let ok = self.session.is_some_and(|s| self.core.attach_socket(s, self.outlet.clone()));
+        self.attached.set(ok);
+        ok
+    }
+
+    fn shutdown(&self) {
+        // Wakes a reader blocked on this socket and refuses further writes.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+    }
+}
+
+pub fn limits(core: &Core) -> QueueLimits {
+    let c = &core.settings.config;
+    QueueLimits { soft: c.socket_queue_soft_limit as usize, hard: c.socket_queue_hard_limit as usize }
+}
+
+async fn run(
+    core: Rc<Core>,
+    stream: TcpStream,
+    leftover: Vec<u8>,
+    kind: SocketKind,
+    session: Option<SessionId>,
+    handshake: Vec<u8>,
+) {
+    let _ = stream.set_nodelay(true);
+    let fd = stream.as_raw_fd();
+    let outlet = Outlet::new(NEXT_SOCKET_ID.fetch_add(1, Ordering::Relaxed), limits(&core));
+    let conn = Rc::new(Conn {
+        core,
+        outlet,
+        session,
+        kind: kind.clone(),
+        attached: Cell::new(false),
+        last_heard: Cell::new(Instant::now()),
+        upgrading: Default::default(),
+        fd,
+    });
+    conn.core.metrics.socket_opened(conn.transport());
+    // A live socket counts towards the connection limit of the core it lives on.
+    conn.core.connections.set(conn.core.connections.get() + 1);
+    let (mut read, write) = stream.into_split();
+    let greeting_ok = match &kind {
+        SocketKind::Plain => {
+            if conn.attach() {
+                true
+            } else {
+                conn.outlet.close(CloseReason::new(1008, "unknown or expired session"));
+                false
+            }
+        }
+        SocketKind::SocketIo { upgrade_sid } => socketio::greet_websocket(&conn, upgrade_sid.as_deref()),
+    };
+    monoio::spawn(writer(conn.clone(), write, handshake));
+    if greeting_ok {
+        monoio::spawn(pinger(conn.clone()));
+    }
+
+    let c = &conn.core.settings.config;
+    let read_deadline = Duration::from_millis(c.ping_interval + c.ping_timeout) + Duration::from_secs(5);
+    let mut parser = FrameReader::default();
+    let mut pending = leftover;
+    // Small: an idle socket keeps this buffer in the kernel's hands for as long as it waits,
+    // and clients only send pongs and small packets (it grows for a bigger burst).
+    let mut chunk = Vec::with_capacity(READ_CHUNK);
+    let mut incoming = Vec::new();
+    'read: loop {
+        match parser.parse(&mut pending, &mut incoming) {
+            Ok(used) => {
+                pending.drain(..used);
+            }
+            Err(violation) => {
+                conn.outlet.close(CloseReason::new(violation.0, violation.1));
+                break;
+            }
+        }
+        for message in incoming.drain(..) {
+            conn.last_heard.set(Instant::now());
+            match message {
+                Incoming::Close => {
+                    conn.outlet.close(CloseReason::new(1000, "closing"));
+                    break 'read;
+                }
+                Incoming::Ping(payload) => conn.outlet.push(Out::Pong(payload)),
+                Incoming::Pong | Incoming::Binary => {}
+                Incoming::Text(text) => {
+                    if let SocketKind::SocketIo { .. } = conn.kind {
+                        socketio::on_websocket_text(&conn, &text);
+                    }
+                }
+            }
+        }
+        chunk.clear();
+        // Abandoning the read on timeout is safe: the connection is dropped with it.
+        let (result, buf) = match monoio::time::timeout(read_deadline, read.read(chunk)).await {
+            Ok(r) => r,
+            Err(_) => {
+                conn.outlet.close(CloseReason::new(1001, "no traffic from the client"));
+                break;
+            }
+        };
+        chunk = buf;
+        match result {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                pending.extend_from_slice(&chunk[..n]);
+                if n == chunk.capacity() && chunk.capacity() < 16 * READ_CHUNK {
+                    chunk.reserve(chunk.capacity());
+                }
+            }
+        }
+        if pending.is_empty() && pending.capacity() > 4 * READ_CHUNK {
+            pending = Vec::new();
+        }
+    }
+    if !conn.outlet.is_closing() {
+        conn.outlet.close(CloseReason::new(1000, "closed"));
+    }
+    if conn.attached.get() {
+        if let Some(s) = conn.session {
+            conn.core.detach_socket(s, conn.outlet.id);
+        }
+    }
+    conn.core.metrics.socket_closed(conn.transport());
+    conn.core.connections.set(conn.core.connections.get() - 1);
+}
+
+/// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
+async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
+    let (result, _) = write.write_all(handshake).await;
+    if result.is_err() {
+        conn.outlet.close(CloseReason::new(1001, "write failed"));
+        conn.shutdown();
+        return;
+    }
+    // Grows to the largest burst written; released again after a big one.
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        let drained = conn.outlet.drain().await;
+        let metrics = &conn.core.metrics;
+        let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
+        metrics.messages_out(conn.transport(), envelopes as u64);
+        metrics.conflated(drained.conflated);
+        if drained.closing.as_ref().is_some_and(|r| r.text.starts_with("slow consumer")) {
+            metrics.slow_consumer_closed();
+        }
+        buf.clear();
+        for item in &drained.items {
+            match (&conn.kind, item) {
+                (SocketKind::Plain, Out::Envelope(frame)) => frame::write_text(&mut buf, &[frame.as_bytes()]),
+                (SocketKind::SocketIo { .. }, Out::Envelope(frame)) => {
+                    frame::write_text(&mut buf, &[socketio::EVENT_PREFIX, frame.as_bytes(), b"]"])
+                }
+                (_, Out::Packet(p)) => frame::write_text(&mut buf, &[p.as_bytes()]),
+                (_, Out::Ping) => frame::write_ping(&mut buf),
+                (_, Out::Pong(payload)) => frame::write_pong(&mut buf, payload),
+            }
+        }
+        if let Some(reason) = &drained.closing {
+            frame::write_close(&mut buf, reason.code, &reason.text);
+        }
+        if !buf.is_empty() {
+            match monoio::time::timeout(WRITE_STALL_LIMIT, write.write_all(std::mem::take(&mut buf))).await {
+                Ok((Ok(_), b)) => buf = b,
+                Ok((Err(_), _)) | Err(_) => {
+                    conn.outlet.close(CloseReason::new(1001, "write failed or stalled"));
+                    conn.shutdown();
+                    return;
+                }
+            }
+        }
+        if drained.closing.is_some() {
+            conn.shutdown();
+            return;
+        }
+        if buf.capacity() > 256 * 1024 {
+            buf = Vec::new();
+        }
+    }
+}
+
+/// Pings the client `pingInterval` after its last answer (as Engine.IO does); closes the
+/// socket when an answer takes longer than `pingTimeout`.
+async fn pinger(conn: Rc<Conn>) {
+    let c = &conn.core.settings.config;
+    let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
+    loop {
+        monoio::time::sleep(interval).await;
+        if conn.outlet.is_closing() {
+            return;
+        }
+        conn.outlet.push(match conn.kind {
+            SocketKind::Plain => Out::Ping,
+            SocketKind::SocketIo { .. } => Out::Packet("2".into()),
+        });
+        if !answered_in_time(&conn.last_heard, &conn.outlet, timeout).await {
+            conn.outlet.close(CloseReason::new(1001, "ping timeout"));
+            return;
+        }
+    }
+}
+
+/// Waits until something is heard after now, up to `timeout`.
+pub async fn answered_in_time(last_heard: &Cell<Instant>, outlet: &Outlet, timeout: Duration) -> bool {
+    let sent = Instant::now();
+    let step = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_millis(250));
+    while sent.elapsed() < timeout {
+        monoio::time::sleep(step).await;
+        if last_heard.get() >= sent || outlet.is_closing() {
+            return true;
+        }
+    }
+    last_heard.get() >= sent
+}

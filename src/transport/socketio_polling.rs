@@ -1,0 +1,276 @@
+//! Engine.IO HTTP long-polling, and the upgrade of a polling session to WebSocket.
+//!
+//! A polling session lives on its Socket.IO session's core, like a WebSocket; its Engine.IO
+//! sid starts with that core's index, so a `GET`/`POST` that lands on another core is
+//! forwarded there. `GET` waits (up to `pingInterval + pingTimeout`) for queued packets and
+//! answers them joined by the record separator `\x1e`; `POST` carries the client's packets.
+//! Upgrade: the client opens a WebSocket with the sid and sends `2probe`; we answer `3probe`
+//! and end the pending poll with a noop `6`; on `5` the WebSocket takes over the outlet.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_channel::oneshot;
+use serde_json::json;
+
+use super::socketio::{connect_reply, open_packet, MAX_PAYLOAD};
+use super::{limits, Conn, NEXT_SOCKET_ID};
+use crate::http::{Request, Response};
+use crate::ids::{random_token, SessionId};
+use crate::push::outlet::{CloseReason, Out, Outlet};
+use crate::runtime::mesh::{await_reply, CoreMsg};
+use crate::runtime::Core;
+
+/// A polling request forwarded to the core that owns the Engine.IO session.
+#[derive(Debug)]
+pub struct PollRequest {
+    pub sid: Option<String>,
+    pub session: Option<SessionId>,
+    pub post: Option<Bytes>,
+}
+
+/// One Engine.IO session on the polling transport.
+pub struct PollingSocket {
+    pub sid: Box<str>,
+    pub session: Option<SessionId>,
+    pub outlet: Rc<Outlet>,
+    pub attached: Cell<bool>,
+    pub last_heard: Cell<Instant>,
+    poll_active: Cell<bool>,
+}
+
+const RECORD_SEPARATOR: u8 = 0x1e;
+/// Index into `metrics::TRANSPORTS`.
+const POLLING: usize = 2;
+
+fn engine_error(code: u8, message: &str) -> Response {
+    Response::json(400, json!({"code": code, "message": message, "errorMessage": message}).to_string())
+}
+
+/// Entry point for `GET`/`POST /socket.io/?EIO=4&transport=polling…` on any core.
+pub async fn http(core: &Rc<Core>, req: &Request) -> Response {
+    if req.query_param("EIO").as_deref() != Some("4") {
+        return engine_error(5, "Unsupported protocol version");
+    }
+    if req.query_param("transport").as_deref() != Some("polling") {
+        return engine_error(0, "Transport unknown");
+    }
+    let sid = req.query_param("sid");
+    let session = req.query_param("sessionId").and_then(|s| SessionId::parse(&s));
+    let post = match req.method {
+        http::Method::GET => None,
+        http::Method::POST => Some(req.body.clone()),
+        _ => return Response::error(405, "Engine.IO polling uses GET and POST").with_header("allow", "GET, POST"),
+    };
+    let target = match (&sid, session) {
+        (Some(sid), _) => match sid.split_once('-').and_then(|(c, _)| c.parse::<usize>().ok()) {
+            Some(c) if c < core.cores() => c,
+            _ => return engine_error(1, "Session ID unknown"),
+        },
+        (None, Some(s)) => core.session_core(s),
+        (None, None) => core.index,
+    };
+    let request = PollRequest { sid, session, post };
+    if target == core.index {
+        return serve(core.clone(), request).await;
+    }
+    let (tx, rx) = oneshot::channel();
+    core.mesh.post(target, CoreMsg::Poll { request, reply: tx });
+    await_reply(rx).await.unwrap_or_else(|| Response::error(503, "core unavailable"))
+}
+
+/// Serves a polling request on the core owning the Engine.IO session.
+pub async fn serve(core: Rc<Core>, request: PollRequest) -> Response {
+    let Some(sid) = request.sid else {
+        return handshake(&core, request.session);
+    };
+    let Some(socket) = core.polling.borrow().get(sid.as_str()).cloned() else {
+        return engine_error(1, "Session ID unknown");
+    };
+    match request.post {
+        Some(body) => on_post(&core, &socket, &body),
+        None => poll(&core, &socket).await,
+    }
+}
+
+fn text(body: impl Into<Vec<u8>>) -> Response {
+    Response::new(200, "text/plain; charset=UTF-8", body)
+}
+
+fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
+    let c = &core.settings.config;
+    let sid: Box<str> = format!("{}-{}", core.index, random_token(15)).into();
+    let socket = Rc::new(PollingSocket {
+        sid: sid.clone(),
+        session,
+        outlet: Outlet::new(NEXT_SOCKET_ID.fetch_add(1, Ordering::Relaxed), limits(core)),
+        attached: Cell::new(false),
+        last_heard: Cell::new(Instant::now()),
+        poll_active: Cell::new(false),
+    });
+    core.polling.borrow_mut().insert(sid.clone(), socket.clone());
+    core.metrics.socket_opened(POLLING);
+    monoio::spawn(pinger(core.clone(), socket));
+    text(open_packet(&sid, &["websocket"], c.ping_interval, c.ping_timeout))
+}
+
+fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response {
+    if body.len() > MAX_PAYLOAD {
+        close(core, socket, CloseReason::new(1009, "payload too large"));
+        return engine_error(3, "Bad request");
+    }
+    socket.last_heard.set(Instant::now());
+    for packet in body.split(|b| *b == RECORD_SEPARATOR) {
+        let Ok(packet) = std::str::from_utf8(packet) else {
+            return engine_error(3, "Bad request");
+        };
+        let mut chars = packet.chars();
+        match chars.next() {
+            Some('3') | Some('6') => {}
+            Some('1') => close(core, socket, CloseReason::new(1000, "client closed")),
+            Some('4') => {
+                let sio = chars.as_str();
+                match sio.as_bytes().first() {
+                    Some(b'0') => {
+                        let (reply, ok) = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio);
+                        socket.outlet.push(Out::Packet(format!("4{reply}").into()));
+                        if !ok {
+                            socket.outlet.finish(CloseReason::new(1000, "connection refused"));
+                        }
+                    }
+                    Some(b'1') => close(core, socket, CloseReason::new(1000, "client disconnected")),
+                    _ => {}
+                }
+            }
+            _ => return engine_error(3, "Bad request"),
+        }
+    }
+    text("ok")
+}
+
+async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
+    if socket.poll_active.replace(true) {
+        close(core, socket, CloseReason::new(1002, "overlapping polls"));
+        return engine_error(3, "Bad request");
+    }
+    let c = &core.settings.config;
+    let wait = Duration::from_millis(c.ping_interval + c.ping_timeout);
+    // `drain` takes items only when it completes, so giving up on it loses nothing.
+    let drained = monoio::time::timeout(wait, socket.outlet.drain()).await;
+    socket.poll_active.set(false);
+    let Ok(drained) = drained else { return text("6") };
+    let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
+    core.metrics.messages_out(POLLING, envelopes as u64);
+    core.metrics.conflated(drained.conflated);
+    let mut body = Vec::new();
+    for item in &drained.items {
+        if !body.is_empty() {
+            body.push(RECORD_SEPARATOR);
+        }
+        match item {
+            Out::Envelope(frame) => {
+                body.extend_from_slice(super::socketio::EVENT_PREFIX);
+                body.extend_from_slice(frame.as_bytes());
+                body.push(b']');
+            }
+            Out::Packet(p) => body.extend_from_slice(p.as_bytes()),
+            Out::Ping | Out::Pong(_) => {}
+        }
+    }
+    if drained.closing.is_some() {
+        if !body.is_empty() {
+            body.push(RECORD_SEPARATOR);
+        }
+        body.push(b'1');
+        forget(core, socket);
+    }
+    if body.is_empty() {
+        body.push(b'6');
+    }
+    text(body)
+}
+
+fn forget(core: &Rc<Core>, socket: &PollingSocket) {
+    if core.polling.borrow_mut().remove(&socket.sid).is_some() {
+        core.metrics.socket_closed(POLLING);
+    }
+    if socket.attached.replace(false) {
+        if let Some(s) = socket.session {
+            core.detach_socket(s, socket.outlet.id);
+        }
+    }
+}
+
+/// Closes a polling session: the next (or pending) poll answers the close packet.
+pub fn close(core: &Rc<Core>, socket: &PollingSocket, reason: CloseReason) {
+    socket.outlet.close(reason);
+    if !socket.poll_active.get() {
+        forget(core, socket);
+    }
+}
+
+async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
+    let c = &core.settings.config;
+    let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
+    let alive = || core.polling.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
+    loop {
+        monoio::time::sleep(interval).await;
+        if !alive() {
+            // Closed while no poll was pending (e.g. session deleted): nobody will collect it.
+            if !socket.poll_active.get() {
+                forget(&core, &socket);
+            }
+            return;
+        }
+        socket.outlet.push(Out::Packet("2".into()));
+        if !super::answered_in_time(&socket.last_heard, &socket.outlet, timeout).await && alive() {
+            close(&core, &socket, CloseReason::new(1001, "ping timeout"));
+            forget(&core, &socket);
+            return;
+        }
+    }
+}
+
+/// A WebSocket opened with a polling session's sid: it answers the probe; `5` completes.
+pub fn take_over(conn: &Conn, sid: &str) -> bool {
+    let exists = conn.core.polling.borrow().contains_key(sid);
+    if !exists {
+        conn.outlet.close(CloseReason::new(1008, "unknown Engine.IO session id"));
+        return false;
+    }
+    *conn.upgrading.borrow_mut() = Some(sid.into());
+    true
+}
+
+/// `2probe` on the upgrading WebSocket: answer it and end the pending poll with a noop.
+pub fn on_probe(conn: &Conn) {
+    conn.outlet.push(Out::Packet("3probe".into()));
+    if let Some(sid) = conn.upgrading.borrow().as_deref() {
+        if let Some(socket) = conn.core.polling.borrow().get(sid) {
+            socket.outlet.push(Out::Packet("6".into()));
+        }
+    }
+}
+
+/// `5` on the upgrading WebSocket: it replaces the polling transport.
+pub fn complete_upgrade(conn: &Conn) {
+    let Some(sid) = conn.upgrading.borrow_mut().take() else { return };
+    let Some(socket) = conn.core.polling.borrow_mut().remove(&*sid) else { return };
+    conn.core.metrics.socket_closed(POLLING);
+    // Whatever the polling side still held goes out on the WebSocket, in order.
+    for item in socket.outlet.try_drain().items {
+        if item != Out::Packet("6".into()) {
+            conn.outlet.push(item);
+        }
+    }
+    socket.outlet.close(CloseReason::new(1000, "upgraded"));
+    if socket.attached.get() {
+        if let Some(s) = socket.session {
+            conn.core.detach_socket(s, socket.outlet.id);
+        }
+        conn.attach();
+    }
+}

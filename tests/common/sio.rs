@@ -1,0 +1,91 @@
+//! The real `socket.io-client` from npm (tests/js), driven as a child process that prints
+//! one JSON line per event.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::Server;
+
+pub struct SioClient {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    events: mpsc::Receiver<Value>,
+}
+
+impl Server {
+    /// Connects one Socket.IO client per session id, with the given transports
+    /// (`"websocket"`, `"polling"` or `"websocket,polling"`).
+    pub fn socketio(&self, sessions: &[&str], transports: &str) -> SioClient {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js/sio-client.mjs");
+        let mut child = Command::new("node")
+            .arg(script)
+            .arg(&self.base)
+            .arg(sessions.join(","))
+            .arg(transports)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("node is installed (scripts/test.sh installs it) and tests/js has node_modules");
+        let stdout = child.stdout.take().unwrap();
+        let stdin = child.stdin.take();
+        let (tx, events) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    if tx.send(v).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        SioClient { child, stdin, events }
+    }
+}
+
+impl SioClient {
+    /// The next event (`{index, event, …}`), or `None` within `timeout`.
+    pub fn next(&self, timeout: Duration) -> Option<Value> {
+        self.events.recv_timeout(timeout).ok()
+    }
+
+    /// Waits for an event of the given name (skipping others); returns it.
+    pub fn wait_for(&self, event: &str, timeout: Duration) -> Option<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let e = self.next(left)?;
+            if e["event"] == event {
+                return Some(e);
+            }
+        }
+    }
+
+    /// Every event within `window`.
+    pub fn collect(&self, window: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + window;
+        let mut out = Vec::new();
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.next(left) {
+                Some(e) => out.push(e),
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+impl Drop for SioClient {
+    fn drop(&mut self) {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.write_all(b"exit\n");
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,394 @@
+//! Live push over plain WebSocket (`/ws?sessionId=…`), with --cores 2 so devices and sockets
+//! sit on different cores.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(3);
+const QUIET: Duration = Duration::from_millis(400);
+
+fn subscribed(server: &Server, device: &str, subs: &[Value]) -> String {
+    let session = server.new_session();
+    for sub in subs {
+        let mut grant = sub.clone();
+        grant["deviceId"] = json!(device);
+        server.grant(&session, grant.clone());
+        let (status, body) = server.subscribe(&session, grant);
+        assert_eq!(status, 204, "{body}");
+    }
+    session
+}
+
+fn telemetry_sub(key: Option<&str>) -> Value {
+    json!({"type": "telemetry", "telemetryKey": key})
+}
+
+fn only(kind: &str) -> Value {
+    json!({"type": kind})
+}
+
+#[test]
+fn telemetry_is_filtered_to_the_subscribed_keys() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(Some("temperature"))]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"temperature": 21.5, "humidity": 40}}));
+    let frame = live.next_json(WAIT).expect("a telemetry frame");
+    assert_eq!(frame["deviceId"], "dev-1");
+    assert_eq!(frame["telemetry"], json!({"temperature": 21.5}));
+    assert!(parse_utc_millis(frame["timestamp"].as_str().unwrap()).is_some());
+    assert_eq!(frame.as_object().unwrap().len(), 3, "exactly one discriminator: {frame}");
+}
+
+#[test]
+fn a_message_without_subscribed_keys_sends_nothing() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(Some("temperature"))]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"humidity": 40}}));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "telemetry is never empty");
+}
+
+#[test]
+fn wildcard_subscription_gets_every_key() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1, "b": {"x": true}, "c": "s"}}));
+    let frame = live.next_json(WAIT).expect("a telemetry frame");
+    assert_eq!(frame["telemetry"], json!({"a": 1, "b": {"x": true}, "c": "s"}));
+}
+
+#[test]
+fn one_message_per_device_per_kind_per_incoming_message() {
+    let server = Server::start(&[]);
+    let session = subscribed(
+        &server,
+        "dev-1",
+        &[telemetry_sub(Some("a")), telemetry_sub(Some("b")), only("connectionState"), only("d2cMessages")],
+    );
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1, "b": 2, "c": 3}}));
+    let frames = live.collect(Duration::from_millis(800));
+    assert_eq!(frames.len(), 3, "{frames:?}");
+    let of = |key: &str| frames.iter().filter(|f| f.get(key).is_some()).collect::<Vec<_>>();
+    assert_eq!(of("telemetry").len(), 1);
+    assert_eq!(of("telemetry")[0]["telemetry"], json!({"a": 1, "b": 2}));
+    assert_eq!(of("connectionState")[0]["connectionState"], json!(true));
+    assert_eq!(of("message")[0]["message"], json!({"a": 1, "b": 2, "c": 3}), "d2c gets the whole body");
+    for f in &frames {
+        assert_eq!(f.as_object().unwrap().len(), 3, "one discriminator per frame: {f}");
+    }
+}
+
+#[test]
+fn other_devices_and_unsubscribed_kinds_are_not_delivered() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    server.grant(&session, json!({"type": "connectionState", "deviceId": "dev-1"}));
+    let mut live = server.live(&session);
+    server.ingest(json!([{"deviceId": "dev-2", "body": {"a": 1}}, {"deviceId": "dev-1", "body": {"a": 2}}]));
+    let frames = live.collect(Duration::from_millis(800));
+    assert_eq!(frames.len(), 1, "{frames:?}");
+    assert_eq!(frames[0]["deviceId"], "dev-1");
+}
+
+#[test]
+fn unknown_session_is_rejected_with_a_close_frame() {
+    let server = Server::start(&[]);
+    let mut live = server.ws("/ws?sessionId=AAAAAAAAAAAAAAAAAAAAAA");
+    assert_eq!(live.wait_closed(WAIT), Some(1008));
+    assert!(live.closed.as_ref().unwrap().1.contains("session"));
+    let mut missing = server.ws("/ws");
+    assert_eq!(missing.wait_closed(WAIT), Some(1008));
+}
+
+#[test]
+fn deleting_the_session_closes_its_sockets_at_once() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut a = server.live(&session);
+    let mut b = server.live(&session);
+    let (status, _, _) = server.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
+    assert_eq!(status, 204);
+    assert!(a.wait_closed(WAIT).is_some());
+    assert!(b.wait_closed(WAIT).is_some());
+}
+
+#[test]
+fn every_socket_of_a_session_gets_the_data() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut sockets: Vec<_> = (0..4).map(|_| server.live(&session)).collect();
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 7}}));
+    for live in &mut sockets {
+        assert_eq!(live.next_json(WAIT).expect("frame")["telemetry"], json!({"n": 7}));
+    }
+}
+
+#[test]
+fn revoking_a_grant_stops_delivery_at_once() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    assert!(live.next_json(WAIT).is_some());
+    server.revoke(&session, json!({"type": "telemetry", "deviceId": "dev-1", "telemetryKey": null}));
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 2}}));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new());
+}
+
+#[test]
+fn adding_a_grant_publishes_nothing() {
+    let server = Server::start(&[]);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    let session = server.new_session();
+    let mut live = server.live(&session);
+    server.grant(&session, json!({"type": "telemetry", "deviceId": "dev-1"}));
+    server.grant(&session, json!({"type": "connectionState", "deviceId": "dev-1"}));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new());
+}
+
+#[test]
+fn silent_devices_go_offline_after_the_connection_ttl() {
+    let server = Server::start(&["--connection-state-cache-ttl", "1"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+    let offline = live.next_json(Duration::from_secs(4)).expect("offline after the TTL");
+    assert_eq!(offline["connectionState"], json!(false));
+    let (_, state) = server.call_json("GET", "/connectionState/dev-1", &[ADMIN], None);
+    assert_eq!(state["data"], json!(false));
+}
+
+#[test]
+fn devices_that_keep_talking_stay_online() {
+    let server = Server::start(&["--connection-state-cache-ttl", "2", "--connection-state-on-telemetry", "false"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
+        "properties": {"opType": "deviceConnected"}, "body": {"sequenceNumber": "01"}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+    for _ in 0..12 {
+        std::thread::sleep(Duration::from_millis(250));
+        server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    }
+    assert_eq!(live.collect(Duration::from_millis(200)), Vec::<Value>::new(), "no offline while talking");
+}
+
+#[test]
+fn zero_ttl_never_expires() {
+    let server = Server::start(&["--connection-state-cache-ttl", "0"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+    assert_eq!(live.collect(Duration::from_millis(1500)), Vec::<Value>::new());
+}
+
+#[test]
+fn custom_connection_state_key_drives_the_state_and_stays_in_telemetry() {
+    let server = Server::start(&["--custom-connection-state-key", "online"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"online": false, "t": 1}}));
+    let frames = live.collect(Duration::from_millis(800));
+    let state = frames.iter().find(|f| f.get("connectionState").is_some()).expect("a state");
+    assert_eq!(state["connectionState"], json!(false));
+    let tel = frames.iter().find(|f| f.get("telemetry").is_some()).expect("telemetry");
+    assert_eq!(tel["telemetry"], json!({"online": false, "t": 1}));
+    // Telemetry without the key publishes no state; connection events are ignored.
+    server.ingest(json!([{"deviceId": "dev-1", "body": {"t": 2}},
+        {"deviceId": "dev-1", "source": "deviceConnectionStateEvents", "properties": {"opType": "deviceConnected"}, "body": {}}]));
+    let frames = live.collect(Duration::from_millis(600));
+    assert!(frames.iter().all(|f| f.get("connectionState").is_none()), "{frames:?}");
+}
+
+#[test]
+fn stale_connection_events_are_dropped() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let mut live = server.live(&session);
+    let event = |op: &str, seq: &str| json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
+        "properties": {"opType": op}, "body": {"sequenceNumber": seq}});
+    server.ingest(event("deviceDisconnected", "000000000000000001D5"));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(false));
+    server.ingest(event("deviceConnected", "000000000000000001D4"));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "older event ignored");
+    server.ingest(event("deviceConnected", "000000000000000001D6"));
+    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
+}
+
+#[test]
+fn twin_updates_are_merged_and_pushed_whole() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &[only("deviceTwin")]);
+    let mut live = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "source": "twinChangeEvents", "properties": {"opType": "replaceTwin"},
+        "body": {"version": 1, "properties": {"reported": {"fw": "1.0", "mode": "eco"}, "desired": {"x": 1}}}}));
+    assert_eq!(live.next_json(WAIT).unwrap()["deviceTwin"]["properties"]["reported"]["fw"], "1.0");
+    server.ingest(json!({"deviceId": "dev-1", "source": "twinChangeEvents", "properties": {"opType": "updateTwin"},
+        "body": {"version": 2, "properties": {"reported": {"fw": "1.1", "mode": null}}}}));
+    let twin = &live.next_json(WAIT).unwrap()["deviceTwin"];
+    assert_eq!(twin, &json!({"version": 2, "properties": {"reported": {"fw": "1.1"}, "desired": {"x": 1}}}));
+}
+
+#[test]
+fn throttling_coalesces_keys_and_flushes_a_trailing_message() {
+    let server = Server::start(&["--throttling-interval", "500"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
+    let mut live = server.live(&session);
+    // One batch: applied together on the device's core, so all three fall in one interval.
+    let started = std::time::Instant::now();
+    server.ingest(json!([
+        {"deviceId": "dev-1", "body": {"a": 1}},
+        {"deviceId": "dev-1", "body": {"a": 2, "b": 1}},
+        {"deviceId": "dev-1", "body": {"a": 3}}
+    ]));
+    let mut telemetry = Vec::new();
+    let mut states = 0;
+    let mut trailing_after = None;
+    while telemetry.len() < 2 {
+        let frame = live.next_json(WAIT).expect("leading and trailing telemetry");
+        if let Some(t) = frame.get("telemetry") {
+            telemetry.push(t.clone());
+            if telemetry.len() == 2 {
+                trailing_after = Some(started.elapsed());
+            }
+        } else if frame.get("connectionState").is_some() {
+            states += 1;
+        }
+    }
+    assert_eq!(telemetry, vec![json!({"a": 1}), json!({"a": 3, "b": 1})], "leading, then merged trailing");
+    assert!(trailing_after.unwrap() >= Duration::from_millis(450), "the trailing message waits for the interval");
+    states += live.collect(Duration::from_millis(700)).iter().filter(|f| f.get("connectionState").is_some()).count();
+    assert_eq!(states, 3, "connection state is not throttled");
+}
+
+#[test]
+fn a_stalled_client_does_not_delay_a_healthy_one() {
+    let server = Server::start(&["--socket-queue-hard-limit", "64", "--socket-queue-soft-limit", "8"]);
+    let stalled_session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
+    let healthy_session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let _stalled = server.live(&stalled_session); // never read
+    let mut healthy = server.live(&healthy_session);
+    let payload = "x".repeat(16 * 1024);
+    for round in 0..40 {
+        let batch: Vec<Value> = (0..10).map(|i| json!({"deviceId": "dev-1", "body": {"n": round * 10 + i, "pad": payload}})).collect();
+        server.ingest(Value::Array(batch));
+        // Bursts beyond the soft limit may be conflated; the newest value always arrives.
+        loop {
+            let frame = healthy.next_json(WAIT).expect("the healthy client keeps getting data");
+            if frame["telemetry"]["n"] == json!(round * 10 + 9) {
+                break;
+            }
+        }
+    }
+    assert!(healthy.closed.is_none(), "the healthy client stays connected");
+}
+
+#[test]
+fn a_thousand_sockets_each_get_exactly_their_data() {
+    const N: usize = 1000;
+    const THREADS: usize = 10;
+    let server = Server::start(&[]);
+    let agent = new_agent();
+    let sessions: Vec<String> = (0..N)
+        .map(|i| {
+            let session = server.new_session_on(&agent);
+            let device = format!("fleet-{i}");
+            server.grant_on(&agent, &session, json!({"type": "telemetry", "deviceId": device}));
+            let (status, _) = server.subscribe_on(&agent, &session, json!({"type": "telemetry", "deviceId": device}));
+            assert_eq!(status, 204);
+            session
+        })
+        .collect();
+    let connected = std::sync::Arc::new(std::sync::Barrier::new(THREADS + 1));
+    let ingested = std::sync::Arc::new(std::sync::Barrier::new(THREADS + 1));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let mine: Vec<(usize, String)> =
+                sessions.iter().cloned().enumerate().filter(|(i, _)| i % THREADS == t).collect();
+            let server_base = server.base.clone();
+            let (connected, ingested) = (connected.clone(), ingested.clone());
+            std::thread::spawn(move || {
+                let mut sockets: Vec<(usize, common::ws::Live)> = mine
+                    .iter()
+                    .map(|(i, s)| (*i, common::ws::connect(&server_base, &format!("/ws?sessionId={s}"))))
+                    .collect();
+                connected.wait();
+                ingested.wait();
+                for (i, live) in &mut sockets {
+                    let frame = live.next_json(Duration::from_secs(10)).expect("each socket gets its frame");
+                    assert_eq!(frame["deviceId"], format!("fleet-{i}"));
+                    assert_eq!(frame["telemetry"], json!({"value": *i}));
+                }
+                // A second round: the next frame must be the second one (no duplicate, no stray).
+                ingested.wait();
+                for (i, live) in &mut sockets {
+                    let frame = live.next_json(Duration::from_secs(10)).expect("second frame");
+                    assert_eq!(frame["telemetry"], json!({"value": *i + N}), "exactly one frame per message");
+                }
+            })
+        })
+        .collect();
+    connected.wait();
+    for round in 0..2 {
+        let batch: Vec<Value> =
+            (0..N).map(|i| json!({"deviceId": format!("fleet-{i}"), "body": {"value": i + round * N}})).collect();
+        server.ingest_on(&agent, Value::Array(batch));
+        ingested.wait();
+    }
+    for h in handles {
+        h.join().expect("socket thread");
+    }
+}
+
+#[test]
+fn the_epoll_driver_serves_and_moves_sockets_between_cores() {
+    let server = Server::start(&["--io-driver", "epoll"]);
+    assert!(server.stdout_lines().iter().any(|l| l.contains("epoll")), "the driver is reported");
+    let sessions: Vec<String> = (0..8).map(|_| subscribed(&server, "dev-1", &[telemetry_sub(None)])).collect();
+    let mut sockets: Vec<_> = sessions.iter().map(|s| server.live(s)).collect();
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    for live in &mut sockets {
+        assert_eq!(live.next_json(WAIT).expect("frame")["telemetry"], json!({"n": 1}));
+    }
+}
+
+#[test]
+fn an_open_socket_keeps_its_session_and_the_grace_period_starts_when_it_closes() {
+    let server = Server::start(&["--session-grace-period", "1"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let live = server.live(&session);
+    std::thread::sleep(Duration::from_millis(2500));
+    let grant = json!({"type": "connectionState", "deviceId": "dev-1"});
+    assert_eq!(server.try_grant(&session, grant.clone()).0, 204, "alive while its socket is open");
+    live.close();
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(server.try_grant(&session, grant).0, 404, "expired after the grace period");
+}
+
+#[test]
+fn live_sockets_count_towards_the_connection_limit() {
+    let server = Server::start(&["--max-connections", "2", "--cores", "1"]);
+    let session = {
+        let setup = new_agent(); // its keep-alive connection closes when it is dropped
+        server.new_session_on(&setup)
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    let _a = server.live(&session);
+    let _b = server.live(&session);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut third = server.connect();
+    match raw_exchange(&mut third, b"GET /version HTTP/1.1\r\nhost: x\r\n\r\n") {
+        RawOutcome::Response(r) => assert_eq!(r.status, 503),
+        RawOutcome::Closed => {}
+        RawOutcome::TimedOut => panic!("a connection over the limit must be refused at once"),
+    }
+}

@@ -1,0 +1,151 @@
+//! Administrative endpoints (version, status, log level) and start-up configuration.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+#[test]
+fn version_needs_no_credentials_and_is_not_empty() {
+    let server = Server::start(&[]);
+    let (status, body, _) = server.call("GET", "/version", &[], None);
+    assert_eq!(status, 200, "GET /version: {body}");
+    assert!(!body.trim().is_empty(), "GET /version answered an empty body");
+}
+
+#[test]
+fn status_is_ok_without_an_event_source() {
+    let server = Server::start(&[]);
+    let (status, body, _) = server.call("GET", "/status", &[], None);
+    assert_eq!(status, 200, "GET /status: {body}");
+    assert_eq!(body.trim(), "OK");
+}
+
+#[test]
+fn log_level_can_be_set_with_the_primary_key() {
+    let server = Server::start(&[]);
+    let (status, body, _) = server.call("PUT", "/logLevel/verbose", &[ADMIN], None);
+    assert_eq!(status, 204, "PUT /logLevel/verbose: {body}");
+    for level in ["error", "warn", "info", "debug"] {
+        let (status, body, _) = server.call("PUT", &format!("/logLevel/{level}"), &[ADMIN], None);
+        assert_eq!(status, 204, "PUT /logLevel/{level}: {body}");
+    }
+}
+
+#[test]
+fn log_level_can_be_set_with_the_secondary_key() {
+    let server = Server::start(&[]);
+    let (status, body, _) =
+        server.call("PUT", "/logLevel/verbose", &[("Shared-Access-Key", SECONDARY_KEY)], None);
+    assert_eq!(status, 204, "PUT /logLevel/verbose with the secondary key: {body}");
+}
+
+#[test]
+fn log_level_without_key_is_unauthorized() {
+    let server = Server::start(&[]);
+    let (status, body, _) = server.call("PUT", "/logLevel/verbose", &[], None);
+    assert_eq!(status, 401, "PUT /logLevel without key: {body}");
+    let msg = error_message(&body);
+    assert!(msg.starts_with("Unauthorized:"), "errorMessage {msg:?} does not start with `Unauthorized:`");
+}
+
+#[test]
+fn log_level_with_wrong_key_is_unauthorized() {
+    let server = Server::start(&[]);
+    let (status, body, _) = server.call("PUT", "/logLevel/verbose", &[("Shared-Access-Key", "wrong")], None);
+    assert_eq!(status, 401, "PUT /logLevel with a wrong key: {body}");
+    let msg = error_message(&body);
+    assert!(msg.starts_with("Unauthorized:"), "errorMessage {msg:?} does not start with `Unauthorized:`");
+}
+
+#[test]
+fn unknown_log_level_is_400() {
+    let server = Server::start(&[]);
+    let (status, body, _) = server.call("PUT", "/logLevel/chatty", &[ADMIN], None);
+    assert_error(status, &body, 400, "Unknown log level");
+}
+
+#[test]
+fn status_reports_malformed_event_hub_connection_string() {
+    let server = Server::start(&["--iot-hub-event-hub-connection-string", "garbage"]);
+    let (status, body, _) = server.call("GET", "/status", &[], None);
+    assert_error(status, &body, 500, "iotHubEventHubConnectionString");
+}
+
+#[test]
+fn status_reports_malformed_service_connection_string() {
+    let server = Server::start(&["--iot-hub-service-connection-string", "garbage"]);
+    let (status, body, _) = server.call("GET", "/status", &[], None);
+    assert_error(status, &body, 500, "iotHubServiceConnectionString");
+}
+
+#[test]
+fn status_is_503_while_the_event_source_is_connecting() {
+    let server = Server::start(&[
+        "--iot-hub-event-hub-connection-string",
+        "Endpoint=sb://127.0.0.1:1/;SharedAccessKeyName=k;SharedAccessKey=a2V5;EntityPath=hub",
+    ]);
+    let (status, body, _) = server.call("GET", "/status", &[], None);
+    assert_eq!(status, 503, "GET /status while the source cannot connect: {body}");
+    error_message(&body);
+    // The rest of the API keeps working while the source is down.
+    server.assert_alive();
+}
+
+#[test]
+fn invalid_flag_value_stops_start_up_naming_the_parameter() {
+    let args = full_args(&["--connection-state-cache-ttl", "abc"], true);
+    let (ok, _, stderr) = run_expecting_exit(&args, &[]);
+    assert!(!ok, "the server must exit with a failure status");
+    assert!(
+        stderr.contains("connection-state-cache-ttl"),
+        "stderr does not name the parameter:\n{stderr}"
+    );
+}
+
+#[test]
+fn invalid_environment_value_stops_start_up_naming_the_parameter() {
+    let args = full_args(&[], true);
+    let (ok, _, stderr) = run_expecting_exit(&args, &[("CONNECTION_STATE_CACHE_TTL", "abc")]);
+    assert!(!ok, "the server must exit with a failure status");
+    let lower = stderr.to_lowercase();
+    assert!(
+        lower.contains("connection-state-cache-ttl") || lower.contains("connection_state_cache_ttl"),
+        "stderr does not name the parameter:\n{stderr}"
+    );
+}
+
+#[test]
+fn invalid_camel_case_environment_value_stops_start_up() {
+    let args = full_args(&[], true);
+    let (ok, _, stderr) = run_expecting_exit(&args, &[("connectionStateCacheTTL", "abc")]);
+    assert!(!ok, "the server must exit with a failure status");
+    let lower = stderr.to_lowercase();
+    assert!(
+        lower.contains("connection-state-cache-ttl")
+            || lower.contains("connection_state_cache_ttl")
+            || lower.contains("connectionstatecachettl"),
+        "stderr does not name the parameter:\n{stderr}"
+    );
+}
+
+#[test]
+fn generated_admin_secret_is_printed_in_a_connection_string_and_accepted() {
+    let server = Server::start_without_secrets(&[]);
+    let prefix = format!("Endpoint=http://127.0.0.1:{};SharedAccessKey=", server.port);
+    let line = server
+        .wait_for_stdout(Duration::from_secs(5), |l| l.contains(&prefix))
+        .unwrap_or_else(|| panic!("no stdout line contains {prefix:?}; stdout:\n{}", server.stdout_lines().join("\n")));
+    let rest = &line[line.find(&prefix).unwrap() + prefix.len()..];
+    let key: String = rest
+        .chars()
+        .take_while(|c| !c.is_whitespace() && !matches!(c, '"' | '\'' | ';' | ',' | ')'))
+        .collect();
+    assert!(key.len() >= 16, "generated key {key:?} is too short");
+
+    let (status, body, _) = server.call("PUT", "/logLevel/info", &[("Shared-Access-Key", &key)], None);
+    assert_eq!(status, 204, "the printed key must work as Shared-Access-Key: {body}");
+    // And the test secrets are not configured on this server.
+    let (status, _, _) = server.call("PUT", "/logLevel/info", &[ADMIN], None);
+    assert_eq!(status, 401, "a key that was never configured must not work");
+}
