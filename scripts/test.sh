@@ -16,4 +16,7 @@ if [ -x scripts/services.sh ]; then
   scripts/services.sh
 fi
 
-cargo test --all-targets -- --test-threads="${TEST_THREADS:-4}"
+# Unit and integration tests (each integration test drives the real binary over sockets).
+cargo test --workspace --lib --bins --tests -- --test-threads="${TEST_THREADS:-4}"
+# Benchmarks in test mode: each one runs once, so they cannot rot.
+cargo test --workspace --benches

@@ -190,6 +190,18 @@ pub struct Config {
           num_args = 0..=1, default_missing_value = "true")]
     pub metrics_open: bool,
 
+    /// ux4iot deployment-template parameters that only shape the Azure infrastructure. Accepted
+    /// (and validated) so the same parameter set can be passed; they change nothing here.
+    #[arg(long = "sku", env = "SKU", value_parser = ["small", "standard"], hide = true)]
+    pub sku: Option<String>,
+    #[arg(long = "server-version", visible_alias = "serverVersion", env = "SERVER_VERSION", hide = true)]
+    pub server_version: Option<String>,
+    #[arg(long = "redis-version", visible_alias = "redisVersion", env = "REDIS_VERSION", hide = true)]
+    pub redis_version: Option<String>,
+    #[arg(long = "log-analytics-traces-table-tier", visible_alias = "logAnalyticsTracesTableTier",
+          env = "LOG_ANALYTICS_TRACES_TABLE_TIER", value_parser = ["Basic", "Analytics"], hide = true)]
+    pub log_analytics_traces_table_tier: Option<String>,
+
     /// Seconds an idle keep-alive HTTP connection stays open.
     #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
@@ -239,6 +251,12 @@ pub fn normalise_environment() {
         ("maxMessageBytes", "MAX_MESSAGE_BYTES"),
         ("maxConnections", "MAX_CONNECTIONS"),
         ("maxSessions", "MAX_SESSIONS"),
+        ("pingInterval", "PING_INTERVAL"),
+        ("pingTimeout", "PING_TIMEOUT"),
+        ("sku", "SKU"),
+        ("serverVersion", "SERVER_VERSION"),
+        ("redisVersion", "REDIS_VERSION"),
+        ("logAnalyticsTracesTableTier", "LOG_ANALYTICS_TRACES_TABLE_TIER"),
     ];
     for (camel, screaming) in CAMEL {
         if std::env::var_os(screaming).is_none() {

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use serde_json::json;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 fn contains_token(list: &str, token: &str) -> bool {
@@ -285,5 +285,33 @@ fn connections_over_the_limit_are_refused_while_others_keep_working() {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+}
+
+#[test]
+fn expect_100_continue_is_answered_and_an_oversized_body_refused_before_it_is_sent() {
+    let server = Server::start(&["--max-body-bytes", "1024"]);
+    let mut stream = server.connect();
+    let body = br#"{"deviceId":"d1","body":{"t":1}}"#;
+    let head = format!(
+        "POST /ingest HTTP/1.1\r\nhost: x\r\nshared-access-key: {ADMIN_KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nexpect: 100-continue\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut interim = [0u8; 25];
+    stream.read_exact(&mut interim).unwrap();
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+    stream.write_all(body).unwrap();
+    match read_response(&mut stream) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 200, "{}", r.body),
+        other => panic!("no answer: {other:?}"),
+    }
+    let mut big = server.connect();
+    let head = format!(
+        "POST /ingest HTTP/1.1\r\nhost: x\r\nshared-access-key: {ADMIN_KEY}\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n"
+    );
+    match raw_exchange(&mut big, head.as_bytes()) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 413),
+        other => panic!("expected 413 without sending the body: {other:?}"),
     }
 }

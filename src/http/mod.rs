@@ -152,6 +152,10 @@ async fn read_body(framed: &mut Framed, head: &RequestHead, limit: usize) -> Res
     }
 }
 
+fn expects_continue(head: &RequestHead) -> bool {
+    head.headers.get(http::header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
 fn wants_keep_alive(head: &RequestHead) -> bool {
     let connection = head.headers.get(http::header::CONNECTION).map(|v| v.as_bytes().to_ascii_lowercase());
     match head.version {
@@ -201,6 +205,25 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
             }
             Ok(Some(Ok(head))) => {
                 let keep_alive = wants_keep_alive(&head);
+                // Clients that wait for permission before sending a body (curl does, past 1 KiB):
+                // refuse an oversized one at once, otherwise invite it.
+                if expects_continue(&head) {
+                    if let Ok(BodyLength::Fixed(n)) = body_length(&head) {
+                        if n > limit {
+                            let response = too_large(limit);
+                            response.encode(&mut out, false);
+                            let _ = write.write_all(out).await;
+                            return;
+                        }
+                    }
+                    out.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+                    let (result, buf) = write.write_all(std::mem::take(&mut out)).await;
+                    out = buf;
+                    out.clear();
+                    if result.is_err() {
+                        break;
+                    }
+                }
                 match monoio::time::timeout(idle, read_body(&mut framed, &head, limit)).await {
                     Err(_) => (Response::error(408, "timed out reading the request body").closing(), false),
                     Ok(Err(response)) => (response, false),

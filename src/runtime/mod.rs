@@ -81,8 +81,36 @@ impl Running {
     }
 }
 
+/// Raises the open-file limit to fit `maxConnections` (every socket is a file descriptor):
+/// the soft limit up to the hard one, and the hard one too where the process may (root).
+fn raise_file_limit(wanted: u64) {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // Safety: plain syscalls on a local struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return;
+    }
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(limit.rlim_max);
+    let target = wanted.min(nr_open);
+    if target > limit.rlim_max {
+        let raised = libc::rlimit { rlim_cur: target, rlim_max: target };
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            tracing::debug!(limit = target, "open-file limit raised");
+            return;
+        }
+    }
+    let soft = libc::rlimit { rlim_cur: target.min(limit.rlim_max).max(limit.rlim_cur), rlim_max: limit.rlim_max };
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &soft) };
+    if soft.rlim_cur < wanted {
+        tracing::warn!(limit = soft.rlim_cur, wanted, "the open-file limit caps connections below maxConnections");
+    }
+}
+
 /// Starts every core; returns once all of them are serving.
 pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running> {
+    raise_file_limit(settings.config.max_connections + 1024);
     let (listeners, addr) = bind_all(&settings)?;
     let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
     let channels: Vec<_> = (0..settings.cores).map(|_| async_channel::unbounded()).collect();
