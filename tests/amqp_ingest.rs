@@ -149,6 +149,14 @@ fn faulty_messages_are_counted_logged_once_per_kind_and_skipped() {
         assert_eq!(counted, 3, "every {fault} is counted (and logged at verbose)");
     }
     assert_eq!(server.get("/status").0, 200, "still connected");
+    let (status, metrics) = server.get("/metrics");
+    assert_eq!(status, 200);
+    for fault in ["no_device_id", "not_json", "not_object", "oversized", "unsupported_source"] {
+        assert!(metrics.contains(&format!("hubcast_ingest_faults_total{{kind=\"{fault}\"}} 3")), "{fault}:\n{metrics}");
+    }
+    assert!(metrics.contains("# TYPE hubcast_ingest_faults_total counter"), "{metrics}");
+    assert!(metrics.contains("hubcast_amqp_connected 1"), "{metrics}");
+    assert!(metrics.contains("hubcast_amqp_messages_received_total 16"), "{metrics}");
     if std::env::var_os("SHOW_LOG").is_some() {
         eprintln!("{}", log.join("\n"));
     }
