@@ -70,6 +70,37 @@ pub struct Config {
           env = "EVENT_HUB_CONSUMER_GROUP", default_value = "$Default")]
     pub event_hub_consumer_group: String,
 
+    /// Where each partition is read from the first time: `latest` (messages enqueued from now
+    /// on), `earliest` (everything the hub retains) or an ISO 8601 time (messages enqueued after it).
+    #[arg(long = "event-hub-start-position", env = "EVENT_HUB_START_POSITION", default_value = "latest",
+          value_parser = crate::amqp::StartPosition::parse)]
+    pub event_hub_start_position: crate::amqp::StartPosition,
+
+    /// Authentication to the event stream: `auto` (CBS over TLS, SASL PLAIN on amqp://),
+    /// `cbs` (SAS token on $cbs, renewed) or `plain` (SASL PLAIN with key name and key).
+    #[arg(long = "event-hub-auth", env = "EVENT_HUB_AUTH", default_value = "auto",
+          value_parser = ["auto", "cbs", "plain"])]
+    pub event_hub_auth: String,
+
+    /// Lifetime in seconds of the SAS tokens put on $cbs (renewed before they expire).
+    #[arg(long = "event-hub-token-ttl", env = "EVENT_HUB_TOKEN_TTL", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(2..=86_400))]
+    pub event_hub_token_ttl: u64,
+
+    /// Link credit per partition: the most messages received and not yet taken by the cores.
+    #[arg(long = "event-hub-prefetch", env = "EVENT_HUB_PREFETCH", default_value_t = 300,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub event_hub_prefetch: u32,
+
+    /// PEM file of extra root certificates trusted for amqps (besides the public web roots).
+    #[arg(long = "event-hub-ca-file", env = "EVENT_HUB_CA_FILE")]
+    pub event_hub_ca_file: Option<std::path::PathBuf>,
+
+    /// Largest device message body read from the event stream, in bytes (larger: counted, skipped).
+    #[arg(long = "max-message-bytes", visible_alias = "maxMessageBytes", env = "MAX_MESSAGE_BYTES",
+          default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_message_bytes: u64,
+
     /// IoT Hub service connection string (enables twin reads, direct methods, desired properties).
     #[arg(long = "iot-hub-service-connection-string", visible_alias = "iotHubServiceConnectionString",
           env = "IOT_HUB_SERVICE_CONNECTION_STRING")]
@@ -257,6 +288,7 @@ pub fn normalise_environment() {
         ("connectionStateOnTelemetry", "CONNECTION_STATE_ON_TELEMETRY"),
         ("sessionGracePeriod", "SESSION_GRACE_PERIOD"),
         ("maxBodyBytes", "MAX_BODY_BYTES"),
+        ("maxMessageBytes", "MAX_MESSAGE_BYTES"),
         ("maxConnections", "MAX_CONNECTIONS"),
         ("maxSessions", "MAX_SESSIONS"),
         ("pingInterval", "PING_INTERVAL"),

@@ -6,7 +6,9 @@
 //! - [`runtime`]: one monoio runtime per core, SO_REUSEPORT listeners, the cross-core
 //!   [`runtime::mesh`] and the one routing function ([`runtime::routing`]).
 //! - [`ingest`]: the one message type every source feeds, body parsing (simd-json) on the
-//!   owning core, and the simulated fleet.
+//!   owning core, fault counters, and the simulated fleet.
+//! - [`amqp`]: the IoT Hub / Event Hubs consumer (fe2o3-amqp on its own tokio thread),
+//!   feeding the cores through [`runtime::Ingress`].
 //! - [`shard`]: a core's state — devices (last values, twin, connection state, per-session
 //!   grants and subscriptions) and sessions.
 //! - [`http`]: HTTP/1.1 connections; [`api`]: the REST endpoints of SPEC.md.
@@ -14,6 +16,7 @@
 //!   on its own thread behind a bounded queue.
 //! - [`logging`], [`status`]: operations.
 
+pub mod amqp;
 pub mod api;
 pub mod config;
 pub mod connection_string;

@@ -9,20 +9,19 @@ use hubcast::Shared;
 
 fn main() -> ExitCode {
     normalise_environment();
-    let settings = Config::parse().settle();
+    let settings = Arc::new(Config::parse().settle());
     let log = logging::init(LogLevel::parse(&settings.config.log_level).expect("validated by clap"));
 
     let mut status = StatusBoard::default();
-    match &settings.event_hub {
+    // The event stream: a malformed connection string keeps the gateway up with GET /status
+    // answering 500 (as ux4iot does); a good one starts the AMQP consumer once the cores run.
+    let mut consumer = None;
+    match settings.event_hub.as_ref().map(|c| c.clone().and_then(|c| hubcast::amqp::Plan::new(&c, &settings))) {
         Some(Err(message)) => {
             tracing::error!("{message}");
-            status.misconfigured(message.clone());
+            status.misconfigured(message);
         }
-        Some(Ok(_)) => {
-            // The AMQP consumer is not part of this build yet: the source stays "connecting".
-            tracing::warn!("iotHubEventHubConnectionString is set, but AMQP ingest is not available in this build");
-            status.add_source("the event hub consumer");
-        }
+        Some(Ok(plan)) => consumer = Some((plan, status.add_source("the event hub consumer"))),
         None => {}
     }
     if let Some(Err(message)) = &settings.service {
@@ -44,8 +43,22 @@ fn main() -> ExitCode {
         }
     };
     let shared = Arc::new(Shared { log, status, hub, external_metrics: Default::default() });
-    match hubcast::runtime::start(Arc::new(settings), shared) {
+    let with_amqp = consumer.is_some();
+    let _ = shared.external_metrics.set(Box::new(move || {
+        let mut series = hubcast::ingest::faults::FAULTS.series();
+        if with_amqp {
+            series.extend(hubcast::amqp::STATS.series());
+        }
+        series
+    }));
+    match hubcast::runtime::start(settings.clone(), shared.clone()) {
         Ok(running) => {
+            if let Some((plan, source)) = consumer {
+                if let Err(e) = hubcast::amqp::start(plan, shared, source, running.ingress.clone()) {
+                    eprintln!("hubcast: cannot start the event hub consumer: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
             running.wait();
             ExitCode::SUCCESS
         }

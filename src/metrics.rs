@@ -177,7 +177,7 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     let mut last = String::new();
     for (name, help, labels, value) in external {
         if *name != last {
-            family(&mut out, name, "gauge", help);
+            family(&mut out, name, if name.ends_with("_total") { "counter" } else { "gauge" }, help);
             last = name.clone();
         }
         let _ = writeln!(out, "{name}{labels} {value}");

@@ -4,6 +4,7 @@
 //! A source only finds the device id and routes the raw body to `core_of_device`; the body
 //! is parsed there, with simd-json, by the core that owns the device's state.
 
+pub mod faults;
 pub mod simulate;
 
 use std::cell::RefCell;
@@ -80,8 +81,19 @@ thread_local! {
 /// too when it is a string (plain Event Hub input). The custom connection-state key stays in
 /// the telemetry (ux4iot 3.6.1).
 pub fn parse_telemetry<'a>(body: &'a mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry<'a>> {
-    let tape = PARSE_BUFFERS.with(|b| simd_json::to_tape_with_buffers(body, &mut b.borrow_mut()).ok())?;
-    let obj = tape.as_value().as_object()?;
+    parse_telemetry_checked(body, settings).ok()
+}
+
+/// [`parse_telemetry`], saying why a body is not telemetry ([`faults::Fault::NotJson`] or
+/// [`faults::Fault::NotObject`]).
+pub fn parse_telemetry_checked<'a>(
+    body: &'a mut [u8],
+    settings: &IngestSettings,
+) -> Result<ParsedTelemetry<'a>, faults::Fault> {
+    let tape = PARSE_BUFFERS
+        .with(|b| simd_json::to_tape_with_buffers(body, &mut b.borrow_mut()))
+        .map_err(|_| faults::Fault::NotJson)?;
+    let obj = tape.as_value().as_object().ok_or(faults::Fault::NotObject)?;
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
     let mut scratch = Vec::with_capacity(64);
     for (key, v) in &obj {
@@ -99,10 +111,10 @@ pub fn parse_telemetry<'a>(body: &'a mut [u8], settings: &IngestSettings) -> Opt
             parsed.connection_state = v.as_bool();
         }
         scratch.clear();
-        v.write(&mut scratch).ok()?;
-        parsed.values.push((key, Arc::from(std::str::from_utf8(&scratch).ok()?)));
+        v.write(&mut scratch).map_err(|_| faults::Fault::NotJson)?;
+        parsed.values.push((key, Arc::from(std::str::from_utf8(&scratch).map_err(|_| faults::Fault::NotJson)?)));
     }
-    Some(parsed)
+    Ok(parsed)
 }
 
 /// The body as JSON text for `d2cMessages` subscribers: JSON bodies (of any type) as they
@@ -154,11 +166,15 @@ mod tests {
     fn message_bodies_pass_through_or_are_wrapped() {
         assert_eq!(message_json(b" [1,2] "), "[1,2]");
         assert_eq!(message_json(b"\xff\x00"), r#"{"base64":"/wA="}"#);
+        assert_eq!(message_json(b"hello"), r#"{"base64":"aGVsbG8="}"#);
+        assert_eq!(message_json(b""), r#"{"base64":""}"#);
     }
 
     #[test]
     fn non_objects_are_not_telemetry() {
         assert!(parse_telemetry(&mut b"[1,2]".to_vec(), &settings()).is_none());
         assert!(parse_telemetry(&mut b"not json".to_vec(), &settings()).is_none());
+        assert_eq!(parse_telemetry_checked(&mut b"[1,2]".to_vec(), &settings()).err(), Some(faults::Fault::NotObject));
+        assert_eq!(parse_telemetry_checked(&mut b"{oops".to_vec(), &settings()).err(), Some(faults::Fault::NotJson));
     }
 }

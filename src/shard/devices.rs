@@ -13,6 +13,7 @@ use serde_json::Value;
 use smallvec::SmallVec;
 
 use crate::ids::SessionId;
+use crate::ingest::faults::{Fault, FAULTS};
 use crate::ingest::{IngestMessage, IngestSettings, SourceKind};
 use crate::model::{Grant, Rejection};
 use crate::push::envelope::EnvelopeBuilder;
@@ -348,11 +349,14 @@ impl DeviceTable {
                 // The whole body goes to d2cMessages subscribers, whatever it holds.
                 let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
                 let message = wants_message.then(|| crate::ingest::message_json(&body));
-                let Some(parsed) = crate::ingest::parse_telemetry(&mut body, &self.settings) else {
-                    tracing::debug!(device = &*device_id, "telemetry body is not a JSON object; not cached");
-                    let at = header_time.unwrap_or_else(now_millis);
-                    let device = Arc::from(&*device_id);
-                    return message.map(|message| Publication { device, at, message: Some(message), ..Default::default() });
+                let parsed = match crate::ingest::parse_telemetry_checked(&mut body, &self.settings) {
+                    Ok(parsed) => parsed,
+                    Err(fault) => {
+                        FAULTS.record(fault, Some(&device_id), "telemetry body");
+                        let at = header_time.unwrap_or_else(now_millis);
+                        let device = Arc::from(&*device_id);
+                        return message.map(|message| Publication { device, at, message: Some(message), ..Default::default() });
+                    }
                 };
                 let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
                 let connection_ttl = self.timing.connection_ttl;
@@ -393,9 +397,16 @@ impl DeviceTable {
                 return subscribed.then_some(publication);
             }
             SourceKind::TwinChange => {
-                let Ok(doc) = serde_json::from_slice::<Value>(&body) else {
-                    tracing::debug!(device = &*device_id, "twin change body is not JSON; ignored");
-                    return None;
+                let doc = match serde_json::from_slice::<Value>(&body) {
+                    Ok(doc @ Value::Object(_)) => doc,
+                    Ok(_) => {
+                        FAULTS.record(Fault::NotObject, Some(&device_id), "twin change body");
+                        return None;
+                    }
+                    Err(_) => {
+                        FAULTS.record(Fault::NotJson, Some(&device_id), "twin change body");
+                        return None;
+                    }
                 };
                 let at = header_time.unwrap_or_else(now_millis);
                 let device = self.devices.entry_ref(&*device_id).or_default();

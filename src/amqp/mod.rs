@@ -1,0 +1,489 @@
+//! Ingest from IoT Hub / Event Hubs over AMQP 1.0 (fe2o3-amqp).
+//!
+//! fe2o3-amqp needs tokio, and the cores run monoio, so the consumer lives on a thread of
+//! its own (`hubcast-amqp`) with a current-thread tokio runtime. It does AMQP only: it reads
+//! the device id from each message's annotations, routes the raw body to the owning core
+//! through [`Ingress`], and never parses a body (except, for a plain Event Hub message with
+//! no device id anywhere else, to find `customDeviceIdKey` in it).
+//!
+//! The supervisor ([`Supervisor::run`]) connects, authenticates, lists the partitions,
+//! attaches one receiver per partition and waits for any of them to fail; then it reports
+//! the reason on `GET /status` (503), waits a capped exponential back-off with jitter, and
+//! connects again, resuming each partition after the last message it handed to the cores.
+//!
+//! - [`connect`]: endpoints, TLS, SASL, the IoT Hub redirect, `$cbs` and `$management`;
+//! - [`partition`]: one partition's receive loop, flow control and position;
+//! - [`map`]: AMQP message → [`crate::ingest::IngestMessage`];
+//! - [`sas`]: SAS tokens.
+
+pub mod connect;
+pub mod map;
+pub mod partition;
+pub mod sas;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fe2o3_amqp::connection::ConnectionHandle;
+use fe2o3_amqp::sasl_profile::SaslProfile;
+use fe2o3_amqp::Session;
+use tokio::task::JoinSet;
+use tokio::time::{sleep, timeout, Instant};
+
+use crate::config::Settings;
+use crate::connection_string::EventHubConnection;
+use crate::runtime::Ingress;
+use crate::timefmt::{now_millis, parse_iso, Millis};
+use crate::Shared;
+use connect::{Endpoint, IotHubHost, NodeError, NodeLink};
+use map::MapSettings;
+use partition::{End, Positions};
+
+/// First retry delay after a failure; doubled per failure in a row, up to [`BACKOFF_CAP`].
+const BACKOFF_BASE: Duration = Duration::from_millis(200);
+const BACKOFF_CAP: Duration = Duration::from_secs(30);
+
+/// Counters of the consumer, for `GET /metrics`.
+pub struct Stats {
+    /// 1 while every partition receiver is attached.
+    pub connected: AtomicU64,
+    /// Connections established (the first one and every reconnect).
+    pub connects: AtomicU64,
+    /// Messages received from the event stream, usable or not.
+    pub received: AtomicU64,
+}
+
+pub static STATS: Stats = Stats { connected: AtomicU64::new(0), connects: AtomicU64::new(0), received: AtomicU64::new(0) };
+
+impl Stats {
+    /// The counters as `GET /metrics` series.
+    pub fn series(&self) -> crate::metrics::ExternalSeries {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("hubcast_amqp_connected", "1 while every partition receiver of the event stream is attached.", get(&self.connected)),
+            ("hubcast_amqp_connects_total", "AMQP connections established to the event stream (reconnects included).", get(&self.connects)),
+            ("hubcast_amqp_messages_received_total", "Messages received from the event stream.", get(&self.received)),
+        ]
+        .into_iter()
+        .map(|(name, help, v)| (name.to_string(), help.to_string(), String::new(), v))
+        .collect()
+    }
+}
+
+/// Where a partition is read from the first time (later: after the last message received).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartPosition {
+    /// Only messages enqueued after hubcast connected.
+    Latest,
+    /// Everything the hub still retains.
+    Earliest,
+    /// Messages enqueued after this time.
+    EnqueuedAfter(Millis),
+}
+
+impl StartPosition {
+    /// `latest`, `earliest` or an ISO 8601 time (the clap value parser).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "latest" => Ok(Self::Latest),
+            "earliest" => Ok(Self::Earliest),
+            t => parse_iso(t)
+                .map(Self::EnqueuedAfter)
+                .ok_or_else(|| format!("`{t}` is neither `latest`, `earliest` nor an ISO 8601 time")),
+        }
+    }
+}
+
+/// How to authenticate to the Event Hub.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Auth {
+    /// SASL PLAIN with the key name and the key.
+    Plain,
+    /// SASL ANONYMOUS, then a SAS token put on `$cbs`, renewed before it expires.
+    Cbs,
+}
+
+/// What the connection string points at.
+#[derive(Clone, Debug)]
+pub enum Origin {
+    EventHub(Endpoint),
+    /// An IoT Hub: ask it (redirect) where its built-in endpoint is.
+    IotHub(IotHubHost),
+}
+
+/// Everything the consumer needs, checked at start-up.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub origin: Origin,
+    pub key_name: String,
+    pub key: String,
+    pub consumer_group: String,
+    /// `None`: CBS over TLS, PLAIN without.
+    pub auth: Option<Auth>,
+    pub start: StartPosition,
+    pub token_ttl: Duration,
+    pub prefetch: u32,
+    pub map: MapSettings,
+    /// Roots trusted for amqps (public web roots, plus `--event-hub-ca-file`).
+    pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
+}
+
+impl Plan {
+    /// The consumer's plan; `Err` names what is wrong with the configuration.
+    pub fn new(connection: &EventHubConnection, settings: &Settings) -> Result<Self, String> {
+        let c = &settings.config;
+        let bad = |e: String| format!("EventHub connection string misformed ({e}). Please check the iotHubEventHubConnectionString environment variable");
+        let origin = match (&connection.endpoint, &connection.host_name) {
+            (Some(url), _) => {
+                let (tls, host, port) = connect::parse_url(url).map_err(bad)?;
+                let entity = connection
+                    .entity_path
+                    .clone()
+                    .filter(|e| !e.is_empty())
+                    .ok_or_else(|| bad("missing EntityPath".into()))?;
+                Origin::EventHub(Endpoint { tls, dial_host: host.clone(), port, hostname: host, entity })
+            }
+            (None, Some(host)) => {
+                let (tls, host, port) = connect::parse_url(host).map_err(bad)?;
+                Origin::IotHub(IotHubHost { tls, host, port })
+            }
+            (None, None) => return Err(bad("missing Endpoint or HostName".into())),
+        };
+        let auth = match c.event_hub_auth.as_str() {
+            "plain" => Some(Auth::Plain),
+            "cbs" => Some(Auth::Cbs),
+            _ => None,
+        };
+        Ok(Self {
+            origin,
+            key_name: connection.key_name.clone(),
+            key: connection.key.clone(),
+            consumer_group: c.event_hub_consumer_group.clone(),
+            auth,
+            start: c.event_hub_start_position.clone(),
+            token_ttl: Duration::from_secs(c.event_hub_token_ttl),
+            prefetch: c.event_hub_prefetch,
+            tls: connect::tls_config(c.event_hub_ca_file.as_deref())
+                .map_err(|e| format!("{e}. Please check --event-hub-ca-file (EVENT_HUB_CA_FILE)"))?,
+            map: MapSettings {
+                custom_device_id_key: c.custom_device_id_key.clone(),
+                max_message_bytes: usize::try_from(c.max_message_bytes).unwrap_or(usize::MAX),
+            },
+        })
+    }
+
+    fn auth_for(&self, endpoint: &Endpoint) -> Auth {
+        self.auth.unwrap_or(if endpoint.tls && !is_queue_address(&endpoint.entity) { Auth::Cbs } else { Auth::Plain })
+    }
+}
+
+/// An `EntityPath` that starts with `/` is a broker's queue address (RabbitMQ's `/queue/x`,
+/// `/amq/queue/x`, `/queues/x`), never an Event Hub name (those cannot contain `/`): it is
+/// read as one plain AMQP queue, without `$management`, partitions or start position.
+pub fn is_queue_address(entity: &str) -> bool {
+    entity.starts_with('/')
+}
+
+/// Starts the consumer thread. `source` is its slot on the status board.
+pub fn start(plan: Plan, shared: Arc<Shared>, source: usize, ingress: Ingress) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("hubcast-amqp".into()).spawn(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the AMQP runtime; no device messages will be read");
+                shared.status.source(source).set_connecting(format!("cannot start the AMQP runtime: {e}"));
+                return;
+            }
+        };
+        let supervisor = Supervisor {
+            container_id: format!("hubcast-{}", crate::ids::random_token(8)),
+            map: Arc::new(plan.map.clone()),
+            plan,
+            shared,
+            source,
+            ingress,
+            positions: Arc::new(Mutex::new(HashMap::new())),
+        };
+        runtime.block_on(supervisor.run());
+    })
+}
+
+/// Why one connection ended.
+enum Stop {
+    /// Reconnect after a back-off. `worked`: it had been connected (resets the back-off).
+    Retry { reason: String, worked: bool },
+    /// The cores are gone: the process is stopping.
+    Shutdown,
+}
+
+fn retry(reason: impl Into<String>) -> Stop {
+    Stop::Retry { reason: reason.into(), worked: false }
+}
+
+pub struct Supervisor {
+    plan: Plan,
+    map: Arc<MapSettings>,
+    shared: Arc<Shared>,
+    source: usize,
+    ingress: Ingress,
+    container_id: String,
+    positions: Positions,
+}
+
+async fn begin(connection: &mut ConnectionHandle<()>) -> Result<fe2o3_amqp::session::SessionHandle<()>, Stop> {
+    match timeout(connect::CALL_TIMEOUT, Session::begin(connection)).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(retry(format!("cannot begin an AMQP session: {e}"))),
+        Err(_) => Err(retry("no answer to an AMQP session begin")),
+    }
+}
+
+/// Capped exponential back-off with jitter: 200 ms, 400 ms, … 30 s, each shortened by up
+/// to half at random so that many gateways do not reconnect in step.
+pub fn backoff(failures: u32) -> Duration {
+    let full = BACKOFF_BASE.saturating_mul(1u32 << failures.min(16)).min(BACKOFF_CAP);
+    full.mul_f64(0.5 + fastrand::f64() / 2.0)
+}
+
+impl Supervisor {
+    pub async fn run(self) {
+        let mut failures = 0u32;
+        loop {
+            match self.connect_and_consume().await {
+                Stop::Shutdown => {
+                    tracing::info!("cores stopped; the event hub consumer ends");
+                    return;
+                }
+                Stop::Retry { reason, worked } => {
+                    if worked {
+                        failures = 0;
+                    }
+                    let delay = backoff(failures);
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "event hub not connected");
+                    self.status().set_connecting(reason);
+                    sleep(delay).await;
+                }
+            }
+        }
+    }
+
+    fn status(&self) -> &crate::status::SourceSlot {
+        self.shared.status.source(self.source)
+    }
+
+    async fn connect_and_consume(&self) -> Stop {
+        let endpoint = match &self.plan.origin {
+            Origin::EventHub(e) => e.clone(),
+            Origin::IotHub(hub) => {
+                match connect::follow_redirect(hub, &self.plan.tls, &self.plan.key_name, &self.plan.key, &self.container_id).await {
+                    Ok(e) => {
+                        tracing::info!(endpoint = %e.describe(), "IoT Hub redirected to its built-in endpoint");
+                        e
+                    }
+                    Err(e) => return retry(format!("IoT Hub redirect: {e}")),
+                }
+            }
+        };
+        let auth = self.plan.auth_for(&endpoint);
+        let profile = match auth {
+            Auth::Plain => SaslProfile::Plain { username: self.plan.key_name.clone(), password: self.plan.key.clone() },
+            Auth::Cbs => SaslProfile::Anonymous,
+        };
+        let mut connection = match connect::open(&endpoint, &self.plan.tls, profile, &self.container_id).await {
+            Ok(c) => c,
+            Err(e) => return retry(e),
+        };
+        let stop = self.consume(&mut connection, &endpoint, auth).await;
+        let _ = timeout(Duration::from_secs(2), connection.close()).await;
+        stop
+    }
+
+    /// A fresh SAS token for the endpoint and when it expires (seconds since the epoch).
+    fn token(&self, endpoint: &Endpoint) -> Result<(String, i64), String> {
+        let expiry = now_millis() / 1000 + self.plan.token_ttl.as_secs() as i64;
+        let token = sas::token(&endpoint.audience(), &self.plan.key_name, &self.plan.key, sas::KeyConvention::Raw, expiry)?;
+        Ok((token, expiry))
+    }
+
+    /// How long until a token expiring at `expiry` (seconds) is renewed: a fifth of its
+    /// lifetime (at most five minutes) before it ends.
+    fn renewal_delay(&self, expiry: i64) -> Duration {
+        let margin = (self.plan.token_ttl / 5).min(Duration::from_secs(300));
+        let left = Duration::from_millis(u64::try_from(expiry * 1000 - now_millis()).unwrap_or(0));
+        left.saturating_sub(margin)
+    }
+
+    async fn consume(&self, connection: &mut ConnectionHandle<()>, endpoint: &Endpoint, auth: Auth) -> Stop {
+        // Control session ($cbs, $management) apart from the receivers: a broker that
+        // refuses $management by ending the session leaves the receivers untouched.
+        let mut control = match begin(connection).await {
+            Ok(s) => s,
+            Err(stop) => return stop,
+        };
+        let mut cbs = None;
+        let mut token = None;
+        let mut renew_at = Instant::now();
+        if auth == Auth::Cbs {
+            let mut link = match NodeLink::attach(&mut control, "$cbs", &self.container_id).await {
+                Ok(l) => l,
+                Err(e) => return retry(format!("CBS: {e}")),
+            };
+            let (t, expiry) = match self.token(endpoint) {
+                Ok(t) => t,
+                Err(e) => return retry(e),
+            };
+            if let Err(e) = connect::put_token(&mut link, &endpoint.audience(), &t, expiry).await {
+                return retry(format!("CBS authorization: {e}"));
+            }
+            cbs = Some(link);
+            token = Some(t);
+            renew_at = Instant::now() + self.renewal_delay(expiry);
+        }
+
+        // The partitions, or the entity itself when it is a queue of a plain AMQP broker.
+        let mut addresses: Vec<(String, String, Option<String>)> = Vec::new(); // (label, address, filter)
+        let management = if is_queue_address(&endpoint.entity) {
+            Err(NodeError::Missing("EntityPath is a queue address".into()))
+        } else {
+            NodeLink::attach(&mut control, "$management", &self.container_id).await
+        };
+        match management {
+            Ok(mut mgmt) => {
+                let ids = match connect::partition_ids(&mut mgmt, &endpoint.entity, token.as_deref()).await {
+                    Ok(ids) => ids,
+                    Err(e) => return retry(format!("cannot list partitions: {e}")),
+                };
+                for id in ids {
+                    let known = self.positions.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned();
+                    let mut position = known;
+                    if position.is_none() && self.plan.start == StartPosition::Latest {
+                        // Pin "latest" to a sequence number now, so that a reconnect before
+                        // the first message neither skips nor repeats anything.
+                        match connect::last_sequence_number(&mut mgmt, &endpoint.entity, &id, token.as_deref()).await {
+                            Ok(seq) => {
+                                let p = map::Position { sequence: Some(seq), ..Default::default() };
+                                self.positions.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), p.clone());
+                                position = Some(p);
+                            }
+                            Err(e) => tracing::warn!(partition = %id, error = %e, "cannot read the partition's last sequence number; starting at @latest"),
+                        }
+                    }
+                    let filter = partition::start_filter(position.as_ref(), &self.plan.start);
+                    let address = format!("{}/ConsumerGroups/{}/Partitions/{}", endpoint.entity, self.plan.consumer_group, id);
+                    addresses.push((id, address, Some(filter)));
+                }
+            }
+            Err(NodeError::Missing(e)) => {
+                if !is_queue_address(&endpoint.entity) {
+                    tracing::warn!(
+                        reason = %e,
+                        address = %endpoint.entity,
+                        "the broker has no $management node: reading EntityPath as one plain AMQP queue (no partitions, no start position)"
+                    );
+                }
+                addresses.push((endpoint.entity.clone(), endpoint.entity.clone(), None));
+            }
+            Err(e) => return retry(format!("$management: {e}")),
+        }
+
+        let mut receivers = match begin(connection).await {
+            Ok(s) => s,
+            Err(stop) => return stop,
+        };
+        let mut tasks = JoinSet::new();
+        for (label, address, filter) in &addresses {
+            let name = format!("{}-{}", self.container_id, label.replace('/', "_"));
+            match partition::attach(&mut receivers, name, address, filter.as_deref(), self.plan.prefetch).await {
+                Ok(receiver) => {
+                    tracing::debug!(partition = %label, filter = filter.as_deref().unwrap_or("-"), "receiver attached");
+                    tasks.spawn(partition::consume(
+                        receiver,
+                        label.clone(),
+                        self.positions.clone(),
+                        self.ingress.clone(),
+                        self.map.clone(),
+                    ));
+                }
+                Err(e) => {
+                    tasks.shutdown().await;
+                    return retry(e);
+                }
+            }
+        }
+        self.status().set_connected();
+        STATS.connected.store(1, Ordering::Relaxed);
+        STATS.connects.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            endpoint = %endpoint.describe(),
+            partitions = addresses.len(),
+            consumer_group = %self.plan.consumer_group,
+            ?auth,
+            "event hub connected"
+        );
+
+        // Wait for the first partition to end; meanwhile keep the CBS token fresh.
+        let stop = loop {
+            tokio::select! {
+                ended = tasks.join_next() => {
+                    break match ended {
+                        Some(Ok(End::CoresGone)) => Stop::Shutdown,
+                        Some(Ok(End::Lost(reason))) => Stop::Retry { reason, worked: true },
+                        Some(Err(e)) => Stop::Retry { reason: format!("a partition receiver failed: {e}"), worked: true },
+                        None => Stop::Retry { reason: "no partition to read".into(), worked: true },
+                    };
+                }
+                _ = tokio::time::sleep_until(renew_at), if cbs.is_some() => {
+                    let link = cbs.as_mut().expect("guarded by the select condition");
+                    let renewed = match self.token(endpoint) {
+                        Ok((t, expiry)) => connect::put_token(link, &endpoint.audience(), &t, expiry).await.map(|()| expiry).map_err(|e| e.to_string()),
+                        Err(e) => Err(e),
+                    };
+                    match renewed {
+                        Ok(expiry) => {
+                            tracing::debug!(expiry, "CBS token renewed");
+                            renew_at = Instant::now() + self.renewal_delay(expiry);
+                        }
+                        Err(e) => break Stop::Retry { reason: format!("CBS token renewal: {e}"), worked: true },
+                    }
+                }
+            }
+        };
+        STATS.connected.store(0, Ordering::Relaxed);
+        // Let the other partitions finish the batch they are handing over; once the
+        // connection closes their receivers fail and they return.
+        let _ = timeout(Duration::from_secs(2), connection.close()).await;
+        if timeout(Duration::from_secs(10), async { while tasks.join_next().await.is_some() {} }).await.is_err() {
+            tasks.shutdown().await;
+        }
+        stop
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_position_parses_keywords_and_times() {
+        assert_eq!(StartPosition::parse("latest"), Ok(StartPosition::Latest));
+        assert_eq!(StartPosition::parse("earliest"), Ok(StartPosition::Earliest));
+        assert_eq!(
+            StartPosition::parse("2024-01-02T03:04:05Z"),
+            Ok(StartPosition::EnqueuedAfter(parse_iso("2024-01-02T03:04:05Z").unwrap()))
+        );
+        assert!(StartPosition::parse("tomorrow").unwrap_err().contains("tomorrow"));
+    }
+
+    #[test]
+    fn backoff_grows_to_a_cap_with_jitter() {
+        for failures in 0..40 {
+            let d = backoff(failures);
+            let full = BACKOFF_BASE.saturating_mul(1u32 << failures.min(16)).min(BACKOFF_CAP);
+            assert!(d >= full / 2 && d <= full, "{failures}: {d:?}");
+        }
+        assert!(backoff(100) <= BACKOFF_CAP);
+    }
+}

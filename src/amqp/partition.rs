@@ -1,0 +1,190 @@
+//! One receiver per partition: attach with a start position, receive, hand batches to the
+//! cores, remember how far it got.
+//!
+//! **Flow control.** The link runs with `prefetch` credit, refilled by fe2o3 as deliveries
+//! are accepted. A batch is accepted only after [`Ingress::send`] returned, and that waits
+//! while an owning core's queue is full. So a slow core stops the credit, the broker stops
+//! sending, and at most `prefetch` messages per partition wait in memory.
+//!
+//! **Exactly once.** The partition's position (sequence number, offset) is recorded right
+//! after a batch is in the cores' queues, with no await in between, and a reconnect resumes
+//! after it (`x-opt-sequence-number > N`). A message at or before the recorded position that
+//! the broker sends again is skipped. Nothing is lost when the connection drops: messages
+//! received but not yet handed over were never recorded, so they are asked for again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use fe2o3_amqp::link::receiver::CreditMode;
+use fe2o3_amqp::link::delivery::DeliveryInfo;
+use fe2o3_amqp::session::SessionHandle;
+use fe2o3_amqp::types::messaging::{Body, Source};
+use fe2o3_amqp::types::primitives::Value;
+use fe2o3_amqp::Receiver;
+use serde_amqp::described::Described;
+use serde_amqp::descriptor::Descriptor;
+
+use super::map::{position_of, to_ingest, MapSettings, Position};
+use super::StartPosition;
+use crate::ingest::faults::{Fault, FAULTS};
+use crate::runtime::Ingress;
+
+/// Filter-set key Event Hubs reads the start position from.
+pub const SELECTOR_FILTER: &str = "apache.org:selector-filter:string";
+/// Descriptor of `apache.org:selector-filter:string`.
+const SELECTOR_FILTER_CODE: u64 = 0x0000_468c_0000_0004;
+/// Most messages handed to the cores in one batch.
+const MAX_BATCH: usize = 256;
+
+/// Last position of every partition, kept across reconnects.
+pub type Positions = Arc<Mutex<HashMap<String, Position>>>;
+
+/// The selector that starts a partition: after its recorded position, else at `start`.
+pub fn start_filter(position: Option<&Position>, start: &StartPosition) -> String {
+    if let Some(p) = position {
+        if let Some(seq) = p.sequence {
+            return format!("amqp.annotation.x-opt-sequence-number > '{seq}'");
+        }
+        if let Some(offset) = &p.offset {
+            return format!("amqp.annotation.x-opt-offset > '{offset}'");
+        }
+    }
+    match start {
+        StartPosition::Latest => "amqp.annotation.x-opt-offset > '@latest'".into(),
+        StartPosition::Earliest => "amqp.annotation.x-opt-offset > '-1'".into(),
+        StartPosition::EnqueuedAfter(ms) => format!("amqp.annotation.x-opt-enqueued-time > '{ms}'"),
+    }
+}
+
+/// Attaches a receiver to `address`, with a selector filter unless `filter` is `None`.
+pub async fn attach(
+    session: &mut SessionHandle<()>,
+    name: String,
+    address: &str,
+    filter: Option<&str>,
+    prefetch: u32,
+) -> Result<Receiver, String> {
+    let mut source = Source::builder().address(address.to_string());
+    if let Some(expr) = filter {
+        let described = Described { descriptor: Descriptor::Code(SELECTOR_FILTER_CODE), value: Value::String(expr.into()) };
+        source = source.add_to_filter(SELECTOR_FILTER, Some(described));
+    }
+    let attach = Receiver::builder()
+        .name(name)
+        .source(source.build())
+        .credit_mode(CreditMode::Auto(prefetch))
+        .auto_accept(false)
+        .attach(session);
+    match tokio::time::timeout(super::connect::CALL_TIMEOUT, attach).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(format!("cannot attach a receiver to {address}: {e}")),
+        Err(_) => Err(format!("no answer to the attach of {address}")),
+    }
+}
+
+/// Why a partition stopped.
+pub enum End {
+    /// The link or the connection failed: reconnect.
+    Lost(String),
+    /// The cores are gone (shutdown): stop.
+    CoresGone,
+}
+
+/// Receives until the link fails. `label` is the partition id (or the queue address).
+pub async fn consume(
+    mut receiver: Receiver,
+    label: String,
+    positions: Positions,
+    ingress: Ingress,
+    settings: Arc<MapSettings>,
+) -> End {
+    let mut last = positions.lock().unwrap_or_else(|e| e.into_inner()).get(&label).cloned();
+    loop {
+        let mut deliveries = Vec::new();
+        let mut failure = None;
+        match receiver.recv::<Body<Value>>().await {
+            Ok(d) => deliveries.push(d),
+            Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
+        }
+        // Take whatever else has already arrived, without waiting (recv is cancel safe).
+        while deliveries.len() < MAX_BATCH {
+            tokio::select! {
+                biased;
+                r = receiver.recv::<Body<Value>>() => match r {
+                    Ok(d) => deliveries.push(d),
+                    Err(e) => {
+                        failure = Some(format!("connection lost (partition {label}: {e})"));
+                        break;
+                    }
+                },
+                _ = std::future::ready(()) => break,
+            }
+        }
+
+        super::STATS.received.fetch_add(deliveries.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let mut batch = Vec::with_capacity(deliveries.len());
+        let mut infos: Vec<DeliveryInfo> = Vec::with_capacity(deliveries.len());
+        let mut newest = last.clone();
+        let (mut first_seq, mut last_seq) = (None, None);
+        for delivery in deliveries {
+            let message = delivery.message();
+            let position = position_of(message);
+            if let (Some(seq), Some(done)) = (position.sequence, newest.as_ref().and_then(|p| p.sequence)) {
+                if seq <= done {
+                    FAULTS.record(Fault::Redelivered, None, &format!("partition {label} sequence number {seq} <= {done}"));
+                    infos.push(DeliveryInfo::from(delivery));
+                    continue;
+                }
+            }
+            match to_ingest(message, &settings) {
+                Ok(msg) => batch.push(msg),
+                Err(r) => FAULTS.record(r.fault, r.device.as_deref(), &r.detail),
+            }
+            if position.sequence.is_some() || position.offset.is_some() {
+                first_seq = first_seq.or(position.sequence);
+                last_seq = position.sequence.or(last_seq);
+                newest = Some(position);
+            }
+            infos.push(DeliveryInfo::from(delivery));
+        }
+        let count = batch.len();
+        if count > 0 && !ingress.send(batch).await {
+            return End::CoresGone;
+        }
+        // In the cores' queues now: record the position before anything else can happen.
+        if newest != last {
+            positions.lock().unwrap_or_else(|e| e.into_inner()).insert(label.clone(), newest.clone().unwrap_or_default());
+            last = newest;
+        }
+        tracing::debug!(partition = %label, count, first_seq, last_seq, "handed to the cores");
+        if let Err(e) = receiver.accept_all(infos).await {
+            return End::Lost(format!("partition {label}: cannot settle: {e}"));
+        }
+        if let Some(reason) = failure {
+            return End::Lost(reason);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recorded_position_wins_over_the_start_position() {
+        let p = Position { sequence: Some(41), offset: Some("4100".into()), enqueued: None };
+        assert_eq!(start_filter(Some(&p), &StartPosition::Latest), "amqp.annotation.x-opt-sequence-number > '41'");
+        let p = Position { sequence: None, offset: Some("4100".into()), enqueued: None };
+        assert_eq!(start_filter(Some(&p), &StartPosition::Earliest), "amqp.annotation.x-opt-offset > '4100'");
+    }
+
+    #[test]
+    fn start_positions_become_selector_filters() {
+        assert_eq!(start_filter(None, &StartPosition::Latest), "amqp.annotation.x-opt-offset > '@latest'");
+        assert_eq!(start_filter(None, &StartPosition::Earliest), "amqp.annotation.x-opt-offset > '-1'");
+        assert_eq!(
+            start_filter(None, &StartPosition::EnqueuedAfter(1_700_000_000_000)),
+            "amqp.annotation.x-opt-enqueued-time > '1700000000000'"
+        );
+    }
+}
