@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod model;
 pub mod push;
 pub mod runtime;
+pub mod sas;
 pub mod shard;
 pub mod status;
 pub mod timefmt;

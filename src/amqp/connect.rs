@@ -22,7 +22,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::rustls::ClientConfig;
 use tokio::time::timeout;
 
-use super::sas::{self, KeyConvention};
+use crate::sas::{self, KeyConvention};
 
 /// TCP connect, TLS and AMQP open together.
 pub const OPEN_TIMEOUT: Duration = Duration::from_secs(20);

@@ -19,7 +19,6 @@
 pub mod connect;
 pub mod map;
 pub mod partition;
-pub mod sas;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -304,7 +303,7 @@ impl Supervisor {
     /// A fresh SAS token for the endpoint and when it expires (seconds since the epoch).
     fn token(&self, endpoint: &Endpoint) -> Result<(String, i64), String> {
         let expiry = now_millis() / 1000 + self.plan.token_ttl.as_secs() as i64;
-        let token = sas::token(&endpoint.audience(), &self.plan.key_name, &self.plan.key, sas::KeyConvention::Raw, expiry)?;
+        let token = crate::sas::token(&endpoint.audience(), &self.plan.key_name, &self.plan.key, crate::sas::KeyConvention::Raw, expiry)?;
         Ok((token, expiry))
     }
 

@@ -11,16 +11,9 @@
 
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
-use hmac::{Hmac, Mac};
-use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-use sha2::Sha256;
 
-/// `encodeURIComponent` plus `!'()*`: the Node SDK's `encodeUriComponentStrict`.
-pub const STRICT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
-
-pub fn encode(s: &str) -> String {
-    utf8_percent_encode(s, STRICT).to_string()
-}
+/// Strict URL encoding (the Node SDK's `encodeUriComponentStrict`): all but `A-Z a-z 0-9 - _ . ~`.
+pub use crate::sas::url_encode as encode;
 
 /// Signs tokens for one hub with one policy key.
 #[derive(Clone)]
@@ -39,9 +32,7 @@ impl Signer {
 
     /// The `sig` value before URL encoding: base64 of the HMAC over `string_to_sign`.
     pub fn signature(&self, string_to_sign: &str) -> String {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("HMAC takes keys of any length");
-        mac.update(string_to_sign.as_bytes());
-        BASE64.encode(mac.finalize().into_bytes())
+        crate::sas::sign(&self.key, string_to_sign)
     }
 
     /// The `Authorization` header value of a token expiring at `expiry` (seconds since the epoch).

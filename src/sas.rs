@@ -1,5 +1,5 @@
 //! Shared access signature (SAS) tokens, in the two signing conventions Azure uses
-//! (reference `iothub-wire.md` §2.4):
+//! (reference `iothub-wire.md` §2.4 and §3.1), for the AMQP source and the IoT Hub client:
 //!
 //! - **Event Hubs** (and IoT Hub's Event Hub-compatible endpoint) sign with the raw bytes of
 //!   the `SharedAccessKey` string;
