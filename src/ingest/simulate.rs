@@ -77,7 +77,7 @@ pub async fn run(core: Rc<Core>, count: u32) {
         tick += 1;
         let mut batch = Vec::new();
         for (i, d) in devices.iter_mut().enumerate() {
-            if (i as u64 + tick) % PERIOD != 0 {
+            if !(i as u64 + tick).is_multiple_of(PERIOD) {
                 continue;
             }
             if d.offline_until_tick > 0 {

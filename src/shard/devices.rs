@@ -368,13 +368,13 @@ impl DeviceTable {
                 }
                 for (key, json) in parsed.values {
                     if subscribed {
-                        publication.telemetry.push((Box::from(&*key), json.clone()));
+                        publication.telemetry.push((Box::from(key), json.clone()));
                     }
                     // Keys repeat message after message: allocate one only the first time.
-                    match device.telemetry.get_mut(&*key) {
+                    match device.telemetry.get_mut(key) {
                         Some(last) => *last = LastValue { json, at },
                         None => {
-                            device.telemetry.insert(Box::from(&*key), LastValue { json, at });
+                            device.telemetry.insert(Box::from(key), LastValue { json, at });
                         }
                     }
                 }

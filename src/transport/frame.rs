@@ -165,7 +165,7 @@ mod tests {
     #[test]
     fn unmasked_and_invalid_utf8_frames_are_violations() {
         let mut reader = FrameReader::default();
-        assert_eq!(reader.parse(&mut vec![0x81, 0x01, b'a'], &mut Vec::new()).unwrap_err().0, 1002);
+        assert_eq!(reader.parse(&mut [0x81, 0x01, b'a'], &mut Vec::new()).unwrap_err().0, 1002);
         assert_eq!(reader.parse(&mut masked(0x1, true, &[0xff]), &mut Vec::new()).unwrap_err().0, 1007);
     }
 }
