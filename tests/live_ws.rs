@@ -394,3 +394,20 @@ fn live_sockets_count_towards_the_connection_limit() {
         RawOutcome::TimedOut => panic!("a connection over the limit must be refused at once"),
     }
 }
+
+#[test]
+fn late_twin_changes_with_an_older_version_are_dropped() {
+    let server = Server::start(&HUB);
+    let session = subscribed(&server, "dev-1", &[only("deviceTwin")]);
+    let mut live = server.live(&session);
+    let change = |op: &str, version: u64, fw: &str| json!({"deviceId": "dev-1", "source": "twinChangeEvents",
+        "properties": {"opType": op}, "body": {"version": version, "properties": {"reported": {"fw": fw}}}});
+    server.ingest(change("replaceTwin", 5, "5.0"));
+    assert_eq!(live.next_json(WAIT).unwrap()["deviceTwin"]["version"], json!(5));
+    server.ingest(change("updateTwin", 4, "4.0"));
+    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "an older version is not applied nor pushed");
+    server.ingest(change("updateTwin", 6, "6.0"));
+    let twin = &live.next_json(WAIT).unwrap()["deviceTwin"];
+    assert_eq!(twin["properties"]["reported"]["fw"], "6.0");
+    assert_eq!(twin["version"], json!(6));
+}

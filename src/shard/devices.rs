@@ -410,6 +410,14 @@ impl DeviceTable {
                 };
                 let at = header_time.unwrap_or_else(now_millis);
                 let device = self.devices.entry_ref(&*device_id).or_default();
+                // Twin versions only grow: an event not newer than the cached twin arrived late.
+                let version = |d: &Value| d.get("version").and_then(Value::as_i64);
+                if let (Some(new), Some(cached)) = (version(&doc), device.twin.as_ref().and_then(|t| version(&t.doc))) {
+                    if new <= cached {
+                        tracing::debug!(device = &*device_id, new, cached, "stale twin change dropped");
+                        return None;
+                    }
+                }
                 match (property("opType"), device.twin.as_mut()) {
                     (Some("replaceTwin"), _) | (_, None) => device.twin = Some(Twin { doc, at }),
                     (_, Some(twin)) => {
