@@ -248,3 +248,22 @@ fn amqps_refuses_a_certificate_no_trusted_root_issued() {
     assert!(body.contains("UnknownIssuer") || body.contains("certificate"), "{body}");
     assert_eq!(hub.stats().put_tokens, 0);
 }
+
+#[test]
+fn partition_lag_is_measured_and_reaches_zero_once_caught_up() {
+    let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
+    let server = start(&hub, &[]);
+    for n in 0..3 {
+        hub.publish("0", NewEvent::telemetry("lagging", json!({"n": n})));
+    }
+    server.wait_for("/lastValue/lagging/n", WAIT, |s, b| s == 200 && b.contains("\"n\":2"));
+    // The first measurement is taken at connect; wait for one taken after the messages
+    // (every 5 s): last enqueued (2) minus last received (2) on partition 0, and an empty
+    // partition 1, must both read 0.
+    std::thread::sleep(Duration::from_millis(5500));
+    let (status, metrics) = server.get("/metrics");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("# TYPE hubcast_amqp_partition_lag gauge"), "{metrics}");
+    assert!(metrics.contains("hubcast_amqp_partition_lag{partition=\"0\"} 0\n"), "{metrics}");
+    assert!(metrics.contains("hubcast_amqp_partition_lag{partition=\"1\"} 0\n"), "{metrics}");
+}

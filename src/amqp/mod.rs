@@ -56,6 +56,13 @@ pub struct Stats {
 
 pub static STATS: Stats = Stats { connected: AtomicU64::new(0), connects: AtomicU64::new(0), received: AtomicU64::new(0) };
 
+/// Messages enqueued in each partition but not yet received, as last measured (every
+/// `LAG_INTERVAL`, from `$management`). Written by the consumer thread, read by scrapes.
+pub static PARTITION_LAG: Mutex<Vec<(String, i64)>> = Mutex::new(Vec::new());
+
+/// How often partition lag is measured.
+const LAG_INTERVAL: Duration = Duration::from_secs(5);
+
 impl Stats {
     /// The counters as `GET /metrics` series.
     pub fn series(&self) -> crate::metrics::ExternalSeries {
@@ -67,6 +74,14 @@ impl Stats {
         ]
         .into_iter()
         .map(|(name, help, v)| (name.to_string(), help.to_string(), String::new(), v))
+        .chain(PARTITION_LAG.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(partition, lag)| {
+            (
+                "hubcast_amqp_partition_lag".to_string(),
+                "Messages enqueued in a partition and not yet received (measured every 5 s).".to_string(),
+                format!("{{partition=\"{partition}\"}}"),
+                (*lag).max(0) as u64,
+            )
+        }))
         .collect()
     }
 }
@@ -344,6 +359,7 @@ impl Supervisor {
 
         // The partitions, or the entity itself when it is a queue of a plain AMQP broker.
         let mut addresses: Vec<(String, String, Option<String>)> = Vec::new(); // (label, address, filter)
+        let mut lag_link: Option<NodeLink> = None;
         let management = if is_queue_address(&endpoint.entity) {
             Err(NodeError::Missing("EntityPath is a queue address".into()))
         } else {
@@ -374,6 +390,7 @@ impl Supervisor {
                     let address = format!("{}/ConsumerGroups/{}/Partitions/{}", endpoint.entity, self.plan.consumer_group, id);
                     addresses.push((id, address, Some(filter)));
                 }
+                lag_link = Some(mgmt);
             }
             Err(NodeError::Missing(e)) => {
                 if !is_queue_address(&endpoint.entity) {
@@ -423,9 +440,27 @@ impl Supervisor {
             "event hub connected"
         );
 
-        // Wait for the first partition to end; meanwhile keep the CBS token fresh.
+        // Wait for the first partition to end; meanwhile keep the CBS token fresh and measure lag.
+        let mut lag_tick = tokio::time::interval(LAG_INTERVAL);
         let stop = loop {
             tokio::select! {
+                _ = lag_tick.tick(), if lag_link.is_some() => {
+                    let link = lag_link.as_mut().expect("guarded by the select condition");
+                    let mut lags = Vec::with_capacity(addresses.len());
+                    for (id, _, _) in &addresses {
+                        match connect::last_sequence_number(link, &endpoint.entity, id, token.as_deref()).await {
+                            Ok(last) => {
+                                let received = self.positions.lock().unwrap_or_else(|e| e.into_inner())
+                                    .get(id).and_then(|p| p.sequence).unwrap_or(-1);
+                                lags.push((id.clone(), last - received));
+                            }
+                            Err(e) => {
+                                tracing::debug!(partition = %id, error = %e, "cannot measure partition lag");
+                            }
+                        }
+                    }
+                    *PARTITION_LAG.lock().unwrap_or_else(|e| e.into_inner()) = lags;
+                }
                 ended = tasks.join_next() => {
                     break match ended {
                         Some(Ok(End::CoresGone)) => Stop::Shutdown,
