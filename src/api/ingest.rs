@@ -3,59 +3,69 @@
 //! Body: one message or an array of them, in the shape the event stream carries:
 //! `{"deviceId", "source"?, "properties"?, "enqueuedTime"?, "body"}`. Answers
 //! `{"accepted": n}` once every message is applied, so later reads see it.
+//!
+//! Messages are deserialised borrowing from the request, and each `body` is kept as the raw
+//! JSON text it arrived as: the owning core parses it once, with simd-json, like any source.
 
+use std::borrow::Cow;
 use std::rc::Rc;
 
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
 
 use super::auth::require_admin;
 use crate::config::MAX_DEVICE_ID_LEN;
 use crate::http::{Request, Response};
-use crate::ingest::{IngestMessage, Properties, SourceKind};
-use crate::model::{as_object, Checked, Rejection};
+use crate::ingest::{device_id_in_body, IngestMessage, Properties, SourceKind};
+use crate::model::{Checked, Rejection};
 use crate::runtime::Core;
 use crate::timefmt::parse_iso;
 
-fn parse_message(obj: &Map<String, Value>, device_id_key: &str) -> Checked<IngestMessage> {
-    let source = match obj.get("source") {
-        None | Some(Value::Null) => SourceKind::Telemetry,
-        Some(Value::String(s)) => SourceKind::parse(s).ok_or_else(|| {
+/// One message as sent.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireMessage<'a> {
+    #[serde(default, borrow)]
+    device_id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    source: Option<Cow<'a, str>>,
+    #[serde(default)]
+    properties: Option<serde_json::Map<String, Value>>,
+    #[serde(default, borrow)]
+    enqueued_time: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    body: Option<&'a RawValue>,
+}
+
+fn to_message(wire: WireMessage<'_>, device_id_key: &str) -> Checked<IngestMessage> {
+    let source = match wire.source.as_deref() {
+        None => SourceKind::Telemetry,
+        Some(s) => SourceKind::parse(s).ok_or_else(|| {
             Rejection::bad_request(format!(
                 "unknown source `{s}` (Telemetry, twinChangeEvents, deviceConnectionStateEvents, deviceLifecycleEvents)"
             ))
         })?,
-        Some(_) => return Err(Rejection::bad_request("field `source` must be a string")),
     };
     let mut properties = Properties::new();
-    match obj.get("properties") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(props)) => {
-            for (k, v) in props {
-                let v = match v {
-                    Value::String(s) => s.clone(),
-                    Value::Number(_) | Value::Bool(_) => v.to_string(),
-                    _ => return Err(Rejection::bad_request(format!("property `{k}` must be a string, number or boolean"))),
-                };
-                properties.push((k.as_str().into(), v.into()));
-            }
-        }
-        Some(_) => return Err(Rejection::bad_request("field `properties` must be an object")),
+    for (k, v) in wire.properties.unwrap_or_default() {
+        let v = match v {
+            Value::String(s) => s,
+            Value::Number(_) | Value::Bool(_) => v.to_string(),
+            _ => return Err(Rejection::bad_request(format!("property `{k}` must be a string, number or boolean"))),
+        };
+        properties.push((k.into(), v.into()));
     }
-    let enqueued_at = match obj.get("enqueuedTime") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
-            parse_iso(s).ok_or_else(|| Rejection::bad_request("field `enqueuedTime` is not an ISO 8601 time"))?,
-        ),
-        Some(_) => return Err(Rejection::bad_request("field `enqueuedTime` must be an ISO 8601 string")),
+    let enqueued_at = match wire.enqueued_time.as_deref() {
+        None => None,
+        Some(s) => Some(parse_iso(s).ok_or_else(|| Rejection::bad_request("field `enqueuedTime` is not an ISO 8601 time"))?),
     };
-    let body = obj.get("body").ok_or_else(|| Rejection::bad_request("missing field `body`"))?;
-    let device_id = match obj.get("deviceId") {
-        Some(Value::String(s)) => s.clone(),
-        None | Some(Value::Null) => match body.get(device_id_key) {
-            Some(Value::String(s)) => s.clone(),
-            _ => return Err(Rejection::bad_request(format!("missing field `deviceId` (and no `{device_id_key}` in the body)"))),
-        },
-        Some(_) => return Err(Rejection::bad_request("field `deviceId` must be a string")),
+    let body = wire.body.ok_or_else(|| Rejection::bad_request("missing field `body`"))?;
+    let device_id = match wire.device_id {
+        Some(id) => id.into_owned(),
+        None => device_id_in_body(body.get().as_bytes(), device_id_key).ok_or_else(|| {
+            Rejection::bad_request(format!("missing field `deviceId` (and no `{device_id_key}` in the body)"))
+        })?,
     };
     if device_id.is_empty() || device_id.len() > MAX_DEVICE_ID_LEN {
         return Err(Rejection::bad_request(format!("deviceId must be 1 to {MAX_DEVICE_ID_LEN} bytes")));
@@ -64,24 +74,28 @@ fn parse_message(obj: &Map<String, Value>, device_id_key: &str) -> Checked<Inges
         device_id: device_id.into(),
         source,
         properties,
-        body: serde_json::to_vec(body).expect("a JSON value serialises"),
+        body: body.get().as_bytes().to_vec(),
         enqueued_at,
     })
 }
 
+fn parse_batch<'a>(bytes: &'a [u8]) -> Checked<Vec<WireMessage<'a>>> {
+    let invalid = |e: serde_json::Error| Rejection::bad_request(format!("invalid message: {e}"));
+    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'[') => serde_json::from_slice(bytes).map_err(invalid),
+        Some(b'{') => serde_json::from_slice(bytes).map(|m| vec![m]).map_err(invalid),
+        None => Err(Rejection::bad_request("request body is empty; a JSON body is required")),
+        Some(_) => Err(Rejection::bad_request("body must be a message object or an array of them")),
+    }
+}
+
 pub async fn post(core: &Rc<Core>, req: &Request) -> Checked<Response> {
     require_admin(&core.settings, req)?;
-    let body = req.json()?;
-    let items = match &body {
-        Value::Array(items) => items.as_slice(),
-        single => std::slice::from_ref(single),
-    };
     let key = &core.settings.config.custom_device_id_key;
-    let mut batch = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        let message = as_object(item, "message")
-            .and_then(|obj| parse_message(obj, key))
-            .map_err(|e| Rejection::bad_request(format!("message {i}: {}", e.message)))?;
+    let wire = parse_batch(&req.body)?;
+    let mut batch = Vec::with_capacity(wire.len());
+    for (i, message) in wire.into_iter().enumerate() {
+        let message = to_message(message, key).map_err(|e| Rejection::bad_request(format!("message {i}: {}", e.message)))?;
         batch.push(message);
     }
     let accepted = batch.len();
