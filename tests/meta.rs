@@ -149,3 +149,23 @@ fn generated_admin_secret_is_printed_in_a_connection_string_and_accepted() {
     let (status, _, _) = server.call("PUT", "/logLevel/info", &[ADMIN], None);
     assert_eq!(status, 401, "a key that was never configured must not work");
 }
+
+#[test]
+fn log_level_change_takes_effect_at_once() {
+    let server = Server::start(&["--log-level", "error"]);
+    server.new_session();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(!server.stderr_lines().iter().any(|l| l.contains("session opened")), "verbose lines hidden at error");
+    let (status, _, _) = server.call("PUT", "/logLevel/verbose", &[ADMIN], None);
+    assert_eq!(status, 204);
+    server.new_session();
+    let line = server.wait_for_stderr(std::time::Duration::from_secs(3), |l| l.contains("session opened"));
+    assert!(line.is_some(), "verbose lines shown after PUT /logLevel/verbose");
+    let (status, _, _) = server.call("PUT", "/logLevel/warn", &[ADMIN], None);
+    assert_eq!(status, 204);
+    let before = server.stderr_lines().iter().filter(|l| l.contains("session opened")).count();
+    server.new_session();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let after = server.stderr_lines().iter().filter(|l| l.contains("session opened")).count();
+    assert_eq!(before, after, "hidden again at warn");
+}

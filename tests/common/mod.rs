@@ -314,6 +314,20 @@ impl Server {
         }
     }
 
+    /// Waits for a stderr (log) line matching `pred`.
+    pub fn wait_for_stderr(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(line) = self.stderr.lock().unwrap().iter().find(|l| pred(l)) {
+                return Some(line.clone());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
