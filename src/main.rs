@@ -8,6 +8,15 @@ use hubcast::status::StatusBoard;
 use hubcast::Shared;
 
 fn main() -> ExitCode {
+    // A core's state lives only in that core: if one panics, the gateway cannot go on half
+    // alive (its devices and sessions gone, its listener still accepting). Stop the whole
+    // process instead, with the panic logged, so a supervisor restarts it.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        tracing::error!("panic: {info}; stopping");
+        std::process::abort();
+    }));
     normalise_environment();
     let settings = Arc::new(Config::parse().settle());
     let log = logging::init(LogLevel::parse(&settings.config.log_level).expect("validated by clap"));

@@ -63,7 +63,7 @@ impl Decoder for HeadDecoder {
     fn decode(&mut self, src: &mut BytesMut) -> Result<Decoded<RequestHead>, ReadError> {
         // The head must end within the limit, however many bytes one read brought in.
         if src.len() > MAX_REQUEST_HEAD_BYTES {
-            let window = &src[..MAX_REQUEST_HEAD_BYTES + 4];
+            let window = &src[..src.len().min(MAX_REQUEST_HEAD_BYTES + 4)];
             if memchr::memmem::find(window, b"\r\n\r\n").is_none() {
                 return Err(ReadError::HeadTooLarge);
             }
@@ -299,4 +299,33 @@ async fn refuse(mut stream: TcpStream) {
     let mut out = Vec::new();
     Response::error(503, "connection limit reached (maxConnections)").closing().encode(&mut out, false);
     let _ = stream.write_all(out).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(input: &[u8]) -> Result<Decoded<RequestHead>, ReadError> {
+        HeadDecoder::default().decode(&mut BytesMut::from(input))
+    }
+
+    #[test]
+    fn a_head_followed_by_a_body_is_decoded_whatever_the_buffer_length() {
+        let head = b"POST /ingest HTTP/1.1\r\nhost: x\r\ncontent-length: 20000\r\n\r\n";
+        for extra in [0, MAX_REQUEST_HEAD_BYTES - head.len(), MAX_REQUEST_HEAD_BYTES - head.len() + 1,
+                      MAX_REQUEST_HEAD_BYTES - head.len() + 3, MAX_REQUEST_HEAD_BYTES - head.len() + 4, 20000] {
+            let mut input = head.to_vec();
+            input.extend(std::iter::repeat_n(b'x', extra));
+            assert!(matches!(decode(&input), Ok(Decoded::Some(_))), "buffer of {} bytes", input.len());
+        }
+    }
+
+    #[test]
+    fn a_head_that_does_not_end_within_the_limit_is_refused_at_every_length() {
+        for len in [MAX_REQUEST_HEAD_BYTES + 1, MAX_REQUEST_HEAD_BYTES + 3, MAX_REQUEST_HEAD_BYTES + 4, 40000] {
+            let mut input = b"GET / HTTP/1.1\r\nx-long: ".to_vec();
+            input.resize(len, b'a');
+            assert!(matches!(decode(&input), Err(ReadError::HeadTooLarge)), "{len} bytes");
+        }
+    }
 }
