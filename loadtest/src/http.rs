@@ -10,6 +10,9 @@ use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// Longest wait for one response: a harness never hangs on a stuck server.
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// A response: status and body.
 #[derive(Debug)]
 pub struct Response {
@@ -77,7 +80,10 @@ impl HttpConn {
     /// Sends `request` (from [`request_bytes`]) and reads its response. On an I/O error the
     /// connection is dropped (the next call reconnects) and the error returned.
     pub async fn send(&mut self, request: &[u8]) -> io::Result<Response> {
-        let result = self.exchange(request).await;
+        let result = match tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(request)).await {
+            Ok(r) => r,
+            Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("no response within {REQUEST_TIMEOUT:?}"))),
+        };
         if result.is_err() {
             self.stream = None;
         }

@@ -185,6 +185,16 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
+        // A spawned hubcast that panicked or logged errors says so in the harness's output.
+        let lines = self.stderr.lock().unwrap();
+        let bad: Vec<&String> = lines.iter().filter(|l| l.contains("panicked") || l.contains("ERROR")).take(20).collect();
+        if !bad.is_empty() {
+            eprintln!("hubcast-load: hubcast's log:");
+            for l in bad {
+                eprintln!("  {l}");
+            }
+        }
+        drop(lines);
         if let Some(child) = &mut self.child {
             let _ = child.kill();
             let _ = child.wait();
