@@ -96,7 +96,7 @@ pub struct FleetArgs {
     /// Messages per second in total; 0 = as fast as hubcast takes them. Fanout: a comma list runs one step per rate.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub rate: Vec<f64>,
-    /// Messages per POST /ingest (at most; at a set rate each connection sends ≥ 100 requests/s when it can).
+    /// Messages per POST /ingest.
     #[arg(long, default_value_t = 500)]
     pub batch: usize,
     /// Keep-alive connections posting batches.
@@ -178,7 +178,7 @@ pub struct AllArgs {
     #[arg(long, default_value_t = 1.0)]
     pub scale: f64,
     /// Fan-out fleet rates to ramp through (messages/s before scaling by subscribers).
-    #[arg(long, value_delimiter = ',', default_value = "250,500,1000,1500,2000")]
+    #[arg(long, value_delimiter = ',', default_value = "250,500,1000,2000")]
     pub ramp: Vec<f64>,
     /// Idle sockets (capped by the open-file limit of both processes).
     #[arg(long, default_value_t = 50_000)]

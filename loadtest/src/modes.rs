@@ -476,7 +476,8 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
     // Fan-out: 10,000 sockets on 10 devices (1,000 subscribers each); ramp the fleet.
     let clients = scaled(10_000.0, s, 10);
     let fan = |transport: Transport, rates: Vec<f64>| FanoutArgs {
-        fleet: FleetArgs { batch: 50, ..fleet(Via::Http, 10, rates) },
+        // Batches of 50 over 10 devices: each socket gets 5 messages per batch, in one write.
+        fleet: FleetArgs { batch: 50, fleet_conns: 2, ..fleet(Via::Http, 10, rates) },
         clients,
         subs: 1,
         transport,

@@ -20,9 +20,9 @@ pub fn start(addr: SocketAddr, admin_key: &str, plan: &FleetPlan, stats: Arc<Fle
         let ids = ids.clone();
         let key = admin_key.to_string();
         let rate = plan.rate / conns as f64;
-        // At a set rate, a connection sends at least 100 requests/s when it can (smaller
-        // batches), so that a batch is not a burst that the latency would mostly measure.
-        let batch = if rate > 0.0 { plan.batch.min((rate / 100.0).ceil() as usize) } else { plan.batch }.max(1);
+        // Batches keep their size at any rate: a batch of B messages over D devices gives each
+        // subscriber B/D messages at once, which hubcast writes to its socket in one write.
+        let batch = plan.batch.max(1);
         let offset = k as f64 / conns as f64;
         tasks.spawn(async move {
             if !stats.started().await {
