@@ -234,9 +234,9 @@ async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: 
         let mut count = 0u64;
         let mut untimed = 0u64;
         let mut closed = false;
-        let measuring = stats.measuring.load(Ordering::Relaxed);
-        // Taken at the first frame of a read (after the read returned), once per read.
+        // Both taken at the first frame of a read (after the read returned), once per read.
         let mut now = 0;
+        let mut measuring = None;
         let read = ws
             .read_frames(|op, payload| match op {
                 OP_TEXT => {
@@ -251,7 +251,7 @@ async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: 
                     };
                     if data {
                         count += 1;
-                        if measuring {
+                        if *measuring.get_or_insert_with(|| stats.measuring.load(Ordering::Relaxed)) {
                             if now == 0 {
                                 now = now_micros();
                             }

@@ -46,7 +46,7 @@ fn the_whole_suite_runs_at_a_tiny_scale_and_measures_every_part() {
         .arg(hubcast_binary())
         .args(["--cores", "2", "--warmup", "0.2", "--duration", "0.5", "--json"])
         .arg(&json)
-        .args(["all", "--scale", "0.002", "--ramp", "100", "--idle", "10000"])
+        .args(["all", "--scale", "0.002", "--ramp", "1000", "--idle", "10000"])
         .output()
         .expect("run hubcast-load");
     let stdout = String::from_utf8_lossy(&output.stdout);
