@@ -1,0 +1,326 @@
+//! The hubcast under test: started by the harness (`--spawn`) or already running (`--url`,
+//! `--pid`), always on a loopback address. Also what is read from outside the process: CPU
+//! time and RSS from `/proc/<pid>/…`, counters from `GET /metrics`.
+
+use std::io::{self, BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::http::HttpConn;
+
+/// How to reach (or start) hubcast.
+#[derive(Clone, Debug)]
+pub struct TargetSpec {
+    /// `http://127.0.0.1:PORT` of a running hubcast (ignored with `spawn`).
+    pub url: Option<String>,
+    pub admin_key: String,
+    pub pid: Option<u32>,
+    /// Path of the hubcast binary to start.
+    pub spawn: Option<String>,
+    pub cores: Option<usize>,
+    /// More arguments for a spawned hubcast.
+    pub extra_args: Vec<String>,
+}
+
+/// A hubcast to drive.
+pub struct Target {
+    pub addr: SocketAddr,
+    pub admin_key: String,
+    pub pid: Option<u32>,
+    /// Runtimes (cores) hubcast said it runs, when it was spawned here.
+    pub cores: Option<usize>,
+    child: Option<Child>,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+/// Resolves `url` (`http://host:port[/]`) and refuses anything but loopback.
+pub fn loopback_addr(url: &str) -> io::Result<SocketAddr> {
+    let rest = url.strip_prefix("http://").ok_or_else(|| io::Error::other(format!("{url}: only http:// URLs")))?;
+    let hostport = rest.split('/').next().unwrap_or(rest);
+    let addr = hostport
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::other(format!("{url}: no address")))?;
+    if !is_loopback(addr.ip()) {
+        return Err(io::Error::other(format!(
+            "{url}: hubcast-load only drives a hubcast on this machine's loopback (127.0.0.0/8, ::1)"
+        )));
+    }
+    Ok(addr)
+}
+
+fn is_loopback(ip: IpAddr) -> bool {
+    ip.is_loopback()
+}
+
+impl Target {
+    /// Starts or attaches as `spec` says; `more_args` go to a spawned hubcast (e.g. the AMQP
+    /// connection string of the harness's own endpoint).
+    pub fn open(spec: &TargetSpec, more_args: &[String]) -> io::Result<Target> {
+        match &spec.spawn {
+            Some(path) => Self::spawn(path, spec, more_args),
+            None => {
+                let url = spec.url.as_deref().unwrap_or("http://127.0.0.1:8080");
+                let addr = loopback_addr(url)?;
+                Ok(Target {
+                    addr,
+                    admin_key: spec.admin_key.clone(),
+                    pid: spec.pid,
+                    cores: spec.cores,
+                    child: None,
+                    stderr: Default::default(),
+                })
+            }
+        }
+    }
+
+    fn spawn(path: &str, spec: &TargetSpec, more_args: &[String]) -> io::Result<Target> {
+        let mut cmd = Command::new(path);
+        cmd.args(["--bind", "127.0.0.1", "--port", "0", "--primary-admin-secret", &spec.admin_key, "--log-level", "warn"]);
+        if let Some(c) = spec.cores {
+            cmd.args(["--cores", &c.to_string()]);
+        }
+        cmd.args(&spec.extra_args).args(more_args);
+        // The environment must not configure the server under test behind our back.
+        for (k, _) in std::env::vars() {
+            let upper = k.to_ascii_uppercase();
+            if upper.contains("EVENT_HUB") || upper.contains("EVENTHUB") || upper.starts_with("MAX_") || upper == "PORT" || upper == "CORES" {
+                cmd.env_remove(&k);
+            }
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().map_err(|e| io::Error::other(format!("cannot start {path}: {e}")))?;
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        {
+            let pipe = child.stderr.take().expect("piped");
+            let lines = stderr.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines() {
+                    let Ok(line) = line else { break };
+                    let mut all = lines.lock().unwrap();
+                    if all.len() >= 1000 {
+                        all.remove(0);
+                    }
+                    all.push(line);
+                }
+            });
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let pipe = child.stdout.take().expect("piped");
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines() {
+                let Ok(line) = line else { break };
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (url, cores) = loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) => {
+                    // "hubcast 0.1.0 listening on http://127.0.0.1:PORT (N cores, io_uring)"
+                    if let Some(rest) = line.split("listening on ").nth(1) {
+                        let url = rest.split_whitespace().next().unwrap_or_default().trim_end_matches('/').to_string();
+                        let cores = rest.split('(').nth(1).and_then(|r| r.split_whitespace().next()?.parse().ok());
+                        break (url, cores);
+                    }
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(io::Error::other(format!(
+                        "{path} did not print its address within 30 s:\n{}",
+                        stderr.lock().unwrap().join("\n")
+                    )));
+                }
+            }
+        };
+        let addr = loopback_addr(&url)?;
+        Ok(Target { addr, admin_key: spec.admin_key.clone(), pid: Some(child.id()), cores, child: Some(child), stderr })
+    }
+
+    pub fn base(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The last lines hubcast wrote to stderr (spawned only).
+    pub fn log_tail(&self, n: usize) -> String {
+        let lines = self.stderr.lock().unwrap();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Waits until `GET /status` answers 200 (every source connected).
+    pub async fn wait_ready(&self, within: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + within;
+        let mut conn = HttpConn::new(self.addr);
+        loop {
+            let last = match conn.call("GET", "/status", &[], b"").await {
+                Ok(r) if r.status == 200 => return Ok(()),
+                Ok(r) => format!("{} {}", r.status, r.text()),
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() > deadline {
+                return Err(io::Error::other(format!("GET /status still answers {last} after {within:?}\n{}", self.log_tail(20))));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `GET /metrics` parsed into (series with labels, value).
+    pub async fn metrics(&self) -> io::Result<Metrics> {
+        let mut conn = HttpConn::new(self.addr);
+        let r = conn.call("GET", "/metrics", &[("shared-access-key", &self.admin_key)], b"").await?;
+        if r.status != 200 {
+            return Err(io::Error::other(format!("GET /metrics answered {}: {}", r.status, r.text())));
+        }
+        Ok(Metrics::parse(&r.text()))
+    }
+
+    /// CPU time and memory of the hubcast process, if its pid is known.
+    pub fn proc_sample(&self) -> Option<ProcSample> {
+        ProcSample::of(self.pid?)
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        // A spawned hubcast that panicked or logged errors says so in the harness's output.
+        let lines = self.stderr.lock().unwrap();
+        let bad: Vec<&String> = lines.iter().filter(|l| l.contains("panicked") || l.contains("ERROR")).take(20).collect();
+        if !bad.is_empty() {
+            eprintln!("hubcast-load: hubcast's log:");
+            for l in bad {
+                eprintln!("  {l}");
+            }
+        }
+        drop(lines);
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Prometheus text, kept as (series, value) lines.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    pub lines: Vec<(String, f64)>,
+}
+
+impl Metrics {
+    pub fn parse(text: &str) -> Self {
+        let lines = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| {
+                let (series, value) = l.rsplit_once(' ')?;
+                Some((series.to_string(), value.trim().parse().ok()?))
+            })
+            .collect();
+        Self { lines }
+    }
+
+    /// Sum of every series of metric `name` (all label sets).
+    pub fn sum(&self, name: &str) -> f64 {
+        self.lines
+            .iter()
+            .filter(|(s, _)| s == name || (s.starts_with(name) && s.as_bytes().get(name.len()) == Some(&b'{')))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// Value of one series, labels included (`name{label="x"}`).
+    pub fn get(&self, series: &str) -> f64 {
+        self.lines.iter().find(|(s, _)| s == series).map_or(0.0, |(_, v)| *v)
+    }
+}
+
+/// CPU time (user + system) and resident memory of a process at one moment.
+#[derive(Clone, Copy, Debug)]
+pub struct ProcSample {
+    pub at: Instant,
+    pub cpu_secs: f64,
+    pub rss_kb: u64,
+    pub peak_rss_kb: u64,
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+impl ProcSample {
+    pub fn of(pid: u32) -> Option<Self> {
+        Self::read(&format!("/proc/{pid}"))
+    }
+
+    /// The harness itself (the load generator shares the cores with hubcast).
+    pub fn this_process() -> Option<Self> {
+        Self::read("/proc/self")
+    }
+
+    fn read(dir: &str) -> Option<Self> {
+        let at = Instant::now();
+        let stat = std::fs::read_to_string(format!("{dir}/stat")).ok()?;
+        // Fields after the command name (which may hold spaces), starting at field 3 (state).
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        let status = std::fs::read_to_string(format!("{dir}/status")).ok()?;
+        let kb = |key: &str| -> u64 {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0)
+        };
+        Some(Self { at, cpu_secs: (utime + stime) as f64 / clock_ticks(), rss_kb: kb("VmRSS:"), peak_rss_kb: kb("VmHWM:") })
+    }
+
+    /// CPU use between two samples, in cores (1.0 = one core busy all the time).
+    pub fn cores_used(&self, later: &ProcSample) -> f64 {
+        let wall = later.at.duration_since(self.at).as_secs_f64();
+        if wall <= 0.0 {
+            0.0
+        } else {
+            (later.cpu_secs - self.cpu_secs) / wall
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_sums_cover_every_label_set_and_only_that_metric() {
+        let m = Metrics::parse(
+            "# HELP x\nhubcast_messages_in_total{source=\"Telemetry\"} 10\nhubcast_messages_in_total{source=\"twinChangeEvents\"} 2\n\
+             hubcast_messages_in_total_other 100\nhubcast_sockets 7\n",
+        );
+        assert_eq!(m.sum("hubcast_messages_in_total"), 12.0);
+        assert_eq!(m.sum("hubcast_sockets"), 7.0);
+        assert_eq!(m.get("hubcast_messages_in_total{source=\"Telemetry\"}"), 10.0);
+    }
+
+    #[test]
+    fn only_loopback_targets_are_accepted() {
+        assert!(loopback_addr("http://127.0.0.1:8080").is_ok());
+        assert!(loopback_addr("http://127.0.0.2:8080/").is_ok());
+        assert!(loopback_addr("http://10.0.0.1:8080").is_err());
+        assert!(loopback_addr("https://127.0.0.1:8080").is_err());
+    }
+
+    #[test]
+    fn this_process_has_cpu_time_and_memory() {
+        let s = ProcSample::this_process().expect("/proc is readable");
+        assert!(s.rss_kb > 0);
+        assert!(s.cpu_secs >= 0.0);
+    }
+}

@@ -1,0 +1,84 @@
+//! Smoke run of the harness, so that it cannot rot: `hubcast-load all` at a tiny scale
+//! against the real hubcast binary of this workspace (both fleets, both socket transports,
+//! REST, idle sockets), checking that every part measured something and nothing failed.
+//!
+//! The hubcast binary is the one cargo built next to this test (`target/<profile>/hubcast`);
+//! `cargo test --workspace` builds it, and when only this package is tested it is built here.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+/// `target/<profile>/hubcast`, built first if missing.
+fn hubcast_binary() -> PathBuf {
+    // This test runs as target/<profile>/deps/smoke-<hash>.
+    let exe = std::env::current_exe().expect("test executable path");
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>").to_path_buf();
+    let bin = profile_dir.join("hubcast");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--bin", "hubcast"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        assert!(cmd.status().expect("cargo build").success(), "cannot build hubcast");
+    }
+    bin
+}
+
+fn rows<'a>(doc: &'a Value, name_prefix: &str) -> Vec<&'a Value> {
+    doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["name"].as_str().unwrap().starts_with(name_prefix))
+        .flat_map(|r| r["rows"].as_array().unwrap())
+        .collect()
+}
+
+#[test]
+fn the_whole_suite_runs_at_a_tiny_scale_and_measures_every_part() {
+    let json = std::env::temp_dir().join(format!("hubcast-load-smoke-{}.json", std::process::id()));
+    let output = Command::new(env!("CARGO_BIN_EXE_hubcast-load"))
+        .arg("--spawn")
+        .arg(hubcast_binary())
+        .args(["--cores", "2", "--warmup", "0.2", "--duration", "0.5", "--json"])
+        .arg(&json)
+        .args(["all", "--scale", "0.002", "--ramp", "1000", "--idle", "10000"])
+        .output()
+        .expect("run hubcast-load");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "hubcast-load failed\n{stdout}\n{stderr}");
+    assert!(stdout.contains("summary (targets)"), "{stdout}");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    assert_eq!(doc["machine"]["nproc"].as_u64().map(|n| n > 0), Some(true));
+
+    for row in rows(&doc, "ingest") {
+        assert!(row["ingest_msg_s"].as_f64().unwrap() > 0.0, "nothing ingested: {row}");
+        assert_eq!(row["fleet_errors"], 0, "{row}");
+    }
+    assert_eq!(rows(&doc, "ingest (amqp)").len(), 1, "the AMQP fleet ran");
+    for prefix in ["fanout (ws", "fanout (socketio"] {
+        let steps = rows(&doc, prefix);
+        assert!(!steps.is_empty(), "{prefix}");
+        for row in steps {
+            assert!(row["delivered_msg_s"].as_f64().unwrap() > 0.0, "nothing delivered: {row}");
+            assert!(row["p99_ms"].as_f64().unwrap() > 0.0, "no latency measured: {row}");
+            assert_eq!(row["socket_closes"], 0, "{row}");
+            assert_eq!(row["fleet_errors"], 0, "{row}");
+        }
+    }
+    for row in rows(&doc, "rest") {
+        assert!(row["req_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert_eq!(row["errors"], 0, "{row}");
+    }
+    let idle = rows(&doc, "idle");
+    assert_eq!(idle[0]["sockets"], 20, "{}", idle[0]);
+    assert_eq!(idle[0]["server_sockets"].as_f64(), Some(20.0), "{}", idle[0]);
+    assert!(idle[0]["rss_held_mb"].as_f64().unwrap() > 0.0);
+    assert!(rows(&doc, "summary").len() >= 8);
+}
