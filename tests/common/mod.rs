@@ -31,6 +31,20 @@ pub const TIMEOUT: Duration = Duration::from_secs(10);
 /// How long to wait for the `listening on` line.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// Polls captured output lines until one matches `pred`, or `timeout` passes.
+fn wait_for_line(lines: &Mutex<Vec<String>>, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(line) = lines.lock().unwrap().iter().find(|l| pred(l)) {
+            return Some(line.clone());
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Path of the binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_hubcast");
 
@@ -302,30 +316,12 @@ impl Server {
 
     /// Wait until a stdout line satisfies `pred`.
     pub fn wait_for_stdout(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(line) = self.stdout.lock().unwrap().iter().find(|l| pred(l)) {
-                return Some(line.clone());
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_line(&self.stdout, timeout, pred)
     }
 
     /// Waits for a stderr (log) line matching `pred`.
     pub fn wait_for_stderr(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(line) = self.stderr.lock().unwrap().iter().find(|l| pred(l)) {
-                return Some(line.clone());
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_line(&self.stderr, timeout, pred)
     }
 
     /// Whether the process is still running.
