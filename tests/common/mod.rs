@@ -10,7 +10,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, ChildStderr, ChildStdout, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -132,8 +132,8 @@ impl Server {
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel::<String>();
-        drain_stdout(child.stdout.take().unwrap(), stdout.clone(), tx);
-        drain_stderr(child.stderr.take().unwrap(), stderr.clone());
+        drain(child.stdout.take().unwrap(), stdout.clone(), Some(tx));
+        drain(child.stderr.take().unwrap(), stderr.clone(), None);
 
         let deadline = Instant::now() + START_TIMEOUT;
         let base = loop {
@@ -391,8 +391,8 @@ pub fn run_expecting_exit(args: &[String], env: &[(&str, &str)]) -> (bool, Strin
     let out = Arc::new(Mutex::new(Vec::new()));
     let err = Arc::new(Mutex::new(Vec::new()));
     let (tx, _rx) = mpsc::channel();
-    let t_out = drain_stdout(child.stdout.take().unwrap(), out.clone(), tx);
-    let t_err = drain_stderr(child.stderr.take().unwrap(), err.clone());
+    let t_out = drain(child.stdout.take().unwrap(), out.clone(), Some(tx));
+    let t_err = drain(child.stderr.take().unwrap(), err.clone(), None);
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -415,7 +415,9 @@ pub fn run_expecting_exit(args: &[String], env: &[(&str, &str)]) -> (bool, Strin
     (status.success(), stdout, stderr)
 }
 
-fn drain_stdout(pipe: ChildStdout, lines: Arc<Mutex<Vec<String>>>, tx: mpsc::Sender<String>) -> std::thread::JoinHandle<()> {
+/// Reads a child's pipe line by line into `lines` (bounded, so a chatty server cannot grow
+/// the test's memory), forwarding each line to `tx` when given.
+fn drain(pipe: impl Read + Send + 'static, lines: Arc<Mutex<Vec<String>>>, tx: Option<mpsc::Sender<String>>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(pipe);
         let mut buf = Vec::new();
@@ -425,27 +427,13 @@ fn drain_stdout(pipe: ChildStdout, lines: Arc<Mutex<Vec<String>>>, tx: mpsc::Sen
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
                     let line = String::from_utf8_lossy(&buf).trim_end().to_string();
-                    lines.lock().unwrap().push(line.clone());
-                    let _ = tx.send(line);
-                }
-            }
-        }
-    })
-}
-
-fn drain_stderr(pipe: ChildStderr, lines: Arc<Mutex<Vec<String>>>) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(pipe);
-        let mut buf = Vec::new();
-        loop {
-            buf.clear();
-            match reader.read_until(b'\n', &mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
                     let mut all = lines.lock().unwrap();
-                    // Keep memory bounded if the server logs a lot.
                     if all.len() < 10_000 {
-                        all.push(String::from_utf8_lossy(&buf).trim_end().to_string());
+                        all.push(line.clone());
+                    }
+                    drop(all);
+                    if let Some(tx) = &tx {
+                        let _ = tx.send(line);
                     }
                 }
             }
