@@ -226,9 +226,12 @@ pub struct Reply {
     pub body: Value,
 }
 
-fn attach_failure(node: &str, e: impl std::fmt::Display, remote: Option<&definitions::Error>) -> NodeError {
+/// Why a link to `node` could not attach: `Missing` when the peer has no such node (it
+/// refused the terminus, or closed the link saying so), `Failed` otherwise.
+fn attach_failure(node: &str, e: impl std::fmt::Display, remote: Option<&definitions::Error>, refused: bool) -> NodeError {
     let text = format!("cannot attach to {node}: {e}");
     match remote {
+        _ if refused => NodeError::Missing(text),
         Some(err) if is_missing_node(err) => NodeError::Missing(text),
         _ => NodeError::Failed(text),
     }
@@ -246,17 +249,8 @@ impl NodeLink {
                 .attach(session)
                 .await
                 .map_err(|e| {
-                    let remote = match &e {
-                        SA::RemoteClosedWithError(err) => Some(err),
-                        _ => None,
-                    };
-                    let refused = matches!(e, SA::IncomingTargetIsNone);
-                    let failure = attach_failure(node, &e, remote);
-                    if refused {
-                        NodeError::Missing(failure.to_string())
-                    } else {
-                        failure
-                    }
+                    let remote = if let SA::RemoteClosedWithError(err) = &e { Some(err) } else { None };
+                    attach_failure(node, &e, remote, matches!(e, SA::IncomingTargetIsNone))
                 })?;
             let receiver = Receiver::builder()
                 .name(format!("{reply_to}-receiver"))
@@ -265,17 +259,8 @@ impl NodeLink {
                 .attach(session)
                 .await
                 .map_err(|e| {
-                    let remote = match &e {
-                        RA::RemoteClosedWithError(err) => Some(err),
-                        _ => None,
-                    };
-                    let refused = matches!(e, RA::IncomingSourceIsNone);
-                    let failure = attach_failure(node, &e, remote);
-                    if refused {
-                        NodeError::Missing(failure.to_string())
-                    } else {
-                        failure
-                    }
+                    let remote = if let RA::RemoteClosedWithError(err) = &e { Some(err) } else { None };
+                    attach_failure(node, &e, remote, matches!(e, RA::IncomingSourceIsNone))
                 })?;
             Ok(Self { node, sender, receiver, reply_to: reply_to.clone(), next_id: 1 })
         };
