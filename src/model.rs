@@ -37,18 +37,31 @@ pub enum GrantKind {
 }
 
 impl GrantKind {
-    /// Current names, plus the v1/v2 names (`subscribeToTelemetry`, …) removed from ux4iot in 3.0.0.
+    /// The ux4iot 3.x names.
     pub fn parse(s: &str) -> Option<Self> {
         if let Some(kind) = DataKind::parse(s) {
             return Some(Self::Data(kind));
         }
         Some(match s {
-            "desiredProperties" | "modifyDesiredProperties" => Self::DesiredProperties,
-            "directMethod" | "invokeDirectMethod" => Self::DirectMethod,
-            "subscribeToTelemetry" => Self::Data(DataKind::Telemetry),
-            "subscribeToConnectionState" => Self::Data(DataKind::ConnectionState),
-            "subscribeToDeviceTwin" => Self::Data(DataKind::DeviceTwin),
-            "subscribeToD2CMessages" | "subscribeToD2cMessages" => Self::Data(DataKind::D2cMessages),
+            "desiredProperties" => Self::DesiredProperties,
+            "directMethod" => Self::DirectMethod,
+            _ => return None,
+        })
+    }
+
+    /// The 3.x type replacing a ux4iot 1.x/2.x grant type (renamed in ux4iot 3.0.0).
+    ///
+    /// These are refused, not taken as aliases: in 2.x a grant also subscribed, in 3.x it is
+    /// permission only, so a 2.x client whose grant was quietly accepted would wait for data
+    /// that never comes.
+    pub fn legacy_replacement(s: &str) -> Option<&'static str> {
+        Some(match s {
+            "subscribeToTelemetry" => "telemetry",
+            "subscribeToConnectionState" => "connectionState",
+            "subscribeToDeviceTwin" => "deviceTwin",
+            "subscribeToD2CMessages" | "subscribeToD2cMessages" => "d2cMessages",
+            "modifyDesiredProperties" => "desiredProperties",
+            "invokeDirectMethod" => "directMethod",
             _ => return None,
         })
     }
@@ -147,10 +160,18 @@ impl GrantRequest {
         let obj = as_object(body, "grant request")?;
         let session = session_field(obj, None)?.to_string();
         let device = device_id(obj)?.to_string();
-        let type_field = if obj.contains_key("type") { "type" } else { "grantType" };
-        let kind = match obj.get(type_field) {
-            None | Some(Value::Null) => return Err(Rejection::bad_request("missing field `type`")),
-            Some(Value::String(s)) => GrantKind::parse(s).ok_or_else(|| Rejection::bad_request("unknown grant type"))?,
+        let kind = match obj.get("type") {
+            None | Some(Value::Null) => {
+                let refusal = legacy_grant(obj.get("grantType"));
+                return Err(refusal.unwrap_or_else(|| Rejection::bad_request("missing field `type`")));
+            }
+            Some(Value::String(s)) => match GrantKind::parse(s) {
+                Some(kind) => kind,
+                None => {
+                    let refusal = legacy_grant(obj.get("type"));
+                    return Err(refusal.unwrap_or_else(|| Rejection::bad_request("unknown grant type")));
+                }
+            },
             Some(_) => return Err(Rejection::bad_request("field `type` must be a string")),
         };
         let key = match kind {
@@ -160,6 +181,17 @@ impl GrantRequest {
         };
         Ok(Self { session, device, grant: Grant { kind, key } })
     }
+}
+
+/// The refusal of a ux4iot 1.x/2.x grant (a 2.x type name under `type` or `grantType`), naming
+/// the 3.x request to send instead; `None` when `value` is no grant type of either version.
+fn legacy_grant(value: Option<&Value>) -> Option<Rejection> {
+    let name = value?.as_str()?;
+    let current = GrantKind::legacy_replacement(name).or_else(|| GrantKind::parse(name).map(|_| name))?;
+    Some(Rejection::bad_request(format!(
+        "unknown grant type: `{name}` is a ux4iot 2.x grant; send {{\"type\": \"{current}\"}} instead \
+         (since ux4iot 3.0.0 a grant only permits; subscribe with PUT /subscription)"
+    )))
 }
 
 /// A parsed subscription request, with its original JSON kept for the bulk echo.
@@ -193,11 +225,13 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn legacy_grant_names_are_aliases() {
-        let g = GrantRequest::parse(&json!({"grantType":"subscribeToTelemetry","sessionId":"s","deviceId":"d","telemetryKey":"t"})).unwrap();
-        assert_eq!(g.grant, Grant { kind: GrantKind::Data(DataKind::Telemetry), key: Some("t".into()) });
-        let g = GrantRequest::parse(&json!({"type":"invokeDirectMethod","sessionId":"s","deviceId":"d"})).unwrap();
-        assert_eq!(g.grant.kind, GrantKind::DirectMethod);
+    fn legacy_grant_names_are_refused_naming_the_current_type() {
+        let e = GrantRequest::parse(&json!({"grantType":"subscribeToTelemetry","sessionId":"s","deviceId":"d","telemetryKey":"t"})).unwrap_err();
+        assert!(e.message.contains(r#"{"type": "telemetry"}"#), "{}", e.message);
+        let e = GrantRequest::parse(&json!({"type":"invokeDirectMethod","sessionId":"s","deviceId":"d"})).unwrap_err();
+        assert!(e.message.contains(r#"{"type": "directMethod"}"#), "{}", e.message);
+        let e = GrantRequest::parse(&json!({"grantType":"deviceTwin","sessionId":"s","deviceId":"d"})).unwrap_err();
+        assert!(e.message.contains(r#"{"type": "deviceTwin"}"#), "{}", e.message);
     }
 
     #[test]

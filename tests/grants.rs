@@ -35,7 +35,6 @@ fn hub_grant_types_are_400_without_service_connection_string() {
         json!({"type": "directMethod", "deviceId": "d1", "directMethodName": null}),
         kind("desiredProperties", "d1"),
         kind("deviceTwin", "d1"), // the twin is read from the hub
-        json!({"grantType": "subscribeToDeviceTwin", "deviceId": "d1"}),
     ] {
         let (status, body) = server.try_grant(&session, grant.clone());
         assert_error(status, &body, 400, "IoT Hub API disabled");
@@ -93,33 +92,42 @@ fn grant_for_unknown_session_is_404() {
     assert_error(status, &body, 404, "");
 }
 
+/// ux4iot 2.x grants also subscribed; 3.x grants only permit. A 2.x grant quietly taken as
+/// permission would leave a 2.x client waiting for data, so each one is refused with 400 naming
+/// the 3.x type, and grants nothing.
 #[test]
-fn legacy_grant_format_is_accepted() {
-    let server = Server::start(&[]);
-    let session = server.new_session();
-    let legacy = json!({"grantType": "subscribeToTelemetry", "sessionId": session, "deviceId": "d1", "telemetryKey": "temperature"});
-    let (status, body, _) = server.call("PUT", "/grants", &[ADMIN], Some(legacy));
-    assert_eq!(status, 204, "legacy grant: {body}");
-    assert_eq!(server.subscribe(&session, telemetry("d1", Some("temperature"))).0, 204);
-}
-
-#[test]
-fn all_legacy_subscription_grant_names_are_accepted() {
-    let server = Server::start(&["--iot-hub-service-connection-string", SERVICE]); // for the twin
+fn legacy_grant_types_are_refused_naming_the_current_type() {
+    let server = Server::start(&["--iot-hub-service-connection-string", SERVICE]); // for the hub types
     let session = server.new_session();
     for (legacy, current) in [
         ("subscribeToTelemetry", "telemetry"),
         ("subscribeToConnectionState", "connectionState"),
         ("subscribeToDeviceTwin", "deviceTwin"),
         ("subscribeToD2CMessages", "d2cMessages"),
+        ("modifyDesiredProperties", "desiredProperties"),
+        ("invokeDirectMethod", "directMethod"),
     ] {
         let device = format!("dev-{current}");
-        let grant = json!({"grantType": legacy, "sessionId": session, "deviceId": device});
-        let (status, body, _) = server.call("PUT", "/grants", &[ADMIN], Some(grant));
-        assert_eq!(status, 204, "legacy grant {legacy}: {body}");
-        let (status, body) = server.subscribe(&session, kind(current, &device));
-        assert_eq!(status, 204, "subscription {current} after legacy grant {legacy}: {body}");
+        for field in ["grantType", "type"] {
+            let grant = json!({field: legacy, "sessionId": session, "deviceId": device});
+            let (status, body, _) = server.call("PUT", "/grants", &[ADMIN], Some(grant.clone()));
+            assert_error(status, &body, 400, &format!(r#"send {{"type": "{current}"}} instead"#));
+            assert_error(status, &body, 400, legacy);
+            let (status, body, _) = server.call("DELETE", "/grants", &[ADMIN], Some(grant));
+            assert_error(status, &body, 400, "ux4iot 2.x grant");
+        }
+        if ["telemetry", "connectionState", "deviceTwin", "d2cMessages"].contains(&current) {
+            let (status, body) = server.subscribe(&session, kind(current, &device));
+            assert_error(status, &body, 403, "not granted");
+        }
     }
+    // The 3.x type under the 2.x key is refused the same way.
+    let grant = json!({"grantType": "telemetry", "sessionId": session, "deviceId": "d1"});
+    let (status, body, _) = server.call("PUT", "/grants", &[ADMIN], Some(grant));
+    assert_error(status, &body, 400, r#"send {"type": "telemetry"} instead"#);
+    // The same request in the 3.x form is granted.
+    server.grant(&session, json!({"type": "telemetry", "deviceId": "d1", "telemetryKey": "temperature"}));
+    assert_eq!(server.subscribe(&session, telemetry("d1", Some("temperature"))).0, 204);
 }
 
 #[test]
