@@ -5,7 +5,7 @@
 //! - [`config`]: flags and environment → [`config::Settings`]; [`connection_string`] parsing.
 //! - [`runtime`]: one monoio runtime per core, SO_REUSEPORT listeners, the cross-core
 //!   [`runtime::mesh`] and the one routing function ([`runtime::routing`]).
-//! - [`ingest`]: the one message type every source feeds, body parsing (simd-json) on the
+//! - [`ingest`]: the one message type every source feeds, body parsing (raw value spans) on the
 //!   owning core, fault counters, and the simulated fleet.
 //! - [`amqp`]: the IoT Hub / Event Hubs consumer (fe2o3-amqp on its own tokio thread),
 //!   feeding the cores through [`runtime::Ingress`].

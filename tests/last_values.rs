@@ -27,6 +27,38 @@ fn get_json(server: &Server, path: &str, headers: &[(&str, &str)]) -> Value {
 
 // ---- telemetry --------------------------------------------------------------------------------
 
+/// Numbers no machine type holds are kept as the text the device sent, and the rest of the body
+/// with them (they used to drop the whole message). Checked on the raw bytes: a JSON library
+/// would round them or refuse them.
+#[test]
+fn numbers_beyond_i64_u64_f64_are_kept_as_sent_with_the_rest_of_the_body() {
+    let server = Server::start(&[]);
+    let session = server.new_session();
+    server.grant(&session, telemetry("big", None));
+    assert_eq!(server.subscribe(&session, telemetry("big", None)).0, 204);
+    let mut live = server.live(&session);
+    let body = br#"{"deviceId":"big","body":{"u":18446744073709551616,"inf":1e309,"long":123456789012345678901234567890,"neg":-1e309,"t":21.50,"ok":true}}"#;
+    let (status, answer, _) = server.call_raw("POST", "/ingest", &[ADMIN, ("Content-Type", "application/json")], body);
+    assert_eq!((status, answer.as_str()), (200, r#"{"accepted":1}"#));
+    let members = [
+        ("u", "18446744073709551616"),
+        ("inf", "1e309"),
+        ("long", "123456789012345678901234567890"),
+        ("neg", "-1e309"),
+        ("t", "21.50"),
+        ("ok", "true"),
+    ];
+    let frame = live.next_text(std::time::Duration::from_secs(5)).expect("a telemetry frame");
+    let all = get(&server, "/lastValue/big", &[ADMIN]).1;
+    for (key, text) in members {
+        assert!(frame.contains(&format!(r#""{key}":{text}"#)), "pushed {key} = {text}: {frame}");
+        assert!(all.contains(&format!(r#""{key}":{{"value":{text},"#)), "all-keys read {key} = {text}: {all}");
+        let (status, one) = get(&server, &format!("/lastValue/big/{key}"), &[ADMIN]);
+        assert_eq!(status, 200, "{one}");
+        assert!(one.starts_with(&format!(r#"{{"deviceId":"big","data":{{"{key}":{text}}},"#)), "{one}");
+    }
+}
+
 #[test]
 fn last_value_of_one_key() {
     let server = Server::start(&[]);

@@ -5,7 +5,7 @@
 //! `{"accepted": n}` once every message is applied, so later reads see it.
 //!
 //! Messages are deserialised borrowing from the request, and each `body` is kept as the raw
-//! JSON text it arrived as: the owning core parses it once, with simd-json, like any source.
+//! JSON text it arrived as: the owning core parses it once, like any source.
 
 use std::borrow::Cow;
 use std::rc::Rc;

@@ -2,15 +2,17 @@
 //! parsing of device bodies on the owning core.
 //!
 //! A source only finds the device id and routes the raw body to `core_of_device`; the body
-//! is parsed there, with simd-json, by the core that owns the device's state.
+//! is parsed there, once, by the core that owns the device's state: serde_json splits the
+//! top-level object into keys and raw value spans, and each value is kept as the JSON text the
+//! device sent (no conversion, so no number is too big or too precise to keep).
 
 pub mod faults;
 pub mod simulate;
 
-use std::cell::RefCell;
+use std::borrow::Cow;
 use std::sync::Arc;
 
-use simd_json::prelude::*;
+use serde_json::value::RawValue;
 use smallvec::SmallVec;
 
 use crate::timefmt::{parse_iso, Millis};
@@ -61,66 +63,136 @@ pub struct IngestSettings {
     pub connection_state_on_telemetry: bool,
 }
 
-/// What a telemetry body contributes: top-level keys (borrowed from the body) with their
-/// values as JSON text, its own timestamp and connection state if it carries them.
+/// What a telemetry body contributes: top-level keys (borrowed from the body unless they hold
+/// escapes) with their values as the exact JSON text the device sent, its own timestamp and
+/// connection state if it carries them.
 pub struct ParsedTelemetry<'a> {
-    pub values: SmallVec<[(&'a str, Arc<str>); 8]>,
+    pub values: SmallVec<[(Cow<'a, str>, Arc<str>); 8]>,
     pub timestamp: Option<Millis>,
     pub connection_state: Option<bool>,
 }
 
-thread_local! {
-    /// simd-json's scratch buffers, reused by every parse on this core.
-    static PARSE_BUFFERS: RefCell<simd_json::Buffers> = RefCell::new(simd_json::Buffers::default());
-}
-
-/// Parses a telemetry body in place with simd-json (tape, no intermediate map); `None`
-/// unless it is a JSON object.
+/// Parses a telemetry body; `None` unless it is a JSON object.
 ///
 /// The timestamp key is metadata and is not kept as telemetry; the device-id key is dropped
 /// too when it is a string (plain Event Hub input). The custom connection-state key stays in
 /// the telemetry (ux4iot 3.6.1).
-pub fn parse_telemetry<'a>(body: &'a mut [u8], settings: &IngestSettings) -> Option<ParsedTelemetry<'a>> {
+pub fn parse_telemetry<'a>(body: &'a [u8], settings: &IngestSettings) -> Option<ParsedTelemetry<'a>> {
     parse_telemetry_checked(body, settings).ok()
 }
 
 /// [`parse_telemetry`], saying why a body is not telemetry ([`faults::Fault::NotJson`] or
 /// [`faults::Fault::NotObject`]).
+///
+/// One pass over the body splits the top-level object into keys and raw value spans; values
+/// are kept as the text the device sent, never converted. A number no machine type holds
+/// (`18446744073709551616`, `1e309`, 30 digits) is therefore kept exactly, like any other.
 pub fn parse_telemetry_checked<'a>(
-    body: &'a mut [u8],
+    body: &'a [u8],
     settings: &IngestSettings,
 ) -> Result<ParsedTelemetry<'a>, faults::Fault> {
-    let tape = PARSE_BUFFERS
-        .with(|b| simd_json::to_tape_with_buffers(body, &mut b.borrow_mut()))
-        .map_err(|_| faults::Fault::NotJson)?;
-    let obj = tape.as_value().as_object().ok_or(faults::Fault::NotObject)?;
+    let members = top_level_members(body)?;
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
-    let mut scratch = Vec::with_capacity(64);
-    for (key, v) in &obj {
-        if key == settings.custom_timestamp_key {
-            parsed.timestamp = match v.as_str() {
-                Some(s) => parse_iso(s),
-                None => v.as_i64(),
+    for (key, raw) in members {
+        let text = raw.get();
+        if *key == *settings.custom_timestamp_key {
+            parsed.timestamp = timestamp_of(text);
+            continue;
+        }
+        if *key == *settings.custom_device_id_key && text.starts_with('"') {
+            continue;
+        }
+        if !settings.custom_connection_state_key.is_empty() && *key == *settings.custom_connection_state_key {
+            parsed.connection_state = match text {
+                "true" => Some(true),
+                "false" => Some(false),
+                _ => None,
             };
-            continue;
         }
-        if key == settings.custom_device_id_key && v.is_str() {
-            continue;
-        }
-        if !settings.custom_connection_state_key.is_empty() && key == settings.custom_connection_state_key {
-            parsed.connection_state = v.as_bool();
-        }
-        scratch.clear();
-        v.write(&mut scratch).map_err(|_| faults::Fault::NotJson)?;
-        parsed.values.push((key, Arc::from(std::str::from_utf8(&scratch).map_err(|_| faults::Fault::NotJson)?)));
+        parsed.values.push((key, Arc::from(text)));
     }
     Ok(parsed)
+}
+
+/// Keys and raw value spans of one JSON object, in order (repeated keys included).
+pub type Members<'a> = SmallVec<[(Cow<'a, str>, &'a RawValue); 8]>;
+
+/// The members of a JSON object body: one serde_json pass that validates everything and
+/// converts no value.
+pub fn top_level_members(body: &[u8]) -> Result<Members<'_>, faults::Fault> {
+    match serde_json::from_slice::<Object>(body) {
+        Ok(object) => Ok(object.0),
+        // The type is refused before the rest is read: tell "not JSON" from "not an object".
+        Err(_) if !body.trim_ascii_start().starts_with(b"{") && is_json(body) => Err(faults::Fault::NotObject),
+        Err(_) => Err(faults::Fault::NotJson),
+    }
+}
+
+/// Whether `body` is JSON text: UTF-8 (RFC 8259 §8.1) holding one JSON value.
+pub fn is_json(body: &[u8]) -> bool {
+    std::str::from_utf8(body).is_ok_and(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok())
+}
+
+struct Object<'a>(Members<'a>);
+
+impl<'de> serde::Deserialize<'de> for Object<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ObjectVisitor;
+        impl<'de> serde::de::Visitor<'de> for ObjectVisitor {
+            type Value = Object<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Object<'de>, A::Error> {
+                let mut members = Members::new();
+                while let Some(Key(key)) = map.next_key()? {
+                    members.push((key, map.next_value()?));
+                }
+                Ok(Object(members))
+            }
+        }
+        deserializer.deserialize_map(ObjectVisitor)
+    }
+}
+
+/// An object key, borrowed from the body unless it had to be unescaped.
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> serde::de::Visitor<'de> for KeyVisitor {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v)))
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
+    }
+}
+
+/// The body's own timestamp: an ISO 8601 string or integer epoch milliseconds.
+fn timestamp_of(text: &str) -> Option<Millis> {
+    if text.starts_with('"') {
+        serde_json::from_str::<Cow<str>>(text).ok().and_then(|s| parse_iso(&s))
+    } else {
+        text.parse::<i64>().ok()
+    }
 }
 
 /// The body as JSON text for `d2cMessages` subscribers: JSON bodies (of any type) as they
 /// are; anything else as `{"base64": "<the bytes>"}`.
 pub fn message_json(body: &[u8]) -> String {
-    if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
+    if is_json(body) {
         if let Ok(text) = std::str::from_utf8(body) {
             return text.trim().to_string();
         }
@@ -129,12 +201,16 @@ pub fn message_json(body: &[u8]) -> String {
     format!("{{\"base64\":\"{}\"}}", base64::engine::general_purpose::STANDARD.encode(body))
 }
 
-/// The device id a body names under `customDeviceIdKey`, for sources without annotations.
+/// The device id a body names under `customDeviceIdKey`, for sources without annotations
+/// (the last such member, as for telemetry keys).
 pub fn device_id_in_body(body: &[u8], key: &str) -> Option<String> {
-    let mut copy = body.to_vec();
-    let value = simd_json::to_borrowed_value(&mut copy).ok()?;
-    value.get(key)?.as_str().map(str::to_owned)
+    let members = top_level_members(body).ok()?;
+    let (_, raw) = members.iter().rev().find(|(k, _)| k == key)?;
+    serde_json::from_str::<String>(raw.get()).ok()
 }
+
+#[cfg(test)]
+mod property_tests;
 
 #[cfg(test)]
 mod tests {
@@ -160,6 +236,19 @@ mod tests {
         assert_eq!(serde_json::from_str::<serde_json::Value>(geo).unwrap(), serde_json::json!({"lat":1,"lng":2}));
         assert_eq!(p.timestamp, parse_iso("2024-01-02T03:04:05.000Z"));
         assert_eq!(p.connection_state, Some(false));
+    }
+
+    #[test]
+    fn numbers_beyond_machine_types_and_escaped_keys_are_kept_as_sent() {
+        let mut body = br#"{"big":18446744073709551616, "inf":1e309,"long":123456789012345678901234567890,"f":1.50,"k\"q":1,"_ts":1700000000000}"#.to_vec();
+        let p = parse_telemetry(&mut body, &settings()).unwrap();
+        let values: Vec<(&str, &str)> = p.values.iter().map(|(k, v)| (&**k, &**v)).collect();
+        assert_eq!(
+            values,
+            [("big", "18446744073709551616"), ("inf", "1e309"), ("long", "123456789012345678901234567890"), ("f", "1.50"), ("k\"q", "1")]
+        );
+        assert_eq!(p.timestamp, Some(1_700_000_000_000));
+        assert_eq!(device_id_in_body(br#"{"deviceId":"a\u00e9","x":1e999}"#, "deviceId").as_deref(), Some("aé"));
     }
 
     #[test]

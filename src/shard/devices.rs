@@ -336,7 +336,7 @@ impl DeviceTable {
     /// Applies one device message to the owning shard; returns what subscribers should get
     /// (`None` when the device has no subscriber or nothing changed).
     pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
-        let IngestMessage { device_id, source, properties, mut body, enqueued_at } = msg;
+        let IngestMessage { device_id, source, properties, body, enqueued_at } = msg;
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
         let header_time = property("iothub-creation-time-utc")
@@ -349,7 +349,7 @@ impl DeviceTable {
                 // The whole body goes to d2cMessages subscribers, whatever it holds.
                 let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
                 let message = wants_message.then(|| crate::ingest::message_json(&body));
-                let parsed = match crate::ingest::parse_telemetry_checked(&mut body, &self.settings) {
+                let parsed = match crate::ingest::parse_telemetry_checked(&body, &self.settings) {
                     Ok(parsed) => parsed,
                     Err(fault) => {
                         FAULTS.record(fault, Some(&device_id), "telemetry body");
@@ -368,10 +368,10 @@ impl DeviceTable {
                 }
                 for (key, json) in parsed.values {
                     if subscribed {
-                        publication.telemetry.push((Box::from(key), json.clone()));
+                        publication.telemetry.push((Box::from(&*key), json.clone()));
                     }
                     // Keys repeat message after message: allocate one only the first time.
-                    match device.telemetry.get_mut(key) {
+                    match device.telemetry.get_mut(&*key) {
                         Some(last) => *last = LastValue { json, at },
                         None => {
                             device.telemetry.insert(Box::from(key), LastValue { json, at });

@@ -42,12 +42,17 @@ impl Server {
 impl Live {
     /// The next text frame as JSON, or `None` when nothing arrives within `timeout` (or closed).
     pub fn next_json(&mut self, timeout: Duration) -> Option<Value> {
+        self.next_text(timeout).map(|t| serde_json::from_str(&t).expect("frames are JSON"))
+    }
+
+    /// The next text frame as sent, or `None` when nothing arrives within `timeout` (or closed).
+    pub fn next_text(&mut self, timeout: Duration) -> Option<String> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.checked_duration_since(Instant::now())?;
             self.ws.get_ref().set_read_timeout(Some(left.max(Duration::from_millis(1)))).ok();
             match self.ws.read() {
-                Ok(Message::Text(t)) => return Some(serde_json::from_str(&t).expect("frames are JSON")),
+                Ok(Message::Text(t)) => return Some(t.to_string()),
                 Ok(Message::Close(frame)) => {
                     self.closed = Some(frame.map_or((1005, String::new()), |f| (u16::from(f.code), f.reason.to_string())));
                     return None;
