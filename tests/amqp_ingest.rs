@@ -249,6 +249,32 @@ fn amqps_refuses_a_certificate_no_trusted_root_issued() {
     assert_eq!(hub.stats().put_tokens, 0);
 }
 
+/// A connection closed (FIN) right after attach, while the lag measurement's `$management` call
+/// waits for its answer, shows on `/status` and in the metrics within a second or two: the
+/// measurement no longer holds the loop that watches the partitions (it did for the call's 15 s).
+#[test]
+fn a_connection_lost_during_a_lag_measurement_shows_at_once() {
+    let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
+    hub.drop_at_lag_read();
+    let cs = hub.connection_string();
+    let server = Server::start(&["--iot-hub-event-hub-connection-string", &cs, "--event-hub-start-position", "earliest"]);
+    let deadline = std::time::Instant::now() + WAIT;
+    let dropped = loop {
+        if let Some(&at) = hub.stats().lag_read_drops.first() {
+            break at;
+        }
+        assert!(std::time::Instant::now() < deadline, "no lag measurement after attach\n{}", server.log_tail(40));
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(hub.stats().partition_links.len() >= 2, "both partitions were attached first");
+    // 3 s leave room for a loaded machine; the measurement call alone would take 15 s.
+    server.wait_for("/status", Duration::from_secs(3), |s, _| s == 503);
+    let (_, metrics) = server.get("/metrics");
+    assert!(metrics.contains("hubcast_amqp_connected 0\n"), "{metrics}");
+    assert!(metrics.contains("hubcast_amqp_connects_total 1\n"), "it had connected: {metrics}");
+    assert!(dropped.elapsed() < Duration::from_secs(5), "noticed {:?} after the drop", dropped.elapsed());
+}
+
 #[test]
 fn partition_lag_is_measured_and_reaches_zero_once_caught_up() {
     let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);

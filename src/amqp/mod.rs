@@ -20,6 +20,7 @@ pub mod connect;
 pub mod map;
 pub mod partition;
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -330,6 +331,36 @@ impl Supervisor {
         left.saturating_sub(margin)
     }
 
+    /// Measures every partition's lag (last enqueued sequence number minus the last one
+    /// received) every [`LAG_INTERVAL`], for ever; the caller drops it with the connection.
+    async fn measure_lag(
+        &self,
+        link: &mut NodeLink,
+        entity: &str,
+        partitions: &[&str],
+        token: &RefCell<Option<String>>,
+    ) -> std::convert::Infallible {
+        let mut tick = tokio::time::interval(LAG_INTERVAL);
+        loop {
+            tick.tick().await;
+            let mut lags = Vec::with_capacity(partitions.len());
+            for &id in partitions {
+                let token = token.borrow().clone();
+                match connect::last_sequence_number(link, entity, id, token.as_deref()).await {
+                    Ok(last) => {
+                        let received = self.positions.lock().unwrap_or_else(|e| e.into_inner())
+                            .get(id).and_then(|p| p.sequence).unwrap_or(-1);
+                        lags.push((id.to_string(), last - received));
+                    }
+                    Err(e) => {
+                        tracing::debug!(partition = %id, error = %e, "cannot measure partition lag");
+                    }
+                }
+            }
+            *PARTITION_LAG.lock().unwrap_or_else(|e| e.into_inner()) = lags;
+        }
+    }
+
     async fn consume(&self, connection: &mut ConnectionHandle<()>, endpoint: &Endpoint, auth: Auth) -> Stop {
         // Control session ($cbs, $management) apart from the receivers: a broker that
         // refuses $management by ending the session leaves the receivers untouched.
@@ -441,26 +472,21 @@ impl Supervisor {
         );
 
         // Wait for the first partition to end; meanwhile keep the CBS token fresh and measure lag.
-        let mut lag_tick = tokio::time::interval(LAG_INTERVAL);
+        // The lag measurement is a branch of its own, polled alongside the others: a
+        // `$management` call waiting for an answer (up to its 15 s timeout on a dead
+        // connection) never keeps the loop from seeing a partition end.
+        let token = RefCell::new(token);
+        let partitions: Vec<&str> = addresses.iter().map(|(id, _, _)| id.as_str()).collect();
+        let lag = async {
+            match lag_link.as_mut() {
+                Some(link) => self.measure_lag(link, &endpoint.entity, &partitions, &token).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(lag);
         let stop = loop {
             tokio::select! {
-                _ = lag_tick.tick(), if lag_link.is_some() => {
-                    let link = lag_link.as_mut().expect("guarded by the select condition");
-                    let mut lags = Vec::with_capacity(addresses.len());
-                    for (id, _, _) in &addresses {
-                        match connect::last_sequence_number(link, &endpoint.entity, id, token.as_deref()).await {
-                            Ok(last) => {
-                                let received = self.positions.lock().unwrap_or_else(|e| e.into_inner())
-                                    .get(id).and_then(|p| p.sequence).unwrap_or(-1);
-                                lags.push((id.clone(), last - received));
-                            }
-                            Err(e) => {
-                                tracing::debug!(partition = %id, error = %e, "cannot measure partition lag");
-                            }
-                        }
-                    }
-                    *PARTITION_LAG.lock().unwrap_or_else(|e| e.into_inner()) = lags;
-                }
+                never = &mut lag => match never {},
                 ended = tasks.join_next() => {
                     break match ended {
                         Some(Ok(End::CoresGone)) => Stop::Shutdown,
@@ -472,12 +498,13 @@ impl Supervisor {
                 _ = tokio::time::sleep_until(renew_at), if cbs.is_some() => {
                     let link = cbs.as_mut().expect("guarded by the select condition");
                     let renewed = match self.token(endpoint) {
-                        Ok((t, expiry)) => connect::put_token(link, &endpoint.audience(), &t, expiry).await.map(|()| expiry).map_err(|e| e.to_string()),
+                        Ok((t, expiry)) => connect::put_token(link, &endpoint.audience(), &t, expiry).await.map(|()| (t, expiry)).map_err(|e| e.to_string()),
                         Err(e) => Err(e),
                     };
                     match renewed {
-                        Ok(expiry) => {
+                        Ok((t, expiry)) => {
                             tracing::debug!(expiry, "CBS token renewed");
+                            *token.borrow_mut() = Some(t);
                             renew_at = Instant::now() + self.renewal_delay(expiry);
                         }
                         Err(e) => break Stop::Retry { reason: format!("CBS token renewal: {e}"), worked: true },
@@ -485,6 +512,10 @@ impl Supervisor {
                 }
             }
         };
+        // Show the loss at once; closing and draining below may take a few seconds.
+        if let Stop::Retry { reason, .. } = &stop {
+            self.status().set_connecting(reason.clone());
+        }
         STATS.connected.store(0, Ordering::Relaxed);
         // Let the other partitions finish the batch they are handing over; once the
         // connection closes their receivers fail and they return.

@@ -12,8 +12,8 @@
 //!   `x-opt-enqueued-time`) and link credit;
 //! - messages carrying IoT Hub's annotations (or, for plain Event Hub input, properties);
 //! - an IoT Hub mode that answers `messages/events` with `amqp:link:redirect` to another fake;
-//! - switches to drop every connection (now, or after N more deliveries) and to refuse
-//!   connections for a while.
+//! - switches to drop every connection (now, or after N more deliveries, or at the first
+//!   `$management` read after a partition link attached) and to refuse connections for a while.
 
 #![allow(dead_code)]
 
@@ -275,6 +275,8 @@ pub struct Stats {
     pub expired: usize,
     /// Events sent on partition links (each needs a unit of link credit).
     pub deliveries: usize,
+    /// Connections dropped (FIN) by [`FakeHub::drop_at_lag_read`], with when.
+    pub lag_read_drops: Vec<Instant>,
 }
 
 struct State {
@@ -290,6 +292,9 @@ struct State {
     conns: HashMap<u64, std::sync::Weak<Conn>>,
     /// Misbehave like a broker that ignores the resume position: start every link at 0.
     replay: bool,
+    /// Drop the connection, and refuse new ones, at the first partition READ on `$management`
+    /// after a partition link attached (a lag measurement), leaving it unanswered.
+    drop_at_lag_read: bool,
 }
 
 struct Inner {
@@ -343,6 +348,7 @@ impl FakeHub {
                 drop_after: None,
                 conns: HashMap::new(),
                 replay: false,
+                drop_at_lag_read: false,
             }),
             changed: tokio::sync::Notify::new(),
             next_conn: AtomicU64::new(1),
@@ -445,6 +451,13 @@ impl FakeHub {
         }
     }
 
+    /// Once set, the first `$management` partition READ on a connection with a partition link
+    /// attached (hubcast's lag measurement, right after attach) is left unanswered, the
+    /// connection is closed (FIN), and new connections are refused.
+    pub fn drop_at_lag_read(&self) {
+        self.inner.state.lock().unwrap().drop_at_lag_read = true;
+    }
+
     /// While set, every partition link starts at the first event, whatever its filter says.
     pub fn replay_everything(&self, replay: bool) {
         self.inner.state.lock().unwrap().replay = replay;
@@ -513,6 +526,8 @@ struct Conn {
     authorized_until_ms: AtomicI64,
     /// Reply links by the client node address they deliver to.
     replies: Mutex<HashMap<String, tokio::sync::mpsc::Sender<Message<AmqpValue<Value>>>>>,
+    /// A partition link was attached on this connection.
+    partition_attached: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Clone)]
@@ -610,6 +625,7 @@ async fn serve_connection(inner: Arc<Inner>, tcp: tokio::net::TcpStream) {
         identity: Mutex::new(None),
         authorized_until_ms: AtomicI64::new(0),
         replies: Mutex::new(HashMap::new()),
+        partition_attached: std::sync::atomic::AtomicBool::new(false),
     });
     inner.state.lock().unwrap().conns.insert(id, Arc::downgrade(&conn));
     let sasl = FakeSasl { auth: inner.auth, iot_hub: inner.redirect_to.is_some(), conn: conn.clone() };
@@ -704,6 +720,7 @@ async fn serve_outgoing(inner: Arc<Inner>, conn: Arc<Conn>, mut sender: Sender) 
     let mut next = {
         let mut state = inner.state.lock().unwrap();
         state.stats.partition_links.push((address.clone(), filter.clone()));
+        conn.partition_attached.store(true, Ordering::Relaxed);
         if state.replay {
             0
         } else {
@@ -829,6 +846,9 @@ async fn serve_incoming(inner: Arc<Inner>, conn: Arc<Conn>, mut receiver: Receiv
             put_token(&inner, &conn, &text("name"), &request.body)
         } else if !authorized(&conn) {
             (401, Value::Null)
+        } else if drops_at_lag_read(&inner, &conn, &text("type")) {
+            kill_all(&inner);
+            return;
         } else {
             read(&inner, &text("type"), &text("partition"))
         };
@@ -848,6 +868,22 @@ async fn serve_incoming(inner: Arc<Inner>, conn: Arc<Conn>, mut receiver: Receiv
             None => return,
         }
     }
+}
+
+/// Whether this `$management` READ is the lag measurement [`FakeHub::drop_at_lag_read`] waits
+/// for; if so the switch is used up, new connections are refused and the drop is recorded.
+fn drops_at_lag_read(inner: &Inner, conn: &Conn, kind: &str) -> bool {
+    if kind != "com.microsoft:partition" || !conn.partition_attached.load(Ordering::Relaxed) {
+        return false;
+    }
+    let mut state = inner.state.lock().unwrap();
+    if !state.drop_at_lag_read {
+        return false;
+    }
+    state.drop_at_lag_read = false;
+    state.refusing = true;
+    state.stats.lag_read_drops.push(Instant::now());
+    true
 }
 
 fn put_token(inner: &Inner, conn: &Conn, audience: &str, body: &Body<Value>) -> (i32, Value) {
