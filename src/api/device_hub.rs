@@ -15,7 +15,7 @@ use crate::http::{Request, Response};
 use crate::model::{as_object, device_id, optional_key, Checked, Grant, GrantKind, Rejection};
 use crate::hub::{method_budget, HubCall, HubClient};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply, TwinCacheTtl};
+use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
 
 /// IoT Hub's limit on a direct method payload (request and response): 128 KB.
 pub const MAX_METHOD_PAYLOAD_BYTES: usize = 128 * 1024;
@@ -140,8 +140,8 @@ pub async fn desired_properties(core: &Rc<Core>, req: &Request) -> Checked<Respo
     let patch = obj.get("desiredPropertyPatch").cloned().unwrap_or(Value::Null);
     let hub = hub(core)?;
     let answer = hub.call(HubCall::PatchDesired { device: device.clone(), patch }, hub.timeout()).await?;
-    // The hub answers with the whole updated twin: keep it when twins are cached.
-    if core.settings.twin_cache_ttl() != TwinCacheTtl::Off && answer.body.is_object() {
+    // The hub answers with the whole updated twin: keep it (cached, or as the base of pushes).
+    if answer.body.is_object() {
         let target = core.device_core(&device);
         let op = DeviceOp::StoreHubTwin { device: device.into_boxed_str(), doc: answer.body.clone() };
         core.device_ops(target, vec![op]).await;

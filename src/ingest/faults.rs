@@ -26,10 +26,13 @@ pub enum Fault {
     UnsupportedSource,
     /// A message at or before a partition's last position, sent again by the broker: skipped.
     Redelivered,
+    /// A twin change with no whole twin to merge into (IoT Hub configured), whose hub read
+    /// failed: not pushed, since a change alone is not a twin.
+    TwinUnavailable,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; Fault::COUNT] = [
         Fault::NoDeviceId,
         Fault::DeviceIdTooLong,
         Fault::Oversized,
@@ -37,7 +40,9 @@ impl Fault {
         Fault::NotObject,
         Fault::UnsupportedSource,
         Fault::Redelivered,
+        Fault::TwinUnavailable,
     ];
+    pub const COUNT: usize = 8;
 
     /// Stable name, for logs and metrics.
     pub fn name(self) -> &'static str {
@@ -49,6 +54,7 @@ impl Fault {
             Fault::NotObject => "not_object",
             Fault::UnsupportedSource => "unsupported_source",
             Fault::Redelivered => "redelivered",
+            Fault::TwinUnavailable => "twin_unavailable",
         }
     }
 
@@ -71,14 +77,18 @@ impl Fault {
             }
             Fault::UnsupportedSource => "a device message has an iothub-message-source hubcast does not use; it is skipped",
             Fault::Redelivered => "the event stream sent a message again that was already delivered; it is skipped",
+            Fault::TwinUnavailable => {
+                "a twin change could not be pushed: no whole twin was known and reading it from the IoT Hub failed; \
+                 a change alone is never pushed as the twin, the next change is tried again"
+            }
         }
     }
 }
 
 /// One counter and one "already logged" flag per [`Fault`].
 pub struct Faults {
-    counts: [AtomicU64; 7],
-    logged: [AtomicBool; 7],
+    counts: [AtomicU64; Fault::COUNT],
+    logged: [AtomicBool; Fault::COUNT],
 }
 
 /// The process-wide fault counters.
@@ -87,8 +97,8 @@ pub static FAULTS: Faults = Faults::new();
 impl Faults {
     const fn new() -> Self {
         Self {
-            counts: [const { AtomicU64::new(0) }; 7],
-            logged: [const { AtomicBool::new(false) }; 7],
+            counts: [const { AtomicU64::new(0) }; Fault::COUNT],
+            logged: [const { AtomicBool::new(false) }; Fault::COUNT],
         }
     }
 
@@ -114,7 +124,7 @@ impl Faults {
     }
 
     /// Every counter, by name.
-    pub fn snapshot(&self) -> [(&'static str, u64); 7] {
+    pub fn snapshot(&self) -> [(&'static str, u64); Fault::COUNT] {
         Fault::ALL.map(|f| (f.name(), self.count(f)))
     }
 

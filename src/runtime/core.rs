@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use futures_channel::oneshot;
 
 use crate::config::Settings;
+use crate::hub::HubCall;
 use crate::ids::SessionId;
 use crate::ingest::{IngestMessage, IngestSettings};
 use crate::push::outlet::{CloseReason, Outlet};
@@ -51,11 +52,15 @@ impl Core {
         };
         let per_core_sessions = (c.max_sessions as usize).div_ceil(settings.cores);
         let sessions = SessionTable::new(Duration::from_secs(c.session_grace_period), per_core_sessions);
+        let mut devices = DeviceTable::new(ingest, timing);
+        if shared.hub.is_some() {
+            devices = devices.with_hub_twins(settings.twin_cache_ttl());
+        }
         Rc::new(Self {
             index,
             shared,
             mesh,
-            devices: RefCell::new(DeviceTable::new(ingest, timing)),
+            devices: RefCell::new(devices),
             sessions: RefCell::new(sessions),
             connections: Cell::new(0),
             polling: RefCell::default(),
@@ -208,6 +213,31 @@ impl Core {
             }
         }
         self.dispatch(deliveries);
+        self.read_whole_twins();
+    }
+
+    /// Reads from the IoT Hub the whole twin of each device whose twin changes wait for one
+    /// (`DeviceTable::take_twin_fetches`), then merges and pushes them on this, the device's,
+    /// core. One read per device at a time; the hub client's bounded queue bounds the rest.
+    fn read_whole_twins(self: &Rc<Self>) {
+        let devices = self.devices.borrow_mut().take_twin_fetches();
+        for device in devices {
+            let me = self.clone();
+            monoio::spawn(async move {
+                loop {
+                    let read = match me.shared.hub.as_ref() {
+                        Some(hub) => hub.call(HubCall::GetTwin { device: device.to_string() }, hub.timeout()).await,
+                        None => Err(crate::model::Rejection::new(503, "IoT Hub service client not running")),
+                    };
+                    let mut deliveries = Vec::new();
+                    let again = me.devices.borrow_mut().hub_twin_fetched(&device, read.map(|a| a.body), Instant::now(), &mut deliveries);
+                    me.dispatch(deliveries);
+                    if !again {
+                        break;
+                    }
+                }
+            });
+        }
     }
 
     /// Sends deliveries to their sessions' cores, one batch per core.

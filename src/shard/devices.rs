@@ -54,6 +54,26 @@ pub struct Twin {
     pub at: Millis,
 }
 
+/// Twin changes that arrived while no whole twin was known (IoT Hub configured), waiting for
+/// the hub read of the whole twin they are merged into.
+///
+/// Bounded: at most [`PENDING_TWIN_CHANGES`] changes and [`PENDING_TWIN_BYTES`] of them per
+/// device. Beyond, the changes held are dropped and the twin is read again once the read in
+/// flight is back (a hub read made after a change includes it), so nothing is lost but time.
+#[derive(Default)]
+pub struct PendingTwin {
+    /// (`updateTwin` change, time), in arrival order (a `replaceTwin` is whole: never held).
+    changes: Vec<(Value, Millis)>,
+    bytes: usize,
+    /// Changes were dropped: the read in flight may predate them.
+    overflowed: bool,
+}
+
+/// Most twin changes held per device while its whole twin is read from the hub.
+pub const PENDING_TWIN_CHANGES: usize = 64;
+/// Most bytes of twin changes (JSON text) held per device while its whole twin is read.
+pub const PENDING_TWIN_BYTES: usize = 256 * 1024;
+
 pub struct ConnectionState {
     pub connected: bool,
     pub at: Millis,
@@ -73,6 +93,8 @@ pub struct Device {
     offline_check_armed: bool,
     /// When `twin` was last set from an IoT Hub read; twin change events merge into it since.
     pub hub_twin_read: Option<Instant>,
+    /// IoT Hub configured: twin changes waiting for the whole twin, being read from the hub.
+    pub twin_pending: Option<Box<PendingTwin>>,
 }
 
 fn subscribed_any(device: &Device) -> bool {
@@ -88,6 +110,11 @@ impl Device {
     fn has_data(&self) -> bool {
         !self.telemetry.is_empty() || self.twin.is_some() || self.connection.is_some()
     }
+
+    /// Whether any session holds a twin grant or subscription here (someone may be pushed it).
+    fn twin_watched(&self) -> bool {
+        self.access.values().any(|a| a.grants.device_twin || a.subs.device_twin)
+    }
 }
 
 pub struct DeviceTable {
@@ -98,6 +125,12 @@ pub struct DeviceTable {
     throttle_due: BinaryHeap<Reverse<(Instant, Box<str>, SessionId)>>,
     /// Off-line checks: (due, device), re-armed lazily from `last_seen`.
     offline_due: BinaryHeap<Reverse<(Instant, Box<str>)>>,
+    /// `Some(deviceTwinCacheTTL)` with an IoT Hub service connection. Then a twin kept here is
+    /// always whole (a hub read, a `replaceTwin`, a desired-property answer, with later changes
+    /// merged), and a change that finds none waits for a hub read ([`PendingTwin`]).
+    hub_twins: Option<TwinCacheTtl>,
+    /// Devices whose whole twin the core must read from the hub ([`Self::take_twin_fetches`]).
+    twin_fetches: Vec<Box<str>>,
 }
 
 /// Appends `s` as a JSON string literal.
@@ -129,7 +162,22 @@ impl DeviceTable {
             timing,
             throttle_due: BinaryHeap::new(),
             offline_due: BinaryHeap::new(),
+            hub_twins: None,
+            twin_fetches: Vec::new(),
         }
+    }
+
+    /// With an IoT Hub service connection: twins are pushed whole (see [`PendingTwin`]), and
+    /// `ttl` says how long a hub read may be served from here.
+    pub fn with_hub_twins(mut self, ttl: TwinCacheTtl) -> Self {
+        self.hub_twins = Some(ttl);
+        self
+    }
+
+    /// The devices whose whole twin must now be read from the hub; answer each with
+    /// [`Self::hub_twin_fetched`].
+    pub fn take_twin_fetches(&mut self) -> Vec<Box<str>> {
+        std::mem::take(&mut self.twin_fetches)
     }
 
     pub fn len(&self) -> usize {
@@ -178,6 +226,11 @@ impl DeviceTable {
     fn prune(&mut self, device: &str) {
         if let Some(d) = self.devices.get_mut(device) {
             d.access.retain(|_, a| !a.is_empty());
+            // Without a twin cache, a hub twin is kept only as the base of pushes.
+            if self.hub_twins == Some(TwinCacheTtl::Off) && !d.twin_watched() {
+                d.twin = None;
+                d.hub_twin_read = None;
+            }
             if !d.has_data() && d.access.is_empty() {
                 self.devices.remove(device);
             }
@@ -409,17 +462,35 @@ impl DeviceTable {
                     }
                 };
                 let at = header_time.unwrap_or_else(now_millis);
+                let replace = property("opType") == Some("replaceTwin");
+                let hub = self.hub_twins.is_some();
                 let device = self.devices.entry_ref(&*device_id).or_default();
                 // Twin versions only grow: an event not newer than the cached twin arrived late.
-                let version = |d: &Value| d.get("version").and_then(Value::as_i64);
-                if let (Some(new), Some(cached)) = (version(&doc), device.twin.as_ref().and_then(|t| version(&t.doc))) {
+                if let (Some(new), Some(cached)) = (twin_version(&doc), device.twin.as_ref().and_then(|t| twin_version(&t.doc))) {
                     if new <= cached {
                         tracing::debug!(device = &*device_id, new, cached, "stale twin change dropped");
                         return None;
                     }
                 }
-                match (property("opType"), device.twin.as_mut()) {
-                    (Some("replaceTwin"), _) | (_, None) => device.twin = Some(Twin { doc, at }),
+                // With a hub, a change alone is never taken for the twin: it waits for the
+                // whole twin to be read (behind the changes already waiting, to keep order).
+                if hub && !replace && (device.twin.is_none() || device.twin_pending.is_some()) {
+                    if device.twin_pending.is_none() && !device.wants(|a| a.subs.device_twin) {
+                        return None; // nobody to push to; a later read asks the hub anyway
+                    }
+                    let pending = device.twin_pending.get_or_insert_with(|| {
+                        self.twin_fetches.push(device_id.clone());
+                        Box::default()
+                    });
+                    pending.hold(doc, at);
+                    return None;
+                }
+                if replace {
+                    // A whole twin: the changes waiting for one are older and included.
+                    device.twin_pending = None;
+                }
+                match (replace, device.twin.as_mut()) {
+                    (true, _) | (_, None) => device.twin = Some(Twin { doc, at }),
                     (_, Some(twin)) => {
                         merge_patch(&mut twin.doc, doc);
                         twin.at = at;
@@ -469,6 +540,7 @@ impl DeviceTable {
                         d.telemetry = HashMap::new();
                         d.twin = None;
                         d.hub_twin_read = None;
+                        d.twin_pending = None;
                         d.connection = None;
                     }
                     self.prune(&device_id);
@@ -651,23 +723,113 @@ impl DeviceTable {
     }
 
     /// Caches a twin from the hub and returns the record to serve. When the cached twin (a
-    /// previous hub read plus change events) has a higher `version`, the events were newer
-    /// than this read: the cached document is kept, its read time renewed.
+    /// previous hub read or `replaceTwin`, plus change events) has a higher `version`, the
+    /// events were newer than this read: the cached document is kept, its read time renewed.
+    /// Without a twin cache (`-1`) the twin is kept only while a session may be pushed it, as
+    /// the base later changes merge into, and the record served is the hub's own answer.
     fn store_hub_twin(&mut self, device: &str, doc: Value) -> String {
         let now = now_millis();
         let d = self.devices.entry_ref(device).or_default();
-        let version = |v: &Value| v.get("version").and_then(Value::as_u64);
-        let keep_cached = match (d.hub_twin_read, d.twin.as_ref()) {
-            (Some(_), Some(cached)) => version(&cached.doc).zip(version(&doc)).is_some_and(|(c, n)| c > n),
-            _ => false,
-        };
-        if !keep_cached {
-            d.twin = Some(Twin { doc, at: now });
+        if self.hub_twins == Some(TwinCacheTtl::Off) {
+            let served = record(device, &doc.to_string(), &iso(now));
+            if d.twin_watched() {
+                Self::keep_whole_twin(d, doc, now);
+            }
+            self.prune(device);
+            return served;
         }
-        d.hub_twin_read = Some(Instant::now());
-        let twin = d.twin.as_ref().expect("set above");
+        Self::keep_whole_twin(d, doc, now);
+        let twin = d.twin.as_ref().expect("kept above");
         record(device, &twin.doc.to_string(), &iso(twin.at))
     }
+
+    /// Takes a whole twin read from the hub, unless the one kept is newer.
+    fn keep_whole_twin(d: &mut Device, doc: Value, at: Millis) {
+        let newer_kept = match d.twin.as_ref() {
+            Some(cached) => twin_version(&cached.doc).zip(twin_version(&doc)).is_some_and(|(c, n)| c > n),
+            None => false,
+        };
+        if !newer_kept {
+            d.twin = Some(Twin { doc, at });
+        }
+        d.hub_twin_read = Some(Instant::now());
+    }
+
+    /// The hub's answer to a whole-twin read asked by [`Self::take_twin_fetches`]: the changes
+    /// that waited are merged into it, in order (those the read already holds, by `version`,
+    /// are skipped), and the result is pushed whole. If the read failed, the changes are dropped
+    /// (counted as `twin_unavailable`, logged) and nothing is pushed: a change alone is not
+    /// the twin; the next change asks the hub again. Returns true when the twin must be read
+    /// again (changes were dropped while this read was on its way).
+    pub fn hub_twin_fetched(
+        &mut self,
+        device_id: &str,
+        read: Result<Value, Rejection>,
+        now: Instant,
+        out: &mut Vec<Delivery>,
+    ) -> bool {
+        let Some(device) = self.devices.get_mut(device_id) else { return false };
+        let Some(mut pending) = device.twin_pending.take() else {
+            return false; // a replaceTwin or a lifecycle event settled it meanwhile
+        };
+        if pending.overflowed {
+            pending.overflowed = false;
+            device.twin_pending = Some(pending);
+            return true;
+        }
+        let Some(&(_, at)) = pending.changes.last() else { return false };
+        let wanted = device.wants(|a| a.subs.device_twin);
+        match read {
+            Ok(doc) if doc.is_object() => Self::keep_whole_twin(device, doc, at),
+            // A read answered meanwhile (GET /deviceTwin) left a whole twin to merge into.
+            _ if device.twin.is_some() => {}
+            failed => {
+                let why = match failed {
+                    Err(r) => format!("IoT Hub twin read failed: {} {}", r.status, r.message),
+                    Ok(_) => "IoT Hub twin read answered no JSON object".to_string(),
+                };
+                for _ in &pending.changes {
+                    FAULTS.record(Fault::TwinUnavailable, Some(device_id), &why);
+                }
+                self.prune(device_id);
+                return false;
+            }
+        }
+        let twin = device.twin.as_mut().expect("a whole twin is known here");
+        for (change, _) in pending.changes {
+            // Changes the read already holds are skipped by version.
+            if !twin_version(&change).zip(twin_version(&twin.doc)).is_some_and(|(new, kept)| new <= kept) {
+                merge_patch(&mut twin.doc, change);
+            }
+        }
+        twin.at = at;
+        if wanted {
+            let whole = Some(twin.doc.to_string());
+            let device_arc: Arc<str> = Arc::from(device_id);
+            let publication = Publication { device: device_arc.clone(), at, twin: whole, ..Default::default() };
+            self.publish(&device_arc, publication, now, out);
+        }
+        false
+    }
+}
+
+impl PendingTwin {
+    /// Holds one more change, within the bounds (see the type).
+    fn hold(&mut self, change: Value, at: Millis) {
+        let size = change.to_string().len();
+        if self.changes.len() >= PENDING_TWIN_CHANGES || self.bytes + size > PENDING_TWIN_BYTES {
+            self.changes.clear();
+            self.bytes = 0;
+            self.overflowed = true;
+        }
+        self.bytes += size;
+        self.changes.push((change, at));
+    }
+}
+
+/// A twin document's `version` (the whole twin's; changes carry it too).
+fn twin_version(doc: &Value) -> Option<i64> {
+    doc.get("version").and_then(Value::as_i64)
 }
 
 /// IoT Hub sequence numbers are hex strings (usually fixed-width): compare them as numbers.
@@ -729,6 +891,53 @@ mod tests {
         let short = TwinCacheTtl::For(std::time::Duration::from_millis(1));
         std::thread::sleep(std::time::Duration::from_millis(5));
         assert_eq!(read(&mut table, short), DeviceReply::Miss);
+    }
+
+    /// More changes than a device may hold while its whole twin is read: they are dropped and
+    /// the twin read again (that read includes them); the changes after it are merged.
+    #[test]
+    fn twin_changes_held_beyond_the_bound_make_the_twin_read_again() {
+        use crate::ids::SessionId;
+        use crate::model::{DataKind, GrantKind, Subscription};
+        let settings = IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        };
+        let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None })
+            .with_hub_twins(TwinCacheTtl::Off);
+        let session = SessionId(7);
+        let grant = Grant { kind: GrantKind::Data(DataKind::DeviceTwin), key: None };
+        table.apply(DeviceOp::Grant { device: "d".into(), session, grant });
+        let sub = Subscription { kind: DataKind::DeviceTwin, key: None };
+        assert_eq!(table.apply(DeviceOp::Subscribe { device: "d".into(), session, sub }), DeviceReply::Permitted(true));
+        let now = Instant::now();
+        let change = |version: usize| IngestMessage {
+            device_id: "d".into(),
+            source: SourceKind::TwinChange,
+            properties: smallvec::smallvec![("opType".into(), "updateTwin".into())],
+            body: format!(r#"{{"version":{version},"properties":{{"reported":{{"n":{version}}}}}}}"#).into_bytes(),
+            enqueued_at: None,
+        };
+        let mut out = Vec::new();
+        for version in 10..10 + PENDING_TWIN_CHANGES + 2 {
+            table.ingest_and_publish(change(version), now, &mut out);
+        }
+        assert!(out.is_empty(), "nothing is pushed before the whole twin is known");
+        assert_eq!(table.take_twin_fetches(), vec![Box::<str>::from("d")], "one read per device");
+        let hub_twin = |version: u64| json!({"deviceId": "d", "version": version, "properties": {"desired": {"x": 1}, "reported": {}}});
+        assert!(table.hub_twin_fetched("d", Ok(hub_twin(9)), now, &mut out), "changes were dropped: read again");
+        assert!(out.is_empty());
+        // The second read holds the dropped changes (up to 73); the two kept after them merge.
+        assert!(!table.hub_twin_fetched("d", Ok(hub_twin(73)), now, &mut out));
+        assert_eq!(out.len(), 1);
+        let frame: Value = serde_json::from_str(&out[0].frame).unwrap();
+        let twin = &frame["deviceTwin"];
+        assert_eq!(twin["version"], json!(75), "{twin}");
+        assert_eq!(twin["properties"]["reported"]["n"], json!(75));
+        assert_eq!(twin["properties"]["desired"]["x"], json!(1));
+        assert_eq!(twin["deviceId"], json!("d"));
     }
 
     #[test]
