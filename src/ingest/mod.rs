@@ -227,8 +227,8 @@ mod tests {
 
     #[test]
     fn telemetry_keys_keep_their_json_and_metadata_is_split_off() {
-        let mut body = br#"{"t":21.5,"geo":{"lat":1,"lng":2},"_ts":"2024-01-02T03:04:05.000Z","deviceId":"d","online":false}"#.to_vec();
-        let p = parse_telemetry(&mut body, &settings()).unwrap();
+        let body = br#"{"t":21.5,"geo":{"lat":1,"lng":2},"_ts":"2024-01-02T03:04:05.000Z","deviceId":"d","online":false}"#.to_vec();
+        let p = parse_telemetry(&body, &settings()).unwrap();
         let keys: Vec<_> = p.values.iter().map(|(k, _)| &**k).collect();
         assert_eq!(keys.len(), 3);
         assert!(keys.contains(&"t") && keys.contains(&"geo") && keys.contains(&"online"));
@@ -240,8 +240,8 @@ mod tests {
 
     #[test]
     fn numbers_beyond_machine_types_and_escaped_keys_are_kept_as_sent() {
-        let mut body = br#"{"big":18446744073709551616, "inf":1e309,"long":123456789012345678901234567890,"f":1.50,"k\"q":1,"_ts":1700000000000}"#.to_vec();
-        let p = parse_telemetry(&mut body, &settings()).unwrap();
+        let body = br#"{"big":18446744073709551616, "inf":1e309,"long":123456789012345678901234567890,"f":1.50,"k\"q":1,"_ts":1700000000000}"#.to_vec();
+        let p = parse_telemetry(&body, &settings()).unwrap();
         let values: Vec<(&str, &str)> = p.values.iter().map(|(k, v)| (&**k, &**v)).collect();
         assert_eq!(
             values,
@@ -261,9 +261,9 @@ mod tests {
 
     #[test]
     fn non_objects_are_not_telemetry() {
-        assert!(parse_telemetry(&mut b"[1,2]".to_vec(), &settings()).is_none());
-        assert!(parse_telemetry(&mut b"not json".to_vec(), &settings()).is_none());
-        assert_eq!(parse_telemetry_checked(&mut b"[1,2]".to_vec(), &settings()).err(), Some(faults::Fault::NotObject));
-        assert_eq!(parse_telemetry_checked(&mut b"{oops".to_vec(), &settings()).err(), Some(faults::Fault::NotJson));
+        assert!(parse_telemetry(b"[1,2]", &settings()).is_none());
+        assert!(parse_telemetry(b"not json", &settings()).is_none());
+        assert_eq!(parse_telemetry_checked(b"[1,2]", &settings()).err(), Some(faults::Fault::NotObject));
+        assert_eq!(parse_telemetry_checked(b"{oops", &settings()).err(), Some(faults::Fault::NotJson));
     }
 }

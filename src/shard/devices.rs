@@ -798,7 +798,7 @@ impl DeviceTable {
         let twin = device.twin.as_mut().expect("a whole twin is known here");
         for (change, _) in pending.changes {
             // Changes the read already holds are skipped by version.
-            if !twin_version(&change).zip(twin_version(&twin.doc)).is_some_and(|(new, kept)| new <= kept) {
+            if twin_version(&change).zip(twin_version(&twin.doc)).is_none_or(|(new, kept)| new > kept) {
                 merge_patch(&mut twin.doc, change);
             }
         }
