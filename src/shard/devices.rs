@@ -809,6 +809,7 @@ impl DeviceTable {
             let publication = Publication { device: device_arc.clone(), at, twin: whole, ..Default::default() };
             self.publish(&device_arc, publication, now, out);
         }
+        self.prune(device_id); // the sessions may have gone while the hub was read
         false
     }
 }
