@@ -131,3 +131,22 @@ fn a_failed_hub_read_pushes_nothing_partial_and_the_next_change_is_pushed_whole(
     assert_eq!(twin["properties"]["reported"]["fw"], json!("2.0"));
     assert_eq!(twin_gets(&hub), 2);
 }
+
+/// A change nobody is subscribed to, with no whole twin to merge into, is not kept at all (it
+/// is not the twin, and a later read asks the hub): no device entry is left behind.
+#[test]
+fn a_change_nobody_watches_with_no_twin_known_leaves_nothing() {
+    let hub = HubDouble::start();
+    hub.add_device("d1", true);
+    let server = start(&hub);
+    server.ingest(json!([
+        update("d1", json!({"version": 5, "properties": {"reported": {"fw": "2.0"}}})),
+        {"deviceId": "d2", "body": {"t": 1}}
+    ]));
+    let (_, metrics, _) = server.call("GET", "/metrics", &[ADMIN], None);
+    assert!(metrics.contains("\nhubcast_devices 1\n"), "only d2's telemetry is kept: {metrics}");
+    assert_eq!(twin_gets(&hub), 0, "nobody to push to: the hub is not asked");
+    let (status, body, _) = server.call("GET", "/deviceTwin/d1", &[ADMIN], None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(parse_json(&body)["data"]["properties"]["reported"]["fw"], json!("1.0"), "the hub's twin");
+}

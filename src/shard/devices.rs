@@ -476,7 +476,9 @@ impl DeviceTable {
                 // whole twin to be read (behind the changes already waiting, to keep order).
                 if hub && !replace && (device.twin.is_none() || device.twin_pending.is_some()) {
                     if device.twin_pending.is_none() && !device.wants(|a| a.subs.device_twin) {
-                        return None; // nobody to push to; a later read asks the hub anyway
+                        // Nobody to push to; a later read asks the hub anyway.
+                        self.prune(&device_id); // the entry made above, if it holds nothing
+                        return None;
                     }
                     let pending = device.twin_pending.get_or_insert_with(|| {
                         self.twin_fetches.push(device_id.clone());
