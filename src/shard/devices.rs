@@ -1,7 +1,8 @@
 //! The devices a core owns: last values, twin, connection state, and per-session access.
 //!
 //! Telemetry values are kept as their JSON text, so answering a read or building a push frame
-//! is concatenation, never re-serialisation.
+//! is concatenation, never re-serialisation. With an IoT Hub, a twin kept here is always whole;
+//! changes that find none wait for a hub read ([`PendingTwin`]).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
