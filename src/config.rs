@@ -236,6 +236,12 @@ pub struct Config {
     #[arg(long = "iot-hub-sas-token-lifetime", env = "IOT_HUB_SAS_TOKEN_LIFETIME", default_value_t = 3600,
           value_parser = clap::value_parser!(u64).range(2..=31_536_000))]
     pub iot_hub_sas_token_lifetime: u64,
+
+    /// Seconds a graceful shutdown (SIGTERM/SIGINT) may take; past it the process exits anyway
+    /// with status 1. A second signal exits at once.
+    #[arg(long = "shutdown-timeout", env = "SHUTDOWN_TIMEOUT", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub shutdown_timeout: u64,
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -14,7 +14,8 @@
 //! - [`http`]: HTTP/1.1 connections; [`api`]: the REST endpoints of SPEC.md.
 //! - [`hub`]: the IoT Hub service REST client (twin, desired properties, direct methods),
 //!   on its own thread behind a bounded queue.
-//! - [`logging`], [`status`]: operations.
+//! - [`logging`], [`status`]: operations; [`shutdown`]: graceful SIGTERM/SIGINT shutdown;
+//!   [`owner`]: one process per port.
 
 pub mod amqp;
 pub mod api;
@@ -27,10 +28,12 @@ pub mod ingest;
 pub mod logging;
 pub mod metrics;
 pub mod model;
+pub mod owner;
 pub mod push;
 pub mod runtime;
 pub mod sas;
 pub mod shard;
+pub mod shutdown;
 pub mod status;
 pub mod timefmt;
 pub mod transport;

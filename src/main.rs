@@ -1,5 +1,8 @@
+//! The `hubcast` binary: configuration, start-up, and the signal-driven graceful shutdown.
+
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use hubcast::config::{normalise_environment, Config};
@@ -20,6 +23,14 @@ fn main() -> ExitCode {
     normalise_environment();
     let settings = Arc::new(Config::parse().settle());
     let log = logging::init(LogLevel::parse(&settings.config.log_level).expect("validated by clap"));
+    // Registered before anything starts: a signal during start-up is read once serving.
+    let mut signals = match signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT]) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("hubcast: cannot handle SIGTERM/SIGINT: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
 
     let mut status = StatusBoard::default();
     // The event stream: a malformed connection string keeps the gateway up with GET /status
@@ -62,18 +73,48 @@ fn main() -> ExitCode {
     }));
     match hubcast::runtime::start(settings.clone(), shared.clone()) {
         Ok(running) => {
+            let mut amqp = None;
             if let Some((plan, source)) = consumer {
-                if let Err(e) = hubcast::amqp::start(plan, shared, source, running.ingress.clone()) {
-                    eprintln!("hubcast: cannot start the event hub consumer: {e}");
-                    return ExitCode::FAILURE;
+                match hubcast::amqp::start(plan, shared, source, running.ingress.clone()) {
+                    Ok(thread) => amqp = Some(thread),
+                    Err(e) => {
+                        eprintln!("hubcast: cannot start the event hub consumer: {e}");
+                        return ExitCode::FAILURE;
+                    }
                 }
             }
-            running.wait();
-            ExitCode::SUCCESS
+            let signal = signals.forever().next().unwrap_or(libc::SIGTERM);
+            let timeout = settings.config.shutdown_timeout;
+            tracing::info!(signal = signal_name(signal), timeout_s = timeout, "shutdown started: a second signal exits at once");
+            hubcast::shutdown::STOPPING.begin();
+            std::thread::spawn(move || {
+                if let Some(again) = signals.forever().next() {
+                    tracing::warn!(signal = signal_name(again), "second signal: exiting at once");
+                    std::process::exit(128 + again);
+                }
+            });
+            match running.shutdown(amqp, Instant::now() + Duration::from_secs(timeout)) {
+                Ok(()) => {
+                    tracing::info!("shutdown complete");
+                    ExitCode::SUCCESS
+                }
+                Err(pending) => {
+                    tracing::error!(pending = %pending, "shutdown did not finish within --shutdown-timeout ({timeout} s); exiting anyway");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Err(e) => {
             eprintln!("hubcast: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        _ => "signal",
     }
 }

@@ -266,9 +266,13 @@ impl Supervisor {
     pub async fn run(self) {
         let mut failures = 0u32;
         loop {
+            if crate::shutdown::STOPPING.is_stopping() {
+                tracing::info!("shutting down: the event hub consumer ends");
+                return;
+            }
             match self.connect_and_consume().await {
                 Stop::Shutdown => {
-                    tracing::info!("cores stopped; the event hub consumer ends");
+                    tracing::info!("the event hub consumer stopped: partition links detached, connection closed");
                     return;
                 }
                 Stop::Retry { reason, worked } => {
@@ -279,7 +283,10 @@ impl Supervisor {
                     failures = failures.saturating_add(1);
                     tracing::warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "event hub not connected");
                     self.status().set_connecting(reason);
-                    sleep(delay).await;
+                    tokio::select! {
+                        _ = sleep(delay) => {}
+                        _ = crate::shutdown::STOPPING.wait() => {}
+                    }
                 }
             }
         }
@@ -486,6 +493,8 @@ impl Supervisor {
         tokio::pin!(lag);
         let stop = loop {
             tokio::select! {
+                // Graceful shutdown: each partition task sees it too and detaches its link.
+                _ = crate::shutdown::STOPPING.wait() => break Stop::Shutdown,
                 never = &mut lag => match never {},
                 ended = tasks.join_next() => {
                     break match ended {
@@ -517,6 +526,17 @@ impl Supervisor {
             self.status().set_connecting(reason.clone());
         }
         STATS.connected.store(0, Ordering::Relaxed);
+        if crate::shutdown::STOPPING.is_stopping() {
+            // Links first (each partition task closes its own), then the sessions; the caller
+            // closes the connection.
+            if timeout(Duration::from_secs(5), async { while tasks.join_next().await.is_some() {} }).await.is_err() {
+                tasks.shutdown().await;
+            }
+            drop(cbs);
+            let _ = timeout(Duration::from_secs(2), receivers.end()).await;
+            let _ = timeout(Duration::from_secs(2), control.end()).await;
+            return Stop::Shutdown;
+        }
         // Let the other partitions finish the batch they are handing over; once the
         // connection closes their receivers fail and they return.
         let _ = timeout(Duration::from_secs(2), connection.close()).await;

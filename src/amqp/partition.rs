@@ -102,7 +102,17 @@ pub async fn consume(
     loop {
         let mut deliveries = Vec::new();
         let mut failure = None;
-        match receiver.recv::<Body<Value>>().await {
+        // recv is cancel safe: a graceful shutdown may interrupt the wait for the next event.
+        let next = tokio::select! {
+            r = receiver.recv::<Body<Value>>() => r,
+            _ = crate::shutdown::STOPPING.wait() => {
+                // AMQP detach (closed): the hub releases the link at once.
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), receiver.close()).await;
+                tracing::debug!(partition = %label, "receiver detached");
+                return End::CoresGone;
+            }
+        };
+        match next {
             Ok(d) => deliveries.push(d),
             Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
         }

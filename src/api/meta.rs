@@ -13,8 +13,12 @@ pub fn version() -> Response {
     Response::text(200, env!("CARGO_PKG_VERSION"))
 }
 
-/// 200 `OK`; 500 naming a malformed connection string; 503 while a source is connecting.
+/// 200 `OK`; 500 naming a malformed connection string; 503 while a source is connecting
+/// or while shutting down (a load balancer's cue to take the node out).
 pub fn status(core: &Rc<Core>) -> Response {
+    if crate::shutdown::STOPPING.is_stopping() {
+        return Response::error(503, "shutting down");
+    }
     match core.shared.status.health() {
         Health::Ok => Response::text(200, "OK"),
         Health::Misconfigured(message) => Response::error(500, &message),

@@ -179,7 +179,10 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
     let limit = core.settings.config.max_body_bytes as usize;
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     loop {
-        let (response, keep_alive) = match monoio::time::timeout(idle, framed.next()).await {
+        let next = monoio::time::timeout(idle, framed.next()).await;
+        // A request in hand until its answer is written: a graceful shutdown waits for it.
+        let _in_hand = core.drain.request();
+        let (response, keep_alive) = match next {
             Err(_) | Ok(None) | Ok(Some(Err(ReadError::Io))) => break,
             Ok(Some(Err(ReadError::HeadTooLarge))) => (
                 Response::error(431, &format!("request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes")).closing(),
@@ -240,6 +243,8 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
                 }
             }
         };
+        // While shutting down, each connection gets one last answer.
+        let keep_alive = keep_alive && !crate::shutdown::STOPPING.is_stopping();
         let close = !keep_alive || response.close;
         response.encode(&mut out, keep_alive);
         if close || out.len() >= 64 * 1024 || !next_request_buffered(&framed) {
@@ -286,6 +291,7 @@ pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
                     drop(slot);
                 });
             }
+            Err(_) if crate::shutdown::STOPPING.is_stopping() => return, // listener shut down
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
                 tracing::warn!(error = %e, "accept failed");

@@ -34,6 +34,8 @@ pub struct Core {
     pub queues: RefCell<Option<(Inbox, crate::runtime::ingress::IngressQueue)>>,
     /// Engine.IO long-polling sessions held here (by sid).
     pub polling: RefCell<hashbrown::HashMap<Box<str>, Rc<crate::transport::socketio_polling::PollingSocket>>>,
+    /// Requests in hand and live sockets, for a graceful shutdown ([`crate::shutdown`]).
+    pub drain: Rc<crate::shutdown::CoreDrain>,
 }
 
 impl Core {
@@ -67,6 +69,7 @@ impl Core {
             metrics: Default::default(),
             queues: RefCell::default(),
             settings,
+            drain: Rc::default(),
         })
     }
 

@@ -34,15 +34,12 @@ fn reuseport_listener(addr: SocketAddr) -> io::Result<StdListener> {
     Ok(socket.into())
 }
 
-/// Binds one listener per core on the same port (an ephemeral port is chosen by the first).
-fn bind_all(settings: &Settings) -> io::Result<(Vec<StdListener>, SocketAddr)> {
-    let first = reuseport_listener(SocketAddr::new(settings.config.bind, settings.config.port))?;
-    let addr = first.local_addr()?;
-    let mut listeners = vec![first];
-    for _ in 1..settings.cores {
-        listeners.push(reuseport_listener(addr)?);
-    }
-    Ok((listeners, addr))
+/// Claims the port for this process (see [`crate::owner`]), then binds one listener per core
+/// on it.
+fn bind_all(settings: &Settings) -> io::Result<(Vec<StdListener>, crate::owner::PortClaim)> {
+    let claim = crate::owner::claim(SocketAddr::new(settings.config.bind, settings.config.port))?;
+    let listeners = (0..settings.cores).map(|_| reuseport_listener(claim.addr)).collect::<io::Result<_>>()?;
+    Ok((listeners, claim))
 }
 
 type UringRuntime = monoio::FusionRuntime<
@@ -69,15 +66,22 @@ fn build_runtime(driver: &str) -> io::Result<(UringRuntime, &'static str)> {
 pub struct Running {
     pub addr: SocketAddr,
     pub ingress: Ingress,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    _threads: Vec<std::thread::JoinHandle<()>>,
+    /// Held for the life of the process: no other hubcast may take the port.
+    _port: crate::owner::PortClaim,
+    /// The cores' shutdown progress, and the word that lets each of them flush.
+    reports: mpsc::Receiver<crate::shutdown::Report>,
+    flush: Vec<async_channel::Sender<()>>,
 }
 
 impl Running {
-    /// Blocks until every core has stopped.
-    pub fn wait(self) {
-        for t in self.threads {
-            let _ = t.join();
-        }
+    /// Runs the graceful shutdown once [`crate::shutdown::STOPPING`] is set (see
+    /// [`crate::shutdown`]); `amqp` is the consumer's thread. `Err` says what was still
+    /// pending at `deadline`.
+    pub fn shutdown(self, amqp: Option<std::thread::JoinHandle<()>>, deadline: std::time::Instant) -> Result<(), String> {
+        // The core threads park after flushing; the process exits without tearing down
+        // their runtimes.
+        crate::shutdown::drive(&self.reports, &self.flush, amqp, deadline)
     }
 }
 
@@ -111,7 +115,11 @@ fn raise_file_limit(wanted: u64) {
 /// Starts every core; returns once all of them are serving.
 pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running> {
     raise_file_limit(settings.config.max_connections + 1024);
-    let (listeners, addr) = bind_all(&settings)?;
+    let (listeners, port) = bind_all(&settings)?;
+    let addr = port.addr;
+    let (report_tx, reports) = mpsc::channel();
+    let (flush, flush_rx): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded::<()>(1)).unzip();
+    let mut flush_rx = flush_rx.into_iter();
     let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
     let channels: Vec<_> = (0..settings.cores).map(|_| async_channel::unbounded()).collect();
     let senders: Vec<mesh::InboxSender> = channels.iter().map(|(tx, _)| tx.clone()).collect();
@@ -123,6 +131,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
         let senders = senders.clone();
         let ready = ready_tx.clone();
         let ingress_queue = ingress_queues.remove(0);
+        let (report, flush_rx) = (report_tx.clone(), flush_rx.next().expect("one per core"));
         let thread = std::thread::Builder::new().name(format!("hubcast-core-{index}")).spawn(move || {
             let (mut runtime, driver) = match build_runtime(&settings.config.io_driver) {
                 Ok(r) => r,
@@ -148,12 +157,13 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
                 if index == 0 && settings.config.simulate > 0 {
                     monoio::spawn(crate::ingest::simulate::run(core.clone(), settings.config.simulate));
                 }
-                for _ in 1..ACCEPTORS_PER_CORE {
+                for _ in 0..ACCEPTORS_PER_CORE {
                     monoio::spawn(crate::http::accept_loop(core.clone(), listener.clone()));
                 }
                 tracing::debug!(core = index, driver, "core started");
                 let _ = ready.send(Ok(driver));
-                crate::http::accept_loop(core, listener).await;
+                // The core runs until its part of a graceful shutdown is done.
+                crate::shutdown::core_task(core, listener, report, flush_rx).await;
             });
         })?;
         threads.push(thread);
@@ -172,5 +182,5 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
         println!("Admin connection string: Endpoint={endpoint};SharedAccessKey={}", settings.admin_secrets[0]);
     }
     tracing::info!(%addr, cores = settings.cores, driver, "hubcast started");
-    Ok(Running { addr, ingress, threads })
+    Ok(Running { addr, ingress, _threads: threads, _port: port, reports, flush })
 }

@@ -75,6 +75,9 @@ fn query_param(head: &RequestHead, name: &str) -> Option<String> {
 
 /// Checks an upgrade request; the error is the HTTP answer to give instead.
 pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
+    if crate::shutdown::STOPPING.is_stopping() {
+        return Err(Response::error(503, "shutting down: connect again (to another node)"));
+    }
     let path = head.uri.path().trim_end_matches('/');
     let kind = match path {
         "/ws" => SocketKind::Plain,
@@ -202,6 +205,8 @@ async fn run(
         fd,
     });
     conn.core.metrics.socket_opened(conn.transport());
+    // Counted until the reader ends; a graceful shutdown closes it with 1001 and waits.
+    let _live = conn.core.drain.socket(&conn.outlet);
     // A live socket counts towards the connection limit of the core it lives on.
     conn.core.connections.set(conn.core.connections.get() + 1);
     let (mut read, write) = stream.into_split();

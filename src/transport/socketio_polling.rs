@@ -85,6 +85,9 @@ pub async fn http(core: &Rc<Core>, req: &Request) -> Response {
 /// Serves a polling request on the core owning the Engine.IO session.
 pub async fn serve(core: Rc<Core>, request: PollRequest) -> Response {
     let Some(sid) = request.sid else {
+        if crate::shutdown::STOPPING.is_stopping() {
+            return Response::error(503, "shutting down: connect again (to another node)");
+        }
         return handshake(&core, request.session);
     };
     let Some(socket) = core.polling.borrow().get(sid.as_str()).cloned() else {
