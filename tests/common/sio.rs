@@ -20,12 +20,23 @@ impl Server {
     /// Connects one Socket.IO client per session id, with the given transports
     /// (`"websocket"`, `"polling"` or `"websocket,polling"`).
     pub fn socketio(&self, sessions: &[&str], transports: &str) -> SioClient {
+        self.socketio_with(sessions, transports, false)
+    }
+
+    /// Like [`Server::socketio`], with socket.io-client's automatic reconnection on (as in
+    /// a browser); each attempt is reported as a `reconnect_attempt` event.
+    pub fn socketio_reconnecting(&self, sessions: &[&str], transports: &str) -> SioClient {
+        self.socketio_with(sessions, transports, true)
+    }
+
+    fn socketio_with(&self, sessions: &[&str], transports: &str, reconnect: bool) -> SioClient {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js/sio-client.mjs");
         let mut child = Command::new("node")
             .arg(script)
             .arg(&self.base)
             .arg(sessions.join(","))
             .arg(transports)
+            .env("SIO_RECONNECT", if reconnect { "1" } else { "0" })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

@@ -44,6 +44,35 @@ pub enum Answer {
     Hang,
     /// Close the connection without answering.
     Close,
+    /// Hold the request until the gate opens (or the double stops), then answer as given.
+    AfterGate(Arc<Gate>, Box<Answer>),
+}
+
+/// A gate a test opens to release the requests held by [`Answer::AfterGate`].
+#[derive(Debug, Default)]
+pub struct Gate {
+    open: Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl Gate {
+    pub fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    /// Waits until open; false when `stop` was set or a minute passed.
+    fn wait(&self, stop: &AtomicBool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+                return false;
+            }
+            open = self.opened.wait_timeout(open, Duration::from_millis(50)).unwrap().0;
+        }
+        true
+    }
 }
 
 impl Answer {
@@ -478,7 +507,13 @@ fn serve(mut stream: TcpStream, state: Arc<State>) {
         };
         state.requests.lock().unwrap().push(recorded.clone());
         let scripted = state.scripted.lock().unwrap().pop_front();
-        let answer = scripted.unwrap_or_else(|| simulate(&state, &recorded));
+        let mut answer = scripted.unwrap_or_else(|| simulate(&state, &recorded));
+        while let Answer::AfterGate(gate, then) = answer {
+            if !gate.wait(&state.stop) {
+                return;
+            }
+            answer = *then;
+        }
         let written = match answer {
             Answer::Json { status, body, error_code } => write_answer(
                 &mut stream,
@@ -495,7 +530,7 @@ fn serve(mut stream: TcpStream, state: Arc<State>) {
                 }
                 return;
             }
-            Answer::Close => return,
+            Answer::Close | Answer::AfterGate(..) => return,
         };
         if !written {
             return;

@@ -3,18 +3,21 @@
 //
 // usage: node sio-client.mjs <baseUrl> <sessionId> <transports: websocket|polling|websocket,polling> [count]
 // With [count], opens that many sockets (each with its own session id from a comma list).
+// SIO_RECONNECT=1 turns automatic reconnection on (as in a browser) and reports each attempt.
 import { io } from "socket.io-client";
 
 const [base, sessionArg, transportsArg] = process.argv.slice(2);
 const transports = transportsArg.split(",");
 const sessions = sessionArg.split(",");
+const reconnection = process.env.SIO_RECONNECT === "1";
 
 function print(obj) {
   process.stdout.write(JSON.stringify(obj) + "\n");
 }
 
 sessions.forEach((sessionId, index) => {
-  const socket = io(`${base}?sessionId=${sessionId}`, { transports, reconnection: false, timeout: 10000 });
+  const socket = io(`${base}?sessionId=${sessionId}`, { transports, reconnection, timeout: 10000 });
+  socket.io.on("reconnect_attempt", (attempt) => print({ index, event: "reconnect_attempt", attempt }));
   socket.io.on("open", () => {
     socket.io.engine.on("upgrade", (t) => print({ index, event: "upgrade", transport: t.name }));
   });
