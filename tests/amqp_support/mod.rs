@@ -169,6 +169,28 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
+    pub fn signal(&self, signal: i32) {
+        // Safety: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(self.child.id() as libc::pid_t, signal) }, 0);
+    }
+
+    /// Waits up to `timeout` for the process to exit; its status, or `None` while it runs.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -277,6 +299,8 @@ pub struct Stats {
     pub deliveries: usize,
     /// Connections dropped (FIN) by [`FakeHub::drop_at_lag_read`], with when.
     pub lag_read_drops: Vec<Instant>,
+    /// Partition links the client closed with a detach (closed=true) while idle.
+    pub closed_links: usize,
 }
 
 struct State {
@@ -733,8 +757,16 @@ async fn serve_outgoing(inner: Arc<Inner>, conn: Arc<Conn>, mut sender: Sender) 
         notified.as_mut().enable();
         let event = inner.state.lock().unwrap().events[partition].get(next).cloned();
         let Some(event) = event else {
-            notified.await;
-            continue;
+            tokio::select! {
+                _ = &mut notified => continue,
+                detached = sender.on_detach() => {
+                    if matches!(detached, fe2o3_amqp::link::DetachError::ClosedByRemote) {
+                        inner.state.lock().unwrap().stats.closed_links += 1;
+                    }
+                    let _ = sender.close().await;
+                    return;
+                }
+            }
         };
         let message = to_message(&event);
         if sender.send(Sendable::builder().message(message).settled(true).build()).await.is_err() {
