@@ -115,7 +115,7 @@ fn sigterm_says_goodbye_to_every_client_answers_what_is_in_flight_and_exits_0() 
         other => panic!("the long poll got no answer: {other:?}"),
     };
     assert_eq!(answer.status, 200);
-    assert_eq!(answer.body.split('\u{1e}').last(), Some("1"), "long poll answer {:?}", answer.body);
+    assert_eq!(answer.body.split('\u{1e}').next_back(), Some("1"), "long poll answer {:?}", answer.body);
 
     // While the twin read is in flight: /status says so on a kept-alive connection, and the
     // listeners are closed.
