@@ -17,6 +17,9 @@
 
 #![allow(dead_code)]
 
+#[path = "../common/process.rs"]
+mod process;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::Shutdown;
@@ -172,22 +175,12 @@ impl Server {
 impl Server {
     /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
     pub fn signal(&self, signal: i32) {
-        // Safety: kill(2) on our own child's pid.
-        assert_eq!(unsafe { libc::kill(self.child.id() as libc::pid_t, signal) }, 0);
+        process::signal(&self.child, signal)
     }
 
     /// Waits up to `timeout` for the process to exit; its status, or `None` while it runs.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        process::wait_exit(&mut self.child, timeout)
     }
 }
 

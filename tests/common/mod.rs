@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
 
+pub mod process;
 pub mod sio;
 pub mod ws;
 
@@ -331,23 +332,12 @@ impl Server {
 
     /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
     pub fn signal(&self, signal: i32) {
-        // Safety: kill(2) on our own child's pid.
-        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
-        assert_eq!(rc, 0, "kill({}, {signal}) failed", self.child.id());
+        process::signal(&self.child, signal)
     }
 
     /// Waits up to `timeout` for the process to exit; its status, or `None` while it runs.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        process::wait_exit(&mut self.child, timeout)
     }
 
     // ---- raw TCP ---------------------------------------------------------------------------
