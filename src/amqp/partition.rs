@@ -99,13 +99,16 @@ pub async fn consume(
     settings: Arc<MapSettings>,
 ) -> End {
     let mut last = positions.lock().unwrap_or_else(|e| e.into_inner()).get(&label).cloned();
+    // One wait for the whole loop (not one per batch): a graceful shutdown ends it.
+    let stopping = crate::shutdown::STOPPING.wait();
+    tokio::pin!(stopping);
     loop {
         let mut deliveries = Vec::new();
         let mut failure = None;
         // recv is cancel safe: a graceful shutdown may interrupt the wait for the next event.
         let next = tokio::select! {
             r = receiver.recv::<Body<Value>>() => r,
-            _ = crate::shutdown::STOPPING.wait() => {
+            _ = &mut stopping => {
                 // AMQP detach (closed): the hub releases the link at once.
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(2), receiver.close()).await;
                 tracing::debug!(partition = %label, "receiver detached");
