@@ -17,6 +17,8 @@
 
 #![allow(dead_code)]
 
+// The same file as `common::process`; a test crate that uses both harnesses loads it twice.
+#[allow(clippy::duplicate_mod)]
 #[path = "../common/process.rs"]
 mod process;
 
