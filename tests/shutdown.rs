@@ -95,6 +95,10 @@ fn sigterm_says_goodbye_to_every_client_answers_what_is_in_flight_and_exits_0() 
     // A kept-alive connection for /status, and a long poll left pending.
     let mut status_conn = server.connect();
     assert_eq!(exchange(&mut status_conn, &raw_get("/status")).status, 200);
+    let (mut handshake_conn, mut upgrade_conn) = (server.connect(), server.connect());
+    for conn in [&mut handshake_conn, &mut upgrade_conn] {
+        assert_eq!(exchange(conn, &raw_get("/version")).status, 200);
+    }
     raw.write_all(&poll_request).unwrap();
 
     server.signal(libc::SIGTERM);
@@ -129,6 +133,14 @@ fn sigterm_says_goodbye_to_every_client_answers_what_is_in_flight_and_exits_0() 
     assert_eq!(status.status, 503);
     assert!(error_message(&status.body).contains("shutting down"), "{}", status.body);
     assert!(status.head.to_ascii_lowercase().contains("connection: close"), "{}", status.head);
+    // New live connections are sent elsewhere.
+    let handshake = exchange(&mut handshake_conn, &raw_get(&polling(&format!("&sessionId={raw_session}"))));
+    assert_eq!(handshake.status, 503, "Engine.IO handshake while shutting down: {}", handshake.body);
+    let upgrade = format!(
+        "GET /ws?sessionId={ws_session} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    );
+    assert_eq!(exchange(&mut upgrade_conn, upgrade.as_bytes()).status, 503, "WebSocket upgrade while shutting down");
     for core in 0..2 {
         server
             .wait_for_stderr(WAIT, |l| l.contains("stopped accepting connections") && l.contains(&format!("core={core}")))
