@@ -35,6 +35,7 @@
 //! in signal context and there is no `unsafe` here.
 
 use std::cell::{Cell, RefCell};
+use std::os::fd::RawFd;
 use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::LazyLock;
@@ -91,8 +92,9 @@ pub fn goodbye() -> CloseReason {
 pub struct CoreDrain {
     busy: Cell<usize>,
     waker: RefCell<Option<Waker>>,
-    /// Every live WebSocket's outlet on this core, to say goodbye to.
-    sockets: RefCell<hashbrown::HashMap<u64, Weak<Outlet>>>,
+    /// Every live WebSocket on this core (its outlet, to say goodbye to, and its descriptor,
+    /// to close one that does not go in time).
+    sockets: RefCell<hashbrown::HashMap<u64, (Weak<Outlet>, RawFd)>>,
     /// Goodbyes were sent: a socket registered later gets its goodbye at once.
     said_goodbye: Cell<bool>,
 }
@@ -125,12 +127,13 @@ impl CoreDrain {
         Busy { drain: self.clone(), socket: None }
     }
 
-    /// A live WebSocket, until the guard drops (its reader ended).
-    pub fn socket(self: &Rc<Self>, outlet: &Rc<Outlet>) -> Busy {
+    /// A live WebSocket on descriptor `fd`, until the guard drops (its reader ended, before
+    /// the descriptor is closed).
+    pub fn socket(self: &Rc<Self>, outlet: &Rc<Outlet>, fd: RawFd) -> Busy {
         if self.said_goodbye.get() {
             outlet.finish(goodbye());
         }
-        self.sockets.borrow_mut().insert(outlet.id, Rc::downgrade(outlet));
+        self.sockets.borrow_mut().insert(outlet.id, (Rc::downgrade(outlet), fd));
         self.busy.set(self.busy.get() + 1);
         Busy { drain: self.clone(), socket: Some(outlet.id) }
     }
@@ -138,11 +141,23 @@ impl CoreDrain {
     /// Asks every WebSocket to close with 1001 after what is already queued; returns how many.
     fn say_goodbye(&self) -> usize {
         self.said_goodbye.set(true);
-        let outlets: Vec<Rc<Outlet>> = self.sockets.borrow().values().filter_map(Weak::upgrade).collect();
+        let outlets: Vec<Rc<Outlet>> = self.sockets.borrow().values().filter_map(|(o, _)| o.upgrade()).collect();
         for outlet in &outlets {
             outlet.finish(goodbye());
         }
         outlets.len()
+    }
+
+    /// Shuts down the sockets still open (a client that does not read, so the goodbye write
+    /// is stuck): their tasks see the error and end. Returns how many.
+    fn cut_sockets(&self) -> usize {
+        let sockets = self.sockets.borrow();
+        for (_, fd) in sockets.values() {
+            // Safety: the descriptor is open: an entry is removed before its socket is closed,
+            // and this runs on the socket's own core.
+            unsafe { libc::shutdown(*fd, libc::SHUT_RDWR) };
+        }
+        sockets.len()
     }
 
     /// Resolves when nothing is in hand.
@@ -192,7 +207,16 @@ pub async fn core_task(
     }
     tracing::info!(core = index, websockets, polling = polls.len(), "goodbye sent to every socket (close 1001 / Engine.IO close)");
 
-    core.drain.idle().await;
+    // A client that stops reading must not hold the shutdown until its write-stall limit:
+    // after half the shutdown timeout its socket is cut.
+    let grace = std::time::Duration::from_secs(core.settings.config.shutdown_timeout) / 2;
+    if monoio::time::timeout(grace, core.drain.idle()).await.is_err() {
+        let cut = core.drain.cut_sockets();
+        if cut > 0 {
+            tracing::warn!(core = index, sockets = cut, "sockets still open after the goodbye; closed without waiting");
+        }
+        core.drain.idle().await;
+    }
     tracing::info!(core = index, "in-flight requests answered, sockets closed");
     let _ = report.send(Report::Drained(index));
 

@@ -213,3 +213,52 @@ fn a_second_hubcast_on_the_same_port_refuses_to_start_and_the_first_keeps_every_
     }
     server.assert_alive();
 }
+
+/// Receive buffer of the client that stops reading (small, so little data fills it).
+const SMALL_RCVBUF: usize = 64 * 1024;
+
+/// The most the server's send buffer can hold here.
+fn send_buffer_max() -> usize {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_wmem").unwrap_or_default();
+    text.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap_or(4 << 20)
+}
+
+/// A WebSocket to `/ws?sessionId=…` whose socket has a small receive buffer.
+fn small_buffer_ws(server: &Server, session: &str) -> common::ws::Live {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(SMALL_RCVBUF).unwrap();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", server.port).parse().unwrap();
+    socket.connect(&addr.into()).unwrap();
+    let stream: TcpStream = socket.into();
+    let url = format!("ws://127.0.0.1:{}/ws?sessionId={session}", server.port);
+    let (ws, _) = tungstenite::client(url.as_str(), stream).expect("websocket handshake");
+    common::ws::Live { ws, closed: None }
+}
+
+#[test]
+fn a_client_that_stops_reading_does_not_hold_the_shutdown() {
+    let mut server = Server::start(&["--shutdown-timeout", "4"]);
+    let session = live_session(&server, "flood");
+    let mut ws = small_buffer_ws(&server, &session);
+    server.ingest(json!({"deviceId": "flood", "body": {"n": 0}}));
+    assert!(ws.next_json(WAIT).is_some(), "the socket is live");
+    // The client reads nothing more: twice what the kernel buffers hold leaves the server's
+    // writer stuck in a write (later telemetry is conflated, so the queue stays bounded).
+    let blob = "x".repeat(20_000);
+    let batch: Vec<_> = (0..40).map(|n| json!({"deviceId": "flood", "body": {"n": n, "blob": blob}})).collect();
+    let batch = json!(batch);
+    let mut sent = 0;
+    while sent < 2 * (send_buffer_max() + 4 * SMALL_RCVBUF) {
+        server.ingest(batch.clone());
+        sent += 40 * blob.len();
+    }
+
+    server.signal(libc::SIGTERM);
+    let exit = server.wait_exit(WAIT).expect("exits");
+    assert_eq!(exit.code(), Some(0), "{}", server.stderr_lines().join("\n"));
+    assert!(
+        server.stderr_lines().iter().any(|l| l.contains("closed without waiting")),
+        "the stuck socket was cut after half the shutdown timeout"
+    );
+    drop(ws);
+}

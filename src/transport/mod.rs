@@ -205,11 +205,12 @@ async fn run(
         fd,
     });
     conn.core.metrics.socket_opened(conn.transport());
-    // Counted until the reader ends; a graceful shutdown closes it with 1001 and waits.
-    let _live = conn.core.drain.socket(&conn.outlet);
     // A live socket counts towards the connection limit of the core it lives on.
     conn.core.connections.set(conn.core.connections.get() + 1);
     let (mut read, write) = stream.into_split();
+    // Counted until the reader ends (declared after `read`, so it drops first: no entry
+    // outlives the descriptor); a graceful shutdown closes it with 1001 and waits.
+    let _live = conn.core.drain.socket(&conn.outlet, fd);
     let greeting_ok = match &kind {
         SocketKind::Plain => {
             if conn.attach() {
