@@ -1,244 +1,333 @@
-//! HTTP/1.1 connections: monoio-http's request-head and chunked-body decoders over a
-//! monoio-codec framed reader, our own response encoder, and the limits.
+//! HTTP/1.1 connections: the connection loop over the sans-IO [`codec`], our own response
+//! encoder, and the limits.
 //!
-//! We drive monoio-http's decoders ourselves instead of its `ServerCodec` because the
-//! WebSocket and Socket.IO upgrades need the socket and any bytes read past the request
-//! back, which `ServerCodec` cannot give. Limits: request head ≤ 16 KiB (431), body ≤
-//! `maxBodyBytes` (413, checked before reading it), idle keep-alive `httpIdleTimeout`,
-//! connections ≤ `maxConnections` (503 beyond).
+//! The loop owns its read buffer (instead of a framework's server codec) because the
+//! WebSocket and Socket.IO upgrades need the socket and any bytes read past the request back.
+//! Limits (README, "Limits"): request head ≤ 16 KiB (431), body ≤ `maxBodyBytes` (413,
+//! checked from the declared length, or per chunk before the chunk is buffered), idle
+//! keep-alive `httpIdleTimeout`, connections ≤ `maxConnections` for the whole process (503
+//! beyond).
+//!
+//! Input is read only while a request is incomplete, so a pipelining client is held back by
+//! TCP once its answers stop being read; a write that makes no progress for
+//! [`write_stall_limit`] (or a flush taking longer than the idle timeout) closes the
+//! connection, so such a client cannot keep its slot.
+//!
+//! An early error (413, a malformed head or body) is written, the write side shut down, and
+//! the input drained for a bounded time before closing (lingering close), so a client still
+//! sending its body reads the answer instead of a reset.
 //!
 //! monoio reads are not cancel-safe: a read is only ever raced against a timeout when the
 //! connection is abandoned if the timeout wins.
 
+pub mod codec;
 pub mod request;
 pub mod response;
 
 use std::rc::Rc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use monoio::io::{AsyncWriteRentExt, OwnedReadHalf, Splitable};
-use monoio::io::stream::Stream;
+use monoio::buf::{IoBuf, SliceMut};
+use monoio::io::{AsyncReadRent, AsyncWriteRent, OwnedReadHalf, OwnedWriteHalf, Splitable};
 use monoio::net::{TcpListener, TcpStream};
-use monoio_codec::{Decoded, Decoder, FramedRead};
-use monoio_http::common::request::RequestHead;
-use monoio_http::h1::codec::decoder::{ChunkedBodyDecoder, DecodeError, RequestHeadDecoder};
 
 use crate::config::MAX_REQUEST_HEAD_BYTES;
 use crate::runtime::Core;
+use codec::{BodyError, ChunkedDecoder, Framing, HeadError};
+pub use codec::RequestHead;
 pub use request::Request;
 pub use response::Response;
 
-/// Why a request could not be read.
-#[derive(Debug)]
-pub enum ReadError {
-    HeadTooLarge,
-    Malformed(String),
-    Io,
+/// Most bytes asked of one read.
+const READ_CHUNK: usize = 8 * 1024;
+/// Lingering close: how long, and how many bytes, are read and dropped after an early error.
+const LINGER_TIME: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 8 * 1024 * 1024;
+/// Answers buffered for a pipelining client before they are written.
+const PIPELINE_FLUSH_BYTES: usize = 64 * 1024;
+
+/// A write making no progress for this long closes the connection (never more than the idle
+/// timeout, which also bounds a whole flush).
+pub fn write_stall_limit(idle: Duration) -> Duration {
+    idle.min(Duration::from_secs(10))
 }
 
-impl From<DecodeError> for ReadError {
-    fn from(e: DecodeError) -> Self {
-        match e {
-            DecodeError::Io(_) | DecodeError::UnexpectedEof => ReadError::Io,
-            e => ReadError::Malformed(e.to_string()),
-        }
+/// Open client connections of the whole process (HTTP and live sockets), against
+/// `maxConnections`. One atomic touched at accept and close only, never per message.
+static OPEN_CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// One counted connection; the count goes down when it is dropped, whatever path ends it.
+#[must_use]
+pub struct ConnectionSlot(());
+
+impl ConnectionSlot {
+    /// Takes a slot if fewer than `max` connections are open.
+    pub fn try_acquire(max: usize) -> Option<Self> {
+        OPEN_CONNECTIONS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| Self(()))
+    }
+
+    /// Counts a connection accepted before (a socket taken over after its upgrade).
+    pub fn acquire() -> Self {
+        OPEN_CONNECTIONS.fetch_add(1, Ordering::AcqRel);
+        Self(())
+    }
+
+    /// Connections open in the process now.
+    pub fn open() -> usize {
+        OPEN_CONNECTIONS.load(Ordering::Acquire)
     }
 }
 
-impl From<std::io::Error> for ReadError {
-    fn from(_: std::io::Error) -> Self {
-        ReadError::Io
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        OPEN_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// monoio-http's request-head decoder with a cap on how much it may buffer.
-#[derive(Default)]
-pub struct HeadDecoder(RequestHeadDecoder);
+/// The read side of a connection and the bytes read but not used yet.
+pub struct Framed {
+    io: OwnedReadHalf<TcpStream>,
+    buf: BytesMut,
+}
 
-impl Decoder for HeadDecoder {
-    type Item = RequestHead;
-    type Error = ReadError;
+/// Why no request could be read.
+enum ReadError {
+    /// The client closed, the read failed, or it stopped sending (no answer is due).
+    Gone,
+    Head(HeadError),
+}
 
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Decoded<RequestHead>, ReadError> {
-        // The head must end within the limit, however many bytes one read brought in.
-        if src.len() > MAX_REQUEST_HEAD_BYTES {
-            let window = &src[..src.len().min(MAX_REQUEST_HEAD_BYTES + 4)];
-            if memchr::memmem::find(window, b"\r\n\r\n").is_none() {
-                return Err(ReadError::HeadTooLarge);
+impl Framed {
+    fn new(io: OwnedReadHalf<TcpStream>) -> Self {
+        Self { io, buf: BytesMut::with_capacity(READ_CHUNK) }
+    }
+
+    /// Bytes read past what was used (the start of the next request, or WebSocket frames).
+    pub fn read_buffer(&self) -> &[u8] {
+        &self.buf
+    }
+
+    pub fn into_inner(self) -> OwnedReadHalf<TcpStream> {
+        self.io
+    }
+
+    /// Reads more input after what is buffered; `Ok(0)` at end of input.
+    async fn fill(&mut self, want: usize) -> std::io::Result<usize> {
+        self.buf.reserve(want.clamp(READ_CHUNK, 1 << 20));
+        let (len, cap) = (self.buf.len(), self.buf.capacity());
+        let slice = unsafe { SliceMut::new_unchecked(std::mem::take(&mut self.buf), len, cap) };
+        let (result, slice) = self.io.read(slice).await;
+        self.buf = slice.into_inner();
+        result
+    }
+
+    fn skip_empty_lines(&mut self) {
+        let n = codec::leading_empty_lines(&self.buf);
+        let _ = self.buf.split_to(n);
+    }
+
+    async fn read_head(&mut self) -> Result<(RequestHead, Framing), ReadError> {
+        loop {
+            self.skip_empty_lines();
+            if let Some((head, framing, n)) = codec::parse_head(&self.buf).map_err(ReadError::Head)? {
+                let _ = self.buf.split_to(n);
+                return Ok((head, framing));
+            }
+            match self.fill(READ_CHUNK).await {
+                Ok(0) | Err(_) => return Err(ReadError::Gone),
+                Ok(_) => {}
             }
         }
-        match self.0.decode(src)? {
-            Decoded::Some(head) => Ok(Decoded::Some(head)),
-            Decoded::Insufficient => Ok(Decoded::Insufficient),
-            Decoded::InsufficientAtLeast(n) => Ok(Decoded::InsufficientAtLeast(n)),
-        }
     }
-}
 
-/// A body of known length (monoio-http keeps its own fixed-length decoder private).
-struct FixedBody(usize);
-
-impl Decoder for FixedBody {
-    type Item = Bytes;
-    type Error = ReadError;
-
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Decoded<Bytes>, ReadError> {
-        if src.len() < self.0 {
-            return Ok(Decoded::InsufficientAtLeast(self.0 - src.len()));
-        }
-        Ok(Decoded::Some(src.split_to(self.0).freeze()))
+    /// Whether the next request's head is already here (its answer can then share one write
+    /// with this one).
+    fn next_request_buffered(&mut self) -> bool {
+        self.skip_empty_lines();
+        !matches!(codec::parse_head(&self.buf), Ok(None))
     }
-}
 
-pub type Framed = FramedRead<OwnedReadHalf<TcpStream>, HeadDecoder>;
-
-enum BodyLength {
-    None,
-    Fixed(usize),
-    Chunked,
-}
-
-fn body_length(head: &RequestHead) -> Result<BodyLength, Response> {
-    if let Some(te) = head.headers.get(http::header::TRANSFER_ENCODING) {
-        if te.as_bytes().eq_ignore_ascii_case(b"chunked") {
-            return Ok(BodyLength::Chunked);
-        }
-        return Err(Response::error(400, "unsupported transfer-encoding").closing());
-    }
-    match head.headers.get(http::header::CONTENT_LENGTH) {
-        None => Ok(BodyLength::None),
-        Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()) {
-            Some(0) => Ok(BodyLength::None),
-            Some(n) => Ok(BodyLength::Fixed(n)),
-            None => Err(Response::error(400, "invalid content-length header").closing()),
-        },
-    }
-}
-
-fn too_large(limit: usize) -> Response {
-    Response::error(413, &format!("request body exceeds the limit of {limit} bytes (maxBodyBytes)")).closing()
-}
-
-/// Reads the whole body, refusing more than `limit` bytes.
-async fn read_body(framed: &mut Framed, head: &RequestHead, limit: usize) -> Result<Bytes, Response> {
-    let io_error = || Response::error(400, "connection closed while reading the request body").closing();
-    match body_length(head)? {
-        BodyLength::None => Ok(Bytes::new()),
-        BodyLength::Fixed(n) if n > limit => Err(too_large(limit)),
-        BodyLength::Fixed(n) => match framed.next_with(&mut FixedBody(n)).await {
-            Some(Ok(body)) => Ok(body),
-            _ => Err(io_error()),
-        },
-        BodyLength::Chunked => {
-            let mut decoder = ChunkedBodyDecoder::default();
-            let mut body = BytesMut::new();
-            loop {
-                match framed.next_with(&mut decoder).await {
-                    Some(Ok(Some(chunk))) => {
-                        if body.len() + chunk.len() > limit {
-                            return Err(too_large(limit));
+    /// Reads a body of the given framing, within `limit` bytes.
+    async fn read_body(&mut self, framing: Framing, limit: u64) -> Result<Bytes, Response> {
+        let gone = || Response::error(400, "connection closed while reading the request body").closing();
+        match framing {
+            Framing::None => Ok(Bytes::new()),
+            Framing::Length(n) if n > limit => Err(too_large(limit)),
+            Framing::Length(n) => {
+                let n = n as usize;
+                while self.buf.len() < n {
+                    match self.fill(n - self.buf.len()).await {
+                        Ok(0) | Err(_) => return Err(gone()),
+                        Ok(_) => {}
+                    }
+                }
+                Ok(self.buf.split_to(n).freeze())
+            }
+            Framing::Chunked => {
+                let mut decoder = ChunkedDecoder::new(limit);
+                let mut body = BytesMut::new();
+                loop {
+                    match decoder.decode(&mut self.buf, &mut body) {
+                        Ok(true) => return Ok(body.freeze()),
+                        Ok(false) => {}
+                        Err(BodyError::TooLarge) => return Err(too_large(limit)),
+                        Err(BodyError::Malformed(e)) => {
+                            return Err(Response::error(400, &format!("malformed chunked body: {e}")).closing())
                         }
-                        body.extend_from_slice(&chunk);
                     }
-                    Some(Ok(None)) => return Ok(body.freeze()),
-                    Some(Err(DecodeError::Chunked)) => {
-                        return Err(Response::error(400, "malformed chunked body").closing())
+                    match self.fill(READ_CHUNK).await {
+                        Ok(0) | Err(_) => return Err(gone()),
+                        Ok(_) => {}
                     }
-                    _ => return Err(io_error()),
                 }
             }
         }
     }
+}
+
+fn too_large(limit: u64) -> Response {
+    Response::error(413, &format!("request body exceeds the limit of {limit} bytes (maxBodyBytes)")).closing()
+}
+
+fn head_error(e: HeadError) -> Response {
+    match e {
+        HeadError::TooLarge => Response::error(
+            431,
+            &format!("request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes or {} fields", codec::MAX_HEADERS),
+        ),
+        HeadError::Malformed(e) => Response::error(400, &format!("malformed HTTP request: {e}")),
+        HeadError::NotImplemented(e) => Response::error(501, &e),
+    }
+    .closing()
 }
 
 fn expects_continue(head: &RequestHead) -> bool {
     head.headers.get(http::header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
 }
 
+/// Whether `Connection` lists `token`.
+fn connection_has(head: &RequestHead, token: &[u8]) -> bool {
+    head.headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
 fn wants_keep_alive(head: &RequestHead) -> bool {
-    let connection = head.headers.get(http::header::CONNECTION).map(|v| v.as_bytes().to_ascii_lowercase());
     match head.version {
-        http::Version::HTTP_10 => connection.as_deref() == Some(b"keep-alive"),
-        _ => connection.as_deref() != Some(b"close"),
+        http::Version::HTTP_10 => connection_has(head, b"keep-alive"),
+        _ => !connection_has(head, b"close"),
     }
 }
 
-/// Whether the buffered input already holds the next request's head, so its answer can
-/// share one write with this one (pipelining).
-fn next_request_buffered(framed: &Framed) -> bool {
-    memchr::memmem::find(framed.read_buffer(), b"\r\n\r\n").is_some()
+/// Why answers could not be written.
+enum WriteFailed {
+    Io,
+    Stalled,
+}
+
+/// Writes `out` whole; a write without progress for `stall`, or a flush longer than `total`,
+/// fails. Gives the buffer back (cleared) for reuse.
+async fn flush(write: &mut OwnedWriteHalf<TcpStream>, out: Vec<u8>, stall: Duration, total: Duration) -> Result<Vec<u8>, WriteFailed> {
+    let deadline = Instant::now().checked_add(total);
+    let mut out = out;
+    let mut pos = 0;
+    while pos < out.len() {
+        let left = deadline.map_or(stall, |d| d.saturating_duration_since(Instant::now()).min(stall));
+        // Abandoning the write on timeout is safe: the connection is dropped with it.
+        match monoio::time::timeout(left, write.write(out.slice(pos..))).await {
+            Err(_) => return Err(WriteFailed::Stalled),
+            Ok((Ok(0) | Err(_), _)) => return Err(WriteFailed::Io),
+            Ok((Ok(n), slice)) => {
+                out = slice.into_inner();
+                pos += n;
+            }
+        }
+    }
+    out.clear();
+    Ok(out)
+}
+
+/// Lingering close: the answer is out; stop writing, then read and drop what the client is
+/// still sending, for a bounded time and size, so it can read the answer before the close.
+async fn linger(framed: Framed, mut write: OwnedWriteHalf<TcpStream>) {
+    let _ = write.shutdown().await;
+    let mut io = framed.into_inner();
+    let Some(deadline) = Instant::now().checked_add(LINGER_TIME) else { return };
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut drained = 0;
+    while drained < LINGER_BYTES {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // Abandoning the read on timeout is safe: the connection is closed right after.
+        match monoio::time::timeout(left, io.read(buf)).await {
+            Ok((Ok(n), b)) if n > 0 => {
+                buf = b;
+                drained += n;
+            }
+            _ => break,
+        }
+    }
 }
 
 /// Serves one client connection until it closes, errs or idles out.
 pub async fn serve(core: Rc<Core>, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
-    let mut framed: Framed = FramedRead::with_capacity(read, HeadDecoder::default(), 8 * 1024);
+    let mut framed = Framed::new(read);
     let idle = Duration::from_secs(core.settings.config.http_idle_timeout);
-    let limit = core.settings.config.max_body_bytes as usize;
+    let stall = write_stall_limit(idle);
+    let limit = core.settings.config.max_body_bytes;
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     loop {
-        let next = monoio::time::timeout(idle, framed.next()).await;
+        // (answer, keep the connection, answer a HEAD request, input left unread)
+        let next = monoio::time::timeout(idle, framed.read_head()).await;
         // A request in hand until its answer is written: a graceful shutdown waits for it.
         let _in_hand = core.drain.request();
-        let (response, keep_alive) = match next {
-            Err(_) | Ok(None) | Ok(Some(Err(ReadError::Io))) => break,
-            Ok(Some(Err(ReadError::HeadTooLarge))) => (
-                Response::error(431, &format!("request head exceeds {MAX_REQUEST_HEAD_BYTES} bytes")).closing(),
-                false,
-            ),
-            Ok(Some(Err(ReadError::Malformed(e)))) => {
-                (Response::error(400, &format!("malformed HTTP request: {e}")).closing(), false)
-            }
-            Ok(Some(Ok(head))) if crate::transport::is_upgrade(&head) => {
-                match crate::transport::check_upgrade(&head) {
-                    Ok(kind) => {
-                        if !out.is_empty() {
-                            let (result, _) = write.write_all(std::mem::take(&mut out)).await;
-                            if result.is_err() {
-                                return;
-                            }
-                        }
-                        crate::transport::upgrade(core, head, kind, framed, write).await;
+        let (response, keep_alive, head_only, unread) = match next {
+            Err(_) | Ok(Err(ReadError::Gone)) => break,
+            Ok(Err(ReadError::Head(e))) => (head_error(e), false, false, true),
+            Ok(Ok((head, _))) if crate::transport::is_upgrade(&head) => match crate::transport::check_upgrade(&head) {
+                Ok(kind) => {
+                    if !out.is_empty() && flush(&mut write, std::mem::take(&mut out), stall, idle).await.is_err() {
                         return;
                     }
-                    Err(response) => (response.closing(), false),
+                    crate::transport::upgrade(core, head, kind, framed, write).await;
+                    return;
                 }
-            }
-            Ok(Some(Ok(head))) => {
+                Err(response) => (response.closing(), false, false, false),
+            },
+            Ok(Ok((head, framing))) => {
                 let keep_alive = wants_keep_alive(&head);
+                let head_only = head.method == http::Method::HEAD;
                 // Clients that wait for permission before sending a body (curl does, past 1 KiB):
                 // refuse an oversized one at once, otherwise invite it.
-                if expects_continue(&head) {
-                    if let Ok(BodyLength::Fixed(n)) = body_length(&head) {
-                        if n > limit {
-                            let response = too_large(limit);
-                            response.encode(&mut out, false);
-                            let _ = write.write_all(out).await;
-                            return;
-                        }
-                    }
+                let refused = matches!(framing, Framing::Length(n) if n > limit);
+                if expects_continue(&head) && !refused && framing != Framing::None {
                     out.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
-                    let (result, buf) = write.write_all(std::mem::take(&mut out)).await;
-                    out = buf;
-                    out.clear();
-                    if result.is_err() {
-                        break;
+                    match flush(&mut write, std::mem::take(&mut out), stall, idle).await {
+                        Ok(buf) => out = buf,
+                        Err(_) => break,
                     }
                 }
-                match monoio::time::timeout(idle, read_body(&mut framed, &head, limit)).await {
-                    Err(_) => (Response::error(408, "timed out reading the request body").closing(), false),
-                    Ok(Err(response)) => (response, false),
+                match monoio::time::timeout(idle, framed.read_body(framing, limit)).await {
+                    Err(_) => (Response::error(408, "timed out reading the request body").closing(), false, false, true),
+                    Ok(Err(response)) => (response, false, false, true),
                     Ok(Ok(body)) => {
                         let request = Request {
                             path: head.uri.path().to_string(),
                             query: head.uri.query().map(str::to_string),
-                            method: head.method,
+                            // HEAD is answered as GET would be, without the body (RFC 9110 §9.3.2).
+                            method: if head_only { http::Method::GET } else { head.method },
                             headers: head.headers,
                             body,
                         };
-                        (crate::api::handle(&core, request).await, keep_alive)
+                        (crate::api::handle(&core, request).await, keep_alive, head_only, false)
                     }
                 }
             }
@@ -246,48 +335,43 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
         // While shutting down, each connection gets one last answer.
         let keep_alive = keep_alive && !crate::shutdown::STOPPING.is_stopping();
         let close = !keep_alive || response.close;
-        response.encode(&mut out, keep_alive);
-        if close || out.len() >= 64 * 1024 || !next_request_buffered(&framed) {
-            let (result, buf) = write.write_all(out).await;
-            out = buf;
-            out.clear();
-            if result.is_err() {
-                break;
+        response.encode_for(&mut out, keep_alive, !head_only);
+        if close || out.len() >= PIPELINE_FLUSH_BYTES || !framed.next_request_buffered() {
+            match flush(&mut write, std::mem::take(&mut out), stall, idle).await {
+                Ok(buf) => out = buf,
+                Err(WriteFailed::Stalled) => {
+                    tracing::info!(core = core.index, ?stall, "closing an HTTP connection whose client does not read its answers");
+                    return;
+                }
+                Err(WriteFailed::Io) => return,
             }
         }
         if close {
-            break;
+            if unread {
+                linger(framed, write).await;
+            }
+            return;
         }
     }
     if !out.is_empty() {
-        let _ = write.write_all(out).await;
+        let _ = flush(&mut write, out, stall, idle).await;
     }
 }
 
-/// Decrements the core's connection count when a connection ends.
-struct ConnectionSlot(Rc<Core>);
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.0.connections.set(self.0.connections.get() - 1);
-    }
-}
-
-/// Accepts connections on this core's listener, within this core's share of the limit.
+/// Accepts connections on this core's listener, within the process-wide limit.
 pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
-    let cap = (core.settings.config.max_connections as usize).div_ceil(core.cores());
+    let cap = core.settings.config.max_connections as usize;
     loop {
         match listener.accept().await {
             Ok((stream, _peer)) => {
-                if core.connections.get() >= cap {
+                let Some(slot) = ConnectionSlot::try_acquire(cap) else {
                     tracing::warn!(core = core.index, cap, "connection limit reached; refusing a connection");
                     monoio::spawn(refuse(stream));
                     continue;
-                }
-                core.connections.set(core.connections.get() + 1);
-                let slot = ConnectionSlot(core.clone());
+                };
+                let core = core.clone();
                 monoio::spawn(async move {
-                    serve(slot.0.clone(), stream).await;
+                    serve(core, stream).await;
                     drop(slot);
                 });
             }
@@ -301,37 +385,9 @@ pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
     }
 }
 
-async fn refuse(mut stream: TcpStream) {
+async fn refuse(stream: TcpStream) {
     let mut out = Vec::new();
     Response::error(503, "connection limit reached (maxConnections)").closing().encode(&mut out, false);
-    let _ = stream.write_all(out).await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn decode(input: &[u8]) -> Result<Decoded<RequestHead>, ReadError> {
-        HeadDecoder::default().decode(&mut BytesMut::from(input))
-    }
-
-    #[test]
-    fn a_head_followed_by_a_body_is_decoded_whatever_the_buffer_length() {
-        let head = b"POST /ingest HTTP/1.1\r\nhost: x\r\ncontent-length: 20000\r\n\r\n";
-        for extra in [0, MAX_REQUEST_HEAD_BYTES - head.len(), MAX_REQUEST_HEAD_BYTES - head.len() + 1,
-                      MAX_REQUEST_HEAD_BYTES - head.len() + 3, MAX_REQUEST_HEAD_BYTES - head.len() + 4, 20000] {
-            let mut input = head.to_vec();
-            input.extend(std::iter::repeat_n(b'x', extra));
-            assert!(matches!(decode(&input), Ok(Decoded::Some(_))), "buffer of {} bytes", input.len());
-        }
-    }
-
-    #[test]
-    fn a_head_that_does_not_end_within_the_limit_is_refused_at_every_length() {
-        for len in [MAX_REQUEST_HEAD_BYTES + 1, MAX_REQUEST_HEAD_BYTES + 3, MAX_REQUEST_HEAD_BYTES + 4, 40000] {
-            let mut input = b"GET / HTTP/1.1\r\nx-long: ".to_vec();
-            input.resize(len, b'a');
-            assert!(matches!(decode(&input), Err(ReadError::HeadTooLarge)), "{len} bytes");
-        }
-    }
+    let (_, mut write) = stream.into_split();
+    let _ = flush(&mut write, out, Duration::from_secs(1), Duration::from_secs(1)).await;
 }

@@ -51,6 +51,12 @@ impl Response {
 
     /// Appends the encoded response to `out`.
     pub fn encode(&self, out: &mut Vec<u8>, keep_alive: bool) {
+        self.encode_for(out, keep_alive, true)
+    }
+
+    /// Appends the encoded response to `out`; without its body (but with the body's
+    /// Content-Length) when `with_body` is false, as the answer to a HEAD request.
+    pub fn encode_for(&self, out: &mut Vec<u8>, keep_alive: bool, with_body: bool) {
         let mut head = String::with_capacity(256);
         let _ = write!(head, "HTTP/1.1 {} {}\r\n", self.status, reason(self.status));
         head.push_str("access-control-allow-origin: *\r\n");
@@ -68,7 +74,7 @@ impl Response {
         }
         head.push_str("\r\n");
         out.extend_from_slice(head.as_bytes());
-        if self.status != 204 {
+        if self.status != 204 && with_body {
             out.extend_from_slice(&self.body);
         }
     }

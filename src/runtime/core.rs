@@ -1,7 +1,7 @@
 //! One core: its shard, its view of the mesh, and the helpers that run an operation wherever
 //! its data lives (in place when local, over the mesh otherwise).
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,8 +27,6 @@ pub struct Core {
     pub mesh: Rc<Mesh>,
     pub devices: RefCell<DeviceTable>,
     pub sessions: RefCell<SessionTable>,
-    /// Open client connections on this core (limit: maxConnections / cores).
-    pub connections: Cell<usize>,
     pub metrics: crate::metrics::CoreMetrics,
     /// This core's queues, for their depth in metrics.
     pub queues: RefCell<Option<(Inbox, crate::runtime::ingress::IngressQueue)>>,
@@ -64,7 +62,6 @@ impl Core {
             mesh,
             devices: RefCell::new(devices),
             sessions: RefCell::new(sessions),
-            connections: Cell::new(0),
             polling: RefCell::default(),
             metrics: Default::default(),
             queues: RefCell::default(),

@@ -19,9 +19,7 @@ use std::time::{Duration, Instant};
 
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt, OwnedWriteHalf, Splitable};
 use monoio::net::TcpStream;
-use monoio_http::common::request::RequestHead;
-
-use crate::http::{Framed, Request, Response};
+use crate::http::{Framed, Request, RequestHead, Response};
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Out, Outlet, QueueLimits};
 use crate::runtime::mesh::CoreMsg;
@@ -205,8 +203,8 @@ async fn run(
         fd,
     });
     conn.core.metrics.socket_opened(conn.transport());
-    // A live socket counts towards the connection limit of the core it lives on.
-    conn.core.connections.set(conn.core.connections.get() + 1);
+    // A live socket counts towards the connection limit (released however this ends).
+    let _slot = crate::http::ConnectionSlot::acquire();
     let (mut read, write) = stream.into_split();
     // Counted until the reader ends (declared after `read`, so it drops first: no entry
     // outlives the descriptor); a graceful shutdown closes it with 1001 and waits.
@@ -293,7 +291,6 @@ async fn run(
         }
     }
     conn.core.metrics.socket_closed(conn.transport());
-    conn.core.connections.set(conn.core.connections.get() - 1);
 }
 
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
