@@ -1,5 +1,6 @@
 //! Micro-benchmarks of the per-message hot path: body parse, last-value update, routing,
-//! the fan-out decision per subscriber, and frame encoding (plain and Socket.IO).
+//! the fan-out decision per subscriber, frame encoding (plain and Socket.IO), and HTTP request
+//! framing (head parse, chunked body).
 //!
 //! `cargo bench --bench hot_path` (results in docs/BENCHMARKS.md).
 
@@ -131,5 +132,27 @@ fn encoding(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, parse, fan_out, encoding);
+/// A request head as ux4iot's clients send it (PUT /grants from the security backend).
+const REQUEST_HEAD: &[u8] = b"PUT /grants HTTP/1.1\r\nHost: hubcast.example.com\r\nUser-Agent: axios/1.7.2\r\nAccept: application/json, text/plain, */*\r\nContent-Type: application/json\r\nShared-Access-Key: 9c2b7e3f5a1d4c8e9f0a1b2c3d4e5f60\r\nContent-Length: 96\r\nConnection: keep-alive\r\n\r\n";
+
+fn http(c: &mut Criterion) {
+    let mut g = c.benchmark_group("http");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("parse_request_head", |b| {
+        b.iter(|| black_box(hubcast::http::codec::parse_head(black_box(REQUEST_HEAD)).map(|h| h.map(|h| h.2))))
+    });
+    let body = vec![b'x'; 16 * 1024];
+    let chunked = hubcast::http::codec::encode_chunked(&body, &[4096]);
+    g.throughput(Throughput::Bytes(body.len() as u64));
+    g.bench_function("decode_chunked_16k", |b| {
+        b.iter_batched_ref(
+            || (bytes::BytesMut::from(&chunked[..]), bytes::BytesMut::new()),
+            |(src, out)| black_box(hubcast::http::codec::ChunkedDecoder::new(1 << 20).decode(src, out)),
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(benches, parse, fan_out, encoding, http);
 criterion_main!(benches);

@@ -19,6 +19,11 @@ pub const MAX_DEVICE_ID_LEN: usize = 128;
 pub const MAX_KEY_LEN: usize = 256;
 /// Longest accepted request head (request line plus headers), in bytes.
 pub const MAX_REQUEST_HEAD_BYTES: usize = 16 * 1024;
+/// Upper bound of flags in seconds (one year): larger values are refused at start, so no
+/// deadline computed from them can overflow.
+pub const MAX_SECONDS: i64 = 31_536_000;
+/// Upper bound of flags in milliseconds (one day).
+pub const MAX_MILLIS: i64 = 86_400_000;
 
 #[derive(Parser, Debug, Clone)]
 #[command(name = "hubcast", version, about = "Live device data gateway (ux4iot-compatible)")]
@@ -109,19 +114,19 @@ pub struct Config {
     /// Minimum milliseconds between telemetry pushes per session and device (-1 = off).
     #[arg(long = "throttling-interval", visible_aliases = ["throttlingInterval", "throttlingParameter", "throttling-parameter"],
           env = "THROTTLING_INTERVAL", default_value_t = -1, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(i64).range(-1..))]
+          value_parser = clap::value_parser!(i64).range(-1..=MAX_MILLIS))]
     pub throttling_interval: i64,
 
     /// Seconds a connection state stays valid without news from the device (0 or -1 = forever).
     #[arg(long = "connection-state-cache-ttl", visible_alias = "connectionStateCacheTTL",
           env = "CONNECTION_STATE_CACHE_TTL", default_value_t = 60, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(i64).range(-1..))]
+          value_parser = clap::value_parser!(i64).range(-1..=MAX_SECONDS))]
     pub connection_state_cache_ttl: i64,
 
     /// Seconds a device twin read from the hub is cached (-1 = no cache, 0 = forever).
     #[arg(long = "device-twin-cache-ttl", visible_alias = "deviceTwinCacheTTL",
           env = "DEVICE_TWIN_CACHE_TTL", default_value_t = -1, allow_negative_numbers = true,
-          value_parser = clap::value_parser!(i64).range(-1..))]
+          value_parser = clap::value_parser!(i64).range(-1..=MAX_SECONDS))]
     pub device_twin_cache_ttl: i64,
 
     /// Body key holding the message timestamp.
@@ -147,7 +152,7 @@ pub struct Config {
     /// Seconds a session without activity (no request, no open socket) is kept.
     #[arg(long = "session-grace-period", visible_alias = "sessionGracePeriod",
           env = "SESSION_GRACE_PERIOD", default_value_t = 120,
-          value_parser = clap::value_parser!(u64).range(1..))]
+          value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS as u64))]
     pub session_grace_period: u64,
 
     /// Largest accepted request body in bytes (larger: 413).
@@ -155,7 +160,7 @@ pub struct Config {
           default_value_t = 1024 * 1024, value_parser = clap::value_parser!(u64).range(64..))]
     pub max_body_bytes: u64,
 
-    /// Most simultaneous client connections (split evenly across cores).
+    /// Most simultaneous client connections, HTTP and live sockets, in the whole process.
     #[arg(long = "max-connections", visible_alias = "maxConnections", env = "MAX_CONNECTIONS",
           default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_connections: u64,
@@ -167,12 +172,12 @@ pub struct Config {
 
     /// Milliseconds between server pings on live sockets (Engine.IO `pingInterval`).
     #[arg(long = "ping-interval", visible_alias = "pingInterval", env = "PING_INTERVAL",
-          default_value_t = 25_000, value_parser = clap::value_parser!(u64).range(100..))]
+          default_value_t = 25_000, value_parser = clap::value_parser!(u64).range(100..=MAX_MILLIS as u64))]
     pub ping_interval: u64,
 
     /// Milliseconds a client has to answer a ping before its socket is closed.
     #[arg(long = "ping-timeout", visible_alias = "pingTimeout", env = "PING_TIMEOUT",
-          default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..))]
+          default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..=MAX_MILLIS as u64))]
     pub ping_timeout: u64,
 
     /// Messages waiting on one socket beyond which its telemetry is conflated (newest per device).
@@ -204,7 +209,7 @@ pub struct Config {
 
     /// Seconds an idle keep-alive HTTP connection stays open.
     #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
-          default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+          default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub http_idle_timeout: u64,
 
     /// Base URL of the IoT Hub service API (default: https://<HostName of the service connection

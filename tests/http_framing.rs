@@ -1,0 +1,239 @@
+//! Strict HTTP/1.1 message framing (RFC 9112) over raw sockets: request-smuggling shapes are
+//! refused and the connection closed, valid chunked bodies (extensions, trailers) are read,
+//! chunked bodies respect `--max-body-bytes`, empty lines around requests are harmless, HEAD
+//! answers carry no body, and early errors are readable by a client still sending.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{raw_exchange, raw_get, read_response, RawOutcome, RawResponse, Server, ADMIN_KEY};
+
+/// Everything the server sends until it closes the connection (or 5 s pass).
+fn read_to_close(stream: &mut TcpStream) -> (Vec<u8>, bool) {
+    let mut all = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        match stream.read(&mut chunk) {
+            Ok(0) => return (all, true),
+            Ok(n) => all.extend_from_slice(&chunk[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => return (all, false),
+            Err(_) => return (all, true),
+        }
+    }
+}
+
+/// Sends `request` followed by a pipelined `GET /version`, and checks the answer is `status`
+/// with a JSON error, that the connection is closed after it, and that the smuggled request
+/// was never answered.
+fn assert_refused_and_closed(server: &Server, request: &str, status: u16) {
+    let mut stream = server.connect();
+    let mut bytes = request.as_bytes().to_vec();
+    bytes.extend_from_slice(&raw_get("/version"));
+    let _ = stream.write_all(&bytes);
+    let (answer, closed) = read_to_close(&mut stream);
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with(&format!("HTTP/1.1 {status} ")), "answer to {request:?}: {text}");
+    assert!(text.contains("\"errorMessage\""), "answer to {request:?} has no JSON error: {text}");
+    assert!(closed, "connection left open after {request:?}");
+    assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "the request after {request:?} was answered: {text}");
+    server.assert_alive();
+}
+
+#[test]
+fn request_smuggling_shapes_are_refused_and_the_connection_closed() {
+    let server = Server::start(&[]);
+    let post = |fields: &str, body: &str| format!("POST /version HTTP/1.1\r\nHost: a\r\n{fields}\r\n{body}");
+    let shapes = [
+        post("Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", "0\r\n\r\n"),
+        post("Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", "0\r\n\r\n"),
+        post("Content-Length: 5\r\nContent-Length: 6\r\n", "hello!"),
+        post("Content-Length: 5, 6\r\n", "hello!"),
+        post("Content-Length: +5\r\n", "hello"),
+        post("Content-Length: 5x\r\n", "hello"),
+        post("Content-Length: -1\r\n", ""),
+        post("Transfer-Encoding: chunked, identity\r\n", "0\r\n\r\n"),
+        post("Transfer-Encoding: identity\r\n", "0\r\n\r\n"),
+        post("Transfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n", "0\r\n\r\n"),
+        post("Transfer-Encoding: chunked, chunked\r\n", "0\r\n\r\n"),
+        post("Transfer-Encoding: xchunked\r\n", "0\r\n\r\n"),
+        // An empty chunk-size line is not the last chunk.
+        post("Transfer-Encoding: chunked\r\n", "\r\n\r\n"),
+        post("Transfer-Encoding: chunked\r\n", "5\r\nhello\r\n\r\n"),
+        "POST /version HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".to_string(),
+    ];
+    for request in &shapes {
+        assert_refused_and_closed(&server, request, 400);
+    }
+    // A coding hubcast does not implement before chunked: 501 (RFC 9112 §6.1), closed too.
+    assert_refused_and_closed(&server, &post("Transfer-Encoding: gzip, chunked\r\n", "0\r\n\r\n"), 501);
+}
+
+fn ingest_chunked(body_framing: &str) -> String {
+    format!(
+        "POST /ingest HTTP/1.1\r\nHost: a\r\nShared-Access-Key: {ADMIN_KEY}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{body_framing}"
+    )
+}
+
+#[test]
+fn chunk_extensions_and_trailer_fields_are_accepted() {
+    let server = Server::start(&[]);
+    let json = r#"{"deviceId":"d1","body":{"t":1}}"#;
+    let (a, b) = json.split_at(10);
+    let framing = format!(
+        "{:x};name=value\r\n{a}\r\n{:x} ; quoted=\"a b\"\r\n{b}\r\n0;last\r\nX-Checksum: abc\r\nX-Other: 1\r\n\r\n",
+        a.len(),
+        b.len()
+    );
+    let mut stream = server.connect();
+    match raw_exchange(&mut stream, ingest_chunked(&framing).as_bytes()) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 200, "chunked ingest with extensions and trailers: {}{}", r.head, r.body),
+        other => panic!("no answer to a chunked body with extensions and trailers: {other:?}"),
+    }
+    // The body ended where its framing said: the next request on the connection is answered.
+    match raw_exchange(&mut stream, &raw_get("/version")) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 200, "pipelined GET /version: {}", r.head),
+        other => panic!("the request after the chunked body was not answered: {other:?}"),
+    }
+}
+
+/// Sends a chunked body to `POST /version` from a second thread (until the server closes) and
+/// reads the answer; returns it with the number of bytes the sender got out.
+fn chunked_attack(server: &Server, first: Vec<u8>, chunk_data: usize) -> (RawOutcome, usize) {
+    let mut stream = server.connect();
+    stream.write_all(b"POST /version HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n").unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        let mut sent = 0;
+        if writer.write_all(&first).is_err() {
+            return sent;
+        }
+        let block = vec![b'x'; 64 * 1024];
+        while sent < chunk_data {
+            match writer.write(&block[..block.len().min(chunk_data - sent)]) {
+                Ok(n) if n > 0 => sent += n,
+                _ => break,
+            }
+        }
+        sent
+    });
+    let outcome = read_response(&mut stream);
+    drop(stream);
+    (outcome, sender.join().unwrap())
+}
+
+fn assert_413(outcome: &RawOutcome, what: &str) {
+    match outcome {
+        RawOutcome::Response(RawResponse { status: 413, body, .. }) => {
+            assert!(body.contains("maxBodyBytes"), "413 without a JSON error naming the limit: {body}")
+        }
+        other => panic!("{what}: expected 413, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_chunked_body_over_the_limit_is_refused_with_413_before_it_is_buffered() {
+    let server = Server::start(&["--max-body-bytes", "65536"]);
+    // One chunk declared far over the limit: refused on its size line, its data never awaited.
+    let (outcome, _) = chunked_attack(&server, b"7fffffff\r\n".to_vec(), 32 * 1024 * 1024);
+    assert_413(&outcome, "a chunk declared 7fffffff");
+    // Small chunks adding up past the limit.
+    let (outcome, _) = chunked_attack(&server, chunks(40, 4096), 0);
+    assert_413(&outcome, "chunks adding up past the limit");
+    // Within the limit the same framing is accepted (405: POST on /version, body read whole).
+    let mut stream = server.connect();
+    let mut request = b"POST /version HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    request.extend_from_slice(&chunks(15, 4096));
+    request.extend_from_slice(b"0\r\n\r\n");
+    match raw_exchange(&mut stream, &request) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 405, "{}", r.head),
+        other => panic!("no answer to a chunked body within the limit: {other:?}"),
+    }
+    server.assert_alive();
+}
+
+/// `count` chunks of `size` bytes each.
+fn chunks(count: usize, size: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..count {
+        out.extend_from_slice(format!("{size:x}\r\n").as_bytes());
+        out.extend(std::iter::repeat_n(b'x', size));
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+#[test]
+fn empty_lines_before_and_after_a_request_do_not_stall_it() {
+    let server = Server::start(&[]);
+    let mut stream = server.connect();
+    // RFC 9112 §2.2: empty lines before a request line are ignored.
+    let mut request = b"\r\n\r\n".to_vec();
+    request.extend_from_slice(&raw_get("/version"));
+    match raw_exchange(&mut stream, &request) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 200, "{}", r.head),
+        other => panic!("a request after empty lines was not answered: {other:?}"),
+    }
+    // Empty lines after a request must not hold back its answer (the idle timeout is 60 s,
+    // the read below gives up after 5 s).
+    let mut request = raw_get("/version");
+    request.extend_from_slice(b"\r\n\r\n\r\n");
+    match raw_exchange(&mut stream, &request) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 200, "{}", r.head),
+        other => panic!("a request followed by empty lines was not answered: {other:?}"),
+    }
+    // And the connection still serves the next one.
+    match raw_exchange(&mut stream, &raw_get("/version")) {
+        RawOutcome::Response(r) => assert_eq!(r.status, 200, "{}", r.head),
+        other => panic!("no answer after the empty lines: {other:?}"),
+    }
+}
+
+#[test]
+fn head_is_answered_like_get_without_a_body() {
+    let server = Server::start(&[]);
+    let (_, get_body, _) = server.call_raw("GET", "/version", &[], b"");
+    let mut stream = server.connect();
+    let mut request = b"HEAD /version HTTP/1.1\r\nHost: a\r\n\r\n".to_vec();
+    request.extend_from_slice(&raw_get("/version"));
+    stream.write_all(&request).unwrap();
+    // Read until the pipelined GET's answer is complete.
+    let mut all = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !String::from_utf8_lossy(&all).ends_with(&get_body) {
+        assert!(Instant::now() < deadline, "no complete answers: {}", String::from_utf8_lossy(&all));
+        let n = stream.read(&mut chunk).expect("read answers");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&all));
+        all.extend_from_slice(&chunk[..n]);
+    }
+    let text = String::from_utf8_lossy(&all);
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 "), "HEAD answer: {head}");
+    let length = format!("content-length: {}", get_body.len());
+    assert!(head.to_ascii_lowercase().contains(&length), "HEAD answer lacks the GET's {length}: {head}");
+    assert!(rest.starts_with("HTTP/1.1 200 "), "the HEAD answer carried a body: {rest}");
+}
+
+#[test]
+fn python_http_client_reads_the_413_while_still_sending_its_body() {
+    let server = Server::start(&["--max-body-bytes", "65536"]);
+    let script = r#"
+import http.client, json, sys
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
+conn.request("POST", "/ingest", body=b"x" * (4 * 1024 * 1024), headers={"Content-Type": "application/json"})
+r = conn.getresponse()
+print(r.status, json.loads(r.read())["errorMessage"])
+"#;
+    let out = Command::new("python3").arg("-c").arg(script).arg(server.port.to_string()).output().expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.starts_with("413 ") && stdout.contains("maxBodyBytes"),
+        "python http.client did not read the 413: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    server.assert_alive();
+}
