@@ -11,6 +11,15 @@ if [ -f tests/js/package.json ]; then
   (cd tests/js && npm ci --no-audit --no-fund --loglevel=error)
 fi
 
+# Python's http.client reads an early 413 in tests/http_framing.rs; prlimit (util-linux) caps
+# memory in tests/hostile_http.rs.
+if ! command -v python3 >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq python3 >/dev/null
+fi
+if ! command -v prlimit >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq util-linux >/dev/null
+fi
+
 # Local brokers some tests talk to (started when present and stopped).
 if [ -x scripts/services.sh ]; then
   scripts/services.sh

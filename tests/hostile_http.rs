@@ -85,6 +85,14 @@ fn pipeline_until(port: u16, stop: &AtomicBool, closed: &AtomicUsize) {
     }
 }
 
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 #[test]
 fn hubcast_under_a_memory_limit_survives_chunked_floods_and_pipeliners_that_never_read() {
     let mut server = Server::start(&["--max-body-bytes", "65536", "--max-connections", "64", "--http-idle-timeout", "2"]);
@@ -101,6 +109,8 @@ fn hubcast_under_a_memory_limit_survives_chunked_floods_and_pipeliners_that_neve
     let stop = AtomicBool::new(false);
     let pipeliners_closed = AtomicUsize::new(0);
     let (statuses, pushed, answered) = std::thread::scope(|s| {
+        // However this ends (a failed assertion too), the pipeliners stop, so the scope ends.
+        let _stop = StopOnDrop(&stop);
         for _ in 0..PIPELINERS {
             s.spawn(|| pipeline_until(port, &stop, &pipeliners_closed));
         }
@@ -136,7 +146,6 @@ fn hubcast_under_a_memory_limit_survives_chunked_floods_and_pipeliners_that_neve
             assert!(Instant::now() < deadline, "pipeliners that never read were not closed");
             std::thread::sleep(Duration::from_millis(50));
         }
-        stop.store(true, Ordering::Relaxed);
         let statuses: Vec<u16> = results.iter().flat_map(|r| r.0.iter().copied()).collect();
         let pushed: usize = results.iter().map(|r| r.1).sum();
         (statuses, pushed, answered)
