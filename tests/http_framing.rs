@@ -39,7 +39,13 @@ fn assert_refused_and_closed(server: &Server, request: &str, status: u16) {
     assert!(text.starts_with(&format!("HTTP/1.1 {status} ")), "answer to {request:?}: {text}");
     assert!(text.contains("\"errorMessage\""), "answer to {request:?} has no JSON error: {text}");
     assert!(closed, "connection left open after {request:?}");
-    assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "the request after {request:?} was answered: {text}");
+    // Nothing follows the first answer: the request after it was not answered.
+    let head_end = text.find("\r\n\r\n").expect("a complete head") + 4;
+    let length: usize = text[..head_end]
+        .lines()
+        .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+        .expect("content-length");
+    assert_eq!(answer.len(), head_end + length, "the request after {request:?} was answered: {text}");
     server.assert_alive();
 }
 
@@ -70,6 +76,13 @@ fn request_smuggling_shapes_are_refused_and_the_connection_closed() {
     }
     // A coding hubcast does not implement before chunked: 501 (RFC 9112 §6.1), closed too.
     assert_refused_and_closed(&server, &post("Transfer-Encoding: gzip, chunked\r\n", "0\r\n\r\n"), 501);
+}
+
+#[test]
+fn http_1_1_requests_need_exactly_one_host_header() {
+    let server = Server::start(&[]);
+    assert_refused_and_closed(&server, "GET /version HTTP/1.1\r\n\r\n", 400);
+    assert_refused_and_closed(&server, "GET /version HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400);
 }
 
 fn ingest_chunked(body_framing: &str) -> String {

@@ -9,7 +9,7 @@
 //!   (e.g. `gzip, chunked`) → 501 and close (§6.1, §6.3).
 //! - `Content-Length` must be digits only; several values (repeated header or a list) must
 //!   all be equal (§6.3).
-//! - Empty lines before a request are skipped (§2.2).
+//! - Empty lines before a request are skipped (§2.2); HTTP/1.1 needs exactly one `Host` (§3.2).
 //!
 //! The chunked framer never holds more than the body limit: a chunk's declared size is
 //! checked against what is left of the limit as soon as its size line arrives, before any of
@@ -84,6 +84,11 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(RequestHead, Framing, usize)>, H
         let name = HeaderName::from_bytes(field.name.as_bytes()).map_err(|_| malformed("invalid header name"))?;
         let value = HeaderValue::from_bytes(field.value).map_err(|_| malformed("invalid header value"))?;
         headers.append(name, value);
+    }
+    // RFC 9112 §3.2: exactly one Host in HTTP/1.1 (at most one in HTTP/1.0).
+    let hosts = headers.get_all(http::header::HOST).iter().count();
+    if hosts > 1 || (hosts == 0 && version == Version::HTTP_11) {
+        return Err(malformed("an HTTP/1.1 request needs exactly one Host header"));
     }
     let framing = framing(version, &headers)?;
     let mut head = http::Request::new(()).into_parts().0;

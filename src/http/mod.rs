@@ -76,11 +76,6 @@ impl ConnectionSlot {
         OPEN_CONNECTIONS.fetch_add(1, Ordering::AcqRel);
         Self(())
     }
-
-    /// Connections open in the process now.
-    pub fn open() -> usize {
-        OPEN_CONNECTIONS.load(Ordering::Acquire)
-    }
 }
 
 impl Drop for ConnectionSlot {

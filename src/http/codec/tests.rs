@@ -27,6 +27,13 @@ fn a_request_head_is_parsed_with_its_length() {
 }
 
 #[test]
+fn http_1_1_needs_exactly_one_host() {
+    assert!(matches!(head("GET / HTTP/1.1\r\n\r\n"), Err(HeadError::Malformed(_))));
+    assert!(matches!(head("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"), Err(HeadError::Malformed(_))));
+    assert!(matches!(head("GET / HTTP/1.0\r\n\r\n"), Ok(Some(_))));
+}
+
+#[test]
 fn heads_over_the_limits_are_too_large() {
     let long = format!("GET / HTTP/1.1\r\nx: {}\r\n\r\n", "a".repeat(MAX_REQUEST_HEAD_BYTES));
     assert_eq!(head(&long).err(), Some(HeadError::TooLarge));
