@@ -115,6 +115,8 @@ impl Framed {
     async fn fill(&mut self, want: usize) -> std::io::Result<usize> {
         self.buf.reserve(want.clamp(READ_CHUNK, 1 << 20));
         let (len, cap) = (self.buf.len(), self.buf.capacity());
+        // SAFETY: `len..cap` is the buffer's spare capacity; the read initialises what it
+        // fills and extends the buffer's length over exactly that (`SliceMut::set_init`).
         let slice = unsafe { SliceMut::new_unchecked(std::mem::take(&mut self.buf), len, cap) };
         let (result, slice) = self.io.read(slice).await;
         self.buf = slice.into_inner();
