@@ -272,6 +272,23 @@ async fn linger(framed: Framed, mut write: OwnedWriteHalf<TcpStream>) {
     }
 }
 
+/// What to write for one request, and what becomes of the connection after it.
+struct Answer {
+    response: Response,
+    keep_alive: bool,
+    /// The answer to a HEAD request: written without its body.
+    head_only: bool,
+    /// The request (or its body) was not read whole: linger before closing.
+    unread_input: bool,
+}
+
+impl Answer {
+    /// An error found while reading the request: answered, then the connection closes.
+    fn early(response: Response) -> Self {
+        Self { response, keep_alive: false, head_only: false, unread_input: true }
+    }
+}
+
 /// Serves one client connection until it closes, errs or idles out.
 pub async fn serve(core: Rc<Core>, stream: TcpStream) {
     let _ = stream.set_nodelay(true);
@@ -282,13 +299,12 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
     let limit = core.settings.config.max_body_bytes;
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     loop {
-        // (answer, keep the connection, answer a HEAD request, input left unread)
         let next = monoio::time::timeout(idle, framed.read_head()).await;
         // A request in hand until its answer is written: a graceful shutdown waits for it.
         let _in_hand = core.drain.request();
-        let (response, keep_alive, head_only, unread) = match next {
+        let answer = match next {
             Err(_) | Ok(Err(ReadError::Gone)) => break,
-            Ok(Err(ReadError::Head(e))) => (head_error(e), false, false, true),
+            Ok(Err(ReadError::Head(e))) => Answer::early(head_error(e)),
             Ok(Ok((head, _))) if crate::transport::is_upgrade(&head) => match crate::transport::check_upgrade(&head) {
                 Ok(kind) => {
                     if !out.is_empty() && flush(&mut write, std::mem::take(&mut out), stall, idle).await.is_err() {
@@ -297,7 +313,7 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
                     crate::transport::upgrade(core, head, kind, framed, write).await;
                     return;
                 }
-                Err(response) => (response.closing(), false, false, false),
+                Err(response) => Answer { response: response.closing(), keep_alive: false, head_only: false, unread_input: false },
             },
             Ok(Ok((head, framing))) => {
                 let keep_alive = wants_keep_alive(&head);
@@ -313,8 +329,8 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
                     }
                 }
                 match monoio::time::timeout(idle, framed.read_body(framing, limit)).await {
-                    Err(_) => (Response::error(408, "timed out reading the request body").closing(), false, false, true),
-                    Ok(Err(response)) => (response, false, false, true),
+                    Err(_) => Answer::early(Response::error(408, "timed out reading the request body").closing()),
+                    Ok(Err(response)) => Answer::early(response),
                     Ok(Ok(body)) => {
                         let request = Request {
                             path: head.uri.path().to_string(),
@@ -324,15 +340,16 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
                             headers: head.headers,
                             body,
                         };
-                        (crate::api::handle(&core, request).await, keep_alive, head_only, false)
+                        let response = crate::api::handle(&core, request).await;
+                        Answer { response, keep_alive, head_only, unread_input: false }
                     }
                 }
             }
         };
         // While shutting down, each connection gets one last answer.
-        let keep_alive = keep_alive && !crate::shutdown::STOPPING.is_stopping();
-        let close = !keep_alive || response.close;
-        response.encode_for(&mut out, keep_alive, !head_only);
+        let keep_alive = answer.keep_alive && !crate::shutdown::STOPPING.is_stopping();
+        let close = !keep_alive || answer.response.close;
+        answer.response.encode_for(&mut out, keep_alive, !answer.head_only);
         if close || out.len() >= PIPELINE_FLUSH_BYTES || !framed.next_request_buffered() {
             match flush(&mut write, std::mem::take(&mut out), stall, idle).await {
                 Ok(buf) => out = buf,
@@ -344,7 +361,7 @@ pub async fn serve(core: Rc<Core>, stream: TcpStream) {
             }
         }
         if close {
-            if unread {
+            if answer.unread_input {
                 linger(framed, write).await;
             }
             return;
