@@ -165,7 +165,7 @@ pub struct Config {
           default_value_t = 200_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_connections: u64,
 
-    /// Most live sessions (split evenly across cores).
+    /// Most live sessions in the whole process.
     #[arg(long = "max-sessions", visible_alias = "maxSessions", env = "MAX_SESSIONS",
           default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_sessions: u64,

@@ -1,6 +1,6 @@
-//! Connection limits over real sockets: `--max-connections` is a process total whichever core
-//! accepts, clients that never read their answers lose their slots, and duration flags are
-//! bounded at start.
+//! Limits over real sockets: `--max-connections` and `--max-sessions` are process totals
+//! whichever core takes the connection or session, clients that never read their answers lose
+//! their slots, and duration flags are bounded at start.
 
 mod common;
 
@@ -31,6 +31,19 @@ fn max_connections_is_a_total_over_all_cores() {
     match raw_exchange(&mut held, &raw_get("/version")) {
         RawOutcome::Response(r) => assert_eq!(r.status, 200, "the held connection afterwards: {}", r.head),
         other => panic!("the held connection stopped working: {other:?}"),
+    }
+}
+
+#[test]
+fn max_sessions_is_a_total_over_all_cores() {
+    // Two cores, one session allowed: split per core, each core would take one.
+    let server = Server::start(&["--max-sessions", "1", "--cores", "2"]);
+    let (status, body) = server.call_json("POST", "/session", &[], None);
+    assert_eq!(status, 200, "the first session: {body}");
+    // Session ids hash to either core: none of the next ones may be created.
+    for i in 0..12 {
+        let (status, body) = server.call_json("POST", "/session", &[], None);
+        assert_eq!(status, 503, "session {i} beyond the total of 1: {body}");
     }
 }
 

@@ -50,8 +50,7 @@ impl Core {
             throttle: (c.throttling_interval > 0).then(|| Duration::from_millis(c.throttling_interval as u64)),
             connection_ttl: seconds(c.connection_state_cache_ttl),
         };
-        let per_core_sessions = (c.max_sessions as usize).div_ceil(settings.cores);
-        let sessions = SessionTable::new(Duration::from_secs(c.session_grace_period), per_core_sessions);
+        let sessions = SessionTable::new(Duration::from_secs(c.session_grace_period), c.max_sessions as usize).process_total();
         let mut devices = DeviceTable::new(ingest, timing);
         if shared.hub.is_some() {
             devices = devices.with_hub_twins(settings.twin_cache_ttl());

@@ -9,6 +9,7 @@ use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
@@ -29,11 +30,30 @@ pub struct SessionTable {
     deadlines: BinaryHeap<Reverse<(Instant, SessionId)>>,
     grace: Duration,
     capacity: usize,
+    /// `capacity` bounds the sessions of every core together ([`PROCESS_SESSIONS`]), not this table's.
+    process_total: bool,
 }
+
+/// Live sessions of the whole process, for tables made with [`SessionTable::process_total`]:
+/// `maxSessions` is a real total whichever core a session hashes to. One atomic touched when a
+/// session is created or ends, never per message.
+static PROCESS_SESSIONS: AtomicUsize = AtomicUsize::new(0);
 
 impl SessionTable {
     pub fn new(grace: Duration, capacity: usize) -> Self {
-        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, capacity }
+        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, capacity, process_total: false }
+    }
+
+    /// Counts against `capacity` together with every other core's table.
+    pub fn process_total(mut self) -> Self {
+        self.process_total = true;
+        self
+    }
+
+    fn released(&self, n: usize) {
+        if self.process_total && n > 0 {
+            PROCESS_SESSIONS.fetch_sub(n, Ordering::AcqRel);
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -44,12 +64,21 @@ impl SessionTable {
         self.sessions.is_empty()
     }
 
-    /// Returns false when this core's share of the session limit is used up.
+    /// Returns false when the session limit is used up.
     pub fn create(&mut self, id: SessionId, now: Instant) -> bool {
-        if self.sessions.len() >= self.capacity {
+        let full = if self.process_total {
+            let capacity = self.capacity;
+            PROCESS_SESSIONS.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < capacity).then_some(n + 1)).is_err()
+        } else {
+            self.sessions.len() >= self.capacity
+        };
+        if full {
             return false;
         }
-        self.sessions.insert(id, SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new() });
+        let record = SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new() };
+        if self.sessions.insert(id, record).is_some() {
+            self.released(1);
+        }
         self.deadlines.push(Reverse((now + self.grace, id)));
         true
     }
@@ -66,10 +95,13 @@ impl SessionTable {
     }
 
     pub fn remove(&mut self, id: SessionId) -> Option<SessionRecord> {
-        self.sessions.remove(&id)
+        let record = self.sessions.remove(&id);
+        self.released(record.iter().count());
+        record
     }
 
     pub fn drain(&mut self) -> Vec<(SessionId, SessionRecord)> {
+        self.released(self.sessions.len());
         self.deadlines.clear();
         self.sessions.drain().collect()
     }
@@ -90,6 +122,7 @@ impl SessionTable {
                 self.deadlines.push(Reverse((due.max(now + self.grace / 4), id)));
             }
         }
+        self.released(expired.len());
         expired
     }
 }
