@@ -247,6 +247,17 @@ pub struct Config {
     #[arg(long = "shutdown-timeout", env = "SHUTDOWN_TIMEOUT", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub shutdown_timeout: u64,
+
+    /// Bytes waiting on one socket beyond which its telemetry is conflated (newest per device).
+    #[arg(long = "socket-queue-soft-bytes", env = "SOCKET_QUEUE_SOFT_BYTES", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub socket_queue_soft_bytes: u64,
+
+    /// Bytes waiting on one socket beyond which it is closed as a slow consumer (one frame
+    /// larger than this may still wait alone).
+    #[arg(long = "socket-queue-hard-bytes", env = "SOCKET_QUEUE_HARD_BYTES", default_value_t = 8 << 20,
+          value_parser = clap::value_parser!(u64).range(2048..=1 << 40))]
+    pub socket_queue_hard_bytes: u64,
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -1,12 +1,20 @@
 //! A socket's outgoing queue, on the socket's core.
 //!
-//! Producers (the fan-out, protocol pings) push; one writer drains everything queued into a
-//! single write. When the consumer falls behind (more than `soft` frames waiting), telemetry
-//! is conflated: only the newest telemetry frame per device is kept. Connection state, twin
-//! and protocol frames are never dropped; past `hard` frames waiting the socket is closed
-//! with a reason. A slow socket therefore costs bounded memory and never slows the others.
+//! Producers (the fan-out, protocol packets) push; one writer drains everything queued into a
+//! single write. Back-pressure policy of one socket, bounded in messages *and* bytes:
+//! - **conflated**: once the consumer is behind (`soft` messages or `soft_bytes` bytes
+//!   waiting), telemetry is conflated: only the newest telemetry frame per device is kept. The
+//!   newer frame takes the older one's place when nothing else of that device was queued after
+//!   it, and otherwise goes to the back (the older one is dropped), so every device's frames
+//!   still leave in the order they arrived (a conflated reading never overtakes the device's
+//!   later connection-state or twin frame, nor falls behind it);
+//! - **never dropped**: connection state, twin, device-to-cloud messages and protocol packets;
+//! - **refused**: past `hard` messages or `hard_bytes` bytes waiting the socket is closed
+//!   (1008, "slow consumer"), and what it held is freed at once (a single frame larger than
+//!   `hard_bytes` may still wait alone).
+//! A slow socket therefore costs bounded memory and never slows the others.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::rc::Rc;
@@ -29,10 +37,29 @@ pub enum Out {
     Pong(Vec<u8>),
 }
 
+/// What one queued item is charged against the byte limits: its payload plus the framing
+/// and bookkeeping around it.
+const ITEM_OVERHEAD: usize = 32;
+
+impl Out {
+    pub fn charged_bytes(&self) -> usize {
+        ITEM_OVERHEAD
+            + match self {
+                Out::Envelope(frame) => frame.len(),
+                Out::Packet(p) => p.len(),
+                Out::Ping => 0,
+                Out::Pong(payload) => payload.len(),
+            }
+    }
+}
+
+/// When a socket's queue counts as behind (`soft*`: conflate) and when it is closed (`hard*`).
 #[derive(Debug, Clone, Copy)]
 pub struct QueueLimits {
     pub soft: usize,
     pub hard: usize,
+    pub soft_bytes: usize,
+    pub hard_bytes: usize,
 }
 
 /// Why a socket is being closed: WebSocket close code and reason text.
@@ -40,20 +67,76 @@ pub struct QueueLimits {
 pub struct CloseReason {
     pub code: u16,
     pub text: String,
+    /// The server ends the session (not a transport failure): Socket.IO sockets get a
+    /// DISCONNECT packet (`41`) before the close, so the client sees "io server disconnect"
+    /// and does not reconnect on its own.
+    pub server_disconnect: bool,
 }
 
 impl CloseReason {
     pub fn new(code: u16, text: impl Into<String>) -> Self {
-        Self { code, text: text.into() }
+        Self { code, text: text.into(), server_disconnect: false }
+    }
+
+    /// A close the server decided on for the session ([`CloseReason::server_disconnect`]).
+    pub fn disconnect(code: u16, text: impl Into<String>) -> Self {
+        Self { server_disconnect: true, ..Self::new(code, text) }
     }
 }
 
 #[derive(Default)]
 struct State {
-    queue: VecDeque<Out>,
-    /// Newest telemetry per device, kept while the consumer is behind (sent after `queue`).
-    conflated: HashMap<Arc<str>, Arc<str>>,
+    /// Items in order; `None` marks a telemetry frame replaced by a newer one further back.
+    queue: VecDeque<Option<Out>>,
+    /// Items that are not `None`.
+    live: usize,
+    /// Charged bytes of the live items.
+    bytes: usize,
+    /// While behind: per device, where its newest telemetry frame sits and whether a frame of
+    /// another kind of that device was queued after it (then a newer one must go to the back).
+    slots: HashMap<Arc<str>, Slot>,
     closing: Option<CloseReason>,
+}
+
+#[derive(Clone, Copy)]
+struct Slot {
+    pos: usize,
+    sealed: bool,
+}
+
+impl State {
+    fn push(&mut self, item: Out) -> usize {
+        self.bytes += item.charged_bytes();
+        self.live += 1;
+        self.queue.push_back(Some(item));
+        self.queue.len() - 1
+    }
+
+    fn take_all(&mut self) -> Vec<Out> {
+        let items = self.queue.drain(..).flatten().collect();
+        self.slots.clear();
+        self.live = 0;
+        self.bytes = 0;
+        items
+    }
+
+    /// Drops the holes once they outnumber the live items (amortised O(1) per conflation).
+    fn compact(&mut self) {
+        let holes = self.queue.len() - self.live;
+        if holes <= self.live.max(32) {
+            return;
+        }
+        let mut remap = Vec::with_capacity(self.queue.len());
+        let mut next = 0;
+        for item in &self.queue {
+            remap.push(next);
+            next += usize::from(item.is_some());
+        }
+        self.queue.retain(Option::is_some);
+        for slot in self.slots.values_mut() {
+            slot.pos = remap[slot.pos];
+        }
+    }
 }
 
 pub struct Outlet {
@@ -61,27 +144,27 @@ pub struct Outlet {
     limits: QueueLimits,
     state: RefCell<State>,
     waker: RefCell<Option<Waker>>,
-    /// Frames replaced by newer ones while behind (for metrics).
-    pub conflated_count: Cell<u64>,
 }
 
 /// What the writer got from one drain.
 pub struct Drained {
     pub items: Vec<Out>,
     pub closing: Option<CloseReason>,
-    /// Telemetry frames replaced by newer ones since the last drain.
-    pub conflated: u64,
+}
+
+/// What became of one delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivered {
+    Queued,
+    /// It replaced an older telemetry frame of the same device (counted in metrics).
+    Conflated,
+    /// The socket is closing; nothing was queued.
+    Dropped,
 }
 
 impl Outlet {
     pub fn new(id: u64, limits: QueueLimits) -> Rc<Self> {
-        Rc::new(Self {
-            id,
-            limits,
-            state: RefCell::default(),
-            waker: RefCell::new(None),
-            conflated_count: Cell::new(0),
-        })
+        Rc::new(Self { id, limits, state: RefCell::default(), waker: RefCell::new(None) })
     }
 
     fn wake(&self) {
@@ -94,57 +177,93 @@ impl Outlet {
         self.state.borrow().closing.is_some()
     }
 
-    /// Frames waiting (queued plus conflated).
-    pub fn backlog(&self) -> usize {
+    /// Items waiting and the bytes charged for them.
+    pub fn backlog(&self) -> (usize, usize) {
         let s = self.state.borrow();
-        s.queue.len() + s.conflated.len()
+        (s.live, s.bytes)
     }
 
-    /// Queues a protocol item; never dropped (but counts towards the hard limit).
+    /// Closes a socket whose queue went past a hard limit; true when it did.
+    fn check_hard_limits(&self, s: std::cell::RefMut<'_, State>) -> bool {
+        let (live, bytes) = (s.live, s.bytes);
+        drop(s);
+        let l = &self.limits;
+        let why = if live > l.hard {
+            format!("slow consumer: more than {} messages waiting", l.hard)
+        } else if bytes > l.hard_bytes && live > 1 {
+            // One frame alone may exceed it (a big twin or message): it is what the limit is for.
+            format!("slow consumer: more than {} bytes waiting", l.hard_bytes)
+        } else {
+            self.wake();
+            return false;
+        };
+        self.close(CloseReason::new(1008, why));
+        true
+    }
+
+    /// Queues a protocol item; never dropped (but counts towards the hard limits).
     pub fn push(&self, item: Out) {
         let mut s = self.state.borrow_mut();
         if s.closing.is_some() {
             return;
         }
-        s.queue.push_back(item);
-        let over = s.queue.len() + s.conflated.len() > self.limits.hard;
-        drop(s);
-        if over {
-            self.close(CloseReason::new(1008, format!("slow consumer: more than {} messages waiting", self.limits.hard)));
-        } else {
-            self.wake();
-        }
+        s.push(item);
+        self.check_hard_limits(s);
     }
 
     /// Queues a delivery, conflating telemetry when the consumer is behind.
-    pub fn deliver(&self, d: &Delivery) {
+    pub fn deliver(&self, d: &Delivery) -> Delivered {
         let mut s = self.state.borrow_mut();
         if s.closing.is_some() {
-            return;
+            return Delivered::Dropped;
         }
-        let waiting = s.queue.len() + s.conflated.len();
-        if waiting >= self.limits.soft && d.kind == FrameKind::Telemetry {
-            if s.conflated.insert(d.device.clone(), d.frame.clone()).is_some() {
-                self.conflated_count.set(self.conflated_count.get() + 1);
+        let behind = s.live >= self.limits.soft || s.bytes >= self.limits.soft_bytes;
+        let item = Out::Envelope(d.frame.clone());
+        let mut outcome = Delivered::Queued;
+        if d.kind != FrameKind::Telemetry {
+            if let Some(slot) = s.slots.get_mut(&d.device) {
+                slot.sealed = true;
             }
+            s.push(item);
+        } else if !behind {
+            s.push(item);
         } else {
-            s.queue.push_back(Out::Envelope(d.frame.clone()));
+            let old = s.slots.get(&d.device).copied();
+            match old {
+                Some(Slot { pos, sealed: false }) => {
+                    let new_bytes = item.charged_bytes();
+                    let previous = s.queue[pos].replace(item).map_or(0, |o| o.charged_bytes());
+                    s.bytes = s.bytes + new_bytes - previous;
+                }
+                Some(Slot { pos, sealed: true }) => {
+                    if let Some(previous) = s.queue[pos].take() {
+                        s.bytes -= previous.charged_bytes();
+                        s.live -= 1;
+                    }
+                    let pos = s.push(item);
+                    s.slots.insert(d.device.clone(), Slot { pos, sealed: false });
+                    s.compact();
+                }
+                None => {
+                    let pos = s.push(item);
+                    s.slots.insert(d.device.clone(), Slot { pos, sealed: false });
+                }
+            }
+            if old.is_some() {
+                outcome = Delivered::Conflated;
+            }
         }
-        let over = s.queue.len() + s.conflated.len() > self.limits.hard;
-        drop(s);
-        if over {
-            self.close(CloseReason::new(1008, format!("slow consumer: more than {} messages waiting", self.limits.hard)));
-        } else {
-            self.wake();
+        if self.check_hard_limits(s) {
+            return Delivered::Dropped;
         }
+        outcome
     }
 
     /// Asks the writer to close the socket now; what is still queued is dropped.
     pub fn close(&self, reason: CloseReason) {
         let mut s = self.state.borrow_mut();
         if s.closing.is_none() {
-            s.queue.clear();
-            s.conflated.clear();
+            drop(s.take_all());
             s.closing = Some(reason);
         }
         drop(s);
@@ -165,11 +284,8 @@ impl Outlet {
     pub async fn drain(&self) -> Drained {
         poll_fn(|cx| {
             let mut s = self.state.borrow_mut();
-            if s.closing.is_some() || !s.queue.is_empty() || !s.conflated.is_empty() {
-                let mut items: Vec<Out> = s.queue.drain(..).collect();
-                items.extend(s.conflated.drain().map(|(_, frame)| Out::Envelope(frame)));
-                let conflated = self.conflated_count.replace(0);
-                return Poll::Ready(Drained { items, closing: s.closing.clone(), conflated });
+            if s.closing.is_some() || s.live > 0 {
+                return Poll::Ready(Drained { items: s.take_all(), closing: s.closing.clone() });
             }
             *self.waker.borrow_mut() = Some(cx.waker().clone());
             Poll::Pending
@@ -180,9 +296,7 @@ impl Outlet {
     /// Takes what is queued without waiting (long-polling).
     pub fn try_drain(&self) -> Drained {
         let mut s = self.state.borrow_mut();
-        let mut items: Vec<Out> = s.queue.drain(..).collect();
-        items.extend(s.conflated.drain().map(|(_, frame)| Out::Envelope(frame)));
-        Drained { items, closing: s.closing.clone(), conflated: self.conflated_count.replace(0) }
+        Drained { items: s.take_all(), closing: s.closing.clone() }
     }
 }
 
@@ -195,27 +309,78 @@ mod tests {
         Delivery { session: SessionId(1), device: device.into(), kind, frame: frame.into() }
     }
 
+    fn limits(soft: usize, hard: usize) -> QueueLimits {
+        QueueLimits { soft, hard, soft_bytes: usize::MAX, hard_bytes: usize::MAX }
+    }
+
+    fn frames(d: Drained) -> Vec<String> {
+        d.items.iter().map(|i| match i { Out::Envelope(f) => f.to_string(), _ => unreachable!() }).collect()
+    }
+
     #[test]
     fn behind_consumer_gets_newest_telemetry_per_device_and_every_state_change() {
-        let o = Outlet::new(1, QueueLimits { soft: 2, hard: 100 });
-        o.deliver(&delivery("a", FrameKind::Telemetry, "t1"));
+        let o = Outlet::new(1, limits(2, 100));
+        assert_eq!(o.deliver(&delivery("a", FrameKind::Telemetry, "t1")), Delivered::Queued);
         o.deliver(&delivery("a", FrameKind::Telemetry, "t2"));
-        o.deliver(&delivery("a", FrameKind::Telemetry, "t3"));
+        assert_eq!(o.deliver(&delivery("a", FrameKind::Telemetry, "t3")), Delivered::Queued);
         o.deliver(&delivery("a", FrameKind::ConnectionState, "c1"));
-        o.deliver(&delivery("a", FrameKind::Telemetry, "t4"));
-        let d = o.try_drain();
-        let frames: Vec<_> = d.items.iter().map(|i| match i { Out::Envelope(f) => f.to_string(), _ => unreachable!() }).collect();
-        assert_eq!(frames, vec!["t1", "t2", "c1", "t4"]);
-        assert_eq!(d.conflated, 1);
+        assert_eq!(o.deliver(&delivery("a", FrameKind::Telemetry, "t4")), Delivered::Conflated);
+        assert_eq!(frames(o.try_drain()), vec!["t1", "t2", "c1", "t4"]);
+    }
+
+    #[test]
+    fn a_conflated_frame_keeps_its_place_before_later_state_frames() {
+        let o = Outlet::new(1, limits(1, 100));
+        o.deliver(&delivery("b", FrameKind::Telemetry, "b1"));
+        o.deliver(&delivery("a", FrameKind::Telemetry, "t1"));
+        o.deliver(&delivery("b", FrameKind::Telemetry, "b2"));
+        assert_eq!(o.deliver(&delivery("a", FrameKind::Telemetry, "t2")), Delivered::Conflated);
+        o.deliver(&delivery("a", FrameKind::ConnectionState, "off"));
+        assert_eq!(frames(o.try_drain()), vec!["b1", "t2", "b2", "off"]);
     }
 
     #[test]
     fn past_the_hard_limit_the_socket_closes() {
-        let o = Outlet::new(1, QueueLimits { soft: 1, hard: 3 });
+        let o = Outlet::new(1, limits(1, 3));
         for i in 0..5 {
             o.deliver(&delivery("a", FrameKind::ConnectionState, &format!("c{i}")));
         }
         assert!(o.is_closing());
         assert!(o.try_drain().closing.unwrap().text.contains("slow consumer"));
+    }
+
+    #[test]
+    fn one_frame_larger_than_the_byte_limit_may_wait_alone() {
+        let o = Outlet::new(1, QueueLimits { soft: 10, hard: 10, soft_bytes: 10, hard_bytes: 100 });
+        assert_eq!(o.deliver(&delivery("a", FrameKind::DeviceTwin, &"x".repeat(1000))), Delivered::Queued);
+        assert!(!o.is_closing());
+    }
+
+    #[test]
+    fn past_the_hard_byte_limit_the_socket_closes_and_frees_its_queue() {
+        let o = Outlet::new(1, QueueLimits { soft: 1000, hard: 1000, soft_bytes: 1000, hard_bytes: 4000 });
+        let big = "x".repeat(1000);
+        for _ in 0..3 {
+            o.deliver(&delivery("a", FrameKind::Message, &big));
+        }
+        assert!(!o.is_closing());
+        assert_eq!(o.deliver(&delivery("a", FrameKind::Message, &big)), Delivered::Dropped);
+        assert_eq!(o.backlog(), (0, 0));
+        assert!(o.try_drain().closing.unwrap().text.contains("bytes"));
+    }
+
+    #[test]
+    fn conflation_by_bytes_keeps_one_frame_per_device_and_holes_are_compacted() {
+        let o = Outlet::new(1, QueueLimits { soft: 1000, hard: 100_000, soft_bytes: 10, hard_bytes: 10 << 20 });
+        for i in 0..10_000 {
+            o.deliver(&delivery("a", FrameKind::Telemetry, &format!("t{i}")));
+            o.deliver(&delivery("a", FrameKind::ConnectionState, "c"));
+        }
+        assert!(!o.is_closing(), "conflation keeps a chatty device under the limits");
+        assert!(o.state.borrow().queue.len() <= 2 * o.backlog().0 + 33, "holes are compacted");
+        let all = frames(o.try_drain());
+        assert_eq!(all.iter().filter(|f| f.starts_with('t')).count(), 2, "{all:?}");
+        assert_eq!(all.last().map(String::as_str), Some("c"));
+        assert_eq!(all[all.len() - 2], "t9999");
     }
 }

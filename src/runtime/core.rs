@@ -12,7 +12,7 @@ use crate::config::Settings;
 use crate::hub::HubCall;
 use crate::ids::SessionId;
 use crate::ingest::{IngestMessage, IngestSettings};
-use crate::push::outlet::{CloseReason, Outlet};
+use crate::push::outlet::{CloseReason, Delivered, Outlet};
 use crate::push::Delivery;
 use crate::shard::devices::PushTiming;
 use crate::runtime::mesh::{await_reply, CoreMsg, Inbox, Mesh};
@@ -34,6 +34,8 @@ pub struct Core {
     pub polling: RefCell<hashbrown::HashMap<Box<str>, Rc<crate::transport::socketio_polling::PollingSocket>>>,
     /// Requests in hand and live sockets, for a graceful shutdown ([`crate::shutdown`]).
     pub drain: Rc<crate::shutdown::CoreDrain>,
+    /// Polling sessions here that are not yet connected to a session (capped).
+    pub polling_pending: Cell<usize>,
 }
 
 impl Core {
@@ -62,6 +64,7 @@ impl Core {
             devices: RefCell::new(devices),
             sessions: RefCell::new(sessions),
             polling: RefCell::default(),
+            polling_pending: Cell::new(0),
             metrics: Default::default(),
             queues: RefCell::default(),
             settings,
@@ -71,6 +74,22 @@ impl Core {
 
     pub fn cores(&self) -> usize {
         self.settings.cores
+    }
+
+    /// Takes a slot of the connection budget for something that costs a connection without
+    /// being one (an Engine.IO polling session); false when the budget is spent.
+    pub fn take_connection_slot(&self) -> bool {
+        let cap = (self.settings.config.max_connections as usize).div_ceil(self.cores());
+        if self.connections.get() >= cap {
+            return false;
+        }
+        self.connections.set(self.connections.get() + 1);
+        true
+    }
+
+    /// Gives back a slot taken with [`Core::take_connection_slot`].
+    pub fn release_connection_slot(&self) {
+        self.connections.set(self.connections.get().saturating_sub(1));
     }
 
     pub fn device_core(&self, device: &str) -> usize {
@@ -183,7 +202,7 @@ impl Core {
     /// A session is gone: close its sockets and drop its grants and subscriptions.
     fn end_session(self: &Rc<Self>, id: SessionId, record: crate::shard::sessions::SessionRecord, why: &str) {
         for outlet in &record.sockets {
-            outlet.close(CloseReason::new(1000, why));
+            outlet.close(CloseReason::disconnect(1000, why));
         }
         self.forget_session(id, record.devices);
     }
@@ -269,7 +288,9 @@ impl Core {
         for d in &deliveries {
             if let Some(record) = sessions.get(d.session) {
                 for outlet in &record.sockets {
-                    outlet.deliver(d);
+                    if outlet.deliver(d) == Delivered::Conflated {
+                        self.metrics.conflated(1);
+                    }
                 }
             }
         }

@@ -69,7 +69,10 @@ impl FrameReader {
                     out.push(match c {
                         Control::Ping => Incoming::Ping(payload.to_vec()),
                         Control::Pong => Incoming::Pong,
-                        Control::Close => Incoming::Close,
+                        Control::Close => {
+                            check_close_payload(payload)?;
+                            Incoming::Close
+                        }
                         Control::Reserved(_) => return Err(Violation(1002, "reserved opcode")),
                     });
                 }
@@ -102,6 +105,26 @@ impl FrameReader {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Whether a close code may be sent by a peer (RFC 6455 §7.4 and the IANA registry): 1000–1003,
+/// 1007–1014 and the application ranges 3000–4999. 1005, 1006 and 1015 are never sent.
+pub fn valid_close_code(code: u16) -> bool {
+    matches!(code, 1000..=1003 | 1007..=1014 | 3000..=4999)
+}
+
+/// A close frame's body is empty, or a valid code followed by a UTF-8 reason.
+fn check_close_payload(payload: &[u8]) -> Result<(), Violation> {
+    match payload {
+        [] => Ok(()),
+        [_] => Err(Violation(1002, "close frame with a one-byte body")),
+        [hi, lo, reason @ ..] => {
+            if !valid_close_code(u16::from_be_bytes([*hi, *lo])) {
+                return Err(Violation(1002, "invalid close code"));
+            }
+            std::str::from_utf8(reason).map(|_| ()).map_err(|_| Violation(1007, "close reason is not UTF-8"))
         }
     }
 }
@@ -160,6 +183,96 @@ mod tests {
         let mut reader = FrameReader::default();
         assert_eq!(reader.parse(&mut buf, &mut out).unwrap(), whole);
         assert_eq!(out, vec![Incoming::Text("hello".into())]);
+    }
+
+    #[test]
+    fn close_codes_are_checked() {
+        for code in [0u16, 999, 1004, 1005, 1006, 1015, 1016, 2999, 5000, 65535] {
+            let mut frame = masked(0x8, true, &code.to_be_bytes());
+            assert_eq!(FrameReader::default().parse(&mut frame, &mut Vec::new()).unwrap_err().0, 1002, "{code}");
+        }
+        for code in [1000u16, 1001, 1003, 1007, 1011, 1014, 3000, 4999] {
+            let mut frame = masked(0x8, true, &code.to_be_bytes());
+            let mut out = Vec::new();
+            FrameReader::default().parse(&mut frame, &mut out).unwrap();
+            assert_eq!(out, vec![Incoming::Close], "{code}");
+        }
+        let mut one_byte = masked(0x8, true, &[3]);
+        assert_eq!(FrameReader::default().parse(&mut one_byte, &mut Vec::new()).unwrap_err().0, 1002);
+        let mut bad_reason = masked(0x8, true, &[3, 232, 0xff]);
+        assert_eq!(FrameReader::default().parse(&mut bad_reason, &mut Vec::new()).unwrap_err().0, 1007);
+    }
+
+    /// A random frame stream: whole messages, fragments, control frames, garbage.
+    fn random_stream(rng: &mut fastrand::Rng) -> Vec<u8> {
+        let mut buf = Vec::new();
+        for _ in 0..rng.usize(1..8) {
+            let len = if rng.u8(..10) == 0 { rng.usize(126..3000) } else { rng.usize(0..126) };
+            let payload: Vec<u8> = (0..len).map(|_| if rng.bool() { rng.u8(b'a'..=b'z') } else { rng.u8(..) }).collect();
+            let opcode = [0x0, 0x1, 0x2, 0x8, 0x9, 0xa, 0x3, 0xb][rng.usize(..8)];
+            let mask = [rng.u8(..), rng.u8(..), rng.u8(..), rng.u8(..)];
+            let mut first = opcode | if rng.u8(..4) == 0 { 0 } else { 0x80 };
+            if rng.u8(..20) == 0 {
+                first |= 0x40; // rsv1
+            }
+            buf.push(first);
+            let masked_bit = if rng.u8(..20) == 0 { 0 } else { 0x80 };
+            if len < 126 {
+                buf.push(masked_bit | len as u8);
+            } else {
+                buf.push(masked_bit | 126);
+                buf.extend_from_slice(&(len as u16).to_be_bytes());
+            }
+            if masked_bit != 0 {
+                buf.extend_from_slice(&mask);
+            }
+            buf.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i & 3]));
+            if rng.u8(..30) == 0 {
+                let junk = rng.usize(1..20);
+                buf.extend((0..junk).map(|_| rng.u8(..)));
+            }
+        }
+        buf
+    }
+
+    /// Feeds `input` in pieces split at `cuts`, the way reads deliver it; returns the messages
+    /// and the first violation.
+    fn parse_in_pieces(input: &[u8], cuts: &[usize]) -> (Vec<Incoming>, Option<Violation>) {
+        let mut reader = FrameReader::default();
+        let mut pending = Vec::new();
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &to in cuts.iter().chain(std::iter::once(&input.len())) {
+            pending.extend_from_slice(&input[from..to]);
+            from = to;
+            match reader.parse(&mut pending, &mut out) {
+                Ok(used) => {
+                    pending.drain(..used);
+                }
+                Err(v) => return (out, Some(v)),
+            }
+        }
+        (out, None)
+    }
+
+    /// Property test (fixed seed, bounded): arbitrary bytes never panic the decoder, and the
+    /// same bytes split anywhere give the same messages and the same verdict.
+    #[test]
+    fn random_streams_split_anywhere_decode_the_same() {
+        let mut rng = fastrand::Rng::with_seed(0x6455);
+        for _ in 0..3000 {
+            let input = random_stream(&mut rng);
+            let whole = parse_in_pieces(&input, &[]);
+            let mut cuts: Vec<usize> = (0..rng.usize(1..6)).map(|_| rng.usize(0..=input.len())).collect();
+            cuts.sort_unstable();
+            assert_eq!(parse_in_pieces(&input, &cuts), whole, "input {input:?} cut at {cuts:?}");
+            let bytewise: Vec<usize> = (1..input.len()).collect();
+            assert_eq!(parse_in_pieces(&input, &bytewise), whole, "input {input:?} byte by byte");
+        }
+        for _ in 0..20_000 {
+            let noise: Vec<u8> = (0..rng.usize(0..64)).map(|_| rng.u8(..)).collect();
+            let _ = parse_in_pieces(&noise, &[noise.len() / 2]);
+        }
     }
 
     #[test]

@@ -32,6 +32,25 @@ const READ_CHUNK: usize = 1024;
 /// A write that makes no progress for this long means a stalled client: the socket is dropped.
 const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
+/// Bytes a socket's reader handles before it lets the core's other tasks run. With the epoll
+/// driver a read on a socket that always has data completes at once, so without this a
+/// client streaming big frames would keep its core from serving anyone else.
+const READ_BUDGET: usize = 64 * 1024;
+
+/// Lets every other ready task of this core run once before this one goes on.
+pub async fn yield_now() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if std::mem::replace(&mut yielded, true) {
+            std::task::Poll::Ready(())
+        } else {
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        }
+    })
+    .await
+}
+
 pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Which protocol a WebSocket speaks.
@@ -94,7 +113,18 @@ pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
     if !version_ok || head.headers.get("sec-websocket-key").is_none() {
         return Err(Response::error(400, "a WebSocket upgrade needs Sec-WebSocket-Key and Sec-WebSocket-Version: 13"));
     }
+    if !valid_websocket_key(head.headers.get("sec-websocket-key").map(|v| v.as_bytes()).unwrap_or_default()) {
+        return Err(Response::error(400, "Sec-WebSocket-Key must be the base64 of 16 bytes (RFC 6455 §4.1)"));
+    }
     Ok(kind)
+}
+
+/// RFC 6455 §4.1: the key is 16 random bytes, base64-encoded (24 characters with padding).
+pub fn valid_websocket_key(key: &[u8]) -> bool {
+    use base64::Engine;
+    let mut decoded = [0u8; 18];
+    key.len() == 24
+        && base64::engine::general_purpose::STANDARD.decode_slice(key, &mut decoded).is_ok_and(|n| n == 16)
 }
 
 /// Completes a checked upgrade read on this core and sends the socket to its session's core.
@@ -178,7 +208,12 @@ impl Conn {
 
 pub fn limits(core: &Core) -> QueueLimits {
     let c = &core.settings.config;
-    QueueLimits { soft: c.socket_queue_soft_limit as usize, hard: c.socket_queue_hard_limit as usize }
+    QueueLimits {
+        soft: c.socket_queue_soft_limit as usize,
+        hard: c.socket_queue_hard_limit as usize,
+        soft_bytes: c.socket_queue_soft_bytes as usize,
+        hard_bytes: c.socket_queue_hard_bytes as usize,
+    }
 }
 
 async fn run(
@@ -233,6 +268,8 @@ async fn run(
     // and clients only send pongs and small packets (it grows for a bigger burst).
     let mut chunk = Vec::with_capacity(READ_CHUNK);
     let mut incoming = Vec::new();
+    // Bytes handled since this task last let the others run (see READ_BUDGET).
+    let mut budget = 0;
     'read: loop {
         match parser.parse(&mut pending, &mut incoming) {
             Ok(used) => {
@@ -259,6 +296,15 @@ async fn run(
                 }
             }
         }
+        if conn.outlet.is_closing() {
+            // Whatever the client still sends is not read: its bytes stay in the kernel's
+            // buffers (TCP flow control stops it) while the writer sends the close.
+            break;
+        }
+        if budget >= READ_BUDGET {
+            budget = 0;
+            yield_now().await;
+        }
         chunk.clear();
         // Abandoning the read on timeout is safe: the connection is dropped with it.
         let (result, buf) = match monoio::time::timeout(read_deadline, read.read(chunk)).await {
@@ -272,6 +318,7 @@ async fn run(
         match result {
             Ok(0) | Err(_) => break,
             Ok(n) => {
+                budget += n;
                 pending.extend_from_slice(&chunk[..n]);
                 if n == chunk.capacity() && chunk.capacity() < 16 * READ_CHUNK {
                     chunk.reserve(chunk.capacity());
@@ -308,7 +355,6 @@ async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake:
         let metrics = &conn.core.metrics;
         let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
         metrics.messages_out(conn.transport(), envelopes as u64);
-        metrics.conflated(drained.conflated);
         if drained.closing.as_ref().is_some_and(|r| r.text.starts_with("slow consumer")) {
             metrics.slow_consumer_closed();
         }
@@ -325,6 +371,10 @@ async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake:
             }
         }
         if let Some(reason) = &drained.closing {
+            if reason.server_disconnect && conn.attached.get() && matches!(conn.kind, SocketKind::SocketIo { .. }) {
+                // Socket.IO DISCONNECT: the client reports "io server disconnect".
+                frame::write_text(&mut buf, &[b"41"]);
+            }
             frame::write_close(&mut buf, reason.code, &reason.text);
         }
         if !buf.is_empty() {
@@ -355,6 +405,11 @@ async fn pinger(conn: Rc<Conn>) {
     loop {
         monoio::time::sleep(interval).await;
         if conn.outlet.is_closing() {
+            return;
+        }
+        if !conn.attached.get() && conn.upgrading.borrow().is_none() {
+            // A Socket.IO socket gets one ping interval to send its CONNECT.
+            conn.outlet.close(CloseReason::new(1008, "no Socket.IO CONNECT in time"));
             return;
         }
         conn.outlet.push(match conn.kind {

@@ -73,32 +73,119 @@ pub fn connect_reply(
     }
 }
 
-/// A text frame from a Socket.IO client over WebSocket.
-pub fn on_websocket_text(conn: &Conn, text: &str) {
-    let mut chars = text.chars();
-    match chars.next() {
-        Some('2') if chars.as_str() == "probe" => super::socketio_polling::on_probe(conn),
-        Some('2') => conn.outlet.push(Out::Packet(format!("3{}", chars.as_str()).into())),
-        Some('5') => super::socketio_polling::complete_upgrade(conn),
-        Some('3') | Some('6') => {} // pong, noop
-        Some('1') => conn.outlet.close(CloseReason::new(1000, "client closed")),
-        Some('4') => on_socketio_packet(conn, chars.as_str()),
-        _ => conn.outlet.close(CloseReason::new(1002, "not an Engine.IO packet")),
+/// An Engine.IO packet from a client, parsed from one text frame or polling record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientPacket<'a> {
+    /// `1`: the client closes the transport.
+    Close,
+    /// `2probe`: the probe of a transport upgrade (the only ping a v4 client sends).
+    Probe,
+    /// `2…` other than the probe: in Engine.IO 4 the server pings, never the client.
+    Ping,
+    /// `3…`: the answer to our ping.
+    Pong,
+    /// `5`: the upgrade is complete.
+    Upgrade,
+    /// `6`.
+    Noop,
+    /// `40…`: Socket.IO CONNECT (the text after `4`, namespace and auth included).
+    Connect(&'a str),
+    /// `41…`: Socket.IO DISCONNECT.
+    Disconnect,
+    /// Any other Socket.IO packet (events, acks): nothing the server needs.
+    Other,
+}
+
+/// Parses a client packet; `None` for text that is not an Engine.IO packet a client may send.
+pub fn parse_client_packet(text: &str) -> Option<ClientPacket<'_>> {
+    let (&kind, rest) = text.as_bytes().split_first()?;
+    Some(match kind {
+        b'1' => ClientPacket::Close,
+        b'2' if rest == b"probe" => ClientPacket::Probe,
+        b'2' => ClientPacket::Ping,
+        b'3' => ClientPacket::Pong,
+        b'5' => ClientPacket::Upgrade,
+        b'6' => ClientPacket::Noop,
+        b'4' => match rest.first() {
+            Some(b'0') => ClientPacket::Connect(&text[1..]),
+            Some(b'1') => ClientPacket::Disconnect,
+            Some(_) => ClientPacket::Other,
+            None => return None,
+        },
+        _ => return None,
+    })
+}
+
+/// Whether a packet may arrive before the socket is connected to a valid session: only what
+/// the handshake needs (the CONNECT, pongs, closing, and an upgrade's probe and completion).
+/// Anything else closes the socket, so an unauthenticated socket can make us queue nothing.
+pub fn allowed_before_connect(packet: ClientPacket<'_>, upgrading: bool) -> bool {
+    match packet {
+        ClientPacket::Connect(_) | ClientPacket::Pong | ClientPacket::Noop => true,
+        ClientPacket::Close | ClientPacket::Disconnect => true,
+        ClientPacket::Probe | ClientPacket::Upgrade => upgrading,
+        ClientPacket::Ping | ClientPacket::Other => false,
     }
 }
 
-/// A Socket.IO packet (inside an Engine.IO message) from a client.
-pub fn on_socketio_packet(conn: &Conn, packet: &str) {
-    match packet.as_bytes().first() {
-        Some(b'0') => {
+/// A text frame from a Socket.IO client over WebSocket.
+pub fn on_websocket_text(conn: &Conn, text: &str) {
+    let Some(packet) = parse_client_packet(text) else {
+        return conn.outlet.close(CloseReason::new(1002, "not an Engine.IO packet"));
+    };
+    let upgrading = conn.upgrading.borrow().is_some();
+    if !conn.attached.get() && !allowed_before_connect(packet, upgrading) {
+        return conn.outlet.close(CloseReason::new(1008, "only the Socket.IO handshake is accepted before CONNECT"));
+    }
+    match packet {
+        ClientPacket::Probe => super::socketio_polling::on_probe(conn),
+        ClientPacket::Ping => conn.outlet.close(CloseReason::new(1002, "invalid heartbeat direction (Engine.IO 4)")),
+        ClientPacket::Upgrade => super::socketio_polling::complete_upgrade(conn),
+        ClientPacket::Pong | ClientPacket::Noop | ClientPacket::Other => {}
+        ClientPacket::Close => conn.outlet.close(CloseReason::new(1000, "client closed")),
+        ClientPacket::Connect(packet) => {
             let (reply, ok) = connect_reply(&conn.core, conn.session, &conn.outlet, &conn.attached, packet);
             conn.outlet.push(Out::Packet(format!("4{reply}").into()));
             if !ok {
                 conn.outlet.finish(CloseReason::new(1000, "connection refused"));
             }
         }
-        Some(b'1') => conn.outlet.finish(CloseReason::new(1000, "client disconnected")),
-        // Clients emit nothing the server needs; events and acks are ignored.
-        _ => {}
+        ClientPacket::Disconnect => conn.outlet.finish(CloseReason::new(1000, "client disconnected")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_packets_parse_and_only_the_handshake_passes_before_connect() {
+        assert_eq!(parse_client_packet("40"), Some(ClientPacket::Connect("0")));
+        assert_eq!(parse_client_packet("40{\"a\":1}"), Some(ClientPacket::Connect("0{\"a\":1}")));
+        assert_eq!(parse_client_packet("2probe"), Some(ClientPacket::Probe));
+        assert_eq!(parse_client_packet("2xxxx"), Some(ClientPacket::Ping));
+        assert_eq!(parse_client_packet("42[\"e\"]"), Some(ClientPacket::Other));
+        for bad in ["", "0", "4", "7", "x", "é"] {
+            assert_eq!(parse_client_packet(bad), None, "{bad:?}");
+        }
+        assert!(!allowed_before_connect(ClientPacket::Ping, false));
+        assert!(!allowed_before_connect(ClientPacket::Probe, false));
+        assert!(allowed_before_connect(ClientPacket::Probe, true));
+        assert!(!allowed_before_connect(ClientPacket::Other, true));
+    }
+
+    /// Arbitrary input never panics, and every packet it accepts starts with a packet type.
+    #[test]
+    fn arbitrary_text_never_panics_the_packet_parser() {
+        let mut rng = fastrand::Rng::with_seed(0x5eed_e10);
+        let alphabet: Vec<char> = "0123456789{}[]\",/probeé\u{1e}\u{0} ".chars().collect();
+        for _ in 0..200_000 {
+            let len = rng.usize(0..12);
+            let text: String = (0..len).map(|_| alphabet[rng.usize(..alphabet.len())]).collect();
+            if let Some(packet) = parse_client_packet(&text) {
+                assert!(matches!(text.as_bytes()[0], b'1'..=b'6'), "{text:?} gave {packet:?}");
+                let _ = allowed_before_connect(packet, rng.bool());
+            }
+        }
     }
 }

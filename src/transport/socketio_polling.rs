@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures_channel::oneshot;
 use serde_json::json;
 
-use super::socketio::{connect_reply, open_packet, MAX_PAYLOAD};
+use super::socketio::{allowed_before_connect, connect_reply, open_packet, parse_client_packet, ClientPacket, MAX_PAYLOAD};
 use super::{limits, Conn, NEXT_SOCKET_ID};
 use crate::http::{Request, Response};
 use crate::ids::{random_token, SessionId};
@@ -40,6 +40,8 @@ pub struct PollingSocket {
     pub attached: Cell<bool>,
     pub last_heard: Cell<Instant>,
     poll_active: Cell<bool>,
+    /// A `GET` has come since the handshake.
+    polled: Cell<bool>,
 }
 
 const RECORD_SEPARATOR: u8 = 0x1e;
@@ -103,8 +105,27 @@ fn text(body: impl Into<Vec<u8>>) -> Response {
     Response::new(200, "text/plain; charset=UTF-8", body)
 }
 
+/// Polling sessions per core that are not yet connected to a session (their handshake was
+/// answered, their CONNECT has not come): a client connects within one round trip, so a
+/// small cap stops a flood of handshakes without a session.
+pub const MAX_PENDING_PER_CORE: usize = 1024;
+
+/// How long after its handshake a polling session may go without its first poll.
+fn first_poll_deadline(core: &Core) -> Duration {
+    Duration::from_millis(core.settings.config.ping_timeout).min(Duration::from_secs(10))
+}
+
 fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
     let c = &core.settings.config;
+    if core.polling_pending.get() >= MAX_PENDING_PER_CORE {
+        tracing::warn!(core = core.index, "too many Engine.IO polling handshakes without a CONNECT; refusing one");
+        return Response::error(503, "too many pending Engine.IO handshakes; retry later");
+    }
+    // A polling session holds no TCP connection of its own but costs as much: it takes a
+    // slot of the connection budget until it ends.
+    if !core.take_connection_slot() {
+        return Response::error(503, "connection limit reached (maxConnections)");
+    }
     let sid: Box<str> = format!("{}-{}", core.index, random_token(15)).into();
     let socket = Rc::new(PollingSocket {
         sid: sid.clone(),
@@ -113,8 +134,10 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
         attached: Cell::new(false),
         last_heard: Cell::new(Instant::now()),
         poll_active: Cell::new(false),
+        polled: Cell::new(false),
     });
     core.polling.borrow_mut().insert(sid.clone(), socket.clone());
+    core.polling_pending.set(core.polling_pending.get() + 1);
     core.metrics.socket_opened(POLLING);
     monoio::spawn(pinger(core.clone(), socket));
     text(open_packet(&sid, &["websocket"], c.ping_interval, c.ping_timeout))
@@ -127,28 +150,33 @@ fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response
     }
     socket.last_heard.set(Instant::now());
     for packet in body.split(|b| *b == RECORD_SEPARATOR) {
-        let Ok(packet) = std::str::from_utf8(packet) else {
+        let Some(packet) = std::str::from_utf8(packet).ok().and_then(parse_client_packet) else {
+            close(core, socket, CloseReason::new(1002, "not an Engine.IO packet"));
             return engine_error(3, "Bad request");
         };
-        let mut chars = packet.chars();
-        match chars.next() {
-            Some('3') | Some('6') => {}
-            Some('1') => close(core, socket, CloseReason::new(1000, "client closed")),
-            Some('4') => {
-                let sio = chars.as_str();
-                match sio.as_bytes().first() {
-                    Some(b'0') => {
-                        let (reply, ok) = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio);
-                        socket.outlet.push(Out::Packet(format!("4{reply}").into()));
-                        if !ok {
-                            socket.outlet.finish(CloseReason::new(1000, "connection refused"));
-                        }
-                    }
-                    Some(b'1') => close(core, socket, CloseReason::new(1000, "client disconnected")),
-                    _ => {}
+        let allowed = match packet {
+            ClientPacket::Probe | ClientPacket::Upgrade | ClientPacket::Ping => false,
+            _ => socket.attached.get() || allowed_before_connect(packet, false),
+        };
+        if !allowed {
+            close(core, socket, CloseReason::new(1008, "only the Socket.IO handshake is accepted before CONNECT"));
+            return engine_error(3, "Bad request");
+        }
+        match packet {
+            ClientPacket::Close => close(core, socket, CloseReason::new(1000, "client closed")),
+            ClientPacket::Connect(sio) => {
+                let was_pending = !socket.attached.get();
+                let (reply, ok) = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio);
+                if was_pending && socket.attached.get() {
+                    core.polling_pending.set(core.polling_pending.get() - 1);
+                }
+                socket.outlet.push(Out::Packet(format!("4{reply}").into()));
+                if !ok {
+                    socket.outlet.finish(CloseReason::new(1000, "connection refused"));
                 }
             }
-            _ => return engine_error(3, "Bad request"),
+            ClientPacket::Disconnect => close(core, socket, CloseReason::new(1000, "client disconnected")),
+            _ => {}
         }
     }
     text("ok")
@@ -159,6 +187,7 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
         close(core, socket, CloseReason::new(1002, "overlapping polls"));
         return engine_error(3, "Bad request");
     }
+    socket.polled.set(true);
     let c = &core.settings.config;
     let wait = Duration::from_millis(c.ping_interval + c.ping_timeout);
     // `drain` takes items only when it completes, so giving up on it loses nothing.
@@ -167,7 +196,6 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
     let Ok(drained) = drained else { return text("6") };
     let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
     core.metrics.messages_out(POLLING, envelopes as u64);
-    core.metrics.conflated(drained.conflated);
     let mut body = Vec::new();
     for item in &drained.items {
         if !body.is_empty() {
@@ -183,9 +211,12 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
             Out::Ping | Out::Pong(_) => {}
         }
     }
-    if drained.closing.is_some() {
+    if let Some(reason) = &drained.closing {
         if !body.is_empty() {
             body.push(RECORD_SEPARATOR);
+        }
+        if reason.server_disconnect && socket.attached.get() {
+            body.extend_from_slice(b"41\x1e");
         }
         body.push(b'1');
         forget(core, socket);
@@ -198,12 +229,21 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
 
 fn forget(core: &Rc<Core>, socket: &PollingSocket) {
     if core.polling.borrow_mut().remove(&socket.sid).is_some() {
-        core.metrics.socket_closed(POLLING);
+        released(core, socket);
     }
     if socket.attached.replace(false) {
         if let Some(s) = socket.session {
             core.detach_socket(s, socket.outlet.id);
         }
+    }
+}
+
+/// A polling session left `core.polling`: give back what it held.
+fn released(core: &Core, socket: &PollingSocket) {
+    core.metrics.socket_closed(POLLING);
+    core.release_connection_slot();
+    if !socket.attached.get() {
+        core.polling_pending.set(core.polling_pending.get() - 1);
     }
 }
 
@@ -219,6 +259,13 @@ async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
     let c = &core.settings.config;
     let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
     let alive = || core.polling.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
+    // A handshake that is never followed by a poll is abandoned (or a flood): end it soon.
+    monoio::time::sleep(first_poll_deadline(&core)).await;
+    if !socket.polled.get() && alive() {
+        close(&core, &socket, CloseReason::new(1008, "no poll after the handshake"));
+        forget(&core, &socket);
+        return;
+    }
     loop {
         monoio::time::sleep(interval).await;
         if !alive() {
@@ -262,7 +309,7 @@ pub fn on_probe(conn: &Conn) {
 pub fn complete_upgrade(conn: &Conn) {
     let Some(sid) = conn.upgrading.borrow_mut().take() else { return };
     let Some(socket) = conn.core.polling.borrow_mut().remove(&*sid) else { return };
-    conn.core.metrics.socket_closed(POLLING);
+    released(&conn.core, &socket);
     // Whatever the polling side still held goes out on the WebSocket, in order.
     for item in socket.outlet.try_drain().items {
         if item != Out::Packet("6".into()) {
