@@ -144,6 +144,10 @@ pub struct Outlet {
     limits: QueueLimits,
     state: RefCell<State>,
     waker: RefCell<Option<Waker>>,
+    /// Ends the transport at once (a WebSocket's shutdown); set while the socket is open.
+    hangup: RefCell<Option<Box<dyn FnOnce()>>>,
+    /// Closed for going past a hard limit, not yet counted in metrics.
+    overflowed: std::cell::Cell<bool>,
 }
 
 /// What the writer got from one drain.
@@ -164,7 +168,26 @@ pub enum Delivered {
 
 impl Outlet {
     pub fn new(id: u64, limits: QueueLimits) -> Rc<Self> {
-        Rc::new(Self { id, limits, state: RefCell::default(), waker: RefCell::new(None) })
+        Rc::new(Self {
+            id,
+            limits,
+            state: RefCell::default(),
+            waker: RefCell::new(None),
+            hangup: RefCell::new(None),
+            overflowed: std::cell::Cell::new(false),
+        })
+    }
+
+    /// What ends the transport at once when the socket overflows its hard limits: a consumer
+    /// that far behind will not read a close frame soon, and whatever it holds in kernel
+    /// buffers and in our writer is freed right away. Clear it (`None`) when the transport ends.
+    pub fn set_hangup(&self, hangup: Option<Box<dyn FnOnce()>>) {
+        *self.hangup.borrow_mut() = hangup;
+    }
+
+    /// True once after the socket was closed for going past a hard limit (for metrics).
+    pub fn take_overflow(&self) -> bool {
+        self.overflowed.replace(false)
     }
 
     fn wake(&self) {
@@ -198,6 +221,11 @@ impl Outlet {
             return false;
         };
         self.close(CloseReason::new(1008, why));
+        self.overflowed.set(true);
+        let hangup = self.hangup.borrow_mut().take();
+        if let Some(hangup) = hangup {
+            hangup();
+        }
         true
     }
 

@@ -32,24 +32,14 @@ const READ_CHUNK: usize = 1024;
 /// A write that makes no progress for this long means a stalled client: the socket is dropped.
 const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
-/// Bytes a socket's reader handles before it lets the core's other tasks run. With the epoll
-/// driver a read on a socket that always has data completes at once, so without this a
-/// client streaming big frames would keep its core from serving anyone else.
+/// Bytes a socket's reader handles before it lets the core's other tasks and its I/O driver
+/// run. With the epoll driver a read on a socket that always has data completes at once, so
+/// without this a client streaming big frames keeps its core from serving anyone else. The
+/// pause is a 1 ms timer, not a bare yield: monoio's legacy driver only collects readiness
+/// events once no task is runnable, so a task that merely re-queues itself still starves
+/// the others. Clients only send small protocol packets; 64 KiB per millisecond is plenty.
 const READ_BUDGET: usize = 64 * 1024;
-
-/// Lets every other ready task of this core run once before this one goes on.
-pub async fn yield_now() {
-    let mut yielded = false;
-    std::future::poll_fn(|cx| {
-        if std::mem::replace(&mut yielded, true) {
-            std::task::Poll::Ready(())
-        } else {
-            cx.waker().wake_by_ref();
-            std::task::Poll::Pending
-        }
-    })
-    .await
-}
+const READ_PAUSE: Duration = Duration::from_millis(1);
 
 pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -240,6 +230,10 @@ async fn run(
     conn.core.metrics.socket_opened(conn.transport());
     // A live socket counts towards the connection limit (released however this ends).
     let _slot = crate::http::ConnectionSlot::acquire();
+    // Safety: the fd stays open while either task holds its half; both clear this on exit.
+    conn.outlet.set_hangup(Some(Box::new(move || unsafe {
+        libc::shutdown(fd, libc::SHUT_RDWR);
+    })));
     let (mut read, write) = stream.into_split();
     // Counted until the reader ends (declared after `read`, so it drops first: no entry
     // outlives the descriptor); a graceful shutdown closes it with 1001 and waits.
@@ -303,7 +297,7 @@ async fn run(
         }
         if budget >= READ_BUDGET {
             budget = 0;
-            yield_now().await;
+            monoio::time::sleep(READ_PAUSE).await;
         }
         chunk.clear();
         // Abandoning the read on timeout is safe: the connection is dropped with it.
@@ -337,11 +331,23 @@ async fn run(
             conn.core.detach_socket(s, conn.outlet.id);
         }
     }
+    conn.outlet.set_hangup(None);
+    if conn.outlet.take_overflow() {
+        conn.core.metrics.slow_consumer_closed();
+    }
     conn.core.metrics.socket_closed(conn.transport());
 }
 
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
-async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
+async fn writer(conn: Rc<Conn>, write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
+    write_all_queued(&conn, write, handshake).await;
+    conn.outlet.set_hangup(None);
+    if conn.outlet.take_overflow() {
+        conn.core.metrics.slow_consumer_closed();
+    }
+}
+
+async fn write_all_queued(conn: &Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
     let (result, _) = write.write_all(handshake).await;
     if result.is_err() {
         conn.outlet.close(CloseReason::new(1001, "write failed"));
@@ -355,9 +361,6 @@ async fn writer(conn: Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake:
         let metrics = &conn.core.metrics;
         let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
         metrics.messages_out(conn.transport(), envelopes as u64);
-        if drained.closing.as_ref().is_some_and(|r| r.text.starts_with("slow consumer")) {
-            metrics.slow_consumer_closed();
-        }
         buf.clear();
         for item in &drained.items {
             match (&conn.kind, item) {

@@ -42,6 +42,8 @@ pub struct PollingSocket {
     poll_active: Cell<bool>,
     /// A `GET` has come since the handshake.
     polled: Cell<bool>,
+    /// The DISCONNECT of a server-side close went out; the close packet is next.
+    disconnect_sent: Cell<bool>,
 }
 
 const RECORD_SEPARATOR: u8 = 0x1e;
@@ -135,6 +137,7 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
         last_heard: Cell::new(Instant::now()),
         poll_active: Cell::new(false),
         polled: Cell::new(false),
+        disconnect_sent: Cell::new(false),
     });
     core.polling.borrow_mut().insert(sid.clone(), socket.clone());
     core.polling_pending.set(core.polling_pending.get() + 1);
@@ -215,8 +218,12 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
         if !body.is_empty() {
             body.push(RECORD_SEPARATOR);
         }
-        if reason.server_disconnect && socket.attached.get() {
-            body.extend_from_slice(b"41\x1e");
+        if reason.server_disconnect && socket.attached.get() && !socket.disconnect_sent.replace(true) {
+            // Socket.IO DISCONNECT alone: the client handles it on its next tick, and a close
+            // packet in the same payload would be seen first ("transport close"). The close
+            // follows on the next poll, or the pinger drops the socket.
+            body.extend_from_slice(b"41");
+            return text(body);
         }
         body.push(b'1');
         forget(core, socket);
@@ -240,6 +247,9 @@ fn forget(core: &Rc<Core>, socket: &PollingSocket) {
 
 /// A polling session left `core.polling`: give back what it held.
 fn released(core: &Core, socket: &PollingSocket) {
+    if socket.outlet.take_overflow() {
+        core.metrics.slow_consumer_closed();
+    }
     core.metrics.socket_closed(POLLING);
     core.release_connection_slot();
     if !socket.attached.get() {

@@ -325,6 +325,41 @@ impl Server {
         wait_for_line(&self.stderr, timeout, pred)
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The server's resident memory in KiB (`VmRSS` of /proc/PID/status).
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// One sample of `GET /metrics` (with the admin key): the value of the series whose name
+    /// and labels are exactly `series` (e.g. `hubcast_sockets{transport="websocket"}`).
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let (status, text, _) = self.call_on(&new_agent(), "GET", "/metrics", &[ADMIN], None);
+        assert_eq!(status, 200, "GET /metrics answered {status}: {text}");
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+
+    /// Polls `GET /metrics` until `series` satisfies `pred`; returns the last value seen.
+    pub fn wait_for_metric(&self, series: &str, timeout: Duration, pred: impl Fn(f64) -> bool) -> Option<f64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let value = self.metric(series);
+            if value.is_some_and(&pred) || Instant::now() >= deadline {
+                return value;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Whether the process is still running.
     /// The server's process id.
     pub fn pid(&self) -> u32 {

@@ -1,0 +1,375 @@
+//! Live sockets against hostile or careless clients (issue 9): Socket.IO before CONNECT,
+//! byte-bounded socket queues, capped polling handshakes, the WebSocket handshake key and close
+//! codes, conflation order, DISCONNECT on session delete, and a busy socket on an epoll core.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+fn subscribed(server: &Server, device: &str, kinds: &[&str]) -> String {
+    let session = server.new_session();
+    for kind in kinds {
+        let request = json!({"type": kind, "deviceId": device});
+        server.grant(&session, request.clone());
+        let (status, body) = server.subscribe(&session, request);
+        assert_eq!(status, 204, "{body}");
+    }
+    session
+}
+
+// ---- a raw WebSocket client: exact bytes in, exact frames out ----------------------------------
+
+const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+
+/// Sends an upgrade request with `key` (None: no header); returns the stream and the status.
+fn raw_upgrade(server: &Server, path: &str, key: Option<&str>) -> (TcpStream, u16) {
+    let mut stream = server.connect();
+    let key_header = key.map(|k| format!("Sec-WebSocket-Key: {k}\r\n")).unwrap_or_default();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n{key_header}Sec-WebSocket-Version: 13\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match stream.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => break,
+        }
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    if status != 101 {
+        // Read the rest of the answer so a 400 body does not look like frames.
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(300)));
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest);
+    }
+    (stream, status)
+}
+
+/// One masked client frame.
+fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mask = [0x12, 0x34, 0x56, 0x78];
+    let mut frame = vec![0x80 | opcode];
+    match payload.len() {
+        n if n < 126 => frame.push(0x80 | n as u8),
+        n if n <= 0xffff => {
+            frame.push(0x80 | 126);
+            frame.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            frame.push(0x80 | 127);
+            frame.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    frame.extend_from_slice(&mask);
+    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i & 3]));
+    frame
+}
+
+/// A server frame: opcode and payload; `None` on EOF, reset or timeout.
+fn read_frame(stream: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    let mut head = [0u8; 2];
+    stream.read_exact(&mut head).ok()?;
+    let len = match head[1] & 0x7f {
+        126 => {
+            let mut b = [0u8; 2];
+            stream.read_exact(&mut b).ok()?;
+            u16::from_be_bytes(b) as usize
+        }
+        127 => {
+            let mut b = [0u8; 8];
+            stream.read_exact(&mut b).ok()?;
+            u64::from_be_bytes(b) as usize
+        }
+        n => n as usize,
+    };
+    let mut payload = vec![0u8; len];
+    stream.read_exact(&mut payload).ok()?;
+    Some((head[0] & 0x0f, payload))
+}
+
+/// Reads frames until a close frame; returns its code (`None`: the connection ended without one).
+fn close_code(stream: &mut TcpStream) -> Option<u16> {
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    while let Some((opcode, payload)) = read_frame(stream) {
+        if opcode == 0x8 {
+            return Some(u16::from_be_bytes([payload[0], payload[1]]));
+        }
+    }
+    None
+}
+
+/// Reads text frames until one satisfies `pred`.
+fn text_until(stream: &mut TcpStream, pred: impl Fn(&str) -> bool) -> String {
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    loop {
+        let (opcode, payload) = read_frame(stream).expect("a frame");
+        let text = String::from_utf8_lossy(&payload).to_string();
+        if opcode == 0x1 && pred(&text) {
+            return text;
+        }
+        assert_ne!(opcode, 0x8, "closed while waiting: {payload:?}");
+    }
+}
+
+/// Writes `frame` again and again without reading, until a write fails (the server closed)
+/// or `limit` bytes went out; returns the bytes written.
+fn flood(stream: &mut TcpStream, frame: &[u8], limit: usize) -> usize {
+    stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut sent = 0;
+    while sent < limit {
+        match stream.write_all(frame) {
+            Ok(()) => sent += frame.len(),
+            Err(_) => break,
+        }
+    }
+    sent
+}
+
+// ---- A2: a Socket.IO WebSocket accepts only the handshake before CONNECT -------------------------
+
+#[test]
+fn a_socketio_websocket_without_a_session_is_closed_by_a_big_ping_and_echoes_nothing() {
+    let server = Server::start(&[]);
+    let (mut stream, status) = raw_upgrade(&server, "/socket.io/?EIO=4&transport=websocket", Some(KEY));
+    assert_eq!(status, 101);
+    let open = text_until(&mut stream, |t| t.starts_with('0'));
+    assert!(open.contains("\"sid\""), "{open}");
+    let ping = client_frame(0x1, format!("2{}", "x".repeat(65_000)).as_bytes());
+    for _ in 0..50 {
+        if stream.write_all(&ping).is_err() {
+            break;
+        }
+    }
+    // Nothing is echoed: the next frame is the close.
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    let (opcode, payload) = read_frame(&mut stream).expect("a close frame");
+    assert_eq!(opcode, 0x8, "expected a close, got {:?}", String::from_utf8_lossy(&payload[..payload.len().min(40)]));
+    assert_eq!(u16::from_be_bytes([payload[0], payload[1]]), 1008);
+    server.assert_alive();
+}
+
+#[test]
+fn a_connected_socketio_client_that_floods_pings_and_never_reads_is_closed_with_memory_bounded() {
+    let server = Server::start(&[]);
+    let session = subscribed(&server, "dev-1", &["telemetry"]);
+    let (mut stream, status) =
+        raw_upgrade(&server, &format!("/socket.io/?EIO=4&transport=websocket&sessionId={session}"), Some(KEY));
+    assert_eq!(status, 101);
+    text_until(&mut stream, |t| t.starts_with('0'));
+    stream.write_all(&client_frame(0x1, b"40")).unwrap();
+    text_until(&mut stream, |t| t.starts_with("40"));
+    // Sentinel: this socket really is connected and gets data.
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    text_until(&mut stream, |t| t.starts_with("42"));
+    let rss_before = server.rss_kib();
+    let ping = client_frame(0x1, format!("2{}", "x".repeat(65_000)).as_bytes());
+    let sent = flood(&mut stream, &ping, 200 << 20);
+    assert!(sent < 200 << 20, "the server kept reading a flood of client pings ({sent} bytes)");
+    let open = server.wait_for_metric("hubcast_sockets{transport=\"socketio_websocket\"}", WAIT, |v| v == 0.0);
+    assert_eq!(open, Some(0.0), "the flooding socket is closed");
+    let grown = server.rss_kib().saturating_sub(rss_before);
+    assert!(grown < 32 * 1024, "memory grew by {grown} KiB while {sent} bytes were flooded");
+    server.assert_alive();
+}
+
+// ---- per-socket queues are bounded in bytes --------------------------------------------------
+
+#[test]
+fn a_socket_that_stops_reading_is_closed_by_the_byte_limit_before_the_message_limit() {
+    let server = Server::start(&["--socket-queue-hard-bytes", "1048576", "--socket-queue-soft-bytes", "65536"]);
+    let session = subscribed(&server, "dev-1", &["d2cMessages"]);
+    let mut stalled = server.live(&session);
+    server.ingest(json!({"deviceId": "dev-1", "body": {"hello": 1}}));
+    assert!(stalled.next_json(WAIT).is_some(), "the socket gets data before it stalls");
+    // From here on the client never reads again.
+    let pad = "p".repeat(60_000);
+    let mut batches = 0;
+    while server.metric("hubcast_slow_consumers_closed_total") == Some(0.0) {
+        batches += 1;
+        assert!(batches <= 200, "not closed after {} MB of d2c messages", batches * 600 / 1000);
+        let batch: Vec<Value> = (0..10).map(|i| json!({"deviceId": "dev-1", "body": {"i": i, "pad": pad}})).collect();
+        server.ingest(Value::Array(batch));
+    }
+    // Well below the 8192-message limit: the bytes decided (10 messages of 60 KB per batch).
+    assert!(batches * 10 < 8192, "{batches} batches");
+    let open = server.wait_for_metric("hubcast_sockets{transport=\"websocket\"}", WAIT, |v| v == 0.0);
+    assert_eq!(open, Some(0.0), "the slow socket is gone");
+    server.assert_alive();
+}
+
+// ---- review 5.7: a conflated frame keeps its place ------------------------------------------------
+
+#[test]
+fn conflated_telemetry_still_arrives_before_the_later_connection_state() {
+    let server = Server::start(&["--socket-queue-soft-limit", "1"]);
+    let session = subscribed(&server, "dev-1", &["telemetry", "connectionState"]);
+    let mut live = server.live(&session);
+    // One batch reaches the socket's queue in one go: from the second frame on it is behind.
+    server.ingest(json!([
+        {"deviceId": "dev-1", "body": {"n": 1}},
+        {"deviceId": "dev-1", "body": {"n": 2}},
+        {"deviceId": "dev-1", "body": {"n": 3}},
+        {"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
+         "properties": {"opType": "deviceDisconnected"}, "body": {"sequenceNumber": "000000000000000001D5"}},
+    ]));
+    let mut frames = Vec::new();
+    while !frames.iter().any(|f: &Value| f["connectionState"] == json!(false)) {
+        frames.push(live.next_json(WAIT).unwrap_or_else(|| panic!("the offline state arrives; got {frames:?}")));
+    }
+    frames.extend(live.collect(Duration::from_millis(300)));
+    let at = |pred: &dyn Fn(&Value) -> bool| frames.iter().position(pred);
+    let newest = at(&|f| f["telemetry"]["n"] == json!(3)).unwrap_or_else(|| panic!("n=3 in {frames:?}"));
+    let offline = at(&|f| f["connectionState"] == json!(false)).unwrap();
+    assert!(newest < offline, "telemetry sent before the device went offline arrives first: {frames:?}");
+    assert!(at(&|f| f["telemetry"]["n"] == json!(2)).is_none(), "n=2 was conflated: {frames:?}");
+}
+
+// ---- A3: polling handshakes are capped ------------------------------------------------------
+
+#[test]
+fn pipelined_polling_handshakes_without_a_session_are_capped_and_expire() {
+    const N: usize = 20_000;
+    let server = Server::start(&["--max-connections", "200", "--max-sessions", "100", "--ping-timeout", "1000"]);
+    // Opened first: the flood may spend the budget of the core that would take a new one.
+    let mut scraper = server.connect();
+    let mut polling_sockets = || -> f64 {
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{}: {}\r\n\r\n", ADMIN.0, ADMIN.1);
+        let RawOutcome::Response(r) = raw_exchange(&mut scraper, request.as_bytes()) else { panic!("no metrics") };
+        let series = "hubcast_sockets{transport=\"socketio_polling\"} ";
+        r.body.lines().find_map(|l| l.strip_prefix(series)?.parse().ok()).expect("the polling gauge")
+    };
+    assert_eq!(polling_sockets(), 0.0);
+    let stream = server.connect();
+    let mut reader = stream.try_clone().unwrap();
+    reader.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let counter = std::thread::spawn(move || {
+        // Count answers: one status line per response.
+        let mut buf = vec![0u8; 64 * 1024];
+        let (mut seen, mut tail) = (0usize, Vec::new());
+        while seen < N {
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    tail.extend_from_slice(&buf[..n]);
+                    seen += tail.windows(9).filter(|w| w == b"HTTP/1.1 ").count();
+                    let keep = tail.len().saturating_sub(8);
+                    tail.drain(..keep);
+                }
+            }
+        }
+        seen
+    });
+    let request = raw_get("/socket.io/?EIO=4&transport=polling");
+    let mut writer = stream;
+    writer.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+    let all: Vec<u8> = request.iter().copied().cycle().take(request.len() * N).collect();
+    writer.write_all(&all).unwrap();
+    let answered = counter.join().unwrap();
+    assert_eq!(answered, N, "every handshake is answered (most with 503)");
+    let open = polling_sockets();
+    assert!(open <= 200.0, "{open} polling sessions from one connection with --max-connections 200");
+    // None of them polls: each is closed soon after its handshake.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while polling_sockets() > 0.0 {
+        assert!(Instant::now() < deadline, "abandoned handshakes are closed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // And the budget is free again: a real client connects over polling.
+    let session = subscribed(&server, "dev-1", &["telemetry"]);
+    let client = server.socketio(&[&session], "polling");
+    client.wait_for("connect", WAIT).expect("a polling client connects afterwards");
+}
+
+// ---- item 12: the WebSocket handshake key and close codes ------------------------------------------
+
+#[test]
+fn an_empty_or_malformed_websocket_key_gets_400_and_no_upgrade() {
+    let server = Server::start(&[]);
+    let session = server.new_session();
+    let path = format!("/ws?sessionId={session}");
+    for key in ["", "abc", "dGhlIHNhbXBsZSBub25jZQ", "dGhlIHNhbXBsZSBub25jZQ=!", "dGhlIHNhbXBsZSBub25jZXh4eA==", "!!!!!!!!!!!!!!!!!!!!!!=="] {
+        let (_, status) = raw_upgrade(&server, &path, Some(key));
+        assert_eq!(status, 400, "key {key:?}");
+    }
+    let (_, status) = raw_upgrade(&server, &path, Some(KEY));
+    assert_eq!(status, 101, "a valid key upgrades");
+}
+
+#[test]
+fn invalid_close_codes_are_answered_with_1002_and_valid_ones_with_1000() {
+    let server = Server::start(&[]);
+    let session = server.new_session();
+    let path = format!("/ws?sessionId={session}");
+    for code in [0u16, 999, 1004, 1005, 1006, 1015, 1016, 2999, 5000] {
+        let (mut stream, status) = raw_upgrade(&server, &path, Some(KEY));
+        assert_eq!(status, 101);
+        stream.write_all(&client_frame(0x8, &code.to_be_bytes())).unwrap();
+        assert_eq!(close_code(&mut stream), Some(1002), "close code {code}");
+    }
+    for code in [1000u16, 1001, 3000, 4999] {
+        let (mut stream, _) = raw_upgrade(&server, &path, Some(KEY));
+        stream.write_all(&client_frame(0x8, &code.to_be_bytes())).unwrap();
+        assert_eq!(close_code(&mut stream), Some(1000), "close code {code}");
+    }
+}
+
+// ---- item 14: DISCONNECT before closing ------------------------------------------------------
+
+#[test]
+fn deleting_a_session_disconnects_socketio_clients_with_io_server_disconnect() {
+    let server = Server::start(&[]);
+    for transports in ["websocket", "polling"] {
+        let session = subscribed(&server, "dev-1", &["telemetry"]);
+        let client = server.socketio(&[&session], transports);
+        client.wait_for("connect", WAIT).expect("connect");
+        let (status, _, _) = server.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
+        assert_eq!(status, 204);
+        let e = client.wait_for("disconnect", WAIT).expect("disconnect");
+        assert_eq!(e["reason"], "io server disconnect", "{transports}: {e}");
+    }
+}
+
+// ---- item 11: a busy socket on an epoll core yields ----------------------------------------------
+
+#[test]
+fn an_epoll_core_keeps_answering_while_sockets_stream_big_frames() {
+    let server = Server::start(&["--io-driver", "epoll", "--cores", "1"]);
+    let session = server.new_session();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let streamers: Vec<_> = (0..4)
+        .map(|i| {
+            let (mut stream, status) = raw_upgrade(&server, &format!("/ws?sessionId={session}"), Some(KEY));
+            assert_eq!(status, 101, "socket {i}");
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let frame = client_frame(0x1, "y".repeat(65_000).as_bytes());
+                let mut sent = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && stream.write_all(&frame).is_ok() {
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    // Let the streams get going, then ask the same (only) core for something else.
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    for _ in 0..20 {
+        server.assert_alive();
+    }
+    let took = started.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let frames: u64 = streamers.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(frames > 4, "the sockets were streaming ({frames} frames)");
+    eprintln!("20 GET /version answered in {took:?} while {frames} frames of 65 KB streamed");
+}
