@@ -258,6 +258,17 @@ pub struct Config {
     #[arg(long = "socket-queue-hard-bytes", env = "SOCKET_QUEUE_HARD_BYTES", default_value_t = 8 << 20,
           value_parser = clap::value_parser!(u64).range(2048..=1 << 40))]
     pub socket_queue_hard_bytes: u64,
+
+    /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
+    /// senders keep a backlog, conflate telemetry and slow their sources down.
+    #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
+    pub mesh_inbox_messages: u64,
+
+    /// Bytes one core's cross-core inbox holds (an estimate of what its items carry).
+    #[arg(long = "mesh-inbox-bytes", env = "MESH_INBOX_BYTES", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub mesh_inbox_bytes: u64,
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -101,6 +101,14 @@ pub struct StateCounts {
     pub subscriptions: u64,
     pub inbox_depth: u64,
     pub ingress_depth: u64,
+    /// Items (deliveries, messages, operations) in this core's cross-core inbox.
+    pub inbox_messages: u64,
+    /// Items waiting on this core for a full inbox, per destination core.
+    pub mesh_backlog: Vec<u64>,
+    /// The most items one of those backlogs ever held.
+    pub mesh_backlog_peak: u64,
+    /// Telemetry deliveries conflated in those backlogs.
+    pub mesh_conflated: u64,
 }
 
 /// A core's metrics, sent to the core answering the scrape.
@@ -117,6 +125,26 @@ pub struct Snapshot {
 
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
 pub type ExternalSeries = Vec<(String, String, String, u64)>;
+
+/// The cross-core mesh's bounded queues (runtime/mesh.rs).
+fn render_mesh(out: &mut String, cores: &[Snapshot]) {
+    family(out, "hubcast_mesh_inbox_messages", "gauge", "Items (deliveries, messages, operations) in a core's cross-core inbox.");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_mesh_inbox_messages{{core=\"{core}\"}} {}", c.state.inbox_messages);
+    }
+    family(out, "hubcast_mesh_backlog_messages", "gauge", "Items waiting on a core because the destination core's inbox is full.");
+    for (core, c) in cores.iter().enumerate() {
+        for (to, n) in c.state.mesh_backlog.iter().enumerate().filter(|(to, _)| *to != core) {
+            let _ = writeln!(out, "hubcast_mesh_backlog_messages{{core=\"{core}\",to=\"{to}\"}} {n}");
+        }
+    }
+    family(out, "hubcast_mesh_backlog_peak_messages", "gauge", "The most items one cross-core backlog of a core held since start.");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_mesh_backlog_peak_messages{{core=\"{core}\"}} {}", c.state.mesh_backlog_peak);
+    }
+    family(out, "hubcast_mesh_conflated_total", "counter", "Telemetry deliveries replaced by newer ones while the destination core was behind.");
+    let _ = writeln!(out, "hubcast_mesh_conflated_total {}", cores.iter().map(|c| c.state.mesh_conflated).sum::<u64>());
+}
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -174,6 +202,7 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
         let _ = writeln!(out, "hubcast_request_duration_seconds_sum{{route=\"{route}\"}} {}", sum as f64 / 1e6);
         let _ = writeln!(out, "hubcast_request_duration_seconds_count{{route=\"{route}\"}} {count}");
     }
+    render_mesh(&mut out, cores);
     let mut last = String::new();
     for (name, help, labels, value) in external {
         if *name != last {

@@ -112,6 +112,8 @@ pub async fn run(core: Rc<Core>, count: u32) {
             }
         }
         if !batch.is_empty() {
+            // Back-pressure: wait while this core's cross-core backlog is over its bound.
+            core.mesh.wait_for_room().await;
             core.ingest_detached(batch);
         }
     }

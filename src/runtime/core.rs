@@ -319,8 +319,10 @@ impl Core {
         self.sessions.borrow_mut().touch(session, Instant::now()).is_some()
     }
 
-    /// Routes device messages to their owning cores; resolves when all are applied.
+    /// Routes device messages to their owning cores; resolves when all are applied (and the
+    /// cores that applied them have room in their cross-core backlogs).
     pub async fn ingest(self: &Rc<Self>, batch: Vec<IngestMessage>) {
+        self.mesh.wait_for_room().await;
         let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
         for msg in batch {
             per_core[self.device_core(&msg.device_id)].push(msg);
@@ -364,12 +366,23 @@ impl Core {
     /// Serves this core's inbox: work other cores sent here.
     pub async fn serve_inbox(self: Rc<Self>, inbox: Inbox) {
         while let Ok(batch) = inbox.recv().await {
+            self.mesh.taken(batch.iter().map(CoreMsg::items).sum());
             for msg in batch {
                 match msg {
                     CoreMsg::Ingest { batch, done } => {
                         self.ingest_local(batch);
                         if let Some(done) = done {
-                            let _ = done.send(());
+                            // `POST /ingest` is answered once this core's backlog has room
+                            // again (never awaited here: this task must keep draining).
+                            if self.mesh.has_room() {
+                                let _ = done.send(());
+                            } else {
+                                let me = self.clone();
+                                monoio::spawn(async move {
+                                    me.mesh.wait_for_room().await;
+                                    let _ = done.send(());
+                                });
+                            }
                         }
                     }
                     CoreMsg::Devices { ops, reply } => {
@@ -414,6 +427,10 @@ impl Core {
             subscriptions,
             inbox_depth: queues.as_ref().map_or(0, |(inbox, _)| inbox.len() as u64),
             ingress_depth: queues.as_ref().map_or(0, |(_, ingress)| ingress.len() as u64),
+            inbox_messages: self.mesh.inbox_load(self.index) as u64,
+            mesh_backlog: self.mesh.backlog().into_iter().map(|n| n as u64).collect(),
+            mesh_backlog_peak: self.mesh.backlog_peak.get() as u64,
+            mesh_conflated: self.mesh.conflated.get(),
         };
         self.metrics.snapshot(state)
     }

@@ -60,6 +60,9 @@ impl Ingress {
 /// Drains this core's ingress queue.
 pub async fn serve(core: Rc<Core>, queue: IngressQueue) {
     while let Ok(batch) = queue.recv().await {
+        // While this core's cross-core backlog is over its bound, batches stay in the queue;
+        // once it is full `Ingress::send` waits, and so does the AMQP link's credit.
+        core.mesh.wait_for_room().await;
         core.ingest_local(batch);
     }
 }

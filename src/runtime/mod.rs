@@ -121,14 +121,17 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
     let (flush, flush_rx): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded::<()>(1)).unzip();
     let mut flush_rx = flush_rx.into_iter();
     let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
-    let channels: Vec<_> = (0..settings.cores).map(|_| async_channel::unbounded()).collect();
-    let senders: Vec<mesh::InboxSender> = channels.iter().map(|(tx, _)| tx.clone()).collect();
+    let (inboxes, receivers) = mesh::inboxes(settings.cores);
+    let limits = mesh::MeshLimits::new(
+        settings.config.mesh_inbox_messages as usize,
+        settings.config.mesh_inbox_bytes as usize,
+    );
     let (ready_tx, ready_rx) = mpsc::channel::<io::Result<&'static str>>();
     let mut threads = Vec::new();
-    for (index, (listener, (_, inbox))) in listeners.into_iter().zip(channels).enumerate() {
+    for (index, (listener, inbox)) in listeners.into_iter().zip(receivers).enumerate() {
         let settings = settings.clone();
         let shared = shared.clone();
-        let senders = senders.clone();
+        let inboxes = inboxes.clone();
         let ready = ready_tx.clone();
         let ingress_queue = ingress_queues.remove(0);
         let (report, flush_rx) = (report_tx.clone(), flush_rx.next().expect("one per core"));
@@ -148,7 +151,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
                         return;
                     }
                 };
-                let core = Core::new(index, settings.clone(), shared, Mesh::new(index, senders));
+                let core = Core::new(index, settings.clone(), shared, Mesh::new(index, &inboxes, limits));
                 *core.queues.borrow_mut() = Some((inbox.clone(), ingress_queue.clone()));
                 monoio::spawn(core.clone().serve_inbox(inbox));
                 monoio::spawn(ingress::serve(core.clone(), ingress_queue));
