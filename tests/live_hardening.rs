@@ -5,9 +5,9 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use common::rawws::*;
 use common::*;
 use serde_json::{json, Value};
 
@@ -24,117 +24,6 @@ fn subscribed(server: &Server, device: &str, kinds: &[&str]) -> String {
     session
 }
 
-// ---- a raw WebSocket client: exact bytes in, exact frames out ----------------------------------
-
-const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
-
-/// Sends an upgrade request with `key` (None: no header); returns the stream and the status.
-fn raw_upgrade(server: &Server, path: &str, key: Option<&str>) -> (TcpStream, u16) {
-    let mut stream = server.connect();
-    let key_header = key.map(|k| format!("Sec-WebSocket-Key: {k}\r\n")).unwrap_or_default();
-    let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n{key_header}Sec-WebSocket-Version: 13\r\n\r\n"
-    );
-    stream.write_all(request.as_bytes()).unwrap();
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match stream.read(&mut byte) {
-            Ok(1) => head.push(byte[0]),
-            _ => break,
-        }
-    }
-    let head = String::from_utf8_lossy(&head).to_string();
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    if status != 101 {
-        // Read the rest of the answer so a 400 body does not look like frames.
-        let _ = stream.set_read_timeout(Some(Duration::from_millis(300)));
-        let mut rest = Vec::new();
-        let _ = stream.read_to_end(&mut rest);
-    }
-    (stream, status)
-}
-
-/// One masked client frame.
-fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
-    let mask = [0x12, 0x34, 0x56, 0x78];
-    let mut frame = vec![0x80 | opcode];
-    match payload.len() {
-        n if n < 126 => frame.push(0x80 | n as u8),
-        n if n <= 0xffff => {
-            frame.push(0x80 | 126);
-            frame.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-        n => {
-            frame.push(0x80 | 127);
-            frame.extend_from_slice(&(n as u64).to_be_bytes());
-        }
-    }
-    frame.extend_from_slice(&mask);
-    frame.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i & 3]));
-    frame
-}
-
-/// A server frame: opcode and payload; `None` on EOF, reset or timeout.
-fn read_frame(stream: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
-    let mut head = [0u8; 2];
-    stream.read_exact(&mut head).ok()?;
-    let len = match head[1] & 0x7f {
-        126 => {
-            let mut b = [0u8; 2];
-            stream.read_exact(&mut b).ok()?;
-            u16::from_be_bytes(b) as usize
-        }
-        127 => {
-            let mut b = [0u8; 8];
-            stream.read_exact(&mut b).ok()?;
-            u64::from_be_bytes(b) as usize
-        }
-        n => n as usize,
-    };
-    let mut payload = vec![0u8; len];
-    stream.read_exact(&mut payload).ok()?;
-    Some((head[0] & 0x0f, payload))
-}
-
-/// Reads frames until a close frame; returns its code (`None`: the connection ended without one).
-fn close_code(stream: &mut TcpStream) -> Option<u16> {
-    stream.set_read_timeout(Some(WAIT)).unwrap();
-    while let Some((opcode, payload)) = read_frame(stream) {
-        if opcode == 0x8 {
-            return Some(u16::from_be_bytes([payload[0], payload[1]]));
-        }
-    }
-    None
-}
-
-/// Reads text frames until one satisfies `pred`.
-fn text_until(stream: &mut TcpStream, pred: impl Fn(&str) -> bool) -> String {
-    stream.set_read_timeout(Some(WAIT)).unwrap();
-    loop {
-        let (opcode, payload) = read_frame(stream).expect("a frame");
-        let text = String::from_utf8_lossy(&payload).to_string();
-        if opcode == 0x1 && pred(&text) {
-            return text;
-        }
-        assert_ne!(opcode, 0x8, "closed while waiting: {payload:?}");
-    }
-}
-
-/// Writes `frame` again and again without reading, until a write fails (the server closed)
-/// or `limit` bytes went out; returns the bytes written.
-fn flood(stream: &mut TcpStream, frame: &[u8], limit: usize) -> usize {
-    stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
-    let mut sent = 0;
-    while sent < limit {
-        match stream.write_all(frame) {
-            Ok(()) => sent += frame.len(),
-            Err(_) => break,
-        }
-    }
-    sent
-}
-
 // ---- A2: a Socket.IO WebSocket accepts only the handshake before CONNECT -------------------------
 
 #[test]
@@ -144,7 +33,7 @@ fn a_socketio_websocket_without_a_session_is_closed_by_a_big_ping_and_echoes_not
     assert_eq!(status, 101);
     let open = text_until(&mut stream, |t| t.starts_with('0'));
     assert!(open.contains("\"sid\""), "{open}");
-    let ping = client_frame(0x1, format!("2{}", "x".repeat(65_000)).as_bytes());
+    let ping = big_client_ping(65_000);
     for _ in 0..50 {
         if stream.write_all(&ping).is_err() {
             break;
@@ -162,17 +51,12 @@ fn a_socketio_websocket_without_a_session_is_closed_by_a_big_ping_and_echoes_not
 fn a_connected_socketio_client_that_floods_pings_and_never_reads_is_closed_with_memory_bounded() {
     let server = Server::start(&[]);
     let session = subscribed(&server, "dev-1", &["telemetry"]);
-    let (mut stream, status) =
-        raw_upgrade(&server, &format!("/socket.io/?EIO=4&transport=websocket&sessionId={session}"), Some(KEY));
-    assert_eq!(status, 101);
-    text_until(&mut stream, |t| t.starts_with('0'));
-    stream.write_all(&client_frame(0x1, b"40")).unwrap();
-    text_until(&mut stream, |t| t.starts_with("40"));
+    let mut stream = socketio_connected(&server, &session);
     // Sentinel: this socket really is connected and gets data.
     server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
     text_until(&mut stream, |t| t.starts_with("42"));
     let rss_before = server.rss_kib();
-    let ping = client_frame(0x1, format!("2{}", "x".repeat(65_000)).as_bytes());
+    let ping = big_client_ping(65_000);
     let sent = flood(&mut stream, &ping, 200 << 20);
     assert!(sent < 200 << 20, "the server kept reading a flood of client pings ({sent} bytes)");
     let open = server.wait_for_metric("hubcast_sockets{transport=\"socketio_websocket\"}", WAIT, |v| v == 0.0);

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 pub mod process;
+pub mod rawws;
 pub mod sio;
 pub mod ws;
 
@@ -122,11 +123,27 @@ impl Server {
         Self::launch(args, false, &[])
     }
 
+    /// Like [`Server::start`], with the binary run through `wrapper` (a program and its
+    /// arguments that exec the binary, e.g. `prlimit --as=N --`).
+    pub fn start_wrapped(wrapper: &[&str], args: &[&str]) -> Server {
+        let (program, wrapper_args) = wrapper.split_first().expect("a wrapper program");
+        let mut cmd = Command::new(program);
+        cmd.args(wrapper_args).arg(BIN).args(full_args(args, true));
+        for var in CONFIG_ENV {
+            cmd.env_remove(var);
+        }
+        Self::launch_command(cmd)
+    }
+
     fn launch(args: &[&str], with_secrets: bool, env: &[(&str, &str)]) -> Server {
         let mut cmd = command(&full_args(args, with_secrets));
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Self::launch_command(cmd)
+    }
+
+    fn launch_command(mut cmd: Command) -> Server {
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {BIN}: {e}"));
 
