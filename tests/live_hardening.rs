@@ -161,7 +161,8 @@ fn pipelined_polling_handshakes_without_a_session_are_capped_and_expire() {
     let answered = counter.join().unwrap();
     assert_eq!(answered, N, "every handshake is answered (most with 503)");
     let open = polling_sockets();
-    assert!(open <= 200.0, "{open} polling sessions from one connection with --max-connections 200");
+    // Without a CONNECT, at most a quarter of a core's share of the budget (200 / 2 / 4).
+    assert!(open <= 25.0, "{open} polling sessions from one connection with --max-connections 200");
     // None of them polls: each is closed soon after its handshake.
     let deadline = Instant::now() + Duration::from_secs(10);
     while polling_sockets() > 0.0 {

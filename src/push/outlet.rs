@@ -12,6 +12,7 @@
 //! - **refused**: past `hard` messages or `hard_bytes` bytes waiting the socket is closed
 //!   (1008, "slow consumer"), and what it held is freed at once (a single frame larger than
 //!   `hard_bytes` may still wait alone).
+//!
 //! A slow socket therefore costs bounded memory and never slows the others.
 
 use std::cell::RefCell;

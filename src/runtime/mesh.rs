@@ -29,6 +29,7 @@
 //! - **never dropped**: state, twin and message deliveries, device and session operations,
 //!   replies and moving sockets. What feeds them is bounded elsewhere: requests by
 //!   `--max-connections`, timer-driven state changes by devices × subscribers.
+//!
 //! The backlog's depth in items, its peak and the conflations are exported on `/metrics`.
 
 use std::cell::{Cell, RefCell};

@@ -109,8 +109,12 @@ fn text(body: impl Into<Vec<u8>>) -> Response {
 
 /// Polling sessions per core that are not yet connected to a session (their handshake was
 /// answered, their CONNECT has not come): a client connects within one round trip, so a
-/// small cap stops a flood of handshakes without a session.
-pub const MAX_PENDING_PER_CORE: usize = 1024;
+/// small cap stops a flood of handshakes without a session. At most 1024, and at most a
+/// quarter of the core's share of `--max-connections`, so such a flood cannot take the
+/// connection budget from real clients.
+pub fn max_pending(core: &Core) -> usize {
+    (core.settings.config.max_connections as usize / core.cores() / 4).clamp(1, 1024)
+}
 
 /// How long after its handshake a polling session may go without its first poll.
 fn first_poll_deadline(core: &Core) -> Duration {
@@ -119,7 +123,7 @@ fn first_poll_deadline(core: &Core) -> Duration {
 
 fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
     let c = &core.settings.config;
-    if core.polling_pending.get() >= MAX_PENDING_PER_CORE {
+    if core.polling_pending.get() >= max_pending(core) {
         tracing::warn!(core = core.index, "too many Engine.IO polling handshakes without a CONNECT; refusing one");
         return Response::error(503, "too many pending Engine.IO handshakes; retry later");
     }
