@@ -273,15 +273,18 @@ async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
     let c = &core.settings.config;
     let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
     let alive = || core.polling.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
-    // A handshake that is never followed by a poll is abandoned (or a flood): end it soon.
-    monoio::time::sleep(first_poll_deadline(&core)).await;
+    // A handshake that is never followed by a poll is abandoned (or a flood): end it soon,
+    // within the first ping interval (the ping schedule stays as the client expects it).
+    let first_poll = first_poll_deadline(&core).min(interval);
+    monoio::time::sleep(first_poll).await;
     if !socket.polled.get() && alive() {
         close(&core, &socket, CloseReason::new(1008, "no poll after the handshake"));
         forget(&core, &socket);
         return;
     }
+    let mut wait = interval - first_poll;
     loop {
-        monoio::time::sleep(interval).await;
+        monoio::time::sleep(std::mem::replace(&mut wait, interval)).await;
         if !alive() {
             // Closed while no poll was pending (e.g. session deleted): nobody will collect it.
             if !socket.poll_active.get() {
