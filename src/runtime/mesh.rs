@@ -179,9 +179,10 @@ impl Outgoing {
 
     /// Adds one delivery; returns true when it replaced an older one (conflated).
     fn push_delivery(&mut self, d: Delivery) -> bool {
-        let key = (d.session, d.device.clone());
         if d.kind != FrameKind::Telemetry {
-            self.slots.remove(&key);
+            if !self.slots.is_empty() {
+                self.slots.remove(&(d.session, d.device.clone()));
+            }
             self.push(Pending::One(d));
             return false;
         }
@@ -189,6 +190,7 @@ impl Outgoing {
             self.push(Pending::One(d));
             return false;
         }
+        let key = (d.session, d.device.clone());
         if let Some(&at) = self.slots.get(&key) {
             if let Some(Pending::One(old)) = at.checked_sub(self.base).and_then(|i| self.queue.get_mut(i as usize)) {
                 *old = d;
