@@ -230,14 +230,14 @@ async fn run(
     conn.core.metrics.socket_opened(conn.transport());
     // A live socket counts towards the connection limit (released however this ends).
     let _slot = crate::http::ConnectionSlot::acquire();
-    // Safety: the fd stays open while either task holds its half; both clear this on exit.
-    conn.outlet.set_hangup(Some(Box::new(move || unsafe {
-        libc::shutdown(fd, libc::SHUT_RDWR);
-    })));
     let (mut read, write) = stream.into_split();
     // Counted until the reader ends (declared after `read`, so it drops first: no entry
     // outlives the descriptor); a graceful shutdown closes it with 1001 and waits.
     let _live = conn.core.drain.socket(&conn.outlet, fd);
+    // Safety: the fd stays open while either task holds its half; both clear this on exit.
+    conn.outlet.set_hangup(Some(Box::new(move || unsafe {
+        libc::shutdown(fd, libc::SHUT_RDWR);
+    })));
     let greeting_ok = match &kind {
         SocketKind::Plain => {
             if conn.attach() {
