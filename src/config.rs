@@ -190,6 +190,28 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(2..))]
     pub socket_queue_hard_limit: u64,
 
+    /// Bytes waiting on one socket beyond which its telemetry is conflated (newest per device).
+    #[arg(long = "socket-queue-soft-bytes", env = "SOCKET_QUEUE_SOFT_BYTES", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub socket_queue_soft_bytes: u64,
+
+    /// Bytes waiting on one socket beyond which it is closed as a slow consumer (one frame
+    /// larger than this may still wait alone).
+    #[arg(long = "socket-queue-hard-bytes", env = "SOCKET_QUEUE_HARD_BYTES", default_value_t = 8 << 20,
+          value_parser = clap::value_parser!(u64).range(2048..=1 << 40))]
+    pub socket_queue_hard_bytes: u64,
+
+    /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
+    /// senders keep a backlog, conflate telemetry and slow their sources down.
+    #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,
+          value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
+    pub mesh_inbox_messages: u64,
+
+    /// Bytes one core's cross-core inbox holds (an estimate of what its items carry).
+    #[arg(long = "mesh-inbox-bytes", env = "MESH_INBOX_BYTES", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub mesh_inbox_bytes: u64,
+
     /// Serve GET /metrics without the admin key (for a Prometheus scraper inside a private network).
     #[arg(long = "metrics-open", env = "METRICS_OPEN", default_value_t = false, action = clap::ArgAction::Set,
           num_args = 0..=1, default_missing_value = "true")]
@@ -247,28 +269,6 @@ pub struct Config {
     #[arg(long = "shutdown-timeout", env = "SHUTDOWN_TIMEOUT", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub shutdown_timeout: u64,
-
-    /// Bytes waiting on one socket beyond which its telemetry is conflated (newest per device).
-    #[arg(long = "socket-queue-soft-bytes", env = "SOCKET_QUEUE_SOFT_BYTES", default_value_t = 1 << 20,
-          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
-    pub socket_queue_soft_bytes: u64,
-
-    /// Bytes waiting on one socket beyond which it is closed as a slow consumer (one frame
-    /// larger than this may still wait alone).
-    #[arg(long = "socket-queue-hard-bytes", env = "SOCKET_QUEUE_HARD_BYTES", default_value_t = 8 << 20,
-          value_parser = clap::value_parser!(u64).range(2048..=1 << 40))]
-    pub socket_queue_hard_bytes: u64,
-
-    /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
-    /// senders keep a backlog, conflate telemetry and slow their sources down.
-    #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,
-          value_parser = clap::value_parser!(u64).range(1..=1 << 32))]
-    pub mesh_inbox_messages: u64,
-
-    /// Bytes one core's cross-core inbox holds (an estimate of what its items carry).
-    #[arg(long = "mesh-inbox-bytes", env = "MESH_INBOX_BYTES", default_value_t = 64 << 20,
-          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
-    pub mesh_inbox_bytes: u64,
 }
 
 /// The parts of the configuration derived once at start-up.
