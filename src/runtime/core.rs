@@ -20,6 +20,15 @@ use crate::runtime::routing::{core_of_device, core_of_session};
 use crate::shard::{DeviceOp, DeviceReply, DeviceTable, SessionOp, SessionReply, SessionTable};
 use crate::Shared;
 
+/// A slot of a core's connection budget held by an Engine.IO polling session.
+pub struct BudgetSlot(Rc<Core>);
+
+impl Drop for BudgetSlot {
+    fn drop(&mut self) {
+        self.0.connections.set(self.0.connections.get().saturating_sub(1));
+    }
+}
+
 pub struct Core {
     pub index: usize,
     pub settings: Arc<Settings>,
@@ -77,19 +86,15 @@ impl Core {
     }
 
     /// Takes a slot of the connection budget for something that costs a connection without
-    /// being one (an Engine.IO polling session); false when the budget is spent.
-    pub fn take_connection_slot(&self) -> bool {
+    /// being one (an Engine.IO polling session); `None` when the budget is spent. The slot
+    /// goes back when the guard is dropped.
+    pub fn take_connection_slot(self: &Rc<Self>) -> Option<BudgetSlot> {
         let cap = (self.settings.config.max_connections as usize).div_ceil(self.cores());
         if self.connections.get() >= cap {
-            return false;
+            return None;
         }
         self.connections.set(self.connections.get() + 1);
-        true
-    }
-
-    /// Gives back a slot taken with [`Core::take_connection_slot`].
-    pub fn release_connection_slot(&self) {
-        self.connections.set(self.connections.get().saturating_sub(1));
+        Some(BudgetSlot(self.clone()))
     }
 
     pub fn device_core(&self, device: &str) -> usize {

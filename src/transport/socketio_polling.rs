@@ -44,6 +44,8 @@ pub struct PollingSocket {
     polled: Cell<bool>,
     /// The DISCONNECT of a server-side close went out; the close packet is next.
     disconnect_sent: Cell<bool>,
+    /// Its place in the connection budget, given back when it ends.
+    slot: Cell<Option<crate::runtime::core::BudgetSlot>>,
 }
 
 const RECORD_SEPARATOR: u8 = 0x1e;
@@ -129,9 +131,9 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
     }
     // A polling session holds no TCP connection of its own but costs as much: it takes a
     // slot of the connection budget until it ends.
-    if !core.take_connection_slot() {
+    let Some(slot) = core.take_connection_slot() else {
         return Response::error(503, "connection limit reached (maxConnections)");
-    }
+    };
     let sid: Box<str> = format!("{}-{}", core.index, random_token(15)).into();
     let socket = Rc::new(PollingSocket {
         sid: sid.clone(),
@@ -142,6 +144,7 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
         poll_active: Cell::new(false),
         polled: Cell::new(false),
         disconnect_sent: Cell::new(false),
+        slot: Cell::new(Some(slot)),
     });
     core.polling.borrow_mut().insert(sid.clone(), socket.clone());
     core.polling_pending.set(core.polling_pending.get() + 1);
@@ -255,7 +258,7 @@ fn released(core: &Core, socket: &PollingSocket) {
         core.metrics.slow_consumer_closed();
     }
     core.metrics.socket_closed(POLLING);
-    core.release_connection_slot();
+    drop(socket.slot.take());
     if !socket.attached.get() {
         core.polling_pending.set(core.polling_pending.get() - 1);
     }
