@@ -1,7 +1,7 @@
 //! One core: its shard, its view of the mesh, and the helpers that run an operation wherever
 //! its data lives (in place when local, over the mesh otherwise).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,14 +20,8 @@ use crate::runtime::routing::{core_of_device, core_of_session};
 use crate::shard::{DeviceOp, DeviceReply, DeviceTable, SessionOp, SessionReply, SessionTable};
 use crate::Shared;
 
-/// A slot of a core's connection budget held by an Engine.IO polling session.
-pub struct BudgetSlot(Rc<Core>);
-
-impl Drop for BudgetSlot {
-    fn drop(&mut self) {
-        self.0.connections.set(self.0.connections.get().saturating_sub(1));
-    }
-}
+/// A slot of the connection budget held by an Engine.IO polling session.
+pub use crate::http::ConnectionSlot as BudgetSlot;
 
 pub struct Core {
     pub index: usize,
@@ -89,12 +83,7 @@ impl Core {
     /// being one (an Engine.IO polling session); `None` when the budget is spent. The slot
     /// goes back when the guard is dropped.
     pub fn take_connection_slot(self: &Rc<Self>) -> Option<BudgetSlot> {
-        let cap = (self.settings.config.max_connections as usize).div_ceil(self.cores());
-        if self.connections.get() >= cap {
-            return None;
-        }
-        self.connections.set(self.connections.get() + 1);
-        Some(BudgetSlot(self.clone()))
+        BudgetSlot::try_acquire(self.settings.config.max_connections as usize)
     }
 
     pub fn device_core(&self, device: &str) -> usize {

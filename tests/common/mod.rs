@@ -378,11 +378,6 @@ impl Server {
     }
 
     /// Whether the process is still running.
-    /// The server's process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
