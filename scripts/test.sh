@@ -20,6 +20,10 @@ if ! command -v prlimit >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq util-linux >/dev/null
 fi
 
+# Operator-side checkers (issue 14): promtool, chromium (Debian), openapi-spec-validator and
+# schemathesis (PyPI, in a venv under target/tools/venv); skipped quickly when already present.
+bash scripts/operator-tools.sh
+
 # Local brokers some tests talk to (started when present and stopped).
 if [ -x scripts/services.sh ]; then
   scripts/services.sh

@@ -9,10 +9,10 @@ use std::time::Duration;
 pub const LATENCY_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5];
 
 /// Every route label, in a fixed order (index = position).
-pub const ROUTES: [&str; 18] = [
+pub const ROUTES: [&str; 19] = [
     "version", "status", "logLevel", "session", "sessions", "grants", "subscription", "subscriptions",
     "lastValue", "deviceTwin", "connectionState", "directMethod", "deviceTwinDesiredProperties", "ingest",
-    "metrics", "socket.io", "preflight", "other",
+    "metrics", "openapi", "socket.io", "preflight", "other",
 ];
 
 pub const SOURCES: [&str; 4] = ["Telemetry", "twinChangeEvents", "deviceConnectionStateEvents", "deviceLifecycleEvents"];

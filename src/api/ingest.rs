@@ -34,8 +34,14 @@ struct WireMessage<'a> {
     properties: Option<serde_json::Map<String, Value>>,
     #[serde(default, borrow)]
     enqueued_time: Option<Cow<'a, str>>,
-    #[serde(borrow)]
+    /// `null` is a body like any other (a D2C message of `null`); only an absent field is missing.
+    #[serde(default, borrow, deserialize_with = "present")]
     body: Option<&'a RawValue>,
+}
+
+/// Keeps a present field as `Some`, even when it is `null` (serde maps `null` to `None`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
 }
 
 fn to_message(wire: WireMessage<'_>, device_id_key: &str) -> Checked<IngestMessage> {

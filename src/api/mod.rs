@@ -10,6 +10,7 @@ mod ingest;
 mod last_values;
 mod meta;
 mod metrics;
+mod openapi;
 mod sessions;
 mod subscriptions;
 
@@ -23,7 +24,7 @@ use crate::runtime::Core;
 
 pub use auth::admin_key_matches;
 
-/// The routes of SPEC.md plus `POST /ingest`.
+/// The routes of SPEC.md plus hubcast's own (`POST /ingest`, `/metrics`, `/openapi.json`, …).
 enum Route {
     Version,
     Status,
@@ -41,6 +42,7 @@ enum Route {
     DesiredProperties,
     Ingest,
     Metrics,
+    OpenApi,
 }
 
 impl Route {
@@ -62,6 +64,7 @@ impl Route {
             Route::DesiredProperties => "deviceTwinDesiredProperties",
             Route::Ingest => "ingest",
             Route::Metrics => "metrics",
+            Route::OpenApi => "openapi",
         }
     }
 
@@ -90,13 +93,15 @@ impl Route {
             ("deviceTwinDesiredProperties", None, None) => Route::DesiredProperties,
             ("ingest", None, None) => Route::Ingest,
             ("metrics", None, None) => Route::Metrics,
+            ("openapi.json", None, None) => Route::OpenApi,
             _ => return None,
         })
     }
 
     fn allowed(&self) -> &'static str {
         match self {
-            Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) | Route::Metrics => "GET",
+            Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) | Route::Metrics
+            | Route::OpenApi => "GET",
             Route::LastValue(_, None) => "GET, DELETE",
             Route::LastValue(_, Some(_)) => "GET",
             Route::LogLevel(_) => "PUT",
@@ -168,6 +173,7 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
         (Route::DesiredProperties, &M::PATCH) => device_hub::desired_properties(core, &req).await,
         (Route::Ingest, &M::POST) => ingest::post(core, &req).await,
         (Route::Metrics, &M::GET) => metrics::get(core, &req).await,
+        (Route::OpenApi, &M::GET) => Ok(openapi::get()),
         _ => Ok(Response::error(405, &format!("Method {} not allowed on {}", req.method, req.path))
             .with_header("allow", route.allowed())),
     }
