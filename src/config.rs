@@ -269,6 +269,11 @@ pub struct Config {
     #[arg(long = "shutdown-timeout", env = "SHUTDOWN_TIMEOUT", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub shutdown_timeout: u64,
+
+    /// Log line format on stderr: `text` (human) or `json` (one object per line: time, level,
+    /// target, message, fields).
+    #[arg(long = "log-format", env = "LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -22,7 +22,10 @@ fn main() -> ExitCode {
     }));
     normalise_environment();
     let settings = Arc::new(Config::parse().settle());
-    let log = logging::init(LogLevel::parse(&settings.config.log_level).expect("validated by clap"));
+    let log = logging::init_with(
+        LogLevel::parse(&settings.config.log_level).expect("validated by clap"),
+        logging::LogFormat::parse(&settings.config.log_format).expect("validated by clap"),
+    );
     // Registered before anything starts: a signal during start-up is read once serving.
     let mut signals = match signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT]) {
         Ok(s) => s,
