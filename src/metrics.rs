@@ -9,10 +9,10 @@ use std::time::Duration;
 pub const LATENCY_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5];
 
 /// Every route label, in a fixed order (index = position).
-pub const ROUTES: [&str; 19] = [
+pub const ROUTES: [&str; 21] = [
     "version", "status", "logLevel", "session", "sessions", "grants", "subscription", "subscriptions",
     "lastValue", "deviceTwin", "connectionState", "directMethod", "deviceTwinDesiredProperties", "ingest",
-    "metrics", "openapi", "socket.io", "preflight", "other",
+    "metrics", "openapi", "console", "devices", "socket.io", "preflight", "other",
 ];
 
 pub const SOURCES: [&str; 4] = ["Telemetry", "twinChangeEvents", "deviceConnectionStateEvents", "deviceLifecycleEvents"];
@@ -185,6 +185,14 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     for (core, c) in cores.iter().enumerate() {
         let _ = writeln!(out, "hubcast_core_queue_depth{{core=\"{core}\",queue=\"inbox\"}} {}", c.state.inbox_depth);
         let _ = writeln!(out, "hubcast_core_queue_depth{{core=\"{core}\",queue=\"ingress\"}} {}", c.state.ingress_depth);
+    }
+    family(&mut out, "hubcast_core_sessions", "gauge", "Live sessions owned by each core.");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_core_sessions{{core=\"{core}\"}} {}", c.state.sessions);
+    }
+    family(&mut out, "hubcast_core_sockets", "gauge", "Open live-data sockets on each core, all transports.");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_core_sockets{{core=\"{core}\"}} {}", c.sockets_open.iter().sum::<u64>());
     }
     family(&mut out, "hubcast_request_duration_seconds", "histogram", "REST request latency, by route.");
     for (r, route) in ROUTES.iter().enumerate() {

@@ -21,6 +21,9 @@ fn served_document_is_the_repo_document_and_valid_openapi() {
     assert!(headers.get("content-type").unwrap_or("").starts_with("application/json"));
     let in_repo = std::fs::read_to_string(tools::repo().join("docs/openapi.json")).unwrap();
     assert_eq!(body, in_repo, "GET /openapi.json serves docs/openapi.json as built");
+    let generated = tools::run(Command::new(tools::venv_bin("python")).arg(tools::repo().join("docs/openapi.py")));
+    assert!(generated.status.success());
+    assert_eq!(String::from_utf8_lossy(&generated.stdout), in_repo, "docs/openapi.json is stale: run `python3 docs/openapi.py --write`");
     let doc = parse_json(&body);
     assert_eq!(doc["openapi"], "3.1.0");
     // Every route of SPEC.md and hubcast's own is described.
@@ -28,7 +31,7 @@ fn served_document_is_the_repo_document_and_valid_openapi() {
         "/version", "/status", "/logLevel/{level}", "/session", "/sessions", "/sessions/{sessionId}", "/grants",
         "/subscription", "/subscriptions", "/lastValue/{deviceId}", "/lastValue/{deviceId}/{telemetryKey}",
         "/deviceTwin/{deviceId}", "/connectionState/{deviceId}", "/directMethod", "/deviceTwinDesiredProperties",
-        "/ingest", "/metrics", "/openapi.json",
+        "/ingest", "/metrics", "/openapi.json", "/devices", "/console",
     ] {
         assert!(doc["paths"][path].is_object(), "{path} is not in the document");
     }

@@ -4,6 +4,8 @@
 //! the core that owns the data (see `runtime::core`). Every error is `{"errorMessage": …}`.
 
 mod auth;
+mod console;
+mod devices;
 mod device_hub;
 mod grants;
 mod ingest;
@@ -43,6 +45,8 @@ enum Route {
     Ingest,
     Metrics,
     OpenApi,
+    Console,
+    Devices,
 }
 
 impl Route {
@@ -65,6 +69,8 @@ impl Route {
             Route::Ingest => "ingest",
             Route::Metrics => "metrics",
             Route::OpenApi => "openapi",
+            Route::Console => "console",
+            Route::Devices => "devices",
         }
     }
 
@@ -94,6 +100,8 @@ impl Route {
             ("ingest", None, None) => Route::Ingest,
             ("metrics", None, None) => Route::Metrics,
             ("openapi.json", None, None) => Route::OpenApi,
+            ("console", None, None) => Route::Console,
+            ("devices", None, None) => Route::Devices,
             _ => return None,
         })
     }
@@ -101,7 +109,7 @@ impl Route {
     fn allowed(&self) -> &'static str {
         match self {
             Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) | Route::Metrics
-            | Route::OpenApi => "GET",
+            | Route::OpenApi | Route::Console | Route::Devices => "GET",
             Route::LastValue(_, None) => "GET, DELETE",
             Route::LastValue(_, Some(_)) => "GET",
             Route::LogLevel(_) => "PUT",
@@ -174,6 +182,8 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
         (Route::Ingest, &M::POST) => ingest::post(core, &req).await,
         (Route::Metrics, &M::GET) => metrics::get(core, &req).await,
         (Route::OpenApi, &M::GET) => Ok(openapi::get()),
+        (Route::Console, &M::GET) => Ok(console::get()),
+        (Route::Devices, &M::GET) => devices::list(core, &req).await,
         _ => Ok(Response::error(405, &format!("Method {} not allowed on {}", req.method, req.path))
             .with_header("allow", route.allowed())),
     }

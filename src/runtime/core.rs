@@ -166,6 +166,7 @@ impl Core {
                 }
                 SessionReply::Deleted(found)
             }
+            SessionOp::ListDevices(request) => SessionReply::Devices(crate::shard::listing::page(&self.devices.borrow(), &request)),
             SessionOp::DeleteAll => {
                 let all = self.sessions.borrow_mut().drain();
                 let any = !all.is_empty();

@@ -185,6 +185,11 @@ impl DeviceTable {
         self.devices.len()
     }
 
+    /// Every device of this core, in no order (for the console's listing, `shard::listing`).
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Device)> {
+        self.devices.iter().map(|(id, d)| (&**id, d))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.devices.is_empty()
     }

@@ -5,6 +5,7 @@
 
 pub mod access;
 pub mod devices;
+pub mod listing;
 pub mod sessions;
 
 use crate::ids::SessionId;
@@ -96,6 +97,8 @@ pub enum SessionOp {
     /// Check the session exists and keep it alive; remember the devices of `ops` when
     /// `register_devices` (grants), then run `ops` on their devices' cores.
     Scoped { session: SessionId, register_devices: bool, ops: Vec<DeviceOp> },
+    /// One page of this core's devices (the console's `GET /devices`; see `listing`).
+    ListDevices(listing::PageRequest),
 }
 
 #[derive(Debug)]
@@ -106,4 +109,5 @@ pub enum SessionReply {
     Deleted(bool),
     /// `None`: no such session.
     Scoped(Option<Vec<DeviceReply>>),
+    Devices(listing::Page),
 }

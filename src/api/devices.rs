@@ -1,0 +1,91 @@
+//! `GET /devices?q=&after=&limit=` (admin key): the console's device list, paged by cursor.
+//!
+//! Each core returns its first `limit` matches after the cursor (`shard::listing`); they are
+//! merged here in id order. Answer: `{"total", "devices": [...], "next"}` where `next` is the
+//! cursor of the following page, or null on the last one.
+
+use std::rc::Rc;
+
+use serde_json::{json, Map, Value};
+
+use super::auth::require_admin;
+use crate::config::MAX_DEVICE_ID_LEN;
+use crate::http::{Request, Response};
+use crate::model::{Checked, Rejection};
+use crate::runtime::Core;
+use crate::shard::listing::{Page, PageRequest, MAX_LIMIT};
+use crate::shard::{SessionOp, SessionReply};
+use crate::timefmt::iso;
+
+const DEFAULT_LIMIT: usize = 50;
+
+fn parse(req: &Request) -> Checked<PageRequest> {
+    let query = req.query_param("q").unwrap_or_default();
+    if query.len() > MAX_DEVICE_ID_LEN {
+        return Err(Rejection::bad_request(format!("query parameter `q` is longer than {MAX_DEVICE_ID_LEN} bytes")));
+    }
+    let after = req.query_param("after").filter(|a| !a.is_empty());
+    if after.as_ref().is_some_and(|a| a.len() > MAX_DEVICE_ID_LEN) {
+        return Err(Rejection::bad_request(format!("query parameter `after` is longer than {MAX_DEVICE_ID_LEN} bytes")));
+    }
+    let limit = match req.query_param("limit") {
+        None => DEFAULT_LIMIT,
+        Some(raw) => match raw.parse::<usize>() {
+            Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
+            _ => {
+                return Err(Rejection::bad_request(format!(
+                    "query parameter `limit` is `{raw}`; it must be a whole number from 1 to {MAX_LIMIT}"
+                )))
+            }
+        },
+    };
+    Ok(PageRequest { query: query.into(), after: after.map(Into::into), limit })
+}
+
+pub async fn list(core: &Rc<Core>, req: &Request) -> Checked<Response> {
+    require_admin(&core.settings, req)?;
+    let request = parse(req)?;
+    let handles: Vec<_> = (0..core.cores())
+        .map(|target| {
+            let core = core.clone();
+            let request = request.clone();
+            monoio::spawn(async move { core.session_op_on(target, SessionOp::ListDevices(request)).await })
+        })
+        .collect();
+    let mut pages = Vec::with_capacity(handles.len());
+    for h in handles {
+        match h.await {
+            Some(SessionReply::Devices(page)) => pages.push(page),
+            _ => return Err(Rejection::new(503, "a core did not answer the device listing")),
+        }
+    }
+    Ok(Response::json(200, render(pages, request.limit).to_string()))
+}
+
+fn render(pages: Vec<Page>, limit: usize) -> Value {
+    let total: u64 = pages.iter().map(|p| p.total).sum();
+    let after_cursor: u64 = pages.iter().map(|p| p.after_cursor).sum();
+    let mut devices: Vec<_> = pages.into_iter().flat_map(|p| p.devices).collect();
+    devices.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+    devices.truncate(limit);
+    let next = (after_cursor > limit as u64).then(|| devices.last().map(|d| d.id.to_string())).flatten();
+    let devices: Vec<Value> = devices
+        .into_iter()
+        .map(|d| {
+            let telemetry: Map<String, Value> = d
+                .telemetry
+                .iter()
+                .map(|(k, v)| (k.to_string(), serde_json::from_str(v).unwrap_or(Value::Null)))
+                .collect();
+            json!({
+                "deviceId": &*d.id,
+                "connected": d.connected,
+                "lastSeen": d.last.map(iso),
+                "telemetry": telemetry,
+                "telemetryKeys": d.keys,
+                "hasTwin": d.has_twin,
+            })
+        })
+        .collect();
+    json!({ "total": total, "devices": devices, "next": next })
+}
