@@ -19,6 +19,7 @@
 
 pub mod amqp;
 pub mod api;
+pub mod cli;
 pub mod config;
 pub mod connection_string;
 pub mod http;

@@ -4,8 +4,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
-use hubcast::config::{normalise_environment, Config};
+use hubcast::config::normalise_environment;
 use hubcast::logging::{self, LogLevel};
 use hubcast::status::StatusBoard;
 use hubcast::Shared;
@@ -21,7 +20,7 @@ fn main() -> ExitCode {
         std::process::abort();
     }));
     normalise_environment();
-    let settings = Arc::new(Config::parse().settle());
+    let settings = Arc::new(hubcast::cli::parse().settle());
     let log = logging::init_with(
         LogLevel::parse(&settings.config.log_level).expect("validated by clap"),
         logging::LogFormat::parse(&settings.config.log_format).expect("validated by clap"),

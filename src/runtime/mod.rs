@@ -178,12 +178,13 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
     }
     let url = format!("http://{addr}");
     println!("hubcast {} listening on {url} ({} cores, {driver})", env!("CARGO_PKG_VERSION"), settings.cores);
+    let endpoint = settings.config.public_url.clone().unwrap_or_else(|| {
+        if addr.ip().is_unspecified() { format!("http://127.0.0.1:{}", addr.port()) } else { url.clone() }
+    });
     if settings.config.primary_admin_secret.is_none() && settings.config.secondary_admin_secret.is_none() {
-        let endpoint = settings.config.public_url.clone().unwrap_or_else(|| {
-            if addr.ip().is_unspecified() { format!("http://127.0.0.1:{}", addr.port()) } else { url.clone() }
-        });
         println!("Admin connection string: Endpoint={endpoint};SharedAccessKey={}", settings.admin_secrets[0]);
     }
+    println!("Console: {}/console", endpoint.trim_end_matches('/'));
     tracing::info!(%addr, cores = settings.cores, driver, "hubcast started");
     Ok(Running { addr, ingress, _threads: threads, _port: port, reports, flush })
 }
