@@ -136,7 +136,8 @@ fn explain(cmd: &mut Command, args: &[std::ffi::OsString], e: clap::Error) -> cl
     let valid = valid_values(&arg);
     let mut message = format!("invalid value '{value}' for '--{long}'{origin}");
     // clap's own "N is not in A..=B" is said again, in words, by `valid`.
-    if let Some(reason) = reason.filter(|r| !r.is_empty() && !(r.contains(" is not in ") && valid.is_some())) {
+    let repeated = |r: &str| r.contains(" is not in ") && valid.is_some();
+    if let Some(reason) = reason.filter(|r| !r.is_empty() && !repeated(r)) {
         message.push_str(&format!(": {reason}"));
     }
     if let Some(valid) = valid {
