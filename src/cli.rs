@@ -61,9 +61,11 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "ping_timeout",
             "socket_queue_soft_limit",
             "socket_queue_hard_limit",
+            "socket_queue_soft_bytes",
+            "socket_queue_hard_bytes",
         ],
     ),
-    ("Limits", &["max_body_bytes", "max_connections", "max_sessions"]),
+    ("Limits", &["max_body_bytes", "max_connections", "max_sessions", "mesh_inbox_messages", "mesh_inbox_bytes"]),
     ("Logs", &["log_level", "log_format"]),
 ];
 
