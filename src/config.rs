@@ -229,6 +229,27 @@ pub struct Config {
           env = "LOG_ANALYTICS_TRACES_TABLE_TIER", value_parser = ["Basic", "Analytics"], hide = true)]
     pub log_analytics_traces_table_tier: Option<String>,
 
+    /// Test-only timing overrides, in milliseconds (hidden from --help): they let the test suite
+    /// wait a fraction of a second where the documented flags count whole seconds or the
+    /// duration is fixed. Each one, when given, replaces the documented setting.
+    #[arg(long = "connection-state-cache-ttl-ms", env = "CONNECTION_STATE_CACHE_TTL_MS", hide = true,
+          value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub connection_state_cache_ttl_ms: Option<u64>,
+    #[arg(long = "session-grace-period-ms", env = "SESSION_GRACE_PERIOD_MS", hide = true,
+          value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub session_grace_period_ms: Option<u64>,
+    #[arg(long = "device-twin-cache-ttl-ms", env = "DEVICE_TWIN_CACHE_TTL_MS", hide = true,
+          value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub device_twin_cache_ttl_ms: Option<u64>,
+    /// Added to a direct method's device timeouts for the hub's own answer (default 5 s).
+    #[arg(long = "iot-hub-method-timeout-margin-ms", env = "IOT_HUB_METHOD_TIMEOUT_MARGIN_MS", hide = true,
+          default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    pub iot_hub_method_timeout_margin_ms: u64,
+    /// How often the event stream's partition lag is measured (default 5 s).
+    #[arg(long = "amqp-lag-interval-ms", env = "AMQP_LAG_INTERVAL_MS", hide = true,
+          default_value_t = 5_000, value_parser = clap::value_parser!(u64).range(10..=3_600_000))]
+    pub amqp_lag_interval_ms: u64,
+
     /// Seconds an idle keep-alive HTTP connection stays open.
     #[arg(long = "http-idle-timeout", visible_alias = "httpIdleTimeout", env = "HTTP_IDLE_TIMEOUT",
           default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
@@ -295,10 +316,32 @@ impl Settings {
     /// How long a twin read from the IoT Hub is served from the cache (`deviceTwinCacheTTL`).
     pub fn twin_cache_ttl(&self) -> crate::shard::TwinCacheTtl {
         use crate::shard::TwinCacheTtl;
+        if let Some(ms) = self.config.device_twin_cache_ttl_ms {
+            return TwinCacheTtl::For(std::time::Duration::from_millis(ms));
+        }
         match self.config.device_twin_cache_ttl {
             ttl if ttl < 0 => TwinCacheTtl::Off,
             0 => TwinCacheTtl::Forever,
             secs => TwinCacheTtl::For(std::time::Duration::from_secs(secs as u64)),
+        }
+    }
+}
+
+impl Settings {
+    /// How long a connection state stays valid without news (`connectionStateCacheTTL`);
+    /// `None`: for ever.
+    pub fn connection_state_ttl(&self) -> Option<std::time::Duration> {
+        match (self.config.connection_state_cache_ttl_ms, self.config.connection_state_cache_ttl) {
+            (Some(ms), _) => Some(std::time::Duration::from_millis(ms)),
+            (None, secs) => (secs > 0).then(|| std::time::Duration::from_secs(secs as u64)),
+        }
+    }
+
+    /// How long a session without activity is kept (`sessionGracePeriod`).
+    pub fn session_grace_period(&self) -> std::time::Duration {
+        match self.config.session_grace_period_ms {
+            Some(ms) => std::time::Duration::from_millis(ms),
+            None => std::time::Duration::from_secs(self.config.session_grace_period),
         }
     }
 }

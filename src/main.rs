@@ -64,10 +64,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let hub_metrics = hub.clone();
     let shared = Arc::new(Shared { log, status, hub, external_metrics: Default::default() });
     let with_amqp = consumer.is_some();
     let _ = shared.external_metrics.set(Box::new(move || {
         let mut series = hubcast::ingest::faults::FAULTS.series();
+        if let Some(hub) = &hub_metrics {
+            series.extend(hub.series());
+        }
         if with_amqp {
             series.extend(hubcast::amqp::STATS.series());
         }

@@ -168,9 +168,9 @@ fn cbs_authorization_puts_a_token_and_renews_it_before_expiry() {
     let server = start(&hub, &["--event-hub-auth", "cbs", "--event-hub-token-ttl", "2"]);
     hub.publish("0", NewEvent::telemetry("c1", json!({"n": 1})));
     server.wait_for("/lastValue/c1/n", WAIT, |s, _| s == 200);
-    std::thread::sleep(Duration::from_millis(4500));
-    let stats = hub.stats();
-    assert!(stats.put_tokens >= 3, "the token was renewed: {stats:?}");
+    // Renewed twice: each renewal comes before the previous token expires (the fake drops a
+    // connection whose token expired, which `expired` and `connections` would show).
+    let stats = hub.wait_for_stats(WAIT, |s| s.put_tokens >= 3);
     assert_eq!(stats.expired, 0, "no token expired: {stats:?}");
     assert_eq!(stats.connections, 1, "one connection throughout: {stats:?}");
     hub.publish("0", NewEvent::telemetry("c1", json!({"n": 2})));
@@ -184,7 +184,8 @@ fn sasl_plain_with_a_wrong_key_leaves_status_503_with_the_reason() {
     let server = Server::start(&["--iot-hub-event-hub-connection-string", &cs]);
     let (_, body) = server.wait_for("/status", WAIT, |s, b| s == 503 && b.contains("not connected"));
     assert!(body.contains("SharedAccessKey"), "the reason says what to check: {body}");
-    std::thread::sleep(Duration::from_millis(500));
+    // It tries again (and fails again): still 503 after a second attempt.
+    hub.wait_for_stats(WAIT, |s| s.connections >= 2);
     assert_eq!(server.get("/status").0, 503);
 }
 
@@ -278,15 +279,18 @@ fn a_connection_lost_during_a_lag_measurement_shows_at_once() {
 #[test]
 fn partition_lag_is_measured_and_reaches_zero_once_caught_up() {
     let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
-    let server = start(&hub, &[]);
+    // Measured every 100 ms instead of every 5 s (hidden flag).
+    let server = start(&hub, &["--amqp-lag-interval-ms", "100"]);
     for n in 0..3 {
         hub.publish("0", NewEvent::telemetry("lagging", json!({"n": n})));
     }
     server.wait_for("/lastValue/lagging/n", WAIT, |s, b| s == 200 && b.contains("\"n\":2"));
-    // The first measurement is taken at connect; wait for one taken after the messages
-    // (every 5 s): last enqueued (2) minus last received (2) on partition 0, and an empty
-    // partition 1, must both read 0.
-    std::thread::sleep(Duration::from_millis(5500));
+    // The first measurement is taken at connect; wait for one taken after the messages: last
+    // enqueued (2) minus last received (2) on partition 0, and an empty partition 1, must both
+    // read 0. A measurement reads both partitions in turn, then stores the result: once five more
+    // reads reached the fake, a whole measurement began after now and its result is stored.
+    let reads = hub.stats().management_reads;
+    hub.wait_for_stats(WAIT, |s| s.management_reads >= reads + 5);
     let (status, metrics) = server.get("/metrics");
     assert_eq!(status, 200);
     assert!(metrics.contains("# TYPE hubcast_amqp_partition_lag gauge"), "{metrics}");

@@ -234,6 +234,7 @@ fn oversized_request_head_gets_431_or_close_and_server_keeps_serving() {
     let mut stream = server.connect();
     let (first, rest) = request.as_bytes().split_at(17 * 1024);
     let _ = stream.write_all(first);
+    // A deliberately slow client: the pause makes the server read the head in two parts.
     std::thread::sleep(Duration::from_millis(200));
     assert_head_refused(raw_exchange(&mut stream, rest), "in two writes");
     drop(stream);

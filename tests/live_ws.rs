@@ -11,7 +11,12 @@ use serde_json::{json, Value};
 const WAIT: Duration = Duration::from_secs(3);
 /// deviceTwin grants need an IoT Hub service connection (never contacted by these tests).
 const HUB: [&str; 2] = ["--iot-hub-service-connection-string", "HostName=127.0.0.1;SharedAccessKeyName=service;SharedAccessKey=a2V5"];
-const QUIET: Duration = Duration::from_millis(400);
+
+// Negative tests ("nothing is delivered when …") end with a sentinel: a message that must
+// be delivered, sent after the one that must not, for the same device. A device's deliveries to
+// a socket travel one FIFO path (the device's core to the socket's core), so when the first
+// frame is the sentinel's, nothing was sent before it; and if delivery were broken the
+// sentinel would not arrive and the test would fail instead of passing vacuously.
 
 fn subscribed(server: &Server, device: &str, subs: &[Value]) -> String {
     let session = server.new_session();
@@ -52,7 +57,9 @@ fn a_message_without_subscribed_keys_sends_nothing() {
     let session = subscribed(&server, "dev-1", &[telemetry_sub(Some("temperature"))]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "body": {"humidity": 40}}));
-    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "telemetry is never empty");
+    server.ingest(json!({"deviceId": "dev-1", "body": {"temperature": 1}})); // the sentinel
+    let first = live.next_json(WAIT).expect("the sentinel's telemetry");
+    assert_eq!(first["telemetry"], json!({"temperature": 1}), "telemetry is never empty: {first}");
 }
 
 #[test]
@@ -134,14 +141,22 @@ fn every_socket_of_a_session_gets_the_data() {
 
 #[test]
 fn revoking_a_grant_stops_delivery_at_once() {
-    let server = Server::start(&[]);
-    let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
+    let server = Server::start(&["--connection-state-on-telemetry", "false"]);
+    let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
-    assert!(live.next_json(WAIT).is_some());
+    assert_eq!(live.next_json(WAIT).expect("telemetry before the revoke")["telemetry"], json!({"n": 1}));
     server.revoke(&session, json!({"type": "telemetry", "deviceId": "dev-1", "telemetryKey": null}));
-    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 2}}));
-    assert_eq!(live.collect(QUIET), Vec::<Value>::new());
+    // Telemetry, then a connection event (the sentinel: connectionState is still granted).
+    server.ingest(json!([{"deviceId": "dev-1", "body": {"n": 2}}, disconnected("dev-1", "01")]));
+    let first = live.next_json(WAIT).expect("the sentinel's connection state");
+    assert_eq!(first["connectionState"], json!(false), "no telemetry after the revoke: {first}");
+}
+
+/// A `deviceDisconnected` event with the given sequence number.
+fn disconnected(device: &str, sequence: &str) -> Value {
+    json!({"deviceId": device, "source": "deviceConnectionStateEvents",
+        "properties": {"opType": "deviceDisconnected"}, "body": {"sequenceNumber": sequence}})
 }
 
 #[test]
@@ -152,17 +167,22 @@ fn adding_a_grant_publishes_nothing() {
     let mut live = server.live(&session);
     server.grant(&session, json!({"type": "telemetry", "deviceId": "dev-1"}));
     server.grant(&session, json!({"type": "connectionState", "deviceId": "dev-1"}));
-    assert_eq!(live.collect(QUIET), Vec::<Value>::new());
+    // The sentinel: a subscription and a new message; its telemetry must be the first frame.
+    let (status, body) = server.subscribe(&session, json!({"type": "telemetry", "deviceId": "dev-1"}));
+    assert_eq!(status, 204, "{body}");
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 2}}));
+    let first = live.next_json(WAIT).expect("the sentinel's telemetry");
+    assert_eq!(first["telemetry"], json!({"n": 2}), "granting published nothing: {first}");
 }
 
 #[test]
 fn silent_devices_go_offline_after_the_connection_ttl() {
-    let server = Server::start(&["--connection-state-cache-ttl", "1"]);
+    let server = Server::start(&["--connection-state-cache-ttl-ms", "300"]);
     let session = subscribed(&server, "dev-1", &[only("connectionState")]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
     assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
-    let offline = live.next_json(Duration::from_secs(4)).expect("offline after the TTL");
+    let offline = live.next_json(WAIT).expect("offline after the TTL");
     assert_eq!(offline["connectionState"], json!(false));
     let (_, state) = server.call_json("GET", "/connectionState/dev-1", &[ADMIN], None);
     assert_eq!(state["data"], json!(false));
@@ -170,27 +190,36 @@ fn silent_devices_go_offline_after_the_connection_ttl() {
 
 #[test]
 fn devices_that_keep_talking_stay_online() {
-    let server = Server::start(&["--connection-state-cache-ttl", "2", "--connection-state-on-telemetry", "false"]);
-    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let server = Server::start(&["--connection-state-cache-ttl-ms", "400", "--connection-state-on-telemetry", "false"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState"), telemetry_sub(None)]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
         "properties": {"opType": "deviceConnected"}, "body": {"sequenceNumber": "01"}}));
     assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
-    for _ in 0..12 {
-        std::thread::sleep(Duration::from_millis(250));
-        server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
+    // A device that talks every 100 ms for 1.2 s, three times its 400 ms TTL: the pause between
+    // messages is the behaviour under test, not synchronisation. Each message's own telemetry
+    // frame is the sentinel: an offline state would arrive before it (same device, same path).
+    for n in 0..12 {
+        std::thread::sleep(Duration::from_millis(100));
+        server.ingest(json!({"deviceId": "dev-1", "body": {"n": n}}));
+        let frame = live.next_json(WAIT).expect("the message's telemetry");
+        assert_eq!(frame["telemetry"], json!({"n": n}), "no offline while talking: {frame}");
     }
-    assert_eq!(live.collect(Duration::from_millis(200)), Vec::<Value>::new(), "no offline while talking");
 }
 
 #[test]
 fn zero_ttl_never_expires() {
     let server = Server::start(&["--connection-state-cache-ttl", "0"]);
-    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState"), telemetry_sub(None)]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
-    assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
-    assert_eq!(live.collect(Duration::from_millis(1500)), Vec::<Value>::new());
+    let frames = [live.next_json(WAIT).unwrap(), live.next_json(WAIT).unwrap()];
+    assert!(frames.iter().any(|f| f["connectionState"] == json!(true)), "{frames:?}");
+    // "Never" cannot be awaited: let a few TTL sweeps (every 250 ms) pass, then the sentinel.
+    std::thread::sleep(Duration::from_millis(800));
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 2}}));
+    let first = live.next_json(WAIT).expect("the sentinel's telemetry");
+    assert_eq!(first["telemetry"], json!({"n": 2}), "still online: {first}");
 }
 
 #[test]
@@ -204,24 +233,30 @@ fn custom_connection_state_key_drives_the_state_and_stays_in_telemetry() {
     assert_eq!(state["connectionState"], json!(false));
     let tel = frames.iter().find(|f| f.get("telemetry").is_some()).expect("telemetry");
     assert_eq!(tel["telemetry"], json!({"online": false, "t": 1}));
-    // Telemetry without the key publishes no state; connection events are ignored.
+    // Telemetry without the key publishes no state; connection events are ignored. The
+    // sentinel is the last message's telemetry: no state may arrive before it.
     server.ingest(json!([{"deviceId": "dev-1", "body": {"t": 2}},
-        {"deviceId": "dev-1", "source": "deviceConnectionStateEvents", "properties": {"opType": "deviceConnected"}, "body": {}}]));
-    let frames = live.collect(Duration::from_millis(600));
-    assert!(frames.iter().all(|f| f.get("connectionState").is_none()), "{frames:?}");
+        {"deviceId": "dev-1", "source": "deviceConnectionStateEvents", "properties": {"opType": "deviceConnected"}, "body": {}},
+        {"deviceId": "dev-1", "body": {"t": 3}}]));
+    for t in [2, 3] {
+        let frame = live.next_json(WAIT).expect("telemetry");
+        assert_eq!(frame["telemetry"], json!({"t": t}), "no connection state: {frame}");
+    }
 }
 
 #[test]
 fn stale_connection_events_are_dropped() {
-    let server = Server::start(&[]);
-    let session = subscribed(&server, "dev-1", &[only("connectionState")]);
+    let server = Server::start(&["--connection-state-on-telemetry", "false"]);
+    let session = subscribed(&server, "dev-1", &[only("connectionState"), telemetry_sub(None)]);
     let mut live = server.live(&session);
     let event = |op: &str, seq: &str| json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
         "properties": {"opType": op}, "body": {"sequenceNumber": seq}});
     server.ingest(event("deviceDisconnected", "000000000000000001D5"));
     assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(false));
     server.ingest(event("deviceConnected", "000000000000000001D4"));
-    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "older event ignored");
+    server.ingest(json!({"deviceId": "dev-1", "body": {"sentinel": 1}}));
+    let first = live.next_json(WAIT).expect("the sentinel's telemetry");
+    assert_eq!(first["telemetry"], json!({"sentinel": 1}), "older event ignored: {first}");
     server.ingest(event("deviceConnected", "000000000000000001D6"));
     assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
 }
@@ -365,28 +400,33 @@ fn the_epoll_driver_serves_and_moves_sockets_between_cores() {
 
 #[test]
 fn an_open_socket_keeps_its_session_and_the_grace_period_starts_when_it_closes() {
-    let server = Server::start(&["--session-grace-period", "1"]);
+    // One core: one expiry sweep sees both sessions.
+    let server = Server::start(&["--session-grace-period-ms", "300", "--cores", "1", "--log-level", "debug"]);
     let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
     let live = server.live(&session);
-    std::thread::sleep(Duration::from_millis(2500));
+    // The sentinel: a session idle since after the other's last request expires first.
+    let idle = server.new_session();
+    wait_for_expiry(&server, &idle);
     let grant = json!({"type": "connectionState", "deviceId": "dev-1"});
     assert_eq!(server.try_grant(&session, grant.clone()).0, 204, "alive while its socket is open");
     live.close();
-    std::thread::sleep(Duration::from_millis(2500));
+    wait_for_expiry(&server, &session);
     assert_eq!(server.try_grant(&session, grant).0, 404, "expired after the grace period");
+}
+
+/// Waits for the debug line `session expired session=<id>`.
+fn wait_for_expiry(server: &Server, session: &str) {
+    let expired = server.wait_for_stderr(WAIT, |l| l.contains("session expired") && l.contains(session));
+    assert!(expired.is_some(), "session {session} did not expire");
 }
 
 #[test]
 fn live_sockets_count_towards_the_connection_limit() {
     let server = Server::start(&["--max-connections", "2", "--cores", "1"]);
-    let session = {
-        let setup = new_agent(); // its keep-alive connection closes when it is dropped
-        server.new_session_on(&setup)
-    };
-    std::thread::sleep(Duration::from_millis(100));
+    let session = session_on_a_closed_connection(&server);
+    // Each socket counts once its 101 has arrived (the upgrade frees its HTTP slot before).
     let _a = server.live(&session);
     let _b = server.live(&session);
-    std::thread::sleep(Duration::from_millis(100));
     let mut third = server.connect();
     match raw_exchange(&mut third, b"GET /version HTTP/1.1\r\nhost: x\r\n\r\n") {
         RawOutcome::Response(r) => assert_eq!(r.status, 503),
@@ -405,9 +445,21 @@ fn late_twin_changes_with_an_older_version_are_dropped() {
     server.ingest(change("replaceTwin", 5, "5.0"));
     assert_eq!(live.next_json(WAIT).unwrap()["deviceTwin"]["version"], json!(5));
     server.ingest(change("updateTwin", 4, "4.0"));
-    assert_eq!(live.collect(QUIET), Vec::<Value>::new(), "an older version is not applied nor pushed");
+    // The sentinel: a newer change must be the next frame (an applied 4 would come first).
     server.ingest(change("updateTwin", 6, "6.0"));
     let twin = &live.next_json(WAIT).unwrap()["deviceTwin"];
     assert_eq!(twin["properties"]["reported"]["fw"], "6.0");
     assert_eq!(twin["version"], json!(6));
+}
+
+/// POST /session on a connection the server closes after answering (`Connection: close`);
+/// returns once the server has closed it, so it no longer counts towards the limit.
+fn session_on_a_closed_connection(server: &Server) -> String {
+    let mut setup = server.connect();
+    let answer = raw_exchange(&mut setup, b"POST /session HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n");
+    let RawOutcome::Response(r) = answer else { panic!("POST /session: {answer:?}") };
+    assert_eq!(r.status, 200, "{}{}", r.head, r.body);
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut setup, &mut rest).expect("the server closes the connection");
+    parse_json(&r.body)["sessionId"].as_str().expect("a session id").to_string()
 }

@@ -152,20 +152,24 @@ fn generated_admin_secret_is_printed_in_a_connection_string_and_accepted() {
 
 #[test]
 fn log_level_change_takes_effect_at_once() {
+    // Log lines are written in the order things happen, so a session opened later at verbose is
+    // the sentinel: once its "session opened" line is there, an earlier session's line would be too.
     let server = Server::start(&["--log-level", "error"]);
-    server.new_session();
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    assert!(!server.stderr_lines().iter().any(|l| l.contains("session opened")), "verbose lines hidden at error");
+    let opened = |session: &str| server.stderr_lines().iter().any(|l| l.contains("session opened") && l.contains(session));
+    let hidden_at_error = server.new_session();
     let (status, _, _) = server.call("PUT", "/logLevel/verbose", &[ADMIN], None);
     assert_eq!(status, 204);
-    server.new_session();
-    let line = server.wait_for_stderr(std::time::Duration::from_secs(3), |l| l.contains("session opened"));
+    let shown = server.new_session();
+    let line = server.wait_for_stderr(Duration::from_secs(3), |l| l.contains("session opened") && l.contains(&shown));
     assert!(line.is_some(), "verbose lines shown after PUT /logLevel/verbose");
+    assert!(!opened(&hidden_at_error), "verbose lines hidden at error");
     let (status, _, _) = server.call("PUT", "/logLevel/warn", &[ADMIN], None);
     assert_eq!(status, 204);
-    let before = server.stderr_lines().iter().filter(|l| l.contains("session opened")).count();
-    server.new_session();
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    let after = server.stderr_lines().iter().filter(|l| l.contains("session opened")).count();
-    assert_eq!(before, after, "hidden again at warn");
+    let hidden_at_warn = server.new_session();
+    let (status, _, _) = server.call("PUT", "/logLevel/verbose", &[ADMIN], None);
+    assert_eq!(status, 204);
+    let sentinel = server.new_session();
+    let line = server.wait_for_stderr(Duration::from_secs(3), |l| l.contains("session opened") && l.contains(&sentinel));
+    assert!(line.is_some(), "verbose lines shown again after PUT /logLevel/verbose");
+    assert!(!opened(&hidden_at_warn), "hidden again at warn");
 }

@@ -95,11 +95,12 @@ fn session_deletes_require_the_admin_key() {
 
 #[test]
 fn idle_session_expires_after_the_grace_period() {
-    let server = Server::start(&["--session-grace-period", "1"]);
+    let server = Server::start(&["--session-grace-period-ms", "300", "--log-level", "debug"]);
     let session = server.new_session();
     // Alive right after creation.
     server.grant(&session, telemetry("d1", None));
-    std::thread::sleep(Duration::from_millis(3500));
+    let expired = server.wait_for_stderr(Duration::from_secs(5), |l| l.contains("session expired") && l.contains(&session));
+    assert!(expired.is_some(), "the session expires after the grace period");
     let (status, body) = server.try_grant(&session, telemetry("d1", None));
     assert_error(status, &body, 404, "");
 }

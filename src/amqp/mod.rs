@@ -61,8 +61,8 @@ pub static STATS: Stats = Stats { connected: AtomicU64::new(0), connects: Atomic
 /// `LAG_INTERVAL`, from `$management`). Written by the consumer thread, read by scrapes.
 pub static PARTITION_LAG: Mutex<Vec<(String, i64)>> = Mutex::new(Vec::new());
 
-/// How often partition lag is measured.
-const LAG_INTERVAL: Duration = Duration::from_secs(5);
+/// How often partition lag is measured: the default of the hidden `--amqp-lag-interval-ms`.
+pub const LAG_INTERVAL: Duration = Duration::from_secs(5);
 
 impl Stats {
     /// The counters as `GET /metrics` series.
@@ -143,6 +143,8 @@ pub struct Plan {
     pub map: MapSettings,
     /// Roots trusted for amqps (public web roots, plus `--event-hub-ca-file`).
     pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
+    /// How often partition lag is measured ([`LAG_INTERVAL`] unless overridden).
+    pub lag_interval: Duration,
 }
 
 impl Plan {
@@ -186,6 +188,7 @@ impl Plan {
                 custom_device_id_key: c.custom_device_id_key.clone(),
                 max_message_bytes: usize::try_from(c.max_message_bytes).unwrap_or(usize::MAX),
             },
+            lag_interval: Duration::from_millis(c.amqp_lag_interval_ms),
         })
     }
 
@@ -339,7 +342,7 @@ impl Supervisor {
     }
 
     /// Measures every partition's lag (last enqueued sequence number minus the last one
-    /// received) every [`LAG_INTERVAL`], for ever; the caller drops it with the connection.
+    /// received) every `lag_interval` ([`LAG_INTERVAL`]), for ever; the caller drops it with the connection.
     async fn measure_lag(
         &self,
         link: &mut NodeLink,
@@ -347,7 +350,7 @@ impl Supervisor {
         partitions: &[&str],
         token: &RefCell<Option<String>>,
     ) -> std::convert::Infallible {
-        let mut tick = tokio::time::interval(LAG_INTERVAL);
+        let mut tick = tokio::time::interval(self.plan.lag_interval);
         loop {
             tick.tick().await;
             let mut lags = Vec::with_capacity(partitions.len());

@@ -42,7 +42,7 @@ pub struct MethodCall {
 impl MethodCall {
     /// The hub's request body (`methodName`, `payload`, and the timeouts the caller gave) and
     /// our deadline for the call.
-    fn hub_call(self) -> (HubCall, std::time::Duration) {
+    fn hub_call(self, margin: std::time::Duration) -> (HubCall, std::time::Duration) {
         let given = |field: &str| self.params.get(field).filter(|v| !v.is_null()).cloned();
         let mut body = Map::new();
         body.insert("methodName".into(), Value::String(self.method.clone()));
@@ -52,6 +52,7 @@ impl MethodCall {
         let budget = method_budget(
             response_timeout.as_ref().and_then(Value::as_f64),
             connect_timeout.as_ref().and_then(Value::as_f64),
+            margin,
         );
         if let Some(v) = response_timeout {
             body.insert("responseTimeoutInSeconds".into(), v);
@@ -113,8 +114,9 @@ pub async fn direct_method(core: &Rc<Core>, req: &Request) -> Checked<Response> 
     let call = parse_method_call(&req.json()?)?;
     let grant = Grant { kind: GrantKind::DirectMethod, key: Some(call.method.as_str().into()) };
     authorize(core, req, &call.device, grant).await?;
-    let (hub_call, budget) = call.hub_call();
-    let answer = hub(core)?.call(hub_call, budget).await?;
+    let hub = hub(core)?;
+    let (hub_call, budget) = call.hub_call(hub.method_margin());
+    let answer = hub.call(hub_call, budget).await?;
     // HTTP 200 from the hub; the device's own status is inside (`{status, payload}`).
     let field = |name: &str| answer.body.get(name).cloned().unwrap_or(Value::Null);
     let body = json!({ "status": field("status"), "payload": field("payload") });

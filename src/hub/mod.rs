@@ -32,7 +32,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Idle pooled connections are closed after this long.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 /// Added to a direct method's `responseTimeoutInSeconds + connectTimeoutInSeconds`: the hub
-/// answers 504 itself at that point, this leaves room for the round trip.
+/// answers 504 itself at that point, this leaves room for the round trip. The default of the
+/// hidden `--iot-hub-method-timeout-margin-ms` (tests shorten it).
 pub const METHOD_TIMEOUT_MARGIN: Duration = Duration::from_secs(5);
 /// Upper bound of a direct method's `responseTimeoutInSeconds` and `connectTimeoutInSeconds`
 /// (IoT Hub's own limit) when computing our deadline.
@@ -47,6 +48,8 @@ pub struct HubOptions {
     pub max_concurrency: usize,
     pub queue_size: usize,
     pub timeout: Duration,
+    /// Added to a direct method's device timeouts ([`METHOD_TIMEOUT_MARGIN`] unless overridden).
+    pub method_margin: Duration,
 }
 
 impl HubOptions {
@@ -71,6 +74,7 @@ impl HubOptions {
             max_concurrency: c.iot_hub_max_concurrency as usize,
             queue_size: c.iot_hub_queue_size as usize,
             timeout: Duration::from_secs(c.iot_hub_timeout),
+            method_margin: Duration::from_millis(c.iot_hub_method_timeout_margin_ms),
         }))
     }
 }
@@ -109,6 +113,7 @@ struct Job {
 pub struct HubClient {
     queue: async_channel::Sender<Job>,
     timeout: Duration,
+    method_margin: Duration,
 }
 
 impl HubClient {
@@ -148,12 +153,32 @@ impl HubClient {
             queue = options.queue_size,
             "IoT Hub service client started"
         );
-        Ok(Self { queue: tx, timeout: options.timeout })
+        Ok(Self { queue: tx, timeout: options.timeout, method_margin: options.method_margin })
     }
 
     /// The deadline of twin reads and patches (`--iot-hub-timeout`).
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Added to a direct method's device timeouts: see [`method_budget`].
+    pub fn method_margin(&self) -> Duration {
+        self.method_margin
+    }
+
+    /// Calls waiting for a worker (not yet sent to the hub).
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// The client's gauges as `GET /metrics` series.
+    pub fn series(&self) -> crate::metrics::ExternalSeries {
+        vec![(
+            "hubcast_iot_hub_queued_requests".into(),
+            "IoT Hub service calls waiting for a free worker (at most --iot-hub-queue-size).".into(),
+            String::new(),
+            self.queued() as u64,
+        )]
     }
 
     /// Runs `call` on the hub thread; answers within `budget` (plus a little) in every case.
@@ -180,11 +205,11 @@ impl HubClient {
 }
 
 /// The deadline for a direct method: the device's response and connect timeouts (hub
-/// defaults 30 and 0, each capped at 300 s) plus [`METHOD_TIMEOUT_MARGIN`].
-pub fn method_budget(response_timeout: Option<f64>, connect_timeout: Option<f64>) -> Duration {
+/// defaults 30 and 0, each capped at 300 s) plus `margin` (normally [`METHOD_TIMEOUT_MARGIN`]).
+pub fn method_budget(response_timeout: Option<f64>, connect_timeout: Option<f64>, margin: Duration) -> Duration {
     let clamp = |v: f64| if v.is_finite() { v.clamp(0.0, METHOD_TIMEOUT_MAX_SECS) } else { 0.0 };
     let secs = clamp(response_timeout.unwrap_or(30.0)) + clamp(connect_timeout.unwrap_or(0.0));
-    Duration::from_secs_f64(secs) + METHOD_TIMEOUT_MARGIN
+    Duration::from_secs_f64(secs) + margin
 }
 
 fn timed_out(budget: Duration) -> Rejection {
@@ -290,8 +315,9 @@ mod tests {
 
     #[test]
     fn method_budget_follows_the_device_timeouts_bounded() {
-        assert_eq!(method_budget(None, None), Duration::from_secs(35));
-        assert_eq!(method_budget(Some(10.0), Some(20.0)), Duration::from_secs(35));
-        assert_eq!(method_budget(Some(1e9), Some(-5.0)), Duration::from_secs(305));
+        let m = METHOD_TIMEOUT_MARGIN;
+        assert_eq!(method_budget(None, None, m), Duration::from_secs(35));
+        assert_eq!(method_budget(Some(10.0), Some(20.0), m), Duration::from_secs(35));
+        assert_eq!(method_budget(Some(1e9), Some(-5.0), m), Duration::from_secs(305));
     }
 }

@@ -50,12 +50,11 @@ impl Core {
             custom_connection_state_key: c.custom_connection_state_key.clone(),
             connection_state_on_telemetry: c.connection_state_on_telemetry,
         };
-        let seconds = |s: i64| (s > 0).then(|| Duration::from_secs(s as u64));
         let timing = PushTiming {
             throttle: (c.throttling_interval > 0).then(|| Duration::from_millis(c.throttling_interval as u64)),
-            connection_ttl: seconds(c.connection_state_cache_ttl),
+            connection_ttl: settings.connection_state_ttl(),
         };
-        let sessions = SessionTable::new(Duration::from_secs(c.session_grace_period), c.max_sessions as usize).process_total();
+        let sessions = SessionTable::new(settings.session_grace_period(), c.max_sessions as usize).process_total();
         let mut devices = DeviceTable::new(ingest, timing);
         if shared.hub.is_some() {
             devices = devices.with_hub_twins(settings.twin_cache_ttl());

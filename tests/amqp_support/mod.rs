@@ -296,6 +296,8 @@ pub struct Stats {
     pub lag_read_drops: Vec<Instant>,
     /// Partition links the client closed with a detach (closed=true) while idle.
     pub closed_links: usize,
+    /// Connections refused (closed at once) while [`FakeHub::set_refusing`] was on.
+    pub refused: usize,
 }
 
 struct State {
@@ -463,6 +465,19 @@ impl FakeHub {
     }
 
     /// While set, new connections are closed right after the TCP accept.
+    /// Waits until the stats satisfy `done`; panics with them after `within`.
+    pub fn wait_for_stats(&self, within: Duration, done: impl Fn(&Stats) -> bool) -> Stats {
+        let deadline = Instant::now() + within;
+        loop {
+            let stats = self.stats();
+            if done(&stats) {
+                return stats;
+            }
+            assert!(Instant::now() < deadline, "the fake hub's stats did not get there within {within:?}: {stats:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn set_refusing(&self, refusing: bool) {
         self.inner.state.lock().unwrap().refusing = refusing;
         if refusing {
@@ -634,6 +649,7 @@ async fn serve_connection(inner: Arc<Inner>, tcp: tokio::net::TcpStream) {
         let mut state = inner.state.lock().unwrap();
         if state.refusing {
             let _ = killer.shutdown(Shutdown::Both);
+            state.stats.refused += 1;
             return;
         }
         state.stats.connections += 1;
