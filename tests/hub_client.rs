@@ -76,6 +76,7 @@ fn token_is_renewed_before_it_expires() {
     assert_eq!(read_twin(&server).0, 200);
     let first = hub.requests()[0].expiry;
     // Past three quarters of the lifetime (and past the first token's expiry) a new one is signed.
+    // Time passing is what is under test; a token's expiry counts whole seconds (`se`).
     std::thread::sleep(Duration::from_millis(2200));
     let (status, body) = read_twin(&server);
     assert_eq!(status, 200, "{body}");
@@ -154,8 +155,8 @@ fn a_hanging_hub_does_not_block_the_cores() {
     std::thread::scope(|s| {
         let stuck: Vec<_> = (0..2).map(|_| s.spawn(|| read_twin(&server))).collect();
         assert!(hub.wait_for_requests(2, Duration::from_secs(5)));
-        // Both cores keep serving everything else meanwhile, on fresh connections.
-        let started = Instant::now();
+        // Both cores keep serving everything else meanwhile, on fresh connections: all of it is
+        // answered while both hub calls still hang (they end with 504 after 5 s).
         for i in 0..20 {
             server.assert_alive();
             let session = server.new_session_on(&new_agent());
@@ -165,7 +166,7 @@ fn a_hanging_hub_does_not_block_the_cores() {
             assert_eq!(status, 200, "{body}");
             assert!(!session.is_empty());
         }
-        assert!(started.elapsed() < Duration::from_secs(3), "other requests took {:?}", started.elapsed());
+        assert!(stuck.iter().all(|h| !h.is_finished()), "served while the hub calls hang");
         for h in stuck {
             assert_eq!(h.join().unwrap().0, 504);
         }
