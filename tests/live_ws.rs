@@ -82,8 +82,11 @@ fn one_message_per_device_per_kind_per_incoming_message() {
     );
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "body": {"a": 1, "b": 2, "c": 3}}));
-    let frames = live.collect(Duration::from_millis(800));
-    assert_eq!(frames.len(), 3, "{frames:?}");
+    let frames: Vec<Value> = (0..3).map(|_| live.next_json(WAIT).expect("three frames")).collect();
+    // The sentinel (a connection event: one state frame) comes next.
+    server.ingest(disconnected("dev-1", "01"));
+    let sentinel = live.next_json(WAIT).expect("the sentinel's state");
+    assert_eq!(sentinel["connectionState"], json!(false), "no fourth frame: {frames:?} then {sentinel}");
     let of = |key: &str| frames.iter().filter(|f| f.get(key).is_some()).collect::<Vec<_>>();
     assert_eq!(of("telemetry").len(), 1);
     assert_eq!(of("telemetry")[0]["telemetry"], json!({"a": 1, "b": 2}));
@@ -100,10 +103,16 @@ fn other_devices_and_unsubscribed_kinds_are_not_delivered() {
     let session = subscribed(&server, "dev-1", &[telemetry_sub(None)]);
     server.grant(&session, json!({"type": "connectionState", "deviceId": "dev-1"}));
     let mut live = server.live(&session);
-    server.ingest(json!([{"deviceId": "dev-2", "body": {"a": 1}}, {"deviceId": "dev-1", "body": {"a": 2}}]));
-    let frames = live.collect(Duration::from_millis(800));
-    assert_eq!(frames.len(), 1, "{frames:?}");
-    assert_eq!(frames[0]["deviceId"], "dev-1");
+    // The other device lives on dev-1's core, so its frames would share dev-1's path.
+    let core = |d: &str| hubcast::runtime::routing::core_of_device(d, 2);
+    let other = (2..).map(|i| format!("dev-{i}")).find(|d| core(d) == core("dev-1")).unwrap();
+    server.ingest(json!([{"deviceId": other, "body": {"a": 1}}, {"deviceId": "dev-1", "body": {"a": 2}}]));
+    let first = live.next_json(WAIT).expect("dev-1's telemetry");
+    assert_eq!((&first["deviceId"], &first["telemetry"]), (&json!("dev-1"), &json!({"a": 2})), "{first}");
+    // The sentinel: dev-1's next telemetry is the next frame (no connection state was pushed).
+    server.ingest(json!({"deviceId": "dev-1", "body": {"a": 3}}));
+    let next = live.next_json(WAIT).expect("the sentinel's telemetry");
+    assert_eq!(next["telemetry"], json!({"a": 3}), "{next}");
 }
 
 #[test]
@@ -228,7 +237,7 @@ fn custom_connection_state_key_drives_the_state_and_stays_in_telemetry() {
     let session = subscribed(&server, "dev-1", &[telemetry_sub(None), only("connectionState")]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "body": {"online": false, "t": 1}}));
-    let frames = live.collect(Duration::from_millis(800));
+    let frames = [live.next_json(WAIT).expect("a frame"), live.next_json(WAIT).expect("a second frame")];
     let state = frames.iter().find(|f| f.get("connectionState").is_some()).expect("a state");
     assert_eq!(state["connectionState"], json!(false));
     let tel = frames.iter().find(|f| f.get("telemetry").is_some()).expect("telemetry");
@@ -303,8 +312,14 @@ fn throttling_coalesces_keys_and_flushes_a_trailing_message() {
     }
     assert_eq!(telemetry, vec![json!({"a": 1}), json!({"a": 3, "b": 1})], "leading, then merged trailing");
     assert!(trailing_after.unwrap() >= Duration::from_millis(450), "the trailing message waits for the interval");
-    states += live.collect(Duration::from_millis(700)).iter().filter(|f| f.get("connectionState").is_some()).count();
-    assert_eq!(states, 3, "connection state is not throttled");
+    while states < 3 {
+        let frame = live.next_json(WAIT).expect("a connection state per message: not throttled");
+        assert!(frame.get("connectionState").is_some(), "only states are left: {frame}");
+        states += 1;
+    }
+    // The sentinel: a disconnection is the next frame (no fourth state, no more telemetry).
+    server.ingest(disconnected("dev-1", "01"));
+    assert_eq!(live.next_json(WAIT).expect("the sentinel")["connectionState"], json!(false));
 }
 
 #[test]
