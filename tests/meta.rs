@@ -155,21 +155,19 @@ fn log_level_change_takes_effect_at_once() {
     // Log lines are written in the order things happen, so a session opened later at verbose is
     // the sentinel: once its "session opened" line is there, an earlier session's line would be too.
     let server = Server::start(&["--log-level", "error"]);
+    let set_level = |level: &str| assert_eq!(server.call("PUT", &format!("/logLevel/{level}"), &[ADMIN], None).0, 204);
     let opened = |session: &str| server.stderr_lines().iter().any(|l| l.contains("session opened") && l.contains(session));
+    let shown_at_verbose = || {
+        set_level("verbose");
+        let sentinel = server.new_session();
+        let line = server.wait_for_stderr(Duration::from_secs(3), |l| l.contains("session opened") && l.contains(&sentinel));
+        assert!(line.is_some(), "verbose lines shown after PUT /logLevel/verbose");
+    };
     let hidden_at_error = server.new_session();
-    let (status, _, _) = server.call("PUT", "/logLevel/verbose", &[ADMIN], None);
-    assert_eq!(status, 204);
-    let shown = server.new_session();
-    let line = server.wait_for_stderr(Duration::from_secs(3), |l| l.contains("session opened") && l.contains(&shown));
-    assert!(line.is_some(), "verbose lines shown after PUT /logLevel/verbose");
+    shown_at_verbose();
     assert!(!opened(&hidden_at_error), "verbose lines hidden at error");
-    let (status, _, _) = server.call("PUT", "/logLevel/warn", &[ADMIN], None);
-    assert_eq!(status, 204);
+    set_level("warn");
     let hidden_at_warn = server.new_session();
-    let (status, _, _) = server.call("PUT", "/logLevel/verbose", &[ADMIN], None);
-    assert_eq!(status, 204);
-    let sentinel = server.new_session();
-    let line = server.wait_for_stderr(Duration::from_secs(3), |l| l.contains("session opened") && l.contains(&sentinel));
-    assert!(line.is_some(), "verbose lines shown again after PUT /logLevel/verbose");
+    shown_at_verbose();
     assert!(!opened(&hidden_at_warn), "hidden again at warn");
 }
