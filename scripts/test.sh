@@ -19,6 +19,10 @@ fi
 if ! command -v prlimit >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq util-linux >/dev/null
 fi
+# curl speaks HTTPS to the server in tests/tls.rs (trusting a throwaway CA).
+if ! command -v curl >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq curl ca-certificates >/dev/null
+fi
 
 # Operator-side checkers (issue 14): promtool, chromium (Debian), openapi-spec-validator and
 # schemathesis (PyPI, in a venv under target/tools/venv); skipped quickly when already present.

@@ -13,7 +13,7 @@ use crate::config::Config;
 
 /// Help sections in display order, each with the ids (field names) of its flags.
 pub const GROUPS: &[(&str, &[&str])] = &[
-    ("Network", &["bind", "port", "public_url", "cores", "io_driver", "http_idle_timeout", "shutdown_timeout"]),
+    ("Network", &["bind", "port", "public_url", "cores", "io_driver", "http_idle_timeout", "shutdown_timeout", "tls_cert", "tls_key"]),
     ("Admin access", &["primary_admin_secret", "secondary_admin_secret", "metrics_open"]),
     (
         "Event stream (IoT Hub / Event Hubs over AMQP)",

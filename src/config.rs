@@ -295,6 +295,15 @@ pub struct Config {
     /// target, message, fields).
     #[arg(long = "log-format", env = "LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+
+    /// TLS certificate chain (PEM, leaf first): with --tls-key the port serves HTTPS and WSS.
+    /// Reloaded on SIGHUP and when the file changes.
+    #[arg(long = "tls-cert", env = "TLS_CERT", value_name = "PEM_FILE")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// Private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long = "tls-key", env = "TLS_KEY", value_name = "PEM_FILE")]
+    pub tls_key: Option<std::path::PathBuf>,
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -37,6 +37,7 @@ pub mod shard;
 pub mod shutdown;
 pub mod status;
 pub mod timefmt;
+pub mod tls;
 pub mod transport;
 
 /// Process-wide services every core can reach; none of them is on the message path.

@@ -25,6 +25,12 @@ fn main() -> ExitCode {
         LogLevel::parse(&settings.config.log_level).expect("validated by clap"),
         logging::LogFormat::parse(&settings.config.log_format).expect("validated by clap"),
     );
+    // TLS files are read before anything starts: a missing or bad one stops start-up.
+    let tls = hubcast::tls::setup(settings.config.tls_cert.as_deref(), settings.config.tls_key.as_deref());
+    if let Err(message) = tls.and_then(|()| hubcast::tls::watch()) {
+        eprintln!("hubcast: {message}");
+        return ExitCode::FAILURE;
+    }
     // Registered before anything starts: a signal during start-up is read once serving.
     let mut signals = match signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT]) {
         Ok(s) => s,

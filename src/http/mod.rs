@@ -30,11 +30,12 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use monoio::buf::{IoBuf, SliceMut};
-use monoio::io::{AsyncReadRent, AsyncWriteRent, OwnedReadHalf, OwnedWriteHalf, Splitable};
+use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::{TcpListener, TcpStream};
 
 use crate::config::MAX_REQUEST_HEAD_BYTES;
 use crate::runtime::Core;
+use crate::tls::{ReadHalf, Stream, WriteHalf};
 use codec::{BodyError, ChunkedDecoder, Framing, HeadError};
 pub use codec::RequestHead;
 pub use request::Request;
@@ -86,7 +87,7 @@ impl Drop for ConnectionSlot {
 
 /// The read side of a connection and the bytes read but not used yet.
 pub struct Framed {
-    io: OwnedReadHalf<TcpStream>,
+    io: ReadHalf,
     buf: BytesMut,
 }
 
@@ -98,7 +99,7 @@ enum ReadError {
 }
 
 impl Framed {
-    fn new(io: OwnedReadHalf<TcpStream>) -> Self {
+    fn new(io: ReadHalf) -> Self {
         Self { io, buf: BytesMut::with_capacity(READ_CHUNK) }
     }
 
@@ -107,7 +108,7 @@ impl Framed {
         &self.buf
     }
 
-    pub fn into_inner(self) -> OwnedReadHalf<TcpStream> {
+    pub fn into_inner(self) -> ReadHalf {
         self.io
     }
 
@@ -231,7 +232,7 @@ enum WriteFailed {
 
 /// Writes `out` whole; a write without progress for `stall`, or a flush longer than `total`,
 /// fails. Gives the buffer back (cleared) for reuse.
-async fn flush(write: &mut OwnedWriteHalf<TcpStream>, out: Vec<u8>, stall: Duration, total: Duration) -> Result<Vec<u8>, WriteFailed> {
+async fn flush(write: &mut WriteHalf, out: Vec<u8>, stall: Duration, total: Duration) -> Result<Vec<u8>, WriteFailed> {
     let deadline = Instant::now().checked_add(total);
     let mut out = out;
     let mut pos = 0;
@@ -253,7 +254,7 @@ async fn flush(write: &mut OwnedWriteHalf<TcpStream>, out: Vec<u8>, stall: Durat
 
 /// Lingering close: the answer is out; stop writing, then read and drop what the client is
 /// still sending, for a bounded time and size, so it can read the answer before the close.
-async fn linger(framed: Framed, mut write: OwnedWriteHalf<TcpStream>) {
+async fn linger(framed: Framed, mut write: WriteHalf) {
     let _ = write.shutdown().await;
     let mut io = framed.into_inner();
     let Some(deadline) = Instant::now().checked_add(LINGER_TIME) else { return };
@@ -289,8 +290,8 @@ impl Answer {
     }
 }
 
-/// Serves one client connection until it closes, errs or idles out.
-pub async fn serve(core: Rc<Core>, stream: TcpStream) {
+/// Serves one client connection (plain or TLS) until it closes, errs or idles out.
+pub async fn serve(core: Rc<Core>, stream: Stream) {
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
     let mut framed = Framed::new(read);
@@ -385,7 +386,9 @@ pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
                 };
                 let core = core.clone();
                 monoio::spawn(async move {
-                    serve(core, stream).await;
+                    if let Some(stream) = handshake(&core, stream).await {
+                        serve(core, stream).await;
+                    }
                     drop(slot);
                 });
             }
@@ -399,9 +402,30 @@ pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
     }
 }
 
+/// The TLS handshake when TLS is on (bounded by the idle timeout; the connection is dropped
+/// when it fails or takes longer).
+async fn handshake(core: &Core, stream: TcpStream) -> Option<Stream> {
+    let Some(config) = crate::tls::server_config() else { return Some(Stream::Plain(stream)) };
+    let idle = Duration::from_secs(core.settings.config.http_idle_timeout);
+    // Abandoning the handshake on timeout is safe: the connection is dropped with it.
+    match monoio::time::timeout(idle, crate::tls::stream::accept(stream, config)).await {
+        Ok(Ok(stream)) => Some(stream),
+        Ok(Err(e)) => {
+            tracing::debug!(core = core.index, error = %e, "TLS handshake failed");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// Answers 503 to a connection over the limit (plain HTTP only: over TLS it is closed at
+/// once, since a handshake is the expensive part the limit protects against).
 async fn refuse(stream: TcpStream) {
+    if crate::tls::enabled() {
+        return;
+    }
     let mut out = Vec::new();
     Response::error(503, "connection limit reached (maxConnections)").closing().encode(&mut out, false);
-    let (_, mut write) = stream.into_split();
+    let (_, mut write) = Stream::Plain(stream).into_split();
     let _ = flush(&mut write, out, Duration::from_secs(1), Duration::from_secs(1)).await;
 }

@@ -176,10 +176,11 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
     for _ in 0..settings.cores {
         driver = ready_rx.recv().map_err(|_| io::Error::other("a core failed to start"))??;
     }
-    let url = format!("http://{addr}");
+    let scheme = if crate::tls::enabled() { "https" } else { "http" };
+    let url = format!("{scheme}://{addr}");
     println!("hubcast {} listening on {url} ({} cores, {driver})", env!("CARGO_PKG_VERSION"), settings.cores);
     let endpoint = settings.config.public_url.clone().unwrap_or_else(|| {
-        if addr.ip().is_unspecified() { format!("http://127.0.0.1:{}", addr.port()) } else { url.clone() }
+        if addr.ip().is_unspecified() { format!("{scheme}://127.0.0.1:{}", addr.port()) } else { url.clone() }
     });
     if settings.config.primary_admin_secret.is_none() && settings.config.secondary_admin_secret.is_none() {
         println!("Admin connection string: Endpoint={endpoint};SharedAccessKey={}", settings.admin_secrets[0]);

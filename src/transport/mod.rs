@@ -17,13 +17,14 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use monoio::io::{AsyncReadRent, AsyncWriteRentExt, OwnedWriteHalf, Splitable};
+use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use crate::http::{Framed, Request, RequestHead, Response};
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Out, Outlet, QueueLimits};
 use crate::runtime::mesh::CoreMsg;
 use crate::runtime::Core;
+use crate::tls::{Stream, TlsState, WriteHalf};
 use frame::{FrameReader, Incoming};
 
 /// Initial read buffer of a socket.
@@ -54,12 +55,20 @@ pub enum SocketKind {
 
 /// A WebSocket moving to its session's core (the 101 answer is sent from there, once the
 /// socket is attached: when a client sees the WebSocket open, data reaches it).
+///
+/// Over TLS the session state moves with the descriptor (`tls`: rustls' connection and the
+/// ciphertext not yet processed; `leftover` is the plaintext read past the request). The
+/// accepting core writes nothing after reading the upgrade request, so the 101 is the next
+/// record of the session, encrypted on the session's core, and the guarantee above holds
+/// unchanged. Keeping the TLS stream on the accepting core instead would need a plaintext
+/// relay between cores for every message of the socket's life.
 pub struct MovedSocket {
     pub fd: OwnedFd,
     pub leftover: Vec<u8>,
     pub kind: SocketKind,
     pub session: Option<SessionId>,
     pub handshake: Vec<u8>,
+    pub tls: Option<Box<TlsState>>,
 }
 
 /// Whether a request asks for a WebSocket upgrade.
@@ -118,7 +127,7 @@ pub fn valid_websocket_key(key: &[u8]) -> bool {
 }
 
 /// Completes a checked upgrade read on this core and sends the socket to its session's core.
-pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, write: OwnedWriteHalf<TcpStream>) {
+pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, write: WriteHalf) {
     let key = head.headers.get("sec-websocket-key").map(|v| v.as_bytes().to_vec()).unwrap_or_default();
     let accept = tungstenite::handshake::derive_accept_key(&key);
     let response = format!(
@@ -126,7 +135,7 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
     );
     let session = query_param(&head, "sessionId").and_then(|s| SessionId::parse(&s));
     let leftover = framed.read_buffer().to_vec();
-    let Ok(stream) = framed.into_inner().reunite(write) else {
+    let Some(stream) = crate::tls::stream::reunite(framed.into_inner(), write) else {
         tracing::warn!("could not reunite the socket halves after an upgrade");
         return;
     };
@@ -141,10 +150,11 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
     if target == core.index {
         monoio::spawn(run(core, stream, leftover, kind, session, response.into_bytes()));
     } else {
+        let (tcp, tls) = stream.into_parts();
         // Safety of ownership: the stream is consumed; the fd now belongs to the message.
-        let fd = unsafe { OwnedFd::from_raw_fd(stream.into_raw_fd()) };
+        let fd = unsafe { OwnedFd::from_raw_fd(tcp.into_raw_fd()) };
         let handshake = response.into_bytes();
-        core.mesh.post(target, CoreMsg::AdoptSocket(MovedSocket { fd, leftover, kind, session, handshake }));
+        core.mesh.post(target, CoreMsg::AdoptSocket(MovedSocket { fd, leftover, kind, session, handshake, tls }));
     }
 }
 
@@ -152,7 +162,8 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
 pub fn adopt(core: Rc<Core>, moved: MovedSocket) {
     let std_stream = std::net::TcpStream::from(moved.fd);
     match TcpStream::from_std(std_stream) {
-        Ok(stream) => {
+        Ok(tcp) => {
+            let stream = Stream::from_parts(tcp, moved.tls);
             monoio::spawn(run(core, stream, moved.leftover, moved.kind, moved.session, moved.handshake));
         }
         Err(e) => tracing::warn!(error = %e, "could not adopt a moved socket"),
@@ -208,7 +219,7 @@ pub fn limits(core: &Core) -> QueueLimits {
 
 async fn run(
     core: Rc<Core>,
-    stream: TcpStream,
+    stream: Stream,
     leftover: Vec<u8>,
     kind: SocketKind,
     session: Option<SessionId>,
@@ -339,7 +350,7 @@ async fn run(
 }
 
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
-async fn writer(conn: Rc<Conn>, write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
+async fn writer(conn: Rc<Conn>, write: WriteHalf, handshake: Vec<u8>) {
     write_all_queued(&conn, write, handshake).await;
     conn.outlet.set_hangup(None);
     if conn.outlet.take_overflow() {
@@ -347,7 +358,7 @@ async fn writer(conn: Rc<Conn>, write: OwnedWriteHalf<TcpStream>, handshake: Vec
     }
 }
 
-async fn write_all_queued(conn: &Rc<Conn>, mut write: OwnedWriteHalf<TcpStream>, handshake: Vec<u8>) {
+async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<u8>) {
     let (result, _) = write.write_all(handshake).await;
     if result.is_err() {
         conn.outlet.close(CloseReason::new(1001, "write failed"));

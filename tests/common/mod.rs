@@ -57,6 +57,8 @@ const SECRET_FLAGS: &[(&str, &str)] =
 
 /// Environment variables that would change the server's configuration behind a test's back.
 const CONFIG_ENV: &[&str] = &[
+    "TLS_CERT",
+    "TLS_KEY",
     "PRIMARY_ADMIN_SECRET",
     "SECONDARY_ADMIN_SECRET",
     "primaryAdminSecret",

@@ -30,6 +30,12 @@ impl Server {
     }
 
     fn socketio_with(&self, sessions: &[&str], transports: &str, reconnect: bool) -> SioClient {
+        self.socketio_env(sessions, transports, reconnect, &[])
+    }
+
+    /// Like [`Server::socketio`], with extra environment variables for node (e.g.
+    /// `NODE_EXTRA_CA_CERTS` to trust a test CA over `https://`).
+    pub fn socketio_env(&self, sessions: &[&str], transports: &str, reconnect: bool, env: &[(&str, &str)]) -> SioClient {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js/sio-client.mjs");
         let mut child = Command::new("node")
             .arg(script)
@@ -37,6 +43,7 @@ impl Server {
             .arg(sessions.join(","))
             .arg(transports)
             .env("SIO_RECONNECT", if reconnect { "1" } else { "0" })
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
