@@ -223,6 +223,25 @@ fn plain_websockets_over_wss_receive_data_on_every_core() {
 }
 
 #[test]
+fn big_bodies_and_frames_span_many_tls_records() {
+    let pki = Pki::new("big");
+    let server = start(&pki);
+    let agent = pki.agent();
+    let session = subscribed(&server, &agent, "dev-big");
+    let mut ws = wss(&server, &pki, &session);
+    // ~600 KB each way: dozens of 16 KiB records in, and more than rustls' 64 KiB outgoing
+    // buffer out, so both the read loop and partial writes are exercised.
+    let blob: String = (0..600_000).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+    server.ingest_on(&agent, json!({"deviceId": "dev-big", "body": {"blob": blob}}));
+    let message = next_json(&mut ws);
+    assert_eq!(message["telemetry"]["blob"].as_str().map(str::len), Some(blob.len()));
+    assert_eq!(message["telemetry"]["blob"], json!(blob));
+    // The same connection goes on afterwards.
+    server.ingest_on(&agent, json!({"deviceId": "dev-big", "body": {"n": 1}}));
+    assert_eq!(next_json(&mut ws)["telemetry"]["n"], 1);
+}
+
+#[test]
 fn socketio_client_over_wss_receives_data() {
     let pki = Pki::new("sio");
     let server = start(&pki);

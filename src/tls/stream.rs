@@ -30,14 +30,19 @@ use monoio::net::TcpStream;
 use monoio::BufResult;
 use rustls::{ServerConfig, ServerConnection};
 
-/// Most ciphertext asked of one socket read (a bit more than one TLS record).
-const CIPHER_CHUNK: usize = 17 * 1024;
+/// Ciphertext asked of one socket read: starts small (an idle socket's pending read holds its
+/// buffer for as long as it waits, and clients mostly send small packets), doubles while
+/// reads fill it, and goes back once they are small again.
+const CIPHER_MIN: usize = 4 * 1024;
+const CIPHER_MAX: usize = 32 * 1024;
 
 /// Everything of a TLS session that lives outside the socket: moves with its descriptor.
 pub struct TlsState {
     conn: ServerConnection,
     /// Ciphertext read from the socket and not yet handed to rustls.
     cipher_in: Vec<u8>,
+    /// Bytes the last socket read brought (sizes the next one).
+    last_read: usize,
 }
 
 impl TlsState {
@@ -75,6 +80,27 @@ impl TlsState {
         Some(Ok(n))
     }
 
+    /// The (empty) buffer for the next socket read, sized after the last one.
+    fn read_buffer(&mut self) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.cipher_in);
+        let cap = buf.capacity();
+        let want = if self.last_read >= cap { (cap * 2).clamp(CIPHER_MIN, CIPHER_MAX) } else if self.last_read < cap / 4 { CIPHER_MIN } else { cap };
+        if want < cap {
+            buf = Vec::with_capacity(want);
+        } else {
+            buf.reserve(want);
+        }
+        buf
+    }
+
+    /// Takes back the buffer of a socket read of `n` bytes (`Ok(0)`: end of input).
+    fn read_done(&mut self, buf: Vec<u8>, result: &io::Result<usize>) {
+        self.cipher_in = buf;
+        if let Ok(n) = result {
+            self.last_read = *n;
+        }
+    }
+
     /// Moves what rustls wants to send into `out`.
     fn take_ciphertext(&mut self, out: &mut Vec<u8>) -> io::Result<()> {
         while self.conn.wants_write() {
@@ -87,7 +113,7 @@ impl TlsState {
 /// Runs the server side of a TLS handshake on a fresh connection.
 pub async fn accept(mut tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result<Stream> {
     let conn = ServerConnection::new(config).map_err(io::Error::other)?;
-    let mut state = Box::new(TlsState { conn, cipher_in: Vec::with_capacity(CIPHER_CHUNK) });
+    let mut state = Box::new(TlsState { conn, cipher_in: Vec::new(), last_read: 0 });
     let mut out = Vec::new();
     loop {
         state.take_ciphertext(&mut out)?;
@@ -102,8 +128,8 @@ pub async fn accept(mut tcp: TcpStream, config: Arc<ServerConfig>) -> io::Result
             return Ok(Stream::Tls(tcp, state));
         }
         if state.cipher_in.is_empty() {
-            let (result, buf) = tcp.read(std::mem::take(&mut state.cipher_in)).await;
-            state.cipher_in = buf;
+            let (result, buf) = tcp.read(state.read_buffer()).await;
+            state.read_done(buf, &result);
             if result? == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
@@ -209,12 +235,10 @@ async fn tls_read<T: IoBufMut>(tcp: &mut OwnedReadHalf<TcpStream>, state: &Share
                 }
                 continue;
             }
-            let mut cipher = std::mem::take(&mut st.cipher_in);
-            cipher.reserve(CIPHER_CHUNK);
-            cipher
+            st.read_buffer()
         };
         let (result, cipher) = tcp.read(cipher).await;
-        state.borrow_mut().cipher_in = cipher;
+        state.borrow_mut().read_done(cipher, &result);
         match result {
             // End of input without close_notify: an end all the same (the HTTP framing and
             // WebSocket close frames say whether anything was cut short).
