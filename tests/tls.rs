@@ -223,6 +223,22 @@ fn plain_websockets_over_wss_receive_data_on_every_core() {
 }
 
 #[test]
+fn plain_http_on_the_tls_port_is_closed_and_the_server_goes_on() {
+    use std::io::{Read, Write};
+    let pki = Pki::new("plain");
+    let server = start(&pki);
+    let mut tcp = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    tcp.set_read_timeout(Some(WAIT)).unwrap();
+    tcp.write_all(b"GET /status HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+    let mut answer = Vec::new();
+    // At most a TLS alert, then the end: never an HTTP answer in clear.
+    let _ = tcp.read_to_end(&mut answer);
+    assert!(!answer.starts_with(b"HTTP/"), "{:?}", String::from_utf8_lossy(&answer));
+    let (ok, status, body, err) = curl(&server, &["--cacert", &pki.ca(), "-X", "POST"], "/session");
+    assert!(ok && status == 200, "{status} {body} {err}");
+}
+
+#[test]
 fn big_bodies_and_frames_span_many_tls_records() {
     let pki = Pki::new("big");
     let server = start(&pki);
