@@ -36,6 +36,7 @@ pub mod sas;
 pub mod shard;
 pub mod shutdown;
 pub mod status;
+pub mod store;
 pub mod timefmt;
 pub mod tls;
 pub mod transport;

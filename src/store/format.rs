@@ -1,0 +1,356 @@
+//! The on-disk format of the embedded store: versioned files of CRC-checked frames.
+//!
+//! A file starts with a 16-byte header: the magic `HUBCASTS`, the format version (u32 LE)
+//! and its kind (log or snapshot). Then frames: `len: u32 LE`, `crc32(payload): u32 LE`,
+//! `payload`. One frame is one atomic commit: after a crash a frame is either whole (its CRC
+//! matches) or it is the torn tail, which is dropped. A payload is a sequence of records,
+//! each a tag byte and little-endian fields (strings as `u32` length + UTF-8 bytes).
+//! A snapshot ends with a frame holding only [`TAG_END`], so a cut-off snapshot is seen.
+//!
+//! Records are states, not operations: a device record carries the device's whole data,
+//! an access record one session's grants and subscriptions on one device. Replaying them
+//! in order is idempotent, and the newest record of a key wins.
+
+use std::sync::Arc;
+
+use crate::ids::SessionId;
+use crate::shard::access::{Access, Grants, KeySet, Subscriptions};
+use crate::shard::devices::Device;
+
+pub const MAGIC: &[u8; 8] = b"HUBCASTS";
+/// Bump on any incompatible change, and teach [`check_header`] the old one or refuse it.
+pub const VERSION: u32 = 1;
+pub const HEADER_LEN: usize = 16;
+pub const KIND_LOG: u8 = 1;
+pub const KIND_SNAPSHOT: u8 = 2;
+/// Largest frame accepted when reading (a bigger length is corruption, not a record).
+pub const MAX_FRAME: usize = 256 << 20;
+
+const TAG_DEVICE: u8 = 1;
+const TAG_DEVICE_GONE: u8 = 2;
+const TAG_ACCESS: u8 = 3;
+const TAG_ACCESS_GONE: u8 = 4;
+const TAG_SESSION: u8 = 5;
+const TAG_SESSION_GONE: u8 = 6;
+const TAG_APPLIED: u8 = 7;
+pub const TAG_END: u8 = 0xFF;
+
+/// One change of durable state, borrowed from the shard that made it.
+pub enum Change<'a> {
+    /// A device's data (last values, twin, connection state); `None`: the device has none.
+    Device { id: &'a str, device: Option<&'a Device> },
+    /// One session's grants and subscriptions on one device; `None`: nothing left.
+    Access { device: &'a str, session: SessionId, access: Option<&'a Access> },
+    /// A session and the devices it has held grants on; `None`: the session is gone.
+    Session { id: SessionId, devices: Option<&'a hashbrown::HashSet<Box<str>>> },
+    /// Every event of the source partition `key` up to sequence number `seq` is applied.
+    Applied { key: &'a str, seq: i64 },
+}
+
+/// A device's data as read back from disk.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DeviceData {
+    /// (key, value as JSON text, timestamp ms)
+    pub telemetry: Vec<(Box<str>, Arc<str>, i64)>,
+    /// (document as JSON text, timestamp ms)
+    pub twin: Option<(String, i64)>,
+    /// (connected, timestamp ms, sequenceNumber)
+    pub connection: Option<(bool, i64, Option<Box<str>>)>,
+}
+
+/// One decoded record.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Record {
+    Device(Box<str>, Option<DeviceData>),
+    Access(Box<str>, SessionId, Option<(Grants, Subscriptions)>),
+    Session(SessionId, Option<Vec<Box<str>>>),
+    Applied(Box<str>, i64),
+    End,
+}
+
+pub fn header(kind: u8) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[12] = kind;
+    h
+}
+
+/// Checks a file header; the error names what is wrong (refused by name, never guessed at).
+pub fn check_header(bytes: &[u8], kind: u8) -> Result<(), String> {
+    if bytes.len() < HEADER_LEN {
+        return Err(format!("shorter than the {HEADER_LEN}-byte header ({} bytes)", bytes.len()));
+    }
+    if &bytes[..8] != MAGIC {
+        return Err("not a hubcast store file (bad magic)".into());
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if version != VERSION {
+        return Err(format!("store format version {version}, this hubcast reads version {VERSION} only"));
+    }
+    if bytes[12] != kind {
+        return Err(format!("file kind {} where {kind} was expected", bytes[12]));
+    }
+    Ok(())
+}
+
+/// Starts a frame in `buf`: room for length and CRC, filled in by [`end_frame`].
+pub fn begin_frame(buf: &mut Vec<u8>) -> usize {
+    let at = buf.len();
+    buf.extend_from_slice(&[0u8; 8]);
+    at
+}
+
+pub fn end_frame(buf: &mut [u8], at: usize) {
+    let payload = &buf[at + 8..];
+    let len = payload.len() as u32;
+    let crc = crc32fast::hash(payload);
+    buf[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    buf[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn put_str(buf: &mut Vec<u8>, s: &str) {
+    buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    buf.extend_from_slice(s.as_bytes());
+}
+
+fn put_keys(buf: &mut Vec<u8>, k: &KeySet) {
+    buf.push(k.all as u8);
+    buf.extend_from_slice(&(k.keys.len() as u32).to_le_bytes());
+    for key in &k.keys {
+        put_str(buf, key);
+    }
+}
+
+/// Appends one record for `change`.
+pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
+    match change {
+        Change::Device { id, device: Some(d) } => {
+            buf.push(TAG_DEVICE);
+            put_str(buf, id);
+            buf.extend_from_slice(&(d.telemetry.len() as u32).to_le_bytes());
+            for (k, v) in &d.telemetry {
+                put_str(buf, k);
+                put_str(buf, &v.json);
+                buf.extend_from_slice(&v.at.to_le_bytes());
+            }
+            match &d.twin {
+                Some(t) => {
+                    buf.push(1);
+                    put_str(buf, &t.doc.to_string());
+                    buf.extend_from_slice(&t.at.to_le_bytes());
+                }
+                None => buf.push(0),
+            }
+            match &d.connection {
+                Some(c) => {
+                    buf.push(1);
+                    buf.push(c.connected as u8);
+                    buf.extend_from_slice(&c.at.to_le_bytes());
+                    match &c.sequence {
+                        Some(s) => {
+                            buf.push(1);
+                            put_str(buf, s);
+                        }
+                        None => buf.push(0),
+                    }
+                }
+                None => buf.push(0),
+            }
+        }
+        Change::Device { id, device: None } => {
+            buf.push(TAG_DEVICE_GONE);
+            put_str(buf, id);
+        }
+        Change::Access { device, session, access: Some(a) } => {
+            buf.push(TAG_ACCESS);
+            put_str(buf, device);
+            buf.extend_from_slice(&session.0.to_le_bytes());
+            let (g, s) = (&a.grants, &a.subs);
+            put_keys(buf, &g.telemetry);
+            buf.extend_from_slice(&[g.device_twin as u8, g.connection_state as u8, g.d2c_messages as u8, g.desired_properties as u8]);
+            put_keys(buf, &g.direct_methods);
+            put_keys(buf, &s.telemetry);
+            buf.extend_from_slice(&[s.device_twin as u8, s.connection_state as u8, s.d2c_messages as u8]);
+        }
+        Change::Access { device, session, access: None } => {
+            buf.push(TAG_ACCESS_GONE);
+            put_str(buf, device);
+            buf.extend_from_slice(&session.0.to_le_bytes());
+        }
+        Change::Session { id, devices: Some(devices) } => {
+            buf.push(TAG_SESSION);
+            buf.extend_from_slice(&id.0.to_le_bytes());
+            let count_at = buf.len();
+            buf.extend_from_slice(&[0u8; 4]);
+            let mut n = 0u32;
+            for d in devices.iter() {
+                put_str(buf, d);
+                n += 1;
+            }
+            buf[count_at..count_at + 4].copy_from_slice(&n.to_le_bytes());
+        }
+        Change::Session { id, devices: None } => {
+            buf.push(TAG_SESSION_GONE);
+            buf.extend_from_slice(&id.0.to_le_bytes());
+        }
+        Change::Applied { key, seq } => {
+            buf.push(TAG_APPLIED);
+            put_str(buf, key);
+            buf.extend_from_slice(&seq.to_le_bytes());
+        }
+    }
+}
+
+/// A cursor over a frame's payload; every read is bounds-checked (corrupt data is an error).
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+type R<T> = Result<T, String>;
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> R<&'a [u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or("record runs past its frame")?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> R<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn bool(&mut self) -> R<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(format!("byte {b} where a boolean was expected")),
+        }
+    }
+    fn u32(&mut self) -> R<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn i64(&mut self) -> R<i64> {
+        Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn u128(&mut self) -> R<u128> {
+        Ok(u128::from_le_bytes(self.take(16)?.try_into().expect("16 bytes")))
+    }
+    fn str(&mut self) -> R<&'a str> {
+        let n = self.u32()? as usize;
+        std::str::from_utf8(self.take(n)?).map_err(|_| "a string that is not UTF-8".to_string())
+    }
+    fn keys(&mut self) -> R<KeySet> {
+        let all = self.bool()?;
+        let n = self.u32()?;
+        let mut keys = smallvec::SmallVec::new();
+        for _ in 0..n {
+            keys.push(self.str()?.into());
+        }
+        Ok(KeySet { all, keys })
+    }
+}
+
+/// Decodes every record of one frame payload.
+pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String> {
+    let mut r = Reader { bytes: payload, at: 0 };
+    while r.at < payload.len() {
+        let tag = r.u8()?;
+        let record = match tag {
+            TAG_DEVICE => {
+                let id = r.str()?.into();
+                let n = r.u32()?;
+                let mut data = DeviceData::default();
+                for _ in 0..n {
+                    let k = r.str()?.into();
+                    let v = Arc::from(r.str()?);
+                    data.telemetry.push((k, v, r.i64()?));
+                }
+                if r.bool()? {
+                    let doc = r.str()?.to_string();
+                    data.twin = Some((doc, r.i64()?));
+                }
+                if r.bool()? {
+                    let connected = r.bool()?;
+                    let at = r.i64()?;
+                    let seq = if r.bool()? { Some(r.str()?.into()) } else { None };
+                    data.connection = Some((connected, at, seq));
+                }
+                Record::Device(id, Some(data))
+            }
+            TAG_DEVICE_GONE => Record::Device(r.str()?.into(), None),
+            TAG_ACCESS => {
+                let device = r.str()?.into();
+                let session = SessionId(r.u128()?);
+                let telemetry = r.keys()?;
+                let (device_twin, connection_state, d2c_messages, desired_properties) = (r.bool()?, r.bool()?, r.bool()?, r.bool()?);
+                let direct_methods = r.keys()?;
+                let grants = Grants { telemetry, device_twin, connection_state, d2c_messages, desired_properties, direct_methods };
+                let telemetry = r.keys()?;
+                let subs = Subscriptions { telemetry, device_twin: r.bool()?, connection_state: r.bool()?, d2c_messages: r.bool()? };
+                Record::Access(device, session, Some((grants, subs)))
+            }
+            TAG_ACCESS_GONE => {
+                let device = r.str()?.into();
+                Record::Access(device, SessionId(r.u128()?), None)
+            }
+            TAG_SESSION => {
+                let id = SessionId(r.u128()?);
+                let n = r.u32()?;
+                let mut devices = Vec::with_capacity(n.min(1 << 16) as usize);
+                for _ in 0..n {
+                    devices.push(r.str()?.into());
+                }
+                Record::Session(id, Some(devices))
+            }
+            TAG_SESSION_GONE => Record::Session(SessionId(r.u128()?), None),
+            TAG_APPLIED => {
+                let key = r.str()?.into();
+                Record::Applied(key, r.i64()?)
+            }
+            TAG_END => Record::End,
+            t => return Err(format!("unknown record tag {t}")),
+        };
+        out(record);
+    }
+    Ok(())
+}
+
+/// How reading a file ended.
+#[derive(Debug, PartialEq)]
+pub enum Tail {
+    /// Every byte was a valid frame.
+    Clean,
+    /// Bytes from `offset` on are not a valid frame (a torn write or corruption): `why`.
+    Bad { offset: usize, why: String },
+}
+
+/// Reads the frames of a file's bytes (header already checked), handing over each record.
+/// Stops at the first bad frame: what comes before it is kept, nothing after it is trusted.
+pub fn read_frames(bytes: &[u8], out: &mut impl FnMut(Record)) -> Tail {
+    let mut at = HEADER_LEN;
+    while at < bytes.len() {
+        if bytes.len() - at < 8 {
+            return Tail::Bad { offset: at, why: "truncated frame header".into() };
+        }
+        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("4 bytes"));
+        if len > MAX_FRAME {
+            return Tail::Bad { offset: at, why: format!("frame length {len} is beyond the limit") };
+        }
+        let Some(payload) = bytes.get(at + 8..at + 8 + len) else {
+            return Tail::Bad { offset: at, why: format!("truncated frame ({len} bytes announced, {} present)", bytes.len() - at - 8) };
+        };
+        if crc32fast::hash(payload) != crc {
+            return Tail::Bad { offset: at, why: "checksum mismatch".into() };
+        }
+        // Decode into a scratch list first, so a frame is taken whole or not at all.
+        let mut records = Vec::new();
+        if let Err(e) = decode(payload, &mut |r| records.push(r)) {
+            return Tail::Bad { offset: at, why: format!("undecodable frame: {e}") };
+        }
+        records.into_iter().for_each(&mut *out);
+        at += 8 + len;
+    }
+    Tail::Clean
+}

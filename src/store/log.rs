@@ -1,0 +1,818 @@
+//! The embedded engine: per-core append logs and snapshots in the data dir.
+//!
+//! Files (`E` epoch, `C` core, `G` generation):
+//! - `LOCK`: held with `flock` for the life of the process (one owner per data dir);
+//! - `MANIFEST`: `hubcast-store 1`, the epoch and the core count the files belong to;
+//! - `eE-cC-G.log`: core C's commits, one CRC-checked frame each, appended with one `write`;
+//! - `eE-cC-G.snap`: core C's whole state when log `G` was started (logs before `G` are gone).
+//!
+//! **Durability.** A commit is one `write` of one frame: once it returns, the commit survives
+//! a crash of the process (`kill -9`); the `hubcast-store-sync` thread `fdatasync`s every
+//! core's log every `--fsync-interval` ms, so a power loss costs at most that much.
+//!
+//! **Snapshots** replace the logs when they have grown past [`SNAPSHOT_MIN_LOG`] and twice the
+//! last snapshot. The core starts a new log, encodes its state into memory (the one pause it
+//! takes) and a helper thread writes `…snap.tmp`, syncs it, renames it and deletes the older
+//! files. A crash at any step leaves either the old snapshot and logs or the new ones.
+//!
+//! **Recovery.** A frame that is cut off or whose checksum fails ends the reading of that file:
+//! what comes before it is kept, the rest is logged and left out; writing always goes on in a
+//! new log. A file of another format version is refused by name, never guessed at.
+//!
+//! **Re-sharding.** When `--cores` differs from the manifest, every core's files are read,
+//! their records are routed to the new cores by the routing hash, written as snapshots of a
+//! new epoch, and the manifest is switched atomically (rename) before the old files are removed.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::format::{self, Change, Record, Tail, KIND_LOG, KIND_SNAPSHOT};
+use super::{Loaded, Opened, StateStore};
+use crate::runtime::routing::{core_of_device, core_of_session};
+
+/// Logs smaller than this are never compacted.
+pub const SNAPSHOT_MIN_LOG: u64 = 64 << 20;
+const MANIFEST: &str = "MANIFEST";
+const MANIFEST_HEAD: &str = "hubcast-store 1";
+
+/// Process-wide store counters (read by `/metrics` and by tests).
+pub static STATS: StoreStats = StoreStats {
+    commits: AtomicU64::new(0),
+    bytes: AtomicU64::new(0),
+    synced_commits: AtomicU64::new(0),
+    write_errors: AtomicU64::new(0),
+    snapshots: AtomicU64::new(0),
+};
+
+pub struct StoreStats {
+    /// Commits written to the OS.
+    pub commits: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Commits known to be on disk (fsync done after them).
+    pub synced_commits: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub snapshots: AtomicU64,
+}
+
+impl StoreStats {
+    pub fn series(&self) -> Vec<(String, u64)> {
+        vec![
+            ("hubcast_store_commits_total".into(), self.commits.load(Ordering::Relaxed)),
+            ("hubcast_store_bytes_written_total".into(), self.bytes.load(Ordering::Relaxed)),
+            ("hubcast_store_synced_commits".into(), self.synced_commits.load(Ordering::Relaxed)),
+            ("hubcast_store_write_errors_total".into(), self.write_errors.load(Ordering::Relaxed)),
+            ("hubcast_store_snapshots_total".into(), self.snapshots.load(Ordering::Relaxed)),
+        ]
+    }
+}
+
+/// The `flock` on `LOCK`; released when the last store of the process is dropped.
+struct DirLock {
+    _file: File,
+}
+
+fn lock_dir(dir: &Path) -> Result<DirLock, String> {
+    let path = dir.join("LOCK");
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| format!("data dir {}: cannot open {}: {e}", dir.display(), path.display()))?;
+    // Safety: flock on a descriptor this function owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let holder = fs::read_to_string(&path).unwrap_or_default();
+        let holder = holder.trim();
+        return Err(format!(
+            "data dir {} is in use by another hubcast{}: one data dir has one owner (give this instance its own --data-dir)",
+            dir.display(),
+            if holder.is_empty() { String::new() } else { format!(" (pid {holder})") }
+        ));
+    }
+    let _ = file.set_len(0);
+    let _ = write!(file, "{}", std::process::id());
+    Ok(DirLock { _file: file })
+}
+
+fn file_name(epoch: u64, core: usize, gen: u64, ext: &str) -> String {
+    format!("e{epoch}-c{core}-{gen:010}.{ext}")
+}
+
+/// `eE-cC-G.ext` → (E, C, G, ext)
+fn parse_name(name: &str) -> Option<(u64, usize, u64, &str)> {
+    let (stem, ext) = name.rsplit_once('.')?;
+    let mut parts = stem.splitn(3, '-');
+    let epoch = parts.next()?.strip_prefix('e')?.parse().ok()?;
+    let core = parts.next()?.strip_prefix('c')?.parse().ok()?;
+    let gen = parts.next()?.parse().ok()?;
+    Some((epoch, core, gen, ext))
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+fn read_manifest(dir: &Path) -> Result<Option<(u64, usize)>, String> {
+    let path = dir.join(MANIFEST);
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    let mut lines = text.lines();
+    let head = lines.next().unwrap_or("");
+    if head != MANIFEST_HEAD {
+        return Err(format!(
+            "{}: format {head:?}, this hubcast reads {MANIFEST_HEAD:?} only; move the data dir away or run the hubcast that wrote it",
+            path.display()
+        ));
+    }
+    let mut epoch = None;
+    let mut cores = None;
+    for line in lines {
+        match line.split_once(' ') {
+            Some(("epoch", v)) => epoch = v.trim().parse().ok(),
+            Some(("cores", v)) => cores = v.trim().parse().ok(),
+            _ => {}
+        }
+    }
+    match (epoch, cores) {
+        (Some(e), Some(c)) if c > 0 => Ok(Some((e, c))),
+        _ => Err(format!("{}: no valid epoch and cores lines", path.display())),
+    }
+}
+
+fn write_manifest(dir: &Path, epoch: u64, cores: usize) -> Result<(), String> {
+    let tmp = dir.join("MANIFEST.tmp");
+    let text = format!("{MANIFEST_HEAD}\nepoch {epoch}\ncores {cores}\n");
+    let write = || -> io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        fs::rename(&tmp, dir.join(MANIFEST))?;
+        sync_dir(dir);
+        Ok(())
+    };
+    write().map_err(|e| format!("data dir {}: cannot write the manifest: {e}", dir.display()))
+}
+
+/// Reads one file into `into`; a bad frame is logged and ends the file (what is valid is kept).
+fn load_file(path: &Path, kind: u8, into: &mut Loaded) -> Result<(), String> {
+    let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    format::check_header(&bytes, kind).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut ended = false;
+    let tail = format::read_frames(&bytes, &mut |r| {
+        if r == Record::End {
+            ended = true;
+        }
+        into.apply(r)
+    });
+    if let Tail::Bad { offset, why } = tail {
+        tracing::error!(
+            file = %path.display(),
+            offset,
+            dropped_bytes = bytes.len() - offset,
+            "store file damaged ({why}): what precedes the damage is loaded, the rest is left out"
+        );
+    } else if kind == KIND_SNAPSHOT && !ended {
+        tracing::error!(file = %path.display(), "snapshot has no end mark: loaded what it holds");
+    }
+    Ok(())
+}
+
+/// Every file of one core of one epoch, loaded in order. Returns the state and the highest
+/// generation seen.
+fn load_core(dir: &Path, files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64), String> {
+    let mine: Vec<_> = files.iter().filter(|f| f.0 == core).collect();
+    let snap = mine.iter().filter(|f| f.2 == "snap").map(|f| f.1).max();
+    let mut loaded = Loaded::default();
+    let mut top = 0;
+    if let Some(g) = snap {
+        load_file(&dir.join(file_name_of(&mine, g, "snap")), KIND_SNAPSHOT, &mut loaded)?;
+        top = g;
+    }
+    let mut logs: Vec<_> = mine.iter().filter(|f| f.2 == "log" && snap.is_none_or(|s| f.1 >= s)).collect();
+    logs.sort_by_key(|f| f.1);
+    for f in logs {
+        load_file(&f.3, KIND_LOG, &mut loaded)?;
+        top = top.max(f.1);
+    }
+    Ok((loaded, top))
+}
+
+fn file_name_of(files: &[&(usize, u64, String, PathBuf)], gen: u64, ext: &str) -> PathBuf {
+    files.iter().find(|f| f.1 == gen && f.2 == ext).map(|f| f.3.clone()).expect("listed")
+}
+
+/// Routes every record to its owner among `cores` new cores (sessions by session, the rest
+/// by device); position marks become the lowest over the old cores, everywhere.
+fn reshard(old: Vec<Loaded>, cores: usize) -> Vec<Loaded> {
+    let marks = super::resume_positions(&old);
+    let mut out: Vec<Loaded> = (0..cores).map(|_| Loaded::default()).collect();
+    for l in old {
+        for (id, d) in l.devices {
+            out[core_of_device(&id, cores)].devices.insert(id, d);
+        }
+        for ((device, session), a) in l.access {
+            out[core_of_device(&device, cores)].access.insert((device, session), a);
+        }
+        for (id, devices) in l.sessions {
+            out[core_of_session(id, cores)].sessions.insert(id, devices);
+        }
+    }
+    for o in &mut out {
+        o.applied = marks.clone();
+    }
+    out
+}
+
+/// Writes `loaded` as the snapshot `path` (tmp, sync, rename).
+fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
+    let mut buf = Vec::from(format::header(KIND_SNAPSHOT));
+    let mut frame = format::begin_frame(&mut buf);
+    let split = |buf: &mut Vec<u8>, frame: &mut usize| {
+        if buf.len() - *frame > (4 << 20) {
+            format::end_frame(buf, *frame);
+            *frame = format::begin_frame(buf);
+        }
+    };
+    for (id, d) in &loaded.devices {
+        let device = device_from_data(d);
+        format::encode(&mut buf, Change::Device { id, device: Some(&device) });
+        split(&mut buf, &mut frame);
+    }
+    for ((device, session), (grants, subs)) in &loaded.access {
+        let access = crate::shard::access::Access { grants: grants.clone(), subs: subs.clone(), throttle: None };
+        format::encode(&mut buf, Change::Access { device, session: *session, access: Some(&access) });
+        split(&mut buf, &mut frame);
+    }
+    for (id, devices) in &loaded.sessions {
+        let set: hashbrown::HashSet<Box<str>> = devices.iter().cloned().collect();
+        format::encode(&mut buf, Change::Session { id: *id, devices: Some(&set) });
+        split(&mut buf, &mut frame);
+    }
+    for (key, seq) in &loaded.applied {
+        format::encode(&mut buf, Change::Applied { key, seq: *seq });
+    }
+    format::end_frame(&mut buf, frame);
+    let end = format::begin_frame(&mut buf);
+    buf.push(format::TAG_END);
+    format::end_frame(&mut buf, end);
+    write_file_synced(path, &buf)?;
+    Ok(buf.len() as u64)
+}
+
+fn write_file_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = path.with_extension("snap.tmp");
+    let mut f = File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        sync_dir(dir);
+    }
+    Ok(())
+}
+
+/// A device rebuilt from its stored data (for re-sharding and restore).
+pub fn device_from_data(d: &super::DeviceData) -> crate::shard::devices::Device {
+    use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
+    let mut device = Device::default();
+    for (k, v, at) in &d.telemetry {
+        device.telemetry.insert(k.clone(), LastValue { json: v.clone(), at: *at });
+    }
+    if let Some((doc, at)) = &d.twin {
+        if let Ok(doc) = serde_json::from_str(doc) {
+            device.twin = Some(Twin { doc, at: *at });
+        }
+    }
+    if let Some((connected, at, sequence)) = &d.connection {
+        device.connection = Some(ConnectionState { connected: *connected, at: *at, sequence: sequence.clone() });
+    }
+    device
+}
+
+/// Opens the data dir (see the module docs).
+pub fn open(dir: &Path, cores: usize, fsync_interval: Duration) -> Result<Opened, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create data dir {}: {e}", dir.display()))?;
+    let lock = Arc::new(lock_dir(dir)?);
+    let manifest = read_manifest(dir)?;
+    let (epoch, old_cores) = manifest.unwrap_or((1, cores));
+    // Every store file, by epoch; files of other epochs are left-overs of a re-shard.
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(|e| format!("cannot list data dir {}: {e}", dir.display()))? {
+        let Ok(entry) = entry else { continue };
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".tmp") {
+            let _ = fs::remove_file(entry.path());
+            continue;
+        }
+        let Some((e, core, gen, ext)) = parse_name(&name) else { continue };
+        if e != epoch || core >= old_cores {
+            tracing::info!(file = %name, "removing a store file of an earlier layout");
+            let _ = fs::remove_file(entry.path());
+            continue;
+        }
+        if ext == "log" || ext == "snap" {
+            files.push((core, gen, ext.to_string(), entry.path()));
+        }
+    }
+    let started = std::time::Instant::now();
+    let results: Vec<Result<(Loaded, u64), String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..old_cores).map(|c| s.spawn({
+            let files = &files;
+            move || load_core(dir, files, c)
+        })).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a loader thread panicked".into()))).collect()
+    });
+    let mut loaded = Vec::new();
+    let mut gens = Vec::new();
+    for r in results {
+        let (l, g) = r.map_err(|e| format!("data dir {}: {e}", dir.display()))?;
+        loaded.push(l);
+        gens.push(g);
+    }
+    let devices: usize = loaded.iter().map(|l| l.devices.len()).sum();
+    let sessions: usize = loaded.iter().map(|l| l.sessions.len()).sum();
+    let (epoch, loaded, gens) = if manifest.is_some() && old_cores != cores {
+        tracing::info!(from = old_cores, to = cores, "the core count changed: re-sharding the stored state");
+        let new_epoch = epoch + 1;
+        let loaded = reshard(loaded, cores);
+        for (c, l) in loaded.iter().enumerate() {
+            write_loaded_snapshot(&dir.join(file_name(new_epoch, c, 1, "snap")), l)
+                .map_err(|e| format!("data dir {}: cannot write a re-sharded snapshot: {e}", dir.display()))?;
+        }
+        write_manifest(dir, new_epoch, cores)?;
+        for f in &files {
+            let _ = fs::remove_file(&f.3);
+        }
+        (new_epoch, loaded, vec![1; cores])
+    } else {
+        if manifest.is_none() {
+            write_manifest(dir, epoch, cores)?;
+        }
+        (epoch, loaded, gens)
+    };
+    tracing::info!(
+        dir = %dir.display(),
+        devices,
+        sessions,
+        ms = started.elapsed().as_millis() as u64,
+        "stored state loaded"
+    );
+    let slots: Vec<Arc<SyncSlot>> = (0..cores).map(|_| Arc::new(SyncSlot::default())).collect();
+    let mut stores: Vec<Box<dyn StateStore + Send>> = Vec::new();
+    for (core, gen) in gens.into_iter().enumerate() {
+        let snapshot_size = files
+            .iter()
+            .filter(|f| f.0 == core && f.2 == "snap")
+            .filter_map(|f| fs::metadata(&f.3).ok().map(|m| m.len()))
+            .max()
+            .unwrap_or(0);
+        let store = LogStore::create(dir, epoch, core, gen + 1, slots[core].clone(), lock.clone(), fsync_interval, snapshot_size)
+            .map_err(|e| format!("data dir {}: cannot start a log: {e}", dir.display()))?;
+        stores.push(Box::new(store));
+    }
+    if !fsync_interval.is_zero() {
+        start_syncer(slots, fsync_interval);
+    }
+    Ok(Opened { stores, loaded })
+}
+
+/// A core's current log as the sync thread sees it.
+#[derive(Default)]
+struct SyncSlot {
+    file: Mutex<Option<File>>,
+    /// Written since the last sync.
+    dirty: AtomicBool,
+    /// Commits written when `dirty` was last set (counted as synced once the sync is done).
+    written: AtomicU64,
+    synced: AtomicU64,
+}
+
+fn start_syncer(slots: Vec<Arc<SyncSlot>>, every: Duration) {
+    let spawned = std::thread::Builder::new().name("hubcast-store-sync".into()).spawn(move || loop {
+        std::thread::sleep(every);
+        for slot in &slots {
+            if slot.dirty.swap(false, Ordering::AcqRel) {
+                let written = slot.written.load(Ordering::Acquire);
+                let file = slot.file.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(f) = file.as_ref() {
+                    if let Err(e) = f.sync_data() {
+                        tracing::error!(error = %e, "cannot sync the store log to disk");
+                        continue;
+                    }
+                }
+                let before = slot.synced.swap(written, Ordering::AcqRel);
+                STATS.synced_commits.fetch_add(written.saturating_sub(before), Ordering::Relaxed);
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start the store sync thread: logs reach the disk when the OS writes them");
+    }
+}
+
+/// Per-core append log with snapshots.
+pub struct LogStore {
+    dir: PathBuf,
+    epoch: u64,
+    core: usize,
+    gen: u64,
+    file: Option<File>,
+    /// The unit being built: a frame header and records.
+    pending: Vec<u8>,
+    frame_at: Option<usize>,
+    log_bytes: u64,
+    snapshot_size: u64,
+    snapshot: Option<(Vec<u8>, usize, u64)>,
+    snapshot_running: Arc<AtomicBool>,
+    slot: Arc<SyncSlot>,
+    commits: u64,
+    fsync_each: bool,
+    _lock: Arc<DirLock>,
+}
+
+impl LogStore {
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        dir: &Path,
+        epoch: u64,
+        core: usize,
+        gen: u64,
+        slot: Arc<SyncSlot>,
+        lock: Arc<DirLock>,
+        fsync_interval: Duration,
+        snapshot_size: u64,
+    ) -> io::Result<Self> {
+        let mut s = LogStore {
+            dir: dir.to_path_buf(),
+            epoch,
+            core,
+            gen,
+            file: None,
+            pending: Vec::with_capacity(64 << 10),
+            frame_at: None,
+            log_bytes: 0,
+            snapshot_size,
+            snapshot: None,
+            snapshot_running: Arc::new(AtomicBool::new(false)),
+            slot,
+            commits: 0,
+            fsync_each: fsync_interval.is_zero(),
+            _lock: lock,
+        };
+        s.open_log()?;
+        Ok(s)
+    }
+
+    fn open_log(&mut self) -> io::Result<()> {
+        let path = self.dir.join(file_name(self.epoch, self.core, self.gen, "log"));
+        let mut f = OpenOptions::new().create(true).append(true).open(&path)?;
+        if f.metadata()?.len() == 0 {
+            f.write_all(&format::header(KIND_LOG))?;
+        }
+        sync_dir(&self.dir);
+        *self.slot.file.lock().unwrap_or_else(|e| e.into_inner()) = Some(f.try_clone()?);
+        self.file = Some(f);
+        Ok(())
+    }
+
+    fn write_error(&self, what: &str, e: &io::Error) {
+        let n = STATS.write_errors.fetch_add(1, Ordering::Relaxed);
+        if n.is_power_of_two() || n == 0 {
+            tracing::error!(core = self.core, error = %e, errors = n + 1, "store: {what}; state is served from memory but may not survive a restart");
+        }
+    }
+}
+
+impl StateStore for LogStore {
+    fn put(&mut self, change: Change<'_>) {
+        if self.frame_at.is_none() {
+            self.frame_at = Some(format::begin_frame(&mut self.pending));
+        }
+        format::encode(&mut self.pending, change);
+    }
+
+    fn commit(&mut self) {
+        let Some(at) = self.frame_at.take() else { return };
+        format::end_frame(&mut self.pending, at);
+        if let Some(f) = self.file.as_mut() {
+            match f.write_all(&self.pending) {
+                Ok(()) => {
+                    self.commits += 1;
+                    self.log_bytes += self.pending.len() as u64;
+                    STATS.commits.fetch_add(1, Ordering::Relaxed);
+                    STATS.bytes.fetch_add(self.pending.len() as u64, Ordering::Relaxed);
+                    if self.fsync_each {
+                        if let Err(e) = f.sync_data() {
+                            self.write_error("cannot sync the log", &e);
+                        } else {
+                            STATS.synced_commits.fetch_add(1, Ordering::Relaxed);
+                        }
+                    } else {
+                        self.slot.written.store(self.commits, Ordering::Release);
+                        self.slot.dirty.store(true, Ordering::Release);
+                    }
+                }
+                Err(e) => self.write_error("cannot write the log", &e),
+            }
+        }
+        self.pending.clear();
+        if self.pending.capacity() > (16 << 20) {
+            self.pending.shrink_to(64 << 10);
+        }
+    }
+
+    fn snapshot_due(&self) -> bool {
+        self.snapshot.is_none()
+            && !self.snapshot_running.load(Ordering::Acquire)
+            && self.log_bytes > SNAPSHOT_MIN_LOG.max(self.snapshot_size.saturating_mul(2))
+    }
+
+    fn begin_snapshot(&mut self) {
+        self.commit();
+        let old = self.file.take();
+        self.gen += 1;
+        if let Err(e) = self.open_log() {
+            self.write_error("cannot start a new log", &e);
+            self.file = old;
+            self.gen -= 1;
+            return;
+        }
+        // The old log must be on disk before anything that replaces it is.
+        if let Some(old) = old {
+            let _ = old.sync_data();
+        }
+        self.log_bytes = 0;
+        let mut buf = Vec::from(format::header(KIND_SNAPSHOT));
+        let frame = format::begin_frame(&mut buf);
+        self.snapshot = Some((buf, frame, self.gen));
+    }
+
+    fn put_snapshot(&mut self, change: Change<'_>) {
+        let Some((buf, frame, _)) = self.snapshot.as_mut() else { return };
+        format::encode(buf, change);
+        if buf.len() - *frame > (4 << 20) {
+            format::end_frame(buf, *frame);
+            *frame = format::begin_frame(buf);
+        }
+    }
+
+    fn end_snapshot(&mut self) {
+        let Some((mut buf, frame, gen)) = self.snapshot.take() else { return };
+        format::end_frame(&mut buf, frame);
+        let end = format::begin_frame(&mut buf);
+        buf.push(format::TAG_END);
+        format::end_frame(&mut buf, end);
+        self.snapshot_size = buf.len() as u64;
+        let running = self.snapshot_running.clone();
+        running.store(true, Ordering::Release);
+        let (dir, epoch, core) = (self.dir.clone(), self.epoch, self.core);
+        let spawned = std::thread::Builder::new().name(format!("hubcast-snapshot-{core}")).spawn(move || {
+            let path = dir.join(file_name(epoch, core, gen, "snap"));
+            match write_file_synced(&path, &buf) {
+                Ok(()) => {
+                    STATS.snapshots.fetch_add(1, Ordering::Relaxed);
+                    // Everything older than this snapshot is replaced by it.
+                    if let Ok(entries) = fs::read_dir(&dir) {
+                        for entry in entries.flatten() {
+                            let name = entry.file_name().to_string_lossy().into_owned();
+                            if let Some((e, c, g, _)) = parse_name(&name) {
+                                if e == epoch && c == core && (g < gen || (g == gen && name.ends_with(".snap.tmp"))) {
+                                    let _ = fs::remove_file(entry.path());
+                                }
+                            }
+                        }
+                    }
+                    tracing::debug!(core, bytes = buf.len(), "store snapshot written");
+                }
+                Err(e) => tracing::error!(core, error = %e, "cannot write a store snapshot; the logs are kept"),
+            }
+            running.store(false, Ordering::Release);
+        });
+        if let Err(e) = spawned {
+            self.snapshot_running.store(false, Ordering::Release);
+            self.write_error("cannot start the snapshot writer", &e);
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.commit();
+        if let Some(f) = self.file.as_ref() {
+            f.sync_data()?;
+            let before = self.slot.synced.swap(self.commits, Ordering::AcqRel);
+            STATS.synced_commits.fetch_add(self.commits.saturating_sub(before), Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> io::Result<()> {
+        let r = self.flush();
+        self.file = None;
+        *self.slot.file.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::SessionId;
+    use crate::shard::access::Access;
+    use crate::shard::devices::{ConnectionState, Device, LastValue};
+    use crate::store::DeviceData;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hubcast-store-unit-{name}-{}-{}", std::process::id(), fastrand::u64(..)));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    fn device(temp: f64, seq: &str) -> Device {
+        let mut d = Device::default();
+        d.telemetry.insert("t".into(), LastValue { json: temp.to_string().into(), at: 1000 });
+        d.connection = Some(ConnectionState { connected: true, at: 5, sequence: Some(seq.into()) });
+        d
+    }
+
+    fn write_some(dir: &Path, cores: usize) {
+        let mut opened = open(dir, cores, Duration::from_millis(50)).unwrap();
+        for (i, store) in opened.stores.iter_mut().enumerate() {
+            for n in 0..3 {
+                let id = format!("dev-{i}-{n}");
+                let d = device(n as f64, "01");
+                store.put(Change::Device { id: &id, device: Some(&d) });
+                store.put(Change::Applied { key: "p0", seq: n });
+                store.commit();
+            }
+        }
+        let mut access = Access::default();
+        access.grants.device_twin = true;
+        access.subs.device_twin = true;
+        opened.stores[0].put(Change::Access { device: "dev-0-0", session: SessionId(7), access: Some(&access) });
+        let set: hashbrown::HashSet<Box<str>> = ["dev-0-0".into()].into_iter().collect();
+        opened.stores[0].put(Change::Session { id: SessionId(7), devices: Some(&set) });
+        opened.stores[0].commit();
+        opened.stores[1 % cores].put(Change::Device { id: "dev-x", device: Some(&device(9.0, "02")) });
+        opened.stores[1 % cores].commit();
+        opened.stores[1 % cores].put(Change::Device { id: "dev-x", device: None });
+        opened.stores[1 % cores].commit();
+        for s in &mut opened.stores {
+            s.close().unwrap();
+        }
+    }
+
+    fn all_devices(o: &Opened) -> Vec<(Box<str>, DeviceData)> {
+        let mut v: Vec<_> = o.loaded.iter().flat_map(|l| l.devices.iter().map(|(k, d)| (k.clone(), d.clone()))).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    #[test]
+    fn what_is_committed_comes_back() {
+        let dir = temp_dir("roundtrip");
+        write_some(&dir, 2);
+        let o = open(&dir, 2, Duration::from_millis(50)).unwrap();
+        let devices = all_devices(&o);
+        assert_eq!(devices.len(), 6, "{devices:?}");
+        assert_eq!(&*devices[2].1.telemetry[0].1, "2");
+        assert_eq!(devices[0].1.connection, Some((true, 5, Some("01".into()))));
+        assert_eq!(o.loaded[0].sessions.get(&SessionId(7)).unwrap(), &vec![Box::<str>::from("dev-0-0")]);
+        let (grants, subs) = o.loaded[0].access.get(&(Box::from("dev-0-0"), SessionId(7))).unwrap();
+        assert!(grants.device_twin && subs.device_twin);
+        assert_eq!(o.resume_positions().get("p0"), Some(&2));
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_second_owner_is_refused() {
+        let dir = temp_dir("lock");
+        let first = open(&dir, 1, Duration::ZERO).unwrap();
+        let err = open(&dir, 1, Duration::ZERO).err().expect("refused");
+        assert!(err.contains("in use by another hubcast"), "{err}");
+        drop(first);
+        assert!(open(&dir, 1, Duration::ZERO).is_ok(), "free again once the owner is gone");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    fn log_files(dir: &Path) -> Vec<PathBuf> {
+        let mut v: Vec<_> = fs::read_dir(dir).unwrap().flatten().map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "log") && fs::metadata(p).unwrap().len() > HEADER_LEN_U64)
+            .collect();
+        v.sort();
+        v
+    }
+    const HEADER_LEN_U64: u64 = format::HEADER_LEN as u64;
+
+    #[test]
+    fn a_truncated_tail_keeps_what_precedes_it() {
+        let dir = temp_dir("truncated");
+        write_some(&dir, 1);
+        let log = log_files(&dir).pop().unwrap();
+        let len = fs::metadata(&log).unwrap().len();
+        OpenOptions::new().write(true).open(&log).unwrap().set_len(len - 3).unwrap();
+        let o = open(&dir, 1, Duration::ZERO).unwrap();
+        // The last commit (dev-x gone) is cut off: dev-x is back, everything before it is there.
+        let devices = all_devices(&o);
+        assert_eq!(devices.len(), 4, "{devices:?}");
+        assert!(devices.iter().any(|(k, _)| &**k == "dev-x"));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_corrupted_byte_ends_the_file_there() {
+        let dir = temp_dir("corrupt");
+        write_some(&dir, 1);
+        let log = log_files(&dir).pop().unwrap();
+        let mut bytes = fs::read(&log).unwrap();
+        // Inside the payload of the second frame.
+        let first_len = u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
+        bytes[16 + 8 + first_len + 8 + 2] ^= 0x55;
+        fs::write(&log, bytes).unwrap();
+        let o = open(&dir, 1, Duration::ZERO).unwrap();
+        let devices = all_devices(&o);
+        assert_eq!(devices.len(), 1, "only the first commit is trusted: {devices:?}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn another_format_version_is_refused_by_name() {
+        let dir = temp_dir("version");
+        write_some(&dir, 1);
+        let log = log_files(&dir).pop().unwrap();
+        let mut bytes = fs::read(&log).unwrap();
+        bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
+        fs::write(&log, bytes).unwrap();
+        let err = open(&dir, 1, Duration::ZERO).err().expect("refused");
+        assert!(err.contains("store format version 7") && err.contains("version 1"), "{err}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_changed_core_count_reshards() {
+        let dir = temp_dir("reshard");
+        write_some(&dir, 2);
+        let o = open(&dir, 3, Duration::ZERO).unwrap();
+        assert_eq!(o.loaded.len(), 3);
+        for (c, l) in o.loaded.iter().enumerate() {
+            for id in l.devices.keys() {
+                assert_eq!(core_of_device(id, 3), c);
+            }
+            assert_eq!(l.applied.get("p0"), Some(&2));
+        }
+        let before = all_devices(&o);
+        assert_eq!(before.len(), 6);
+        drop(o);
+        let again = open(&dir, 3, Duration::ZERO).unwrap();
+        assert_eq!(all_devices(&again), before, "the re-sharded state is what the next start finds");
+        drop(again);
+        let back = open(&dir, 1, Duration::ZERO).unwrap();
+        assert_eq!(all_devices(&back), before);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn snapshots_replace_the_logs() {
+        let dir = temp_dir("snapshot");
+        write_some(&dir, 1);
+        let mut o = open(&dir, 1, Duration::ZERO).unwrap();
+        let state = o.loaded.pop().unwrap();
+        let store = &mut o.stores[0];
+        store.begin_snapshot();
+        for (id, d) in &state.devices {
+            let device = device_from_data(d);
+            store.put_snapshot(Change::Device { id, device: Some(&device) });
+        }
+        store.put_snapshot(Change::Applied { key: "p0", seq: 2 });
+        store.end_snapshot();
+        store.put(Change::Device { id: "after", device: Some(&device(1.0, "03")) });
+        store.commit();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while fs::read_dir(&dir).unwrap().flatten().all(|e| !e.file_name().to_string_lossy().ends_with(".snap")) {
+            assert!(std::time::Instant::now() < deadline, "snapshot written");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        while log_files(&dir).len() > 1 {
+            assert!(std::time::Instant::now() < deadline, "old logs removed");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        o.stores[0].close().unwrap();
+        drop(o);
+        let again = open(&dir, 1, Duration::ZERO).unwrap();
+        let devices = all_devices(&again);
+        assert_eq!(devices.len(), 4, "{devices:?}");
+        assert!(!devices.iter().any(|(k, _)| &**k == "dev-x"));
+        assert_eq!(again.resume_positions().get("p0"), Some(&2));
+        let _ = fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,146 @@
+//! Durable state: the seam between a core's shard and a storage engine.
+//!
+//! The shard knows nothing of engines. It marks what changed (devices, access entries,
+//! sessions); after each unit of work the core hands the new states to its [`StateStore`]
+//! as [`Change`]s and commits them, together with the source position that produced them,
+//! as one atomic unit. Every core has its own store: no lock is shared between cores on the
+//! message path. The first engine is [`log::LogStore`], per-core append logs with snapshots
+//! in `--data-dir`; a distributed engine (Redis, issue 12) implements the same trait.
+//!
+//! At start [`open`] takes the data dir (one owner: an `flock` on `LOCK`), reads every
+//! core's snapshot and log, and re-shards by the routing hash when `--cores` changed.
+
+pub mod format;
+pub mod log;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hashbrown::HashMap;
+
+use crate::ids::SessionId;
+use crate::shard::access::{Grants, Subscriptions};
+
+pub use format::{Change, DeviceData, Record};
+
+/// A core's durable state engine. Called only from the core's own thread.
+pub trait StateStore {
+    /// Adds a change to the unit being built.
+    fn put(&mut self, change: Change<'_>);
+    /// Makes every change put since the last commit durable as one unit: after any crash
+    /// either all of them are found again or none. With the log engine the unit is written
+    /// to the OS before this returns (it survives a crash of the process) and reaches the
+    /// disk within the fsync interval.
+    fn commit(&mut self);
+    /// Whether the core should write a full snapshot now ([`StateStore::begin_snapshot`]).
+    fn snapshot_due(&self) -> bool;
+    /// Starts a snapshot: changes committed from now on are kept apart from the older ones.
+    fn begin_snapshot(&mut self);
+    /// Adds one piece of the whole state to the snapshot being built.
+    fn put_snapshot(&mut self, change: Change<'_>);
+    /// The snapshot holds the whole state: write it out (off the core) and drop what it replaces.
+    fn end_snapshot(&mut self);
+    /// Writes out everything committed and waits until it is on disk (fsync). For shutdown.
+    fn flush(&mut self) -> io::Result<()>;
+    /// [`StateStore::flush`], then release the files; later commits are dropped.
+    fn close(&mut self) -> io::Result<()>;
+}
+
+/// One core's state as read back at start.
+#[derive(Default, Debug)]
+pub struct Loaded {
+    pub devices: HashMap<Box<str>, DeviceData>,
+    pub access: HashMap<(Box<str>, SessionId), (Grants, Subscriptions)>,
+    pub sessions: HashMap<SessionId, Vec<Box<str>>>,
+    /// Source partition → the highest sequence number this core has applied.
+    pub applied: HashMap<Box<str>, i64>,
+}
+
+impl Loaded {
+    /// Applies one record read back from disk (the newest record of a key wins).
+    pub fn apply(&mut self, record: Record) {
+        match record {
+            Record::Device(id, Some(d)) => {
+                self.devices.insert(id, d);
+            }
+            Record::Device(id, None) => {
+                self.devices.remove(&id);
+            }
+            Record::Access(device, session, Some(a)) => {
+                self.access.insert((device, session), a);
+            }
+            Record::Access(device, session, None) => {
+                self.access.remove(&(device, session));
+            }
+            Record::Session(id, Some(devices)) => {
+                self.sessions.insert(id, devices);
+            }
+            Record::Session(id, None) => {
+                self.sessions.remove(&id);
+            }
+            Record::Applied(key, seq) => {
+                let mark = self.applied.entry(key).or_insert(seq);
+                *mark = (*mark).max(seq);
+            }
+            Record::End => {}
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty() && self.access.is_empty() && self.sessions.is_empty() && self.applied.is_empty()
+    }
+}
+
+/// Where the state lives: `--data-dir`, or nowhere (`--data-dir none`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataDir {
+    Memory,
+    Dir(PathBuf),
+}
+
+impl DataDir {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "" => Err("empty; give a directory, or `none` for memory only".into()),
+            "none" => Ok(Self::Memory),
+            dir => Ok(Self::Dir(PathBuf::from(dir))),
+        }
+    }
+}
+
+/// The stores of every core, and what they held.
+pub struct Opened {
+    pub stores: Vec<Box<dyn StateStore + Send>>,
+    pub loaded: Vec<Loaded>,
+}
+
+impl Opened {
+    /// Where each source partition resumes: the lowest mark over the cores (a core that is
+    /// further on skips what it has applied already). A partition some core has no mark for
+    /// is left out: it starts at the start position, and the cores that hold a mark skip.
+    pub fn resume_positions(&self) -> HashMap<Box<str>, i64> {
+        resume_positions(&self.loaded)
+    }
+}
+
+pub fn resume_positions(loaded: &[Loaded]) -> HashMap<Box<str>, i64> {
+    let mut out: HashMap<Box<str>, i64> = HashMap::new();
+    let Some(first) = loaded.first() else { return out };
+    'keys: for (key, &seq) in &first.applied {
+        let mut min = seq;
+        for l in &loaded[1..] {
+            match l.applied.get(key) {
+                Some(&s) => min = min.min(s),
+                None => continue 'keys,
+            }
+        }
+        out.insert(key.clone(), min);
+    }
+    out
+}
+
+/// Opens `dir` for `cores` cores: takes the lock, loads, re-shards if needed.
+pub fn open(dir: &Path, cores: usize, fsync_interval: Duration) -> Result<Opened, String> {
+    log::open(dir, cores, fsync_interval)
+}
