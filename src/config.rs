@@ -304,6 +304,18 @@ pub struct Config {
     /// Private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
     #[arg(long = "tls-key", env = "TLS_KEY", value_name = "PEM_FILE")]
     pub tls_key: Option<std::path::PathBuf>,
+
+    /// Directory of the durable state (last values, twins, connection states, sessions, AMQP
+    /// positions); `none`: memory only, nothing survives a restart. One hubcast per directory.
+    #[arg(long = "data-dir", env = "DATA_DIR", default_value = "./hubcast-data",
+          value_parser = crate::store::DataDir::parse)]
+    pub data_dir: crate::store::DataDir,
+
+    /// Milliseconds between syncs of the durable state to disk (0: sync every commit). A commit
+    /// survives a crash of the process at once, and a power loss after at most this long.
+    #[arg(long = "fsync-interval", env = "FSYNC_INTERVAL", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pub fsync_interval: u64,
 }
 
 /// The parts of the configuration derived once at start-up.

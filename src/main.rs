@@ -73,6 +73,7 @@ fn main() -> ExitCode {
     let hub_metrics = hub.clone();
     let shared = Arc::new(Shared { log, status, hub, external_metrics: Default::default() });
     let with_amqp = consumer.is_some();
+    let with_store = settings.config.data_dir != hubcast::store::DataDir::Memory;
     let _ = shared.external_metrics.set(Box::new(move || {
         let mut series = hubcast::ingest::faults::FAULTS.series();
         if let Some(hub) = &hub_metrics {
@@ -80,6 +81,9 @@ fn main() -> ExitCode {
         }
         if with_amqp {
             series.extend(hubcast::amqp::STATS.series());
+        }
+        if with_store {
+            series.extend(hubcast::store::log::STATS.series());
         }
         series
     }));

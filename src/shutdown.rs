@@ -226,8 +226,8 @@ pub async fn core_task(
     if let Some(ingress) = ingress {
         let mut applied = 0;
         while let Ok(batch) = ingress.try_recv() {
-            applied += batch.len();
-            core.ingest_local(batch);
+            applied += batch.messages.len();
+            crate::runtime::ingress::apply(&core, batch);
         }
         if applied > 0 {
             tracing::info!(core = index, messages = applied, "applied the event hub messages still queued");
@@ -243,8 +243,12 @@ pub async fn core_task(
 }
 
 /// The durable store's per-core flush plugs in here (state and AMQP positions, on the core
-/// that owns them). Without a store there is nothing to write: a no-op.
-pub fn flush_state(_core: &Rc<Core>) {}
+/// that owns them): commit what is pending and sync it to disk. Without a store: a no-op.
+pub fn flush_state(core: &Rc<Core>) {
+    if let Err(e) = core.flush_store() {
+        tracing::error!(core = core.index, error = %e, "cannot sync the durable state to disk");
+    }
+}
 
 /// The main thread's half: drives the sequence once the first signal arrived. Returns when
 /// every core has flushed, or `Err` with what was still pending at `deadline`.

@@ -33,6 +33,8 @@ pub struct Target {
     pub cores: Option<usize>,
     child: Option<Child>,
     stderr: Arc<Mutex<Vec<String>>>,
+    /// The data dir made for a spawned hubcast (removed on drop).
+    data_dir: Option<std::path::PathBuf>,
 }
 
 /// Resolves `url` (`http://host:port[/]`) and refuses anything but loopback.
@@ -71,6 +73,7 @@ impl Target {
                     cores: spec.cores,
                     child: None,
                     stderr: Default::default(),
+                    data_dir: None,
                 })
             }
         }
@@ -81,6 +84,16 @@ impl Target {
         cmd.args(["--bind", "127.0.0.1", "--port", "0", "--primary-admin-secret", &spec.admin_key, "--log-level", "warn"]);
         if let Some(c) = spec.cores {
             cmd.args(["--cores", &c.to_string()]);
+        }
+        // Each spawned hubcast gets a fresh data dir of its own (one owner per data dir),
+        // unless the arguments name one (`--hubcast-arg=--data-dir=none` measures memory only).
+        let names_dir = spec.extra_args.iter().chain(more_args).any(|a| a.starts_with("--data-dir"));
+        let data_dir = (!names_dir).then(|| {
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+            std::env::temp_dir().join(format!("hubcast-load-{}-{nanos}", std::process::id()))
+        });
+        if let Some(dir) = &data_dir {
+            cmd.arg("--data-dir").arg(dir);
         }
         cmd.args(&spec.extra_args).args(more_args);
         // The environment must not configure the server under test behind our back.
@@ -137,7 +150,7 @@ impl Target {
             }
         };
         let addr = loopback_addr(&url)?;
-        Ok(Target { addr, admin_key: spec.admin_key.clone(), pid: Some(child.id()), cores, child: Some(child), stderr })
+        Ok(Target { addr, admin_key: spec.admin_key.clone(), pid: Some(child.id()), cores, child: Some(child), stderr, data_dir })
     }
 
     pub fn base(&self) -> String {
@@ -198,6 +211,9 @@ impl Drop for Target {
         if let Some(child) = &mut self.child {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if let Some(dir) = &self.data_dir {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }

@@ -221,11 +221,21 @@ pub fn start(plan: Plan, shared: Arc<Shared>, source: usize, ingress: Ingress) -
             plan,
             shared,
             source,
+            positions: Arc::new(Mutex::new(stored_positions(&ingress))),
             ingress,
-            positions: Arc::new(Mutex::new(HashMap::new())),
         };
         runtime.block_on(supervisor.run());
     })
+}
+
+/// Positions the durable store holds for this stream and consumer group: where each
+/// partition resumes (`--event-hub-start-position` applies to the others).
+fn stored_positions(ingress: &Ingress) -> HashMap<String, map::Position> {
+    let stored = ingress.stored_positions();
+    for (partition, seq) in &stored {
+        tracing::info!(partition = %partition, after_sequence_number = seq, "resuming at the stored position");
+    }
+    stored.into_iter().map(|(p, seq)| (p, map::Position { sequence: Some(seq), ..Default::default() })).collect()
 }
 
 /// Why one connection ended.

@@ -136,6 +136,8 @@ pub async fn consume(
 
         super::STATS.received.fetch_add(deliveries.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut batch = Vec::with_capacity(deliveries.len());
+        // Sequence number of each message of `batch` (for the durable store's marks).
+        let mut seqs: Vec<i64> = Vec::with_capacity(deliveries.len());
         let mut infos: Vec<DeliveryInfo> = Vec::with_capacity(deliveries.len());
         let mut newest = last.clone();
         let (mut first_seq, mut last_seq) = (None, None);
@@ -149,8 +151,12 @@ pub async fn consume(
                     continue;
                 }
             }
+            warn_retention_gap(&label, newest.as_ref().and_then(|p| p.sequence), position.sequence);
             match to_ingest(message, &settings) {
-                Ok(msg) => batch.push(msg),
+                Ok(msg) => {
+                    batch.push(msg);
+                    seqs.push(position.sequence.unwrap_or(-1));
+                }
                 Err(r) => FAULTS.record(r.fault, r.device.as_deref(), &r.detail),
             }
             if position.sequence.is_some() || position.offset.is_some() {
@@ -161,7 +167,10 @@ pub async fn consume(
             infos.push(DeliveryInfo::from(delivery));
         }
         let count = batch.len();
-        if count > 0 && !ingress.send(batch).await {
+        // With a durable store every core records the position with the state (even when no
+        // message survived mapping); without one this is a plain send.
+        let upto = newest.as_ref().and_then(|p| p.sequence).filter(|_| newest != last);
+        if (count > 0 || upto.is_some()) && !ingress.send_marked(batch, seqs, &label, upto).await {
             return End::CoresGone;
         }
         // In the cores' queues now: record the position before anything else can happen.
@@ -175,6 +184,22 @@ pub async fn consume(
         }
         if let Some(reason) = failure {
             return End::Lost(reason);
+        }
+    }
+}
+
+/// Sequence numbers of a partition have no gaps: a first message past `done + 1` means the
+/// events in between left the hub's retention while hubcast was away. Logged, not fatal.
+fn warn_retention_gap(label: &str, done: Option<i64>, seq: Option<i64>) {
+    if let (Some(done), Some(seq)) = (done, seq) {
+        if seq > done + 1 {
+            tracing::warn!(
+                partition = %label,
+                resumed_after = done,
+                first_available = seq,
+                missed = seq - done - 1,
+                "the stored position left the event hub's retention: events in between are gone; reading on from the oldest retained"
+            );
         }
     }
 }

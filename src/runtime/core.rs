@@ -39,6 +39,10 @@ pub struct Core {
     pub drain: Rc<crate::shutdown::CoreDrain>,
     /// Polling sessions here that are not yet connected to a session (capped).
     pub polling_pending: Cell<usize>,
+    /// This core's durable store (`None`: memory only). See src/runtime/durable.rs.
+    pub store: RefCell<Option<Box<dyn crate::store::StateStore + Send>>>,
+    /// Source partition → the highest sequence number this core has applied.
+    pub applied: RefCell<hashbrown::HashMap<Box<str>, i64>>,
 }
 
 impl Core {
@@ -71,6 +75,8 @@ impl Core {
             queues: RefCell::default(),
             settings,
             drain: Rc::default(),
+            store: RefCell::default(),
+            applied: RefCell::default(),
         })
     }
 
@@ -96,8 +102,12 @@ impl Core {
     /// Runs device operations (all owned by core `target`) and returns their replies in order.
     pub async fn device_ops(self: &Rc<Self>, target: usize, ops: Vec<DeviceOp>) -> Vec<DeviceReply> {
         if target == self.index {
-            let mut devices = self.devices.borrow_mut();
-            return ops.into_iter().map(|op| devices.apply(op)).collect();
+            let replies = {
+                let mut devices = self.devices.borrow_mut();
+                ops.into_iter().map(|op| devices.apply(op)).collect()
+            };
+            self.persist(None);
+            return replies;
         }
         let (tx, rx) = oneshot::channel();
         self.mesh.post(target, CoreMsg::Devices { ops, reply: Some(tx) });
@@ -148,7 +158,18 @@ impl Core {
     /// here too, so they stay ordered with this session's clean-up messages.
     async fn run_session_op(self: &Rc<Self>, op: SessionOp) -> SessionReply {
         let now = Instant::now();
-        match op {
+        let reply = self.run_session_op_inner(op, now);
+        // Session changes are committed before the device steps leave this core.
+        self.persist(None);
+        match reply {
+            Ok(reply) => reply,
+            Err(ops) => SessionReply::Scoped(Some(self.device_ops_anywhere(ops).await)),
+        }
+    }
+
+    /// The session-table part of a session operation; `Err(ops)`: run these device steps.
+    fn run_session_op_inner(self: &Rc<Self>, op: SessionOp, now: Instant) -> Result<SessionReply, Vec<DeviceOp>> {
+        Ok(match op {
             SessionOp::Create(id) => {
                 if self.sessions.borrow_mut().create(id, now) {
                     tracing::debug!(session = %id, "session opened");
@@ -178,19 +199,24 @@ impl Core {
                 {
                     let mut sessions = self.sessions.borrow_mut();
                     let Some(record) = sessions.touch(session, now) else {
-                        return SessionReply::Scoped(None);
+                        return Ok(SessionReply::Scoped(None));
                     };
                     if register_devices {
+                        let mut added = false;
                         for op in &ops {
                             if !record.devices.contains(op.device()) {
                                 record.devices.insert(op.device().into());
+                                added = true;
                             }
+                        }
+                        if added {
+                            sessions.dirty.mark(session);
                         }
                     }
                 }
-                SessionReply::Scoped(Some(self.device_ops_anywhere(ops).await))
+                return Err(ops);
             }
-        }
+        })
     }
 
     /// A session is gone: close its sockets and drop its grants and subscriptions.
@@ -224,6 +250,7 @@ impl Core {
                 devices.ingest_and_publish(msg, now, &mut deliveries);
             }
         }
+        self.persist(None);
         self.dispatch(deliveries);
         self.read_whole_twins();
     }
@@ -243,6 +270,7 @@ impl Core {
                     };
                     let mut deliveries = Vec::new();
                     let again = me.devices.borrow_mut().hub_twin_fetched(&device, read.map(|a| a.body), Instant::now(), &mut deliveries);
+                    me.persist(None);
                     me.dispatch(deliveries);
                     if !again {
                         break;
@@ -384,6 +412,7 @@ impl Core {
                             let mut devices = self.devices.borrow_mut();
                             ops.into_iter().map(|op| devices.apply(op)).collect()
                         };
+                        self.persist(None);
                         if let Some(reply) = reply {
                             let _ = reply.send(replies);
                         }
@@ -434,6 +463,9 @@ impl Core {
         loop {
             monoio::time::sleep(Duration::from_millis(500)).await;
             let expired = self.sessions.borrow_mut().expire(Instant::now());
+            if !expired.is_empty() {
+                self.persist(None);
+            }
             for (id, record) in expired {
                 tracing::debug!(session = %id, "session expired");
                 self.end_session(id, record, "session expired");
@@ -461,6 +493,7 @@ impl Core {
                     devices.expire_connections(now, &mut deliveries);
                 }
             }
+            self.persist(None);
             self.dispatch(deliveries);
         }
     }

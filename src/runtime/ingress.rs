@@ -16,15 +16,75 @@ pub const QUEUE_BATCHES: usize = 64;
 
 #[derive(Clone)]
 pub struct Ingress {
-    queues: Vec<async_channel::Sender<Vec<IngestMessage>>>,
+    queues: Vec<async_channel::Sender<IngressBatch>>,
+    /// With a durable store: the source's key prefix and the positions stored for it.
+    source: Option<std::sync::Arc<SourcePositions>>,
 }
 
-pub type IngressQueue = async_channel::Receiver<Vec<IngestMessage>>;
+/// One core's part of a source batch.
+pub struct IngressBatch {
+    pub messages: Vec<IngestMessage>,
+    /// With a durable store: where these messages come from (see [`Ingress::send_marked`]).
+    pub mark: Option<Mark>,
+}
+
+/// "Partition `key` is applied up to `upto`", and the sequence number of each message.
+pub struct Mark {
+    pub key: std::sync::Arc<str>,
+    pub upto: i64,
+    /// Parallel to the messages.
+    pub seqs: Vec<i64>,
+}
+
+/// The durable store's view of the event source: marks are stored under `prefix + partition`
+/// (the prefix names the event stream and consumer group, so another stream starts afresh).
+pub struct SourcePositions {
+    pub prefix: String,
+    /// Partition → where it resumes (the lowest mark over the cores).
+    pub resume: std::collections::HashMap<String, i64>,
+}
+
+pub type IngressQueue = async_channel::Receiver<IngressBatch>;
 
 impl Ingress {
     pub fn new(cores: usize) -> (Self, Vec<IngressQueue>) {
         let (senders, receivers) = (0..cores).map(|_| async_channel::bounded(QUEUE_BATCHES)).unzip();
-        (Self { queues: senders }, receivers)
+        (Self { queues: senders, source: None }, receivers)
+    }
+
+    /// Turns on position marks (a durable store runs).
+    pub fn with_source(mut self, source: SourcePositions) -> Self {
+        self.source = Some(std::sync::Arc::new(source));
+        self
+    }
+
+    /// Partition → the sequence number its stored state was applied up to (empty without a store).
+    pub fn stored_positions(&self) -> std::collections::HashMap<String, i64> {
+        self.source.as_ref().map(|s| s.resume.clone()).unwrap_or_default()
+    }
+
+    /// Hands a batch of partition `partition` to the owning cores with its position: every
+    /// core (also one that gets no message of it) records "applied up to `upto`" in the same
+    /// commit as the state the messages produced, and skips messages at or below its own mark
+    /// (after a restart the partition resumes at the lowest mark over the cores). `seqs` is
+    /// parallel to `batch`. Without a store this is [`Ingress::send`].
+    pub async fn send_marked(&self, batch: Vec<IngestMessage>, seqs: Vec<i64>, partition: &str, upto: Option<i64>) -> bool {
+        let (Some(source), Some(upto)) = (self.source.as_ref(), upto) else {
+            return batch.is_empty() || self.send(batch).await;
+        };
+        let key: std::sync::Arc<str> = format!("{}{partition}", source.prefix).into();
+        let mut per_core: Vec<(Vec<IngestMessage>, Vec<i64>)> = (0..self.cores()).map(|_| Default::default()).collect();
+        for (msg, seq) in batch.into_iter().zip(seqs) {
+            let part = &mut per_core[self.core_of(&msg.device_id)];
+            part.0.push(msg);
+            part.1.push(seq);
+        }
+        let mut ok = true;
+        for (core, (messages, seqs)) in per_core.into_iter().enumerate() {
+            let mark = Some(Mark { key: key.clone(), upto, seqs });
+            ok &= self.queues[core].send(IngressBatch { messages, mark }).await.is_ok();
+        }
+        ok
     }
 
     pub fn cores(&self) -> usize {
@@ -38,7 +98,7 @@ impl Ingress {
 
     /// Hands a batch to one core (every message must belong to it); waits while it is full.
     pub async fn send_to_core(&self, core: usize, batch: Vec<IngestMessage>) -> bool {
-        self.queues[core].send(batch).await.is_ok()
+        self.queues[core].send(IngressBatch { messages: batch, mark: None }).await.is_ok()
     }
 
     /// Routes a batch to the owning cores; waits while any of them is full.
@@ -63,6 +123,14 @@ pub async fn serve(core: Rc<Core>, queue: IngressQueue) {
         // While this core's cross-core backlog is over its bound, batches stay in the queue;
         // once it is full `Ingress::send` waits, and so does the AMQP link's credit.
         core.mesh.wait_for_room().await;
-        core.ingest_local(batch);
+        apply(&core, batch);
+    }
+}
+
+/// Applies one batch from the ingress queue (with its position mark, if any).
+pub fn apply(core: &Rc<Core>, batch: IngressBatch) {
+    match batch.mark {
+        None => core.ingest_local(batch.messages),
+        Some(mark) => core.ingest_marked(batch.messages, mark),
     }
 }

@@ -2,6 +2,7 @@
 //! SO_REUSEPORT listener, its own shard of state and an inbox for cross-core messages.
 
 pub mod core;
+pub mod durable;
 pub mod ingress;
 pub mod mesh;
 pub mod routing;
@@ -112,6 +113,41 @@ fn raise_file_limit(wanted: u64) {
     }
 }
 
+type CoreStore = Option<(Box<dyn crate::store::StateStore + Send>, crate::store::Loaded)>;
+
+/// Opens `--data-dir` (unless memory only): one store and its loaded state per core, and the
+/// stored source positions handed to the ingress.
+fn open_store(settings: &Settings, ingress: Ingress) -> io::Result<(Ingress, Vec<CoreStore>)> {
+    let crate::store::DataDir::Dir(dir) = &settings.config.data_dir else {
+        tracing::info!("memory only (--data-dir none): nothing is kept across a restart");
+        return Ok((ingress, (0..settings.cores).map(|_| None).collect()));
+    };
+    let fsync = std::time::Duration::from_millis(settings.config.fsync_interval);
+    let opened = crate::store::open(dir, settings.cores, fsync).map_err(io::Error::other)?;
+    let prefix = source_prefix(settings);
+    let resume = opened
+        .resume_positions()
+        .into_iter()
+        .filter_map(|(k, seq)| k.strip_prefix(&*prefix).map(|p| (p.to_string(), seq)))
+        .collect();
+    let ingress = ingress.with_source(ingress::SourcePositions { prefix, resume });
+    Ok((ingress, opened.stores.into_iter().zip(opened.loaded).map(Some).collect()))
+}
+
+/// Names the event stream and consumer group in stored position keys: positions of another
+/// stream or group are never used.
+fn source_prefix(settings: &Settings) -> String {
+    let stream = match &settings.event_hub {
+        Some(Ok(c)) => format!(
+            "{}/{}",
+            c.endpoint.as_deref().or(c.host_name.as_deref()).unwrap_or("").trim_end_matches('/'),
+            c.entity_path.as_deref().unwrap_or("")
+        ),
+        _ => String::new(),
+    };
+    format!("{stream}|{}|", settings.config.event_hub_consumer_group)
+}
+
 /// Starts every core; returns once all of them are serving.
 pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running> {
     raise_file_limit(settings.config.max_connections + 1024);
@@ -121,6 +157,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
     let (flush, flush_rx): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded::<()>(1)).unzip();
     let mut flush_rx = flush_rx.into_iter();
     let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
+    let (ingress, mut stores) = open_store(&settings, ingress)?;
     let (inboxes, receivers) = mesh::inboxes(settings.cores);
     let limits = mesh::MeshLimits::new(
         settings.config.mesh_inbox_messages as usize,
@@ -135,6 +172,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
         let ready = ready_tx.clone();
         let ingress_queue = ingress_queues.remove(0);
         let (report, flush_rx) = (report_tx.clone(), flush_rx.next().expect("one per core"));
+        let store = stores.remove(0);
         let thread = std::thread::Builder::new().name(format!("hubcast-core-{index}")).spawn(move || {
             let (mut runtime, driver) = match build_runtime(&settings.config.io_driver) {
                 Ok(r) => r,
@@ -152,6 +190,9 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
                     }
                 };
                 let core = Core::new(index, settings.clone(), shared, Mesh::new(index, &inboxes, limits));
+                if let Some((store, loaded)) = store {
+                    core.attach_store(store, loaded);
+                }
                 *core.queues.borrow_mut() = Some((inbox.clone(), ingress_queue.clone()));
                 monoio::spawn(core.clone().serve_inbox(inbox));
                 monoio::spawn(ingress::serve(core.clone(), ingress_queue));

@@ -23,6 +23,11 @@ use crate::shard::access::Access;
 use crate::shard::{DeviceOp, DeviceReply, TwinCacheTtl, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
+// Durable-state hooks (what changed, restore at start): kept apart from the data path.
+#[path = "durable_devices.rs"]
+mod durable;
+pub use durable::Dirty;
+
 pub struct LastValue {
     /// Shared with the publication that carried it to subscribers.
     pub json: Arc<str>,
@@ -132,6 +137,8 @@ pub struct DeviceTable {
     hub_twins: Option<TwinCacheTtl>,
     /// Devices whose whole twin the core must read from the hub ([`Self::take_twin_fetches`]).
     twin_fetches: Vec<Box<str>>,
+    /// What changed since the core last handed it to its store (off without a store).
+    pub dirty: Dirty,
 }
 
 /// Appends `s` as a JSON string literal.
@@ -165,6 +172,7 @@ impl DeviceTable {
             offline_due: BinaryHeap::new(),
             hub_twins: None,
             twin_fetches: Vec::new(),
+            dirty: Dirty::default(),
         }
     }
 
@@ -230,6 +238,7 @@ impl DeviceTable {
 
     /// Drops a device entry that holds neither data nor access.
     fn prune(&mut self, device: &str) {
+        self.dirty.device(device);
         if let Some(d) = self.devices.get_mut(device) {
             d.access.retain(|_, a| !a.is_empty());
             // Without a twin cache, a hub twin is kept only as the base of pushes.
@@ -244,6 +253,7 @@ impl DeviceTable {
     }
 
     pub fn apply(&mut self, op: DeviceOp) -> DeviceReply {
+        self.dirty.op(&op);
         match op {
             DeviceOp::Grant { device, session, grant } => {
                 self.access_mut(&device, session).add_grant(&grant);
@@ -396,6 +406,7 @@ impl DeviceTable {
     /// (`None` when the device has no subscriber or nothing changed).
     pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
         let IngestMessage { device_id, source, properties, body, enqueued_at } = msg;
+        self.dirty.device(&device_id);
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
         let header_time = property("iothub-creation-time-utc")
@@ -690,6 +701,7 @@ impl DeviceTable {
                 self.offline_due.push(Reverse((silent_since + ttl, device_id)));
             } else {
                 device.offline_check_armed = false;
+                self.dirty.device(&device_id);
                 let at = now_millis();
                 if let Some(c) = device.connection.as_mut() {
                     c.connected = false;
@@ -776,6 +788,7 @@ impl DeviceTable {
         now: Instant,
         out: &mut Vec<Delivery>,
     ) -> bool {
+        self.dirty.device(device_id);
         let Some(device) = self.devices.get_mut(device_id) else { return false };
         let Some(mut pending) = device.twin_pending.take() else {
             return false; // a replaceTwin or a lifecycle event settled it meanwhile

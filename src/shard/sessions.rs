@@ -16,6 +16,7 @@ use smallvec::SmallVec;
 
 use crate::ids::SessionId;
 use crate::push::outlet::Outlet;
+use crate::store::Change;
 
 pub struct SessionRecord {
     last_active: Instant,
@@ -32,6 +33,22 @@ pub struct SessionTable {
     capacity: usize,
     /// `capacity` bounds the sessions of every core together ([`PROCESS_SESSIONS`]), not this table's.
     process_total: bool,
+    /// Sessions created, changed or gone since the core last committed (off without a store).
+    pub dirty: SessionDirty,
+}
+
+#[derive(Default)]
+pub struct SessionDirty {
+    pub on: bool,
+    ids: HashSet<SessionId>,
+}
+
+impl SessionDirty {
+    pub fn mark(&mut self, id: SessionId) {
+        if self.on {
+            self.ids.insert(id);
+        }
+    }
 }
 
 /// Live sessions of the whole process, for tables made with [`SessionTable::process_total`]:
@@ -41,7 +58,7 @@ static PROCESS_SESSIONS: AtomicUsize = AtomicUsize::new(0);
 
 impl SessionTable {
     pub fn new(grace: Duration, capacity: usize) -> Self {
-        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, capacity, process_total: false }
+        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, capacity, process_total: false, dirty: SessionDirty::default() }
     }
 
     /// Counts against `capacity` together with every other core's table.
@@ -80,6 +97,7 @@ impl SessionTable {
             self.released(1);
         }
         self.deadlines.push(Reverse((now + self.grace, id)));
+        self.dirty.mark(id);
         true
     }
 
@@ -95,6 +113,7 @@ impl SessionTable {
     }
 
     pub fn remove(&mut self, id: SessionId) -> Option<SessionRecord> {
+        self.dirty.mark(id);
         let record = self.sessions.remove(&id);
         self.released(record.iter().count());
         record
@@ -103,7 +122,11 @@ impl SessionTable {
     pub fn drain(&mut self) -> Vec<(SessionId, SessionRecord)> {
         self.released(self.sessions.len());
         self.deadlines.clear();
-        self.sessions.drain().collect()
+        let all: Vec<_> = self.sessions.drain().collect();
+        for (id, _) in &all {
+            self.dirty.mark(*id);
+        }
+        all
     }
 
     /// Removes and returns the sessions idle for the grace period at `now`.
@@ -117,6 +140,7 @@ impl SessionTable {
             let Some(record) = self.sessions.get(&id) else { continue };
             let due = record.last_active + self.grace;
             if record.sockets.is_empty() && due <= now {
+                self.dirty.mark(id);
                 expired.push((id, self.sessions.remove(&id).expect("present")));
             } else {
                 self.deadlines.push(Reverse((due.max(now + self.grace / 4), id)));
@@ -124,6 +148,32 @@ impl SessionTable {
         }
         self.released(expired.len());
         expired
+    }
+}
+
+/// Durable-state hooks: changed sessions as [`Change`]s, the whole table, restore at start.
+impl SessionTable {
+    pub fn drain_dirty(&mut self, put: &mut dyn FnMut(Change<'_>)) {
+        let mut ids = std::mem::take(&mut self.dirty.ids);
+        for id in ids.drain() {
+            put(Change::Session { id, devices: self.sessions.get(&id).map(|r| &r.devices) });
+        }
+        self.dirty.ids = ids;
+    }
+
+    pub fn for_each_state(&self, put: &mut dyn FnMut(Change<'_>)) {
+        for (id, r) in &self.sessions {
+            put(Change::Session { id: *id, devices: Some(&r.devices) });
+        }
+    }
+
+    /// Restores sessions read back at start; each gets a fresh grace period from `now`.
+    pub fn restore(&mut self, sessions: impl Iterator<Item = (SessionId, Vec<Box<str>>)>, now: Instant) {
+        for (id, devices) in sessions {
+            let record = SessionRecord { last_active: now, devices: devices.into_iter().collect(), sockets: SmallVec::new() };
+            self.sessions.insert(id, record);
+            self.deadlines.push(Reverse((now + self.grace, id)));
+        }
     }
 }
 

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::format::{self, Change, Record, Tail, KIND_LOG, KIND_SNAPSHOT};
-use super::{Loaded, Opened, StateStore};
+use super::{device_from_data, Loaded, Opened, StateStore};
 use crate::runtime::routing::{core_of_device, core_of_session};
 
 /// Logs smaller than this are never compacted.
@@ -60,14 +60,18 @@ pub struct StoreStats {
 }
 
 impl StoreStats {
-    pub fn series(&self) -> Vec<(String, u64)> {
-        vec![
-            ("hubcast_store_commits_total".into(), self.commits.load(Ordering::Relaxed)),
-            ("hubcast_store_bytes_written_total".into(), self.bytes.load(Ordering::Relaxed)),
-            ("hubcast_store_synced_commits".into(), self.synced_commits.load(Ordering::Relaxed)),
-            ("hubcast_store_write_errors_total".into(), self.write_errors.load(Ordering::Relaxed)),
-            ("hubcast_store_snapshots_total".into(), self.snapshots.load(Ordering::Relaxed)),
+    pub fn series(&self) -> crate::metrics::ExternalSeries {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("hubcast_store_commits_total", "Units of state committed to the store logs (written to the OS).", get(&self.commits)),
+            ("hubcast_store_bytes_written_total", "Bytes appended to the store logs.", get(&self.bytes)),
+            ("hubcast_store_synced_commits", "Commits known to be on disk (synced after them).", get(&self.synced_commits)),
+            ("hubcast_store_write_errors_total", "Failed writes or syncs of the store.", get(&self.write_errors)),
+            ("hubcast_store_snapshots_total", "Store snapshots written.", get(&self.snapshots)),
         ]
+        .into_iter()
+        .map(|(name, help, v)| (name.to_string(), help.to_string(), String::new(), v))
+        .collect()
     }
 }
 
@@ -280,24 +284,6 @@ fn write_file_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
         sync_dir(dir);
     }
     Ok(())
-}
-
-/// A device rebuilt from its stored data (for re-sharding and restore).
-pub fn device_from_data(d: &super::DeviceData) -> crate::shard::devices::Device {
-    use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
-    let mut device = Device::default();
-    for (k, v, at) in &d.telemetry {
-        device.telemetry.insert(k.clone(), LastValue { json: v.clone(), at: *at });
-    }
-    if let Some((doc, at)) = &d.twin {
-        if let Ok(doc) = serde_json::from_str(doc) {
-            device.twin = Some(Twin { doc, at: *at });
-        }
-    }
-    if let Some((connected, at, sequence)) = &d.connection {
-        device.connection = Some(ConnectionState { connected: *connected, at: *at, sequence: sequence.clone() });
-    }
-    device
 }
 
 /// Opens the data dir (see the module docs).

@@ -53,6 +53,15 @@ pub struct Server {
     pub base: String,
     stderr: Arc<Mutex<Vec<String>>>,
     agent: ureq::Agent,
+    own_data_dir: Option<std::path::PathBuf>,
+}
+
+/// A fresh, not yet existing directory under the system temp dir.
+pub fn fresh_data_dir() -> std::path::PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+    std::env::temp_dir().join(format!("hubcast-amqp-test-{}-{n}-{nanos}", std::process::id()))
 }
 
 impl Server {
@@ -60,6 +69,11 @@ impl Server {
     pub fn start(args: &[&str]) -> Server {
         let mut cmd = Command::new(BIN);
         cmd.args(["--bind", "127.0.0.1", "--port", "0", "--cores", "2", "--primary-admin-secret", ADMIN_KEY]);
+        // Every hubcast gets a data dir of its own unless the test gives one (tests run in parallel).
+        let own_data_dir = (!args.contains(&"--data-dir")).then(fresh_data_dir);
+        if let Some(dir) = &own_data_dir {
+            cmd.arg("--data-dir").arg(dir);
+        }
         cmd.args(args);
         for (k, _) in std::env::vars() {
             let upper = k.to_ascii_uppercase();
@@ -106,7 +120,7 @@ impl Server {
             }
         };
         let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(10)).build();
-        Server { child, base, stderr, agent }
+        Server { child, base, stderr, agent, own_data_dir }
     }
 
     /// `GET path` with the admin key: status and body.
@@ -190,6 +204,9 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = &self.own_data_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 

@@ -106,6 +106,8 @@ pub struct Server {
     stdout: Arc<Mutex<Vec<String>>>,
     stderr: Arc<Mutex<Vec<String>>>,
     agent: ureq::Agent,
+    /// A data dir the harness made for this server (removed on drop).
+    own_data_dir: Option<std::path::PathBuf>,
 }
 
 impl Server {
@@ -138,7 +140,9 @@ impl Server {
     }
 
     fn launch(args: &[&str], with_secrets: bool, env: &[(&str, &str)]) -> Server {
-        let mut cmd = command(&full_args(args, with_secrets));
+        let args = full_args(args, with_secrets);
+        let own_data_dir = harness_data_dir(&args);
+        let mut cmd = command(&args);
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -185,7 +189,7 @@ impl Server {
             }
         };
         let port = port_of(&base).unwrap_or_else(|| panic!("no port in listening URL {base:?}"));
-        Server { child, base, port, stdout, stderr, agent: new_agent() }
+        Server { child, base, port, stdout, stderr, agent: new_agent(), own_data_dir }
     }
 
     /// Absolute URL of `path` (which starts with `/`).
@@ -416,13 +420,61 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = &self.own_data_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
-/// The full argument list: defaults not overridden by `args`, then `args`.
+/// A fresh directory under the system temp dir, removed on drop: give one to each hubcast
+/// (`--data-dir`), since tests run in parallel and one data dir has one owner.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new() -> TempDir {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
+        TempDir(std::env::temp_dir().join(format!("{HARNESS_DIR_PREFIX}{}-{n}-{nanos}", std::process::id())))
+    }
+
+    pub fn path(&self) -> &str {
+        self.0.to_str().expect("temp paths are UTF-8")
+    }
+
+    /// Keeps the directory (the caller removes it).
+    pub fn keep(self) -> std::path::PathBuf {
+        let p = self.0.clone();
+        std::mem::forget(self);
+        p
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Data dirs the harness made itself start with this (and are removed with their server).
+const HARNESS_DIR_PREFIX: &str = "hubcast-test-";
+
+/// The data dir in `args` if the harness made it.
+fn harness_data_dir(args: &[String]) -> Option<std::path::PathBuf> {
+    let i = args.iter().position(|a| a == "--data-dir")?;
+    let dir = std::path::PathBuf::from(args.get(i + 1)?);
+    dir.file_name()?.to_str()?.starts_with(HARNESS_DIR_PREFIX).then_some(dir)
+}
+
+/// The full argument list: defaults not overridden by `args`, then `args`. Unless `args`
+/// names one, the server gets a fresh `--data-dir` of its own (removed with the server).
 pub fn full_args(args: &[&str], with_secrets: bool) -> Vec<String> {
     let overridden = |flag: &str| args.iter().any(|a| *a == flag || a.starts_with(&format!("{flag}=")));
     let mut out = Vec::new();
+    if !overridden("--data-dir") {
+        out.push("--data-dir".to_string());
+        out.push(TempDir::new().keep().to_string_lossy().into_owned());
+    }
     let secrets: &[(&str, &str)] = if with_secrets { SECRET_FLAGS } else { &[] };
     for (flag, value) in DEFAULT_FLAGS.iter().chain(secrets) {
         if !overridden(flag) {
@@ -475,6 +527,9 @@ pub fn run_expecting_exit(args: &[String], env: &[(&str, &str)]) -> (bool, Strin
     };
     let _ = t_out.join();
     let _ = t_err.join();
+    if let Some(dir) = harness_data_dir(args) {
+        let _ = std::fs::remove_dir_all(dir);
+    }
     let stdout = out.lock().unwrap().join("\n");
     let stderr = err.lock().unwrap().join("\n");
     (status.success(), stdout, stderr)
