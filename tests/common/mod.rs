@@ -432,10 +432,14 @@ pub struct TempDir(pub std::path::PathBuf);
 
 impl TempDir {
     pub fn new() -> TempDir {
+        Self::named("hubcast-test-dir-")
+    }
+
+    fn named(prefix: &str) -> TempDir {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos();
-        TempDir(std::env::temp_dir().join(format!("{HARNESS_DIR_PREFIX}{}-{n}-{nanos}", std::process::id())))
+        TempDir(std::env::temp_dir().join(format!("{prefix}{}-{n}-{nanos}", std::process::id())))
     }
 
     pub fn path(&self) -> &str {
@@ -457,7 +461,7 @@ impl Drop for TempDir {
 }
 
 /// Data dirs the harness made itself start with this (and are removed with their server).
-const HARNESS_DIR_PREFIX: &str = "hubcast-test-";
+const HARNESS_DIR_PREFIX: &str = "hubcast-test-auto-";
 
 /// The data dir in `args` if the harness made it.
 fn harness_data_dir(args: &[String]) -> Option<std::path::PathBuf> {
@@ -473,7 +477,7 @@ pub fn full_args(args: &[&str], with_secrets: bool) -> Vec<String> {
     let mut out = Vec::new();
     if !overridden("--data-dir") {
         out.push("--data-dir".to_string());
-        out.push(TempDir::new().keep().to_string_lossy().into_owned());
+        out.push(TempDir::named(HARNESS_DIR_PREFIX).keep().to_string_lossy().into_owned());
     }
     let secrets: &[(&str, &str)] = if with_secrets { SECRET_FLAGS } else { &[] };
     for (flag, value) in DEFAULT_FLAGS.iter().chain(secrets) {
