@@ -241,15 +241,7 @@ impl Core {
 
     /// Applies device messages owned by this core and pushes what they changed.
     pub fn ingest_local(self: &Rc<Self>, batch: Vec<IngestMessage>) {
-        let now = Instant::now();
-        let mut deliveries = Vec::new();
-        {
-            let mut devices = self.devices.borrow_mut();
-            for msg in batch {
-                self.metrics.message_in(msg.source as usize);
-                devices.ingest_and_publish(msg, now, &mut deliveries);
-            }
-        }
+        let deliveries = self.apply_ingest(batch);
         self.persist(None);
         self.dispatch(deliveries);
         self.read_whole_twins();
@@ -278,6 +270,18 @@ impl Core {
                 }
             });
         }
+    }
+
+    /// Applies device messages owned by this core; returns what to push.
+    pub fn apply_ingest(&self, batch: Vec<IngestMessage>) -> Vec<Delivery> {
+        let now = Instant::now();
+        let mut deliveries = Vec::new();
+        let mut devices = self.devices.borrow_mut();
+        for msg in batch {
+            self.metrics.message_in(msg.source as usize);
+            devices.ingest_and_publish(msg, now, &mut deliveries);
+        }
+        deliveries
     }
 
     /// Sends deliveries to their sessions' cores, one batch per core.

@@ -75,15 +75,7 @@ impl Core {
             None => batch,
         };
         let upto = done.map_or(mark.upto, |d| d.max(mark.upto));
-        let now = Instant::now();
-        let mut deliveries = Vec::new();
-        {
-            let mut devices = self.devices.borrow_mut();
-            for msg in batch {
-                self.metrics.message_in(msg.source as usize);
-                devices.ingest_and_publish(msg, now, &mut deliveries);
-            }
-        }
+        let deliveries = self.apply_ingest(batch);
         if done != Some(upto) {
             self.applied.borrow_mut().insert(mark.key.as_ref().into(), upto);
             self.persist(Some((&mark.key, upto)));
