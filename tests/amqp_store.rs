@@ -157,3 +157,22 @@ fn kill_9_mid_stream_then_restart_applies_every_event_once() {
     }
     eprintln!("stored positions at restart: {stored:?} (of 300 events per partition)");
 }
+
+#[test]
+fn latest_is_pinned_in_the_store_so_a_restart_before_any_event_loses_nothing() {
+    let hub = FakeHub::start(&["0"], FakeAuth::Plain);
+    let dir = common::TempDir::new();
+    hub.publish("0", NewEvent::telemetry("pin", json!({"before": 1})));
+    let first = start(&hub, dir.path(), &[]);
+    // The pin is committed on every core before the partition is read.
+    let deadline = Instant::now() + WAIT;
+    while metric(&first, "hubcast_store_commits_total") < 2 {
+        assert!(Instant::now() < deadline, "the pinned position is committed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(first); // kill -9 before any event arrived
+    hub.publish("0", NewEvent::telemetry("pin", json!({"while_down": 1})));
+    let second = start(&hub, dir.path(), &[]);
+    second.wait_for("/lastValue/pin/while_down", WAIT, |s, _| s == 200);
+    assert_eq!(second.get("/lastValue/pin/before").0, 404, "what preceded the first start stays unread");
+}

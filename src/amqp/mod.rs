@@ -433,6 +433,10 @@ impl Supervisor {
                                 let p = map::Position { sequence: Some(seq), ..Default::default() };
                                 self.positions.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone(), p.clone());
                                 position = Some(p);
+                                // Stored too: a restart before the first event resumes here.
+                                if !self.ingress.send_marked(Vec::new(), Vec::new(), &id, Some(seq)).await {
+                                    return Stop::Shutdown;
+                                }
                             }
                             Err(e) => tracing::warn!(partition = %id, error = %e, "cannot read the partition's last sequence number; starting at @latest"),
                         }
