@@ -35,6 +35,7 @@ impl Core {
         }
         *self.applied.borrow_mut() = loaded.applied.drain().collect();
         *self.store.borrow_mut() = Some(store);
+        tracing::debug!(core = self.index, ms = now.elapsed().as_millis() as u64, "stored state restored");
     }
 
     /// Commits what changed since the last commit (and a source mark) as one unit.

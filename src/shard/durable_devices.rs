@@ -98,7 +98,7 @@ impl DeviceTable {
     pub fn restore(&mut self, loaded: &mut Loaded, now: Instant) {
         self.devices.reserve(loaded.devices.len());
         for (id, data) in loaded.devices.drain() {
-            let mut device = crate::store::device_from_data(&data);
+            let mut device = crate::store::device_from_owned(data);
             if device.connection.is_some() {
                 device.last_seen = Some(now);
                 Self::arm_offline_check(&mut self.offline_due, self.timing.connection_ttl, &id, &mut device, now);

@@ -94,18 +94,24 @@ impl Loaded {
 
 /// A device rebuilt from its stored data (for re-sharding and restore).
 pub fn device_from_data(d: &DeviceData) -> crate::shard::devices::Device {
+    device_from_owned(d.clone())
+}
+
+/// [`device_from_data`] taking the data by value (no copy of keys and texts: restore at start).
+pub fn device_from_owned(d: DeviceData) -> crate::shard::devices::Device {
     use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
     let mut device = Device::default();
-    for (k, v, at) in &d.telemetry {
-        device.telemetry.insert(k.clone(), LastValue { json: v.clone(), at: *at });
+    device.telemetry.reserve(d.telemetry.len());
+    for (k, json, at) in d.telemetry {
+        device.telemetry.insert(k, LastValue { json, at });
     }
-    if let Some((doc, at)) = &d.twin {
-        if let Ok(doc) = serde_json::from_str(doc) {
-            device.twin = Some(Twin { doc, at: *at });
+    if let Some((doc, at)) = d.twin {
+        if let Ok(doc) = serde_json::from_str(&doc) {
+            device.twin = Some(Twin { doc, at });
         }
     }
-    if let Some((connected, at, sequence)) = &d.connection {
-        device.connection = Some(ConnectionState { connected: *connected, at: *at, sequence: sequence.clone() });
+    if let Some((connected, at, sequence)) = d.connection {
+        device.connection = Some(ConnectionState { connected, at, sequence });
     }
     device
 }
