@@ -258,3 +258,20 @@ fn a_store_of_another_format_version_is_refused_by_name() {
     assert!(!ok);
     assert!(stderr.contains("store format version 9") && stderr.contains(".log"), "{stderr}");
 }
+
+#[test]
+fn sigterm_syncs_the_durable_state_before_exiting() {
+    let dir = TempDir::new();
+    // A sync interval longer than the test: only the shutdown's flush syncs.
+    let mut server = start_in(&dir, &["--fsync-interval", "60000"]);
+    server.ingest(json!([{"deviceId": "bye", "body": {"v": 1}}]));
+    assert_eq!(metric(&server, "hubcast_store_synced_commits"), 0, "nothing synced yet");
+    server.signal(libc::SIGTERM);
+    let status = server.wait_exit(WAIT).expect("exits");
+    assert!(status.success(), "{status:?}");
+    let synced = server.stderr_lines().iter().filter(|l| l.contains("durable state synced to disk")).count();
+    assert_eq!(synced, 2, "each core syncs its store");
+    drop(server);
+    let server = start_in(&dir, &[]);
+    assert_eq!(admin_get(&server, "/lastValue/bye/v").0, 200);
+}

@@ -91,7 +91,11 @@ impl Core {
     pub fn flush_store(&self) -> std::io::Result<()> {
         self.persist(None);
         match self.store.borrow_mut().as_mut() {
-            Some(store) => store.flush(),
+            Some(store) => {
+                store.flush()?;
+                tracing::info!(core = self.index, "durable state synced to disk");
+                Ok(())
+            }
             None => Ok(()),
         }
     }
