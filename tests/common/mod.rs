@@ -131,12 +131,13 @@ impl Server {
     /// arguments that exec the binary, e.g. `prlimit --as=N --`).
     pub fn start_wrapped(wrapper: &[&str], args: &[&str]) -> Server {
         let (program, wrapper_args) = wrapper.split_first().expect("a wrapper program");
+        let args = full_args(args, true);
         let mut cmd = Command::new(program);
-        cmd.args(wrapper_args).arg(BIN).args(full_args(args, true));
+        cmd.args(wrapper_args).arg(BIN).args(&args);
         for var in CONFIG_ENV {
             cmd.env_remove(var);
         }
-        Self::launch_command(cmd)
+        Self::launch_command(cmd, harness_data_dir(&args))
     }
 
     fn launch(args: &[&str], with_secrets: bool, env: &[(&str, &str)]) -> Server {
@@ -146,10 +147,11 @@ impl Server {
         for (k, v) in env {
             cmd.env(k, v);
         }
-        Self::launch_command(cmd)
+        Self::launch_command(cmd, own_data_dir)
     }
 
-    fn launch_command(mut cmd: Command) -> Server {
+    /// `own_data_dir`: a data dir the harness made for this server (removed with it).
+    fn launch_command(mut cmd: Command, own_data_dir: Option<std::path::PathBuf>) -> Server {
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {BIN}: {e}"));
 
