@@ -34,6 +34,11 @@ if [ -x scripts/services.sh ]; then
 fi
 
 # Unit and integration tests (each integration test drives the real binary over sockets).
-cargo test --workspace --lib --bins --tests -- --test-threads="${TEST_THREADS:-4}"
+# Output is also kept in a log so the closing line can add up every runner's count.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --lib --bins --tests -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$log"
 # Benchmarks in test mode: each one runs once, so they cannot rot.
-cargo test --workspace --benches
+cargo test --workspace --benches 2>&1 | tee -a "$log"
+# One closing line over all test binaries: "N passed, N failed".
+awk '/^test result:/ { passed += $4; failed += $6 } END { printf "%d passed, %d failed\n", passed, failed }' "$log"
