@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use crate::fleet::{FleetPlan, Via};
+use crate::pin::Pinning;
 use crate::target::TargetSpec;
 use crate::ws::Transport;
 
@@ -56,9 +57,27 @@ pub struct Global {
     /// Worker threads of the harness's runtime.
     #[arg(long, global = true, default_value_t = 2)]
     pub threads: usize,
+    /// Pin hubcast and the harness to separate CPUs (like `taskset -c`): hubcast to the first
+    /// --cores CPUs (1 without --cores), the harness to the others.
+    #[arg(long, global = true)]
+    pub pin: bool,
+    /// With --pin: hubcast's CPUs instead (a taskset list: 0 or 0,2-3).
+    #[arg(long, global = true, value_name = "LIST", requires = "pin")]
+    pub hubcast_cpus: Option<String>,
+    /// With --pin: the harness's CPUs instead (default: every CPU hubcast does not have).
+    #[arg(long, global = true, value_name = "LIST", requires = "pin")]
+    pub harness_cpus: Option<String>,
 }
 
 impl Global {
+    /// Where --pin puts each side (`None` without --pin).
+    pub fn pinning(&self) -> std::io::Result<Option<Pinning>> {
+        if !self.pin {
+            return Ok(None);
+        }
+        Pinning::plan(self.hubcast_cpus.as_deref(), self.harness_cpus.as_deref(), self.cores, crate::pin::online_cpus()).map(Some)
+    }
+
     pub fn target_spec(&self) -> TargetSpec {
         TargetSpec {
             url: Some(self.url.clone()),
@@ -67,6 +86,8 @@ impl Global {
             spawn: self.spawn.clone(),
             cores: self.cores,
             extra_args: self.hubcast_args.clone(),
+            // Checked in `run` before anything starts.
+            cpus: self.pinning().ok().flatten().map(|p| p.hubcast),
         }
     }
 }

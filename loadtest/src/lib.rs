@@ -10,7 +10,8 @@
 //! - [`http`], [`ws`]: the small HTTP/1.1 and WebSocket / Engine.IO clients;
 //! - [`hist`]: latency histograms;
 //! - [`modes`]: `ingest`, `fanout`, `idle`, `rest`, `all`;
-//! - [`report`]: tables, JSON, the machine's description.
+//! - [`report`]: tables, JSON, the machine's description;
+//! - [`pin`]: `--pin`, hubcast and the harness on separate CPUs.
 
 pub mod cli;
 pub mod clients;
@@ -18,6 +19,7 @@ pub mod fleet;
 pub mod hist;
 pub mod http;
 pub mod modes;
+pub mod pin;
 pub mod report;
 pub mod target;
 pub mod ws;
@@ -30,6 +32,11 @@ use report::Results;
 /// Runs one invocation: the mode's results, printed and (with `--json`) written.
 pub fn run(cli: Cli) -> io::Result<Vec<Results>> {
     report::raise_file_limit();
+    // Before the runtime: its threads inherit the calling thread's CPU mask.
+    let pinning = cli.global.pinning()?;
+    if let Some(p) = &pinning {
+        pin::set_affinity(0, &p.harness).map_err(|e| io::Error::other(format!("cannot pin the harness: {e}")))?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(cli.global.threads.max(1)).enable_all().build()?;
     let global = cli.global.clone();
     let results = runtime.block_on(async move {
@@ -49,6 +56,8 @@ pub fn run(cli: Cli) -> io::Result<Vec<Results>> {
         "machine: {} × {}, {} GiB, Linux {}",
         machine["nproc"], machine["cpu"].as_str().unwrap_or("?"), machine["memory_gib"], machine["kernel"].as_str().unwrap_or("?")
     );
+    let pinned = pinning.as_ref().map_or_else(|| "not pinned (hubcast and the harness share every CPU)".to_string(), pin::Pinning::describe);
+    println!("pinning: {pinned}");
     for r in &results {
         println!("{}", r.table());
     }
@@ -56,6 +65,7 @@ pub fn run(cli: Cli) -> io::Result<Vec<Results>> {
         let doc = serde_json::json!({
             "machine": machine,
             "args": std::env::args().collect::<Vec<_>>(),
+            "pinning": pinning.as_ref().map(|p| serde_json::json!({"hubcast": p.hubcast, "harness": p.harness})),
             "results": results.iter().map(Results::to_json).collect::<Vec<_>>(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())?;

@@ -22,6 +22,8 @@ pub struct TargetSpec {
     pub cores: Option<usize>,
     /// More arguments for a spawned hubcast.
     pub extra_args: Vec<String>,
+    /// CPUs hubcast is pinned to (`--pin`).
+    pub cpus: Option<Vec<usize>>,
 }
 
 /// A hubcast to drive.
@@ -66,6 +68,12 @@ impl Target {
             None => {
                 let url = spec.url.as_deref().unwrap_or("http://127.0.0.1:8080");
                 let addr = loopback_addr(url)?;
+                match (spec.pid, &spec.cpus) {
+                    (Some(pid), Some(cpus)) => crate::pin::pin_process(pid, cpus)
+                        .map_err(|e| io::Error::other(format!("cannot pin hubcast (pid {pid}): {e}")))?,
+                    (None, Some(_)) => return Err(io::Error::other("--pin needs --spawn or --pid")),
+                    _ => {}
+                }
                 Ok(Target {
                     addr,
                     admin_key: spec.admin_key.clone(),
@@ -104,6 +112,13 @@ impl Target {
             }
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if let Some(cpus) = spec.cpus.clone() {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: runs in the child between fork and exec; set_affinity does not allocate.
+            unsafe {
+                cmd.pre_exec(move || crate::pin::set_affinity(0, &cpus));
+            }
+        }
         let mut child = cmd.spawn().map_err(|e| io::Error::other(format!("cannot start {path}: {e}")))?;
         let stderr = Arc::new(Mutex::new(Vec::new()));
         {

@@ -11,8 +11,10 @@
 //! sections. Senders other than IoT Hub (a plain Event Hub, a broker queue) may put the same
 //! names in the application properties, and the body in an `AmqpValue`; both are accepted.
 
-use fe2o3_amqp::types::messaging::annotations::AnnotationKey;
-use fe2o3_amqp::types::messaging::{Body, Message};
+use std::borrow::Cow;
+
+use fe2o3_amqp::types::messaging::annotations::{AnnotationKey, OwnedKey};
+use fe2o3_amqp::types::messaging::{AmqpValue, ApplicationProperties, Body, Message, MessageAnnotations};
 use fe2o3_amqp::types::primitives::{SimpleValue, Value};
 
 use crate::config::MAX_DEVICE_ID_LEN;
@@ -33,7 +35,8 @@ pub const ENQUEUED_TIME: &str = "x-opt-enqueued-time";
 
 /// Application properties (or annotations) handed to the owning core; everything else the
 /// device set is not used by any rule and stays behind.
-const KEPT_PROPERTIES: [&str; 4] = ["opType", CREATION_TIME, APP_CREATION_TIME, MODULE_ID];
+const KEPT_PROPERTIES: [(&str, usize); 4] =
+    [("opType", OP_TYPE), (CREATION_TIME, CREATED), (APP_CREATION_TIME, APP_CREATED), (MODULE_ID, MODULE)];
 
 /// The deployment parameters that shape the mapping.
 #[derive(Debug, Clone)]
@@ -58,38 +61,117 @@ pub struct Rejected {
     pub detail: String,
 }
 
-fn annotation<'a, B>(message: &'a Message<B>, key: &str) -> Option<&'a Value> {
-    message.message_annotations.as_ref()?.get(&key as &dyn AnnotationKey)
-}
+/// The names [`Fields`] collects, by slot.
+const DEVICE: usize = 0;
+const MODULE: usize = 1;
+const SOURCE: usize = 2;
+const SCHEMA: usize = 3;
+const HUB_ENQUEUED: usize = 4;
+const CREATED: usize = 5;
+const APP_CREATED: usize = 6;
+const OP_TYPE: usize = 7;
+const SEQUENCE: usize = 8;
+const OFFSET_SLOT: usize = 9;
+const ENQUEUED: usize = 10;
+const DEVICE_ID_PROPERTY: usize = 11;
+const SLOTS: usize = 12;
 
-fn property<'a, B>(message: &'a Message<B>, key: &str) -> Option<&'a SimpleValue> {
-    message.application_properties.as_ref()?.get(key)
-}
-
-fn value_text(v: &Value) -> Option<String> {
-    Some(match v {
-        Value::String(s) => s.clone(),
-        Value::Symbol(s) => s.0.clone(),
-        Value::Bool(b) => b.to_string(),
-        Value::Byte(n) => n.to_string(),
-        Value::Short(n) => n.to_string(),
-        Value::Int(n) => n.to_string(),
-        Value::Long(n) => n.to_string(),
-        Value::Ubyte(n) => n.to_string(),
-        Value::Ushort(n) => n.to_string(),
-        Value::Uint(n) => n.to_string(),
-        Value::Ulong(n) => n.to_string(),
-        Value::Float(n) => n.0.to_string(),
-        Value::Double(n) => n.0.to_string(),
-        Value::Timestamp(t) => iso(t.milliseconds()),
-        Value::Char(c) => c.to_string(),
-        Value::Uuid(u) => format!("{u:?}"),
+fn slot(name: &str) -> Option<usize> {
+    Some(match name {
+        DEVICE_ID => DEVICE,
+        MODULE_ID => MODULE,
+        MESSAGE_SOURCE => SOURCE,
+        MESSAGE_SCHEMA => SCHEMA,
+        IOTHUB_ENQUEUED_TIME => HUB_ENQUEUED,
+        CREATION_TIME => CREATED,
+        APP_CREATION_TIME => APP_CREATED,
+        "opType" => OP_TYPE,
+        SEQUENCE_NUMBER => SEQUENCE,
+        OFFSET => OFFSET_SLOT,
+        ENQUEUED_TIME => ENQUEUED,
+        "deviceId" => DEVICE_ID_PROPERTY,
         _ => return None,
     })
 }
 
-fn simple_text(v: &SimpleValue) -> Option<String> {
-    value_text(&Value::from(v.clone()))
+/// The annotations and application properties hubcast reads, borrowed from the message and
+/// found in one pass over each map: they hold a handful of entries, so comparing each name
+/// once costs less than a hashed lookup per name, and nothing is copied until it is kept.
+struct Fields<'a> {
+    annotations: [Option<&'a Value>; SLOTS],
+    properties: [Option<&'a SimpleValue>; SLOTS],
+}
+
+impl<'a> Fields<'a> {
+    fn of(annotations: Option<&'a MessageAnnotations>, properties: Option<&'a ApplicationProperties>) -> Self {
+        let mut fields = Fields { annotations: [None; SLOTS], properties: [None; SLOTS] };
+        for (key, value) in annotations.into_iter().flat_map(|a| a.0.iter()) {
+            if let Some(i) = match key {
+                OwnedKey::Symbol(name) => slot(&name.0),
+                OwnedKey::Ulong(_) => None,
+            } {
+                fields.annotations[i] = Some(value);
+            }
+        }
+        for (key, value) in properties.into_iter().flat_map(|p| p.0.iter()) {
+            if let Some(i) = slot(key) {
+                fields.properties[i] = Some(value);
+            }
+        }
+        fields
+    }
+
+    fn annotation(&self, slot: usize) -> Option<&'a Value> {
+        self.annotations[slot]
+    }
+
+    /// A string field: the annotation if it has a text form, else the application property;
+    /// `None` when that is empty. Borrowed unless it had to be rendered (a number, a time).
+    fn text(&self, slot: usize) -> Option<Cow<'a, str>> {
+        self.annotations[slot]
+            .and_then(value_text)
+            .or_else(|| self.properties[slot].and_then(simple_text))
+            .filter(|s| !s.is_empty())
+    }
+
+    fn position(&self) -> Position {
+        Position {
+            sequence: self.annotation(SEQUENCE).and_then(value_i64),
+            offset: self.annotation(OFFSET_SLOT).and_then(value_text).map(Cow::into_owned),
+            enqueued: self.annotation(ENQUEUED).and_then(value_millis),
+        }
+    }
+}
+
+fn value_text(v: &Value) -> Option<Cow<'_, str>> {
+    Some(match v {
+        Value::String(s) => Cow::Borrowed(s),
+        Value::Symbol(s) => Cow::Borrowed(&s.0),
+        Value::Bool(b) => b.to_string().into(),
+        Value::Byte(n) => n.to_string().into(),
+        Value::Short(n) => n.to_string().into(),
+        Value::Int(n) => n.to_string().into(),
+        Value::Long(n) => n.to_string().into(),
+        Value::Ubyte(n) => n.to_string().into(),
+        Value::Ushort(n) => n.to_string().into(),
+        Value::Uint(n) => n.to_string().into(),
+        Value::Ulong(n) => n.to_string().into(),
+        Value::Float(n) => n.0.to_string().into(),
+        Value::Double(n) => n.0.to_string().into(),
+        Value::Timestamp(t) => iso(t.milliseconds()).into(),
+        Value::Char(c) => c.to_string().into(),
+        Value::Uuid(u) => format!("{u:?}").into(),
+        _ => return None,
+    })
+}
+
+fn simple_text(v: &SimpleValue) -> Option<Cow<'_, str>> {
+    match v {
+        SimpleValue::String(s) => Some(Cow::Borrowed(s)),
+        SimpleValue::Symbol(s) => Some(Cow::Borrowed(&s.0)),
+        // Not text: rendered the way an annotation of the same type is.
+        other => value_text(&Value::from(other.clone())).map(|t| Cow::Owned(t.into_owned())),
+    }
 }
 
 fn value_i64(v: &Value) -> Option<i64> {
@@ -114,29 +196,28 @@ fn value_millis(v: &Value) -> Option<Millis> {
 
 /// The message's place in its partition (Event Hubs annotations; none from a plain queue).
 pub fn position_of<B>(message: &Message<B>) -> Position {
-    Position {
-        sequence: annotation(message, SEQUENCE_NUMBER).and_then(value_i64),
-        offset: annotation(message, OFFSET).and_then(value_text),
-        enqueued: annotation(message, ENQUEUED_TIME).and_then(value_millis),
-    }
+    Fields::of(message.message_annotations.as_ref(), None).position()
 }
 
-/// A string field, looked up in the annotations first, then in the application properties.
-fn text_field<B>(message: &Message<B>, key: &str) -> Option<String> {
-    annotation(message, key)
-        .and_then(value_text)
-        .or_else(|| property(message, key).and_then(simple_text))
-        .filter(|s| !s.is_empty())
+/// Whether the message carries an `x-opt-offset` (a position without a sequence number).
+pub fn has_offset<B>(message: &Message<B>) -> bool {
+    message.message_annotations.as_ref().is_some_and(|a| a.get(&OFFSET as &dyn AnnotationKey).is_some())
+}
+
+/// Only the sequence number of [`position_of`] (what the redelivery check needs per message).
+pub fn sequence_of<B>(message: &Message<B>) -> Option<i64> {
+    let annotations = message.message_annotations.as_ref()?;
+    annotations.get(&SEQUENCE_NUMBER as &dyn AnnotationKey).and_then(value_i64)
 }
 
 /// What kind of message this is: `iothub-message-source`, else the `iothub-message-schema`
 /// property (IoT Hub's non-telemetry events and ux4iot's plain Event Hub convention), else
 /// telemetry. `Err` names a source hubcast does not use.
-fn source_of<B>(message: &Message<B>) -> Result<SourceKind, String> {
-    if let Some(source) = text_field(message, MESSAGE_SOURCE) {
-        return SourceKind::parse(&source).ok_or(source);
+fn source_of(fields: &Fields) -> Result<SourceKind, String> {
+    if let Some(source) = fields.text(SOURCE) {
+        return SourceKind::parse(&source).ok_or_else(|| source.into_owned());
     }
-    Ok(match text_field(message, MESSAGE_SCHEMA).as_deref() {
+    Ok(match fields.text(SCHEMA).as_deref() {
         Some("twinChangeNotification") => SourceKind::TwinChange,
         Some("deviceConnectionStateNotification") => SourceKind::ConnectionState,
         Some("deviceLifecycleNotification") => SourceKind::Lifecycle,
@@ -169,6 +250,17 @@ pub fn body_bytes(body: &Body<Value>) -> Vec<u8> {
     }
 }
 
+/// [`body_bytes`], moving the bytes out when the body is one `Data` section (IoT Hub's
+/// telemetry) or a binary `AmqpValue` instead of copying them.
+pub fn into_body_bytes(body: Body<Value>) -> Vec<u8> {
+    match body {
+        Body::Data(batch) if batch.len() == 1 => batch.into_iter().next().map(|d| d.0.into_vec()).unwrap_or_default(),
+        Body::Value(AmqpValue(Value::String(s))) => s.into_bytes(),
+        Body::Value(AmqpValue(Value::Binary(b))) => b.into_vec(),
+        other => body_bytes(&other),
+    }
+}
+
 /// An AMQP value as JSON (for `AmqpValue` bodies of senders that do not use `Data`).
 pub fn to_json(v: &Value) -> serde_json::Value {
     use serde_json::Value as J;
@@ -194,23 +286,29 @@ pub fn to_json(v: &Value) -> serde_json::Value {
         Value::Array(items) => J::Array(items.iter().map(to_json).collect()),
         Value::Map(map) => J::Object(
             map.iter()
-                .map(|(k, v)| (value_text(k).unwrap_or_else(|| format!("{k:?}")), to_json(v)))
+                .map(|(k, v)| (value_text(k).map_or_else(|| format!("{k:?}"), Cow::into_owned), to_json(v)))
                 .collect(),
         ),
         Value::Described(d) => to_json(&d.value),
-        other => value_text(other).map(J::String).unwrap_or(J::Null),
+        other => value_text(other).map(|t| J::String(t.into_owned())).unwrap_or(J::Null),
     }
 }
 
 /// Maps one received message; `Err` says why it cannot be used (count it, skip it).
-pub fn to_ingest(message: &Message<Body<Value>>, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
-    let named_device = text_field(message, DEVICE_ID).or_else(|| property(message, "deviceId").and_then(simple_text));
+///
+/// The body moves into the [`IngestMessage`] (the message is left with an empty body, its
+/// annotations still there for [`position_of`]); the only copies are the device id and the
+/// kept properties, which the owning core keeps.
+pub fn to_ingest(message: &mut Message<Body<Value>>, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
+    let body = std::mem::replace(&mut message.body, Body::Empty);
+    let fields = Fields::of(message.message_annotations.as_ref(), message.application_properties.as_ref());
+    let named_device = fields.text(DEVICE).or_else(|| fields.properties[DEVICE_ID_PROPERTY].and_then(simple_text));
     let reject = |fault, device: Option<&str>, detail: String| Rejected { fault, device: device.map(str::to_owned), detail };
 
-    let source = source_of(message)
+    let source = source_of(&fields)
         .map_err(|s| reject(Fault::UnsupportedSource, named_device.as_deref(), format!("iothub-message-source {s}")))?;
 
-    let body = body_bytes(&message.body);
+    let body = into_body_bytes(body);
     if body.len() > settings.max_message_bytes {
         return Err(reject(
             Fault::Oversized,
@@ -219,11 +317,14 @@ pub fn to_ingest(message: &Message<Body<Value>>, settings: &MapSettings) -> Resu
         ));
     }
 
-    let device_id = match named_device {
-        Some(d) => d,
-        None => device_id_in_body(&body, &settings.custom_device_id_key).filter(|d| !d.is_empty()).ok_or_else(|| {
-            reject(Fault::NoDeviceId, None, format!("{} body bytes, no `{}` key", body.len(), settings.custom_device_id_key))
-        })?,
+    let device_id: Box<str> = match named_device {
+        Some(d) => d.into(),
+        None => device_id_in_body(&body, &settings.custom_device_id_key)
+            .filter(|d| !d.is_empty())
+            .ok_or_else(|| {
+                reject(Fault::NoDeviceId, None, format!("{} body bytes, no `{}` key", body.len(), settings.custom_device_id_key))
+            })?
+            .into(),
     };
     if device_id.len() > MAX_DEVICE_ID_LEN {
         let shown: String = device_id.chars().take(40).collect();
@@ -231,18 +332,16 @@ pub fn to_ingest(message: &Message<Body<Value>>, settings: &MapSettings) -> Resu
     }
 
     let mut properties = Properties::new();
-    for key in KEPT_PROPERTIES {
-        if let Some(v) = text_field(message, key) {
+    for (key, slot) in KEPT_PROPERTIES {
+        if let Some(v) = fields.text(slot) {
             properties.push((key.into(), v.into()));
         }
     }
     // ux4iot reads the hub's enqueued time before the broker's (reference §8); a plain Event
     // Hub message has only the latter, which still beats the arrival time after a replay.
-    let enqueued_at = annotation(message, IOTHUB_ENQUEUED_TIME)
-        .or_else(|| annotation(message, ENQUEUED_TIME))
-        .and_then(value_millis);
+    let enqueued_at = fields.annotation(HUB_ENQUEUED).or_else(|| fields.annotation(ENQUEUED)).and_then(value_millis);
 
-    Ok(IngestMessage { device_id: device_id.into(), source, properties, body, enqueued_at })
+    Ok(IngestMessage { device_id, source, properties, body, enqueued_at })
 }
 
 #[cfg(test)]
@@ -314,7 +413,7 @@ mod tests {
             .prop("iothub-creation-time-utc", "2024-01-02T03:04:05Z")
             .prop("color", "red")
             .build();
-        let out = to_ingest(&m, &settings()).unwrap();
+        let out = to_ingest(&mut m.clone(), &settings()).unwrap();
         assert_eq!(&*out.device_id, "pump-1");
         assert_eq!(out.source, SourceKind::Telemetry);
         assert_eq!(out.body, br#"{"t":1}"#);
@@ -323,6 +422,25 @@ mod tests {
         assert_eq!(&*out.properties[0].0, CREATION_TIME);
         let p = position_of(&m);
         assert_eq!((p.sequence, p.offset.as_deref()), (Some(42), Some("4200")));
+        assert_eq!(sequence_of(&m), Some(42));
+    }
+
+    #[test]
+    fn several_data_sections_are_joined_and_one_is_moved() {
+        let mut m = Msg::new(b"").ann(DEVICE_ID, s("d")).build();
+        m.body = Body::Data(Batch::new(vec![Data(Binary::from(b"{\"a\":".to_vec())), Data(Binary::from(b"1}".to_vec()))]));
+        assert_eq!(to_ingest(&mut m, &settings()).unwrap().body, br#"{"a":1}"#);
+        let mut m = Msg::new(br#"{"b":2}"#).ann(DEVICE_ID, s("d")).build();
+        assert_eq!(to_ingest(&mut m, &settings()).unwrap().body, br#"{"b":2}"#);
+    }
+
+    #[test]
+    fn an_empty_annotation_does_not_fall_back_to_the_property() {
+        // As before the one-pass lookup: the annotation is chosen, then found empty.
+        let mut m = Msg::new(br#"{"deviceId":"from-body"}"#).ann(DEVICE_ID, s("")).prop(DEVICE_ID, "from-prop").build();
+        assert_eq!(&*to_ingest(&mut m, &settings()).unwrap().device_id, "from-body");
+        let mut m = Msg::new(b"{}").ann(DEVICE_ID, Value::Long(7)).build();
+        assert_eq!(&*to_ingest(&mut m, &settings()).unwrap().device_id, "7", "a number is rendered as text");
     }
 
     #[test]
@@ -335,7 +453,7 @@ mod tests {
             ("deviceLifecycleEvents", "deleteDeviceIdentity", SourceKind::Lifecycle),
         ] {
             let m = Msg::new(b"{}").ann(DEVICE_ID, s("d")).ann(MESSAGE_SOURCE, s(source)).prop("opType", op).build();
-            let out = to_ingest(&m, &settings()).unwrap();
+            let out = to_ingest(&mut m.clone(), &settings()).unwrap();
             assert_eq!(out.source, kind, "{source}");
             assert_eq!(out.properties.iter().find(|(k, _)| &**k == "opType").map(|(_, v)| &**v), Some(op));
         }
@@ -344,25 +462,25 @@ mod tests {
     #[test]
     fn schema_property_classifies_when_the_source_annotation_is_missing() {
         let m = Msg::new(b"{}").prop(DEVICE_ID, "d").prop(MESSAGE_SCHEMA, "twinChangeNotification").build();
-        assert_eq!(to_ingest(&m, &settings()).unwrap().source, SourceKind::TwinChange);
+        assert_eq!(to_ingest(&mut m.clone(), &settings()).unwrap().source, SourceKind::TwinChange);
         let m = Msg::new(b"{}").prop(DEVICE_ID, "d").prop(MESSAGE_SCHEMA, "Telemetry").build();
-        assert_eq!(to_ingest(&m, &settings()).unwrap().source, SourceKind::Telemetry);
+        assert_eq!(to_ingest(&mut m.clone(), &settings()).unwrap().source, SourceKind::Telemetry);
     }
 
     #[test]
     fn plain_event_hub_device_id_comes_from_properties_then_the_body() {
         let m = Msg::new(b"{}").prop(DEVICE_ID, "from-prop").build();
-        assert_eq!(&*to_ingest(&m, &settings()).unwrap().device_id, "from-prop");
+        assert_eq!(&*to_ingest(&mut m.clone(), &settings()).unwrap().device_id, "from-prop");
         let m = Msg::new(br#"{"deviceId":"from-body","t":2}"#).build();
-        assert_eq!(&*to_ingest(&m, &settings()).unwrap().device_id, "from-body");
+        assert_eq!(&*to_ingest(&mut m.clone(), &settings()).unwrap().device_id, "from-body");
         let custom = MapSettings { custom_device_id_key: "dev".into(), ..settings() };
         let m = Msg::new(br#"{"dev":"custom","t":2}"#).build();
-        assert_eq!(&*to_ingest(&m, &custom).unwrap().device_id, "custom");
+        assert_eq!(&*to_ingest(&mut m.clone(), &custom).unwrap().device_id, "custom");
     }
 
     #[test]
     fn unusable_messages_are_rejected_with_their_fault() {
-        let fault = |m: Message<Body<Value>>| to_ingest(&m, &settings()).unwrap_err().fault;
+        let fault = |mut m: Message<Body<Value>>| to_ingest(&mut m, &settings()).unwrap_err().fault;
         assert_eq!(fault(Msg::new(br#"{"t":1}"#).build()), Fault::NoDeviceId);
         assert_eq!(fault(Msg::new(b"not json").build()), Fault::NoDeviceId);
         assert_eq!(fault(Msg::new(&[b' '; 2000]).ann(DEVICE_ID, s("d")).build()), Fault::Oversized);
@@ -376,7 +494,7 @@ mod tests {
     #[test]
     fn a_non_json_body_is_passed_through_unchanged() {
         let m = Msg::new(b"\x00\x01binary").ann(DEVICE_ID, s("d")).build();
-        assert_eq!(to_ingest(&m, &settings()).unwrap().body, b"\x00\x01binary");
+        assert_eq!(to_ingest(&mut m.clone(), &settings()).unwrap().body, b"\x00\x01binary");
     }
 
     #[test]
@@ -386,11 +504,11 @@ mod tests {
         map.insert(Value::Symbol(Symbol::from("t")), Value::Double(21.5.into()));
         let mut m = Msg::new(b"").build();
         m.body = Body::Value(AmqpValue(Value::Map(map)));
-        let out = to_ingest(&m, &settings()).unwrap();
+        let out = to_ingest(&mut m.clone(), &settings()).unwrap();
         assert_eq!(&*out.device_id, "v");
         let json: serde_json::Value = serde_json::from_slice(&out.body).unwrap();
         assert_eq!(json, serde_json::json!({"deviceId": "v", "t": 21.5}));
         m.body = Body::Value(AmqpValue(s(r#"{"deviceId":"w"}"#)));
-        assert_eq!(&*to_ingest(&m, &settings()).unwrap().device_id, "w");
+        assert_eq!(&*to_ingest(&mut m.clone(), &settings()).unwrap().device_id, "w");
     }
 }

@@ -24,7 +24,7 @@ use fe2o3_amqp::Receiver;
 use serde_amqp::described::Described;
 use serde_amqp::descriptor::Descriptor;
 
-use super::map::{position_of, to_ingest, MapSettings, Position};
+use super::map::{has_offset, position_of, sequence_of, to_ingest, MapSettings, Position};
 use super::StartPosition;
 use crate::ingest::faults::{Fault, FAULTS};
 use crate::runtime::Ingress;
@@ -139,33 +139,37 @@ pub async fn consume(
         // Sequence number of each message of `batch` (for the durable store's marks).
         let mut seqs: Vec<i64> = Vec::with_capacity(deliveries.len());
         let mut infos: Vec<DeliveryInfo> = Vec::with_capacity(deliveries.len());
-        let mut newest = last.clone();
+        // The redelivery check needs each message's sequence number; the position recorded
+        // is that of the batch's newest message, read once at the end.
+        let mut newest_seq = last.as_ref().and_then(|p| p.sequence);
+        let mut newest = None;
         let (mut first_seq, mut last_seq) = (None, None);
         for delivery in deliveries {
-            let message = delivery.message();
-            let position = position_of(message);
-            if let (Some(seq), Some(done)) = (position.sequence, newest.as_ref().and_then(|p| p.sequence)) {
+            let (info, mut message) = delivery.into_parts();
+            infos.push(info);
+            let sequence = sequence_of(&message);
+            if let (Some(seq), Some(done)) = (sequence, newest_seq) {
                 if seq <= done {
                     FAULTS.record(Fault::Redelivered, None, &format!("partition {label} sequence number {seq} <= {done}"));
-                    infos.push(DeliveryInfo::from(delivery));
                     continue;
                 }
             }
-            warn_retention_gap(&label, newest.as_ref().and_then(|p| p.sequence), position.sequence);
-            match to_ingest(message, &settings) {
+            warn_retention_gap(&label, newest_seq, sequence);
+            match to_ingest(&mut message, &settings) {
                 Ok(msg) => {
                     batch.push(msg);
-                    seqs.push(position.sequence.unwrap_or(-1));
+                    seqs.push(sequence.unwrap_or(-1));
                 }
                 Err(r) => FAULTS.record(r.fault, r.device.as_deref(), &r.detail),
             }
-            if position.sequence.is_some() || position.offset.is_some() {
-                first_seq = first_seq.or(position.sequence);
-                last_seq = position.sequence.or(last_seq);
-                newest = Some(position);
+            if sequence.is_some() || has_offset(&message) {
+                first_seq = first_seq.or(sequence);
+                last_seq = sequence.or(last_seq);
+                newest_seq = sequence;
+                newest = Some(message);
             }
-            infos.push(DeliveryInfo::from(delivery));
         }
+        let newest = newest.map(|m| position_of(&m)).or_else(|| last.clone());
         let count = batch.len();
         // With a durable store every core records the position with the state (even when no
         // message survived mapping); without one this is a plain send.
