@@ -9,6 +9,15 @@ use hubcast::logging::{self, LogLevel};
 use hubcast::status::StatusBoard;
 use hubcast::Shared;
 
+/// With `--features mimalloc`: mimalloc instead of glibc's malloc. fe2o3 decodes every AMQP
+/// message into owned maps and strings (a dozen small allocations, freed soon after, some on
+/// another thread), and glibc spent about a fifth of the consumer thread in `_int_malloc`,
+/// `malloc_consolidate` and `_int_free`. Off by default: it costs RSS per idle socket
+/// (docs/BENCHMARKS.md has both figures).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     // A core's state lives only in that core: if one panics, the gateway cannot go on half
     // alive (its devices and sessions gone, its listener still accepting). Stop the whole

@@ -102,8 +102,10 @@ pub async fn consume(
     // One wait for the whole loop (not one per batch): a graceful shutdown ends it.
     let stopping = crate::shutdown::STOPPING.wait();
     tokio::pin!(stopping);
+    // Kept across batches: a delivery is several hundred bytes, and growing a fresh Vec to
+    // MAX_BATCH for every batch copied each one about twice.
+    let mut deliveries = Vec::with_capacity(MAX_BATCH);
     loop {
-        let mut deliveries = Vec::new();
         let mut failure = None;
         // recv is cancel safe: a graceful shutdown may interrupt the wait for the next event.
         let next = tokio::select! {
@@ -144,7 +146,7 @@ pub async fn consume(
         let mut newest_seq = last.as_ref().and_then(|p| p.sequence);
         let mut newest = None;
         let (mut first_seq, mut last_seq) = (None, None);
-        for delivery in deliveries {
+        for delivery in deliveries.drain(..) {
             let (info, mut message) = delivery.into_parts();
             infos.push(info);
             let sequence = sequence_of(&message);

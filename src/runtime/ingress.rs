@@ -103,7 +103,11 @@ impl Ingress {
 
     /// Routes a batch to the owning cores; waits while any of them is full.
     pub async fn send(&self, batch: Vec<IngestMessage>) -> bool {
-        let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
+        if self.cores() == 1 {
+            return self.send_to_core(0, batch).await;
+        }
+        let share = batch.len() / self.cores() + 8;
+        let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::with_capacity(share)).collect();
         for msg in batch {
             per_core[self.core_of(&msg.device_id)].push(msg);
         }
