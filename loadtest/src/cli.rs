@@ -86,8 +86,8 @@ impl Global {
             spawn: self.spawn.clone(),
             cores: self.cores,
             extra_args: self.hubcast_args.clone(),
-            // Checked in `run` before anything starts.
-            cpus: self.pinning().ok().flatten().map(|p| p.hubcast),
+            // Checked in `run` before anything starts (and the same every time it is made).
+            cpus: self.pinning().expect("--pin was checked at start").map(|p| p.hubcast),
         }
     }
 }

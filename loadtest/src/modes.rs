@@ -135,6 +135,9 @@ pub async fn ingest(global: &Global, args: &FleetArgs) -> io::Result<Results> {
         .param("fleet", via_name(args.via))
         .param("devices", args.devices)
         .param("cores", setup.target.cores.map_or(serde_json::Value::Null, |c| c.into()));
+    if let Some(cpus) = &setup.target.cpus_allowed {
+        results.param("hubcast_cpus", cpus.as_str());
+    }
     if args.via == Via::Http {
         results.param("batch", args.batch).param("fleet_conns", args.fleet_conns);
     } else {

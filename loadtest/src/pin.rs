@@ -70,9 +70,12 @@ pub fn parse_list(list: &str) -> io::Result<Vec<usize>> {
     Ok(cpus)
 }
 
-/// CPUs online on this machine.
+/// CPUs online on this machine (not `available_parallelism`, which shrinks to the calling
+/// thread's mask once the harness has pinned itself).
 pub fn online_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).ok().filter(|n| *n > 0).unwrap_or(1)
 }
 
 /// Pins thread or process `tid` (0: the calling thread) to `cpus`. Async-signal-safe (it is
@@ -125,6 +128,19 @@ mod tests {
         assert!(Pinning::plan(None, None, Some(2), 2).is_err(), "nothing left for the harness");
         assert!(Pinning::plan(Some("0"), Some("0"), None, 2).is_err(), "overlap");
         assert!(Pinning::plan(Some("5"), None, None, 2).is_err(), "no such CPU");
+    }
+
+    #[test]
+    fn the_plan_does_not_change_once_the_harness_is_pinned() {
+        let online = online_cpus();
+        let before = Pinning::plan(None, None, None, online);
+        std::thread::spawn(move || {
+            set_affinity(0, &[0]).unwrap();
+            assert_eq!(online_cpus(), online);
+            assert_eq!(Pinning::plan(None, None, None, online_cpus()).ok(), before.ok());
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

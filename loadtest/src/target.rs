@@ -33,6 +33,8 @@ pub struct Target {
     pub pid: Option<u32>,
     /// Runtimes (cores) hubcast said it runs, when it was spawned here.
     pub cores: Option<usize>,
+    /// hubcast's `Cpus_allowed_list` read back from /proc after `--pin` (what it may run on).
+    pub cpus_allowed: Option<String>,
     child: Option<Child>,
     stderr: Arc<Mutex<Vec<String>>>,
     /// The data dir made for a spawned hubcast (removed on drop).
@@ -79,6 +81,7 @@ impl Target {
                     admin_key: spec.admin_key.clone(),
                     pid: spec.pid,
                     cores: spec.cores,
+                    cpus_allowed: spec.cpus.as_ref().and(spec.pid).and_then(cpus_allowed),
                     child: None,
                     stderr: Default::default(),
                     data_dir: None,
@@ -165,7 +168,17 @@ impl Target {
             }
         };
         let addr = loopback_addr(&url)?;
-        Ok(Target { addr, admin_key: spec.admin_key.clone(), pid: Some(child.id()), cores, child: Some(child), stderr, data_dir })
+        let cpus_allowed = spec.cpus.as_ref().and_then(|_| cpus_allowed(child.id()));
+        Ok(Target {
+            addr,
+            admin_key: spec.admin_key.clone(),
+            pid: Some(child.id()),
+            cores,
+            cpus_allowed,
+            child: Some(child),
+            stderr,
+            data_dir,
+        })
     }
 
     pub fn base(&self) -> String {
@@ -209,6 +222,12 @@ impl Target {
     pub fn proc_sample(&self) -> Option<ProcSample> {
         ProcSample::of(self.pid?)
     }
+}
+
+/// The CPUs process `pid` may run on, as the kernel lists them (`0`, `0-1`).
+pub fn cpus_allowed(pid: u32) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|v| v.trim().to_string())
 }
 
 impl Drop for Target {

@@ -82,3 +82,32 @@ fn the_whole_suite_runs_at_a_tiny_scale_and_measures_every_part() {
     assert!(idle[0]["rss_held_mb"].as_f64().unwrap() > 0.0);
     assert!(rows(&doc, "summary").len() >= 8);
 }
+
+/// `--pin`: hubcast runs on the first CPU only (read back from /proc while it runs), and the
+/// report says where each side ran.
+#[test]
+fn pin_puts_hubcast_and_the_harness_on_separate_cpus() {
+    let json = std::env::temp_dir().join(format!("hubcast-load-pin-{}.json", std::process::id()));
+    let output = Command::new(env!("CARGO_BIN_EXE_hubcast-load"))
+        .arg("--spawn")
+        .arg(hubcast_binary())
+        .args(["--cores", "1", "--pin", "--warmup", "0.2", "--duration", "0.3", "--json"])
+        .arg(&json)
+        .args(["ingest", "--devices", "10", "--batch", "10", "--fleet-conns", "1"])
+        .output()
+        .expect("run hubcast-load");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        // One CPU: nothing to split, and the harness says so instead of measuring.
+        assert!(!output.status.success() && stderr.contains("no CPU left for the harness"), "{stdout}\n{stderr}");
+        return;
+    }
+    assert!(output.status.success(), "hubcast-load failed\n{stdout}\n{stderr}");
+    assert!(stdout.contains("pinning: hubcast on CPU 0, harness on CPU 1"), "{stdout}");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    assert_eq!(doc["pinning"]["hubcast"], serde_json::json!([0]));
+    assert_eq!(doc["results"][0]["params"]["hubcast_cpus"], "0", "the kernel's view of the spawned hubcast");
+    assert!(doc["results"][0]["rows"][0]["ingest_msg_s"].as_f64().unwrap() > 0.0);
+}
