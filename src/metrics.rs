@@ -49,6 +49,8 @@ pub struct CoreMetrics {
     pub conflated: Cell<u64>,
     pub slow_consumers_closed: Cell<u64>,
     pub requests: [Histogram; ROUTES.len()],
+    /// HTTP connections that stopped reading at their pipelining bound (`http` module docs).
+    pub http_pipeline_pauses: Cell<u64>,
 }
 
 impl CoreMetrics {
@@ -73,6 +75,9 @@ impl CoreMetrics {
     pub fn request(&self, route: usize, d: Duration) {
         self.requests[route].observe(d);
     }
+    pub fn http_pipeline_paused(&self) {
+        bump(&self.http_pipeline_pauses, 1);
+    }
 
     pub fn snapshot(&self, state: StateCounts) -> Snapshot {
         let get = |c: &Cell<u64>| c.get();
@@ -88,6 +93,7 @@ impl CoreMetrics {
                 .map(|h| (h.buckets.iter().map(get).collect(), h.count.get(), h.sum_micros.get()))
                 .collect(),
             state,
+            http_pipeline_pauses: self.http_pipeline_pauses.get(),
         }
     }
 }
@@ -121,6 +127,7 @@ pub struct Snapshot {
     pub slow_consumers_closed: u64,
     pub requests: Vec<(Vec<u64>, u64, u64)>,
     pub state: StateCounts,
+    pub http_pipeline_pauses: u64,
 }
 
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
@@ -172,6 +179,8 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     let _ = writeln!(out, "hubcast_conflated_total {}", cores.iter().map(|c| c.conflated).sum::<u64>());
     family(&mut out, "hubcast_slow_consumers_closed_total", "counter", "Sockets closed for exceeding the hard queue limit.");
     let _ = writeln!(out, "hubcast_slow_consumers_closed_total {}", cores.iter().map(|c| c.slow_consumers_closed).sum::<u64>());
+    family(&mut out, "hubcast_http_pipeline_pauses_total", "counter", "Times an HTTP connection stopped reading at its pipelining bound (requests or body bytes in flight).");
+    let _ = writeln!(out, "hubcast_http_pipeline_pauses_total {}", cores.iter().map(|c| c.http_pipeline_pauses).sum::<u64>());
     for (name, help, pick) in [
         ("hubcast_devices", "Devices with cached state or grants.", (|s: &StateCounts| s.devices) as fn(&StateCounts) -> u64),
         ("hubcast_sessions", "Live sessions.", |s| s.sessions),

@@ -96,6 +96,20 @@ fn parse_batch<'a>(bytes: &'a [u8]) -> Checked<Vec<WireMessage<'a>>> {
 }
 
 pub async fn post(core: &Rc<Core>, req: &Request) -> Checked<Response> {
+    let (accepted, applied) = begin(core, req).await?;
+    applied.await;
+    Ok(accepted_response(accepted))
+}
+
+/// The answer to a batch of `accepted` messages, once they are applied.
+pub fn accepted_response(accepted: usize) -> Response {
+    Response::json(200, serde_json::json!({ "accepted": accepted }).to_string())
+}
+
+/// Validates the batch and hands it to the owning cores ([`Core::ingest_begin`]); returns
+/// how many messages it holds and a future that resolves once they are all applied. A
+/// pipelining connection begins its batches in request order and awaits them in that order.
+pub async fn begin(core: &Rc<Core>, req: &Request) -> Checked<(usize, impl std::future::Future<Output = ()>)> {
     require_admin(&core.settings, req)?;
     let key = &core.settings.config.custom_device_id_key;
     let wire = parse_batch(&req.body)?;
@@ -105,6 +119,5 @@ pub async fn post(core: &Rc<Core>, req: &Request) -> Checked<Response> {
         batch.push(message);
     }
     let accepted = batch.len();
-    core.ingest(batch).await;
-    Ok(Response::json(200, serde_json::json!({ "accepted": accepted }).to_string()))
+    Ok((accepted, core.ingest_begin(batch).await))
 }

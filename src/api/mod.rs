@@ -138,6 +138,34 @@ pub async fn handle(core: &Rc<Core>, req: Request) -> Response {
     response
 }
 
+/// Whether `req` is `POST /ingest`: the one request a pipelining connection begins while
+/// earlier answers are pending ([`begin_ingest`]); any other waits for them (`http::serve`).
+pub fn pipelines(req: &Request) -> bool {
+    req.method == Method::POST && matches!(req.segments().ok().and_then(Route::find), Some(Route::Ingest))
+}
+
+/// Begins `POST /ingest`: validates it and hands its messages to their cores now, in the
+/// order the connection read the requests; the returned future resolves with the answer
+/// once they are applied (an invalid batch: at once, with its error).
+pub async fn begin_ingest(core: &Rc<Core>, req: Request) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response>>> {
+    let started = std::time::Instant::now();
+    let index = crate::metrics::ROUTES.iter().position(|r| *r == Route::Ingest.label()).unwrap_or(crate::metrics::ROUTES.len() - 1);
+    match ingest::begin(core, &req).await {
+        Ok((accepted, applied)) => {
+            let core = core.clone();
+            Box::pin(async move {
+                applied.await;
+                core.metrics.request(index, started.elapsed());
+                ingest::accepted_response(accepted)
+            })
+        }
+        Err(rejection) => {
+            core.metrics.request(index, started.elapsed());
+            Box::pin(std::future::ready(Response::rejection(rejection)))
+        }
+    }
+}
+
 /// Runs the request; returns the route's index in `metrics::ROUTES` with the response.
 async fn route_and_run(core: &Rc<Core>, req: Request) -> (usize, Response) {
     let label = |name: &str| crate::metrics::ROUTES.iter().position(|r| *r == name).unwrap_or(crate::metrics::ROUTES.len() - 1);

@@ -8,10 +8,26 @@
 //! keep-alive `httpIdleTimeout`, connections ≤ `maxConnections` for the whole process (503
 //! beyond).
 //!
-//! Input is read only while a request is incomplete, so a pipelining client is held back by
-//! TCP once its answers stop being read; a write that makes no progress for
-//! [`write_stall_limit`] (or a flush taking longer than the idle timeout) closes the
-//! connection, so such a client cannot keep its slot.
+//! **Pipelining** (RFC 9112 §9.3.2): a connection has a reader and a writer that run at the
+//! same time (one task; see [`serve`]). The reader keeps reading requests while earlier
+//! answers are pending, and the writer writes the answers strictly in request order, as they
+//! become ready, many per write when they are. `POST /ingest` is *begun* by the reader (its
+//! batch validated and handed to the owning cores, in request order) and *awaited* by the
+//! writer, so a few keep-alive connections are not limited by each batch's fan-out. Any
+//! other request is a barrier: it runs only once every earlier answer is written, so a read
+//! pipelined after an ingest sees its messages (read-your-writes per connection), and a
+//! write (a DELETE, a subscription) is never overtaken by a later request.
+//!
+//! Bounds and back-pressure: at most [`PIPELINE_MAX_REQUESTS`] requests, holding at most
+//! [`PIPELINE_MAX_BODY_BYTES`] of bodies (one request may pass the byte bound by its own
+//! body, up to `maxBodyBytes`), are read but not yet answered. At either bound the reader
+//! stops reading (`hubcast_http_pipeline_pauses_total` counts it), so the socket's receive
+//! buffer fills and TCP holds the client back until answers are written. `POST /ingest`
+//! itself waits for room in the mesh's backlogs before it is begun, so a slow core holds
+//! back the reader too. A write that makes no progress for [`write_stall_limit`] (or a flush
+//! taking longer than the idle timeout) closes the connection, so a client that does not
+//! read its answers cannot keep its slot. The idle timeout counts only while nothing is in
+//! hand: no request being read or handled, no answer unwritten.
 //!
 //! An early error (413, a malformed head or body) is written, the write side shut down, and
 //! the input drained for a bounded time before closing (lingering close), so a client still
@@ -24,8 +40,13 @@ pub mod codec;
 pub mod request;
 pub mod response;
 
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -35,6 +56,7 @@ use monoio::net::{TcpListener, TcpStream};
 
 use crate::config::MAX_REQUEST_HEAD_BYTES;
 use crate::runtime::Core;
+use crate::shutdown::Busy;
 use crate::tls::{ReadHalf, Stream, WriteHalf};
 use codec::{BodyError, ChunkedDecoder, Framing, HeadError};
 pub use codec::RequestHead;
@@ -48,6 +70,12 @@ const LINGER_TIME: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 8 * 1024 * 1024;
 /// Answers buffered for a pipelining client before they are written.
 const PIPELINE_FLUSH_BYTES: usize = 64 * 1024;
+/// Requests read but not yet answered, per connection; at the bound the connection stops
+/// reading. Deep enough for a few connections to keep every core busy with ingest batches.
+pub const PIPELINE_MAX_REQUESTS: usize = 16;
+/// Bytes of request bodies read but not yet answered, per connection; at the bound the
+/// connection stops reading.
+pub const PIPELINE_MAX_BODY_BYTES: usize = 1024 * 1024;
 
 /// A write making no progress for this long closes the connection (never more than the idle
 /// timeout, which also bounds a whole flush).
@@ -141,13 +169,6 @@ impl Framed {
                 Ok(_) => {}
             }
         }
-    }
-
-    /// Whether the next request's head is already here (its answer can then share one write
-    /// with this one).
-    fn next_request_buffered(&mut self) -> bool {
-        self.skip_empty_lines();
-        !matches!(codec::parse_head(&self.buf), Ok(None))
     }
 
     /// Reads a body of the given framing, within `limit` bytes.
@@ -290,86 +311,352 @@ impl Answer {
     }
 }
 
-/// Serves one client connection (plain or TLS) until it closes, errs or idles out.
+/// An answer being computed (`POST /ingest` waiting for its cores) or ready.
+enum Pending {
+    Ready(Answer),
+    Applying(Pin<Box<dyn Future<Output = Answer>>>),
+}
+
+/// What the reader hands the writer, in request order.
+enum Entry {
+    /// `100 Continue` for the request being read (after every earlier answer).
+    Continue,
+    Answer {
+        answer: Pending,
+        body_bytes: usize,
+        /// A request in hand until its answer is written: a graceful shutdown waits for it.
+        in_hand: Busy,
+    },
+}
+
+/// The state a connection's reader and writer share (one task, so plain cells).
+struct Pipeline {
+    entries: RefCell<VecDeque<Entry>>,
+    /// Requests read whose answers are not written yet (queued, awaited or being written).
+    unanswered: Cell<usize>,
+    /// The bodies of those requests, in bytes.
+    body_bytes: Cell<usize>,
+    /// The reader holds a request it has not queued yet.
+    in_hand: Cell<bool>,
+    /// The reader has ended: nothing more will be queued.
+    reader_done: Cell<bool>,
+    /// When the reader last began waiting for a request, or answers were last written.
+    last_activity: Cell<Instant>,
+    reader: RefCell<Option<Waker>>,
+    writer: RefCell<Option<Waker>>,
+}
+
+fn wake(slot: &RefCell<Option<Waker>>) {
+    if let Some(w) = slot.borrow_mut().take() {
+        w.wake();
+    }
+}
+
+impl Pipeline {
+    fn new() -> Self {
+        Self {
+            entries: RefCell::new(VecDeque::new()),
+            unanswered: Cell::new(0),
+            body_bytes: Cell::new(0),
+            in_hand: Cell::new(false),
+            reader_done: Cell::new(false),
+            last_activity: Cell::new(Instant::now()),
+            reader: RefCell::new(None),
+            writer: RefCell::new(None),
+        }
+    }
+
+    fn push(&self, entry: Entry) {
+        if let Entry::Answer { body_bytes, .. } = &entry {
+            self.unanswered.set(self.unanswered.get() + 1);
+            self.body_bytes.set(self.body_bytes.get() + body_bytes);
+            self.in_hand.set(false);
+        }
+        self.entries.borrow_mut().push_back(entry);
+        wake(&self.writer);
+    }
+
+    fn push_ready(&self, answer: Answer, in_hand: Busy) {
+        self.push(Entry::Answer { answer: Pending::Ready(answer), body_bytes: 0, in_hand });
+    }
+
+    fn finish_reading(&self) {
+        self.reader_done.set(true);
+        wake(&self.writer);
+    }
+
+    /// `n` answers holding `body_bytes` of requests were written.
+    fn answered(&self, n: usize, body_bytes: usize) {
+        self.unanswered.set(self.unanswered.get() - n);
+        self.body_bytes.set(self.body_bytes.get() - body_bytes);
+        self.last_activity.set(Instant::now());
+        wake(&self.reader);
+    }
+
+    fn full(&self) -> bool {
+        self.unanswered.get() >= PIPELINE_MAX_REQUESTS || self.body_bytes.get() >= PIPELINE_MAX_BODY_BYTES
+    }
+
+    /// The reader waits until `ready` holds (woken whenever answers are written).
+    async fn reader_waits(&self, ready: impl Fn(&Self) -> bool) {
+        poll_fn(|cx| {
+            if ready(self) {
+                return Poll::Ready(());
+            }
+            *self.reader.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// The next entry in request order; `None` once the reader has ended and all are taken.
+    async fn next(&self) -> Option<Entry> {
+        poll_fn(|cx| {
+            if let Some(entry) = self.entries.borrow_mut().pop_front() {
+                return Poll::Ready(Some(entry));
+            }
+            if self.reader_done.get() {
+                return Poll::Ready(None);
+            }
+            *self.writer.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Resolves once the connection has been idle for `idle`: nothing in hand, no answer
+    /// unwritten, and no request begun or answer written for that long.
+    async fn idle_out(&self, idle: Duration) {
+        loop {
+            let Some(deadline) = self.last_activity.get().checked_add(idle) else { return std::future::pending().await };
+            let now = Instant::now();
+            if now < deadline {
+                monoio::time::sleep(deadline - now).await;
+            } else if self.unanswered.get() == 0 && !self.in_hand.get() {
+                return;
+            } else {
+                // Busy (a slow handler, answers waiting for their cores): look again later.
+                monoio::time::sleep(idle).await;
+            }
+        }
+    }
+}
+
+/// Why the reader stopped.
+enum ReaderEnd {
+    /// The client closed or went quiet, asked to close, or sent something that ends the
+    /// connection (its answer is queued).
+    Stopped,
+    /// A WebSocket or Engine.IO upgrade, to take over once every earlier answer is written.
+    Upgrade { head: RequestHead, kind: crate::transport::SocketKind, in_hand: Busy },
+}
+
+/// Why the writer stopped.
+enum WriterEnd {
+    /// Every answer is written and the reader has ended; the connection is still usable.
+    Open,
+    /// An answer closed the connection; `linger` if its request was not read whole.
+    Closed { linger: bool },
+    /// The client is gone or does not read.
+    Failed,
+}
+
+/// The reader: reads requests in order, begins `POST /ingest` at once and runs any other
+/// request once every earlier answer is written, and queues the answers for the writer.
+async fn read_requests(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, idle: Duration) -> ReaderEnd {
+    let limit = core.settings.config.max_body_bytes;
+    loop {
+        if pipe.full() {
+            // Back-pressure: stop reading until answers are written (module docs).
+            core.metrics.http_pipeline_paused();
+            tracing::debug!(core = core.index, unanswered = pipe.unanswered.get(), body_bytes = pipe.body_bytes.get(), "HTTP pipeline full; reading paused");
+            pipe.reader_waits(|p| !p.full()).await;
+        }
+        pipe.last_activity.set(Instant::now());
+        let next = framed.read_head().await;
+        let in_hand = core.drain.request();
+        pipe.in_hand.set(true);
+        let (head, framing) = match next {
+            Err(ReadError::Gone) => return ReaderEnd::Stopped,
+            Err(ReadError::Head(e)) => {
+                pipe.push_ready(Answer::early(head_error(e)), in_hand);
+                return ReaderEnd::Stopped;
+            }
+            Ok(request) => request,
+        };
+        if crate::transport::is_upgrade(&head) {
+            match crate::transport::check_upgrade(&head) {
+                Ok(kind) => return ReaderEnd::Upgrade { head, kind, in_hand },
+                Err(response) => {
+                    let answer = Answer { response: response.closing(), keep_alive: false, head_only: false, unread_input: false };
+                    pipe.push_ready(answer, in_hand);
+                    return ReaderEnd::Stopped;
+                }
+            }
+        }
+        let keep_alive = wants_keep_alive(&head);
+        let head_only = head.method == http::Method::HEAD;
+        // Clients that wait for permission before sending a body (curl does, past 1 KiB):
+        // refuse an oversized one at once, otherwise invite it.
+        let refused = matches!(framing, Framing::Length(n) if n > limit);
+        if expects_continue(&head) && !refused && framing != Framing::None {
+            pipe.push(Entry::Continue);
+        }
+        let body = match monoio::time::timeout(idle, framed.read_body(framing, limit)).await {
+            Ok(Ok(body)) => body,
+            Err(_) => {
+                pipe.push_ready(Answer::early(Response::error(408, "timed out reading the request body").closing()), in_hand);
+                return ReaderEnd::Stopped;
+            }
+            Ok(Err(response)) => {
+                pipe.push_ready(Answer::early(response), in_hand);
+                return ReaderEnd::Stopped;
+            }
+        };
+        let body_bytes = body.len();
+        let request = Request {
+            path: head.uri.path().to_string(),
+            query: head.uri.query().map(str::to_string),
+            // HEAD is answered as GET would be, without the body (RFC 9110 §9.3.2).
+            method: if head_only { http::Method::GET } else { head.method },
+            headers: head.headers,
+            body,
+        };
+        let answer = if crate::api::pipelines(&request) {
+            let applied = crate::api::begin_ingest(core, request).await;
+            Pending::Applying(Box::pin(async move {
+                Answer { response: applied.await, keep_alive, head_only, unread_input: false }
+            }))
+        } else {
+            // Read-your-writes: every earlier answer is written (so its change is applied)
+            // before this request runs.
+            pipe.reader_waits(|p| p.unanswered.get() == 0).await;
+            let response = crate::api::handle(core, request).await;
+            Pending::Ready(Answer { response, keep_alive, head_only, unread_input: false })
+        };
+        pipe.push(Entry::Answer { answer, body_bytes, in_hand });
+        // While shutting down, no request is read after this one (its answer closes).
+        if !keep_alive || crate::shutdown::STOPPING.is_stopping() {
+            return ReaderEnd::Stopped;
+        }
+    }
+}
+
+/// The writer: writes the answers in request order, as many per write as are ready.
+async fn write_answers(core: &Rc<Core>, write: &mut WriteHalf, pipe: &Pipeline, idle: Duration) -> WriterEnd {
+    let stall = write_stall_limit(idle);
+    let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
+    // Answers in `out`: how many, their request bodies' bytes, their in-flight guards.
+    let mut buffered = (0, 0);
+    let mut guards: Vec<Busy> = Vec::new();
+    macro_rules! flush {
+        () => {{
+            match flush(write, std::mem::take(&mut out), stall, idle).await {
+                Ok(buf) => out = buf,
+                Err(WriteFailed::Stalled) => {
+                    tracing::info!(core = core.index, ?stall, "closing an HTTP connection whose client does not read its answers");
+                    return WriterEnd::Failed;
+                }
+                Err(WriteFailed::Io) => return WriterEnd::Failed,
+            }
+            pipe.answered(buffered.0, buffered.1);
+            buffered = (0, 0);
+            guards.clear();
+        }};
+    }
+    loop {
+        let Some(entry) = pipe.next().await else {
+            // Nothing is buffered here: the last answer taken was flushed, the queue being empty.
+            debug_assert!(out.is_empty());
+            return WriterEnd::Open;
+        };
+        let (answer, body_bytes, in_hand) = match entry {
+            Entry::Continue => {
+                out.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+                flush!();
+                continue;
+            }
+            Entry::Answer { answer, body_bytes, in_hand } => (answer, body_bytes, in_hand),
+        };
+        let answer = match answer {
+            Pending::Ready(answer) => answer,
+            Pending::Applying(mut applying) => match poll_fn(|cx| Poll::Ready(applying.as_mut().poll(cx))).await {
+                Poll::Ready(answer) => answer,
+                Poll::Pending => {
+                    // Write what is ready before waiting for this one.
+                    if !out.is_empty() {
+                        flush!();
+                    }
+                    applying.await
+                }
+            },
+        };
+        // While shutting down, the last answer closes the connection (the reader queues
+        // nothing after a request read while stopping; one in hand is answered first).
+        let stopping = crate::shutdown::STOPPING.is_stopping() && pipe.entries.borrow().is_empty() && !pipe.in_hand.get();
+        let close = !answer.keep_alive || answer.response.close || stopping;
+        answer.response.encode_for(&mut out, !close, !answer.head_only);
+        buffered = (buffered.0 + 1, buffered.1 + body_bytes);
+        guards.push(in_hand);
+        if close || out.len() >= PIPELINE_FLUSH_BYTES || pipe.entries.borrow().is_empty() {
+            flush!();
+        }
+        if close {
+            return WriterEnd::Closed { linger: answer.unread_input };
+        }
+    }
+}
+
+/// Serves one client connection (plain or TLS) until it closes, errs or idles out: its
+/// reader and writer run together until one ends (module docs).
 pub async fn serve(core: Rc<Core>, stream: Stream) {
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
     let mut framed = Framed::new(read);
     let idle = Duration::from_secs(core.settings.config.http_idle_timeout);
-    let stall = write_stall_limit(idle);
-    let limit = core.settings.config.max_body_bytes;
-    let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
-    loop {
-        let next = monoio::time::timeout(idle, framed.read_head()).await;
-        // A request in hand until its answer is written: a graceful shutdown waits for it.
-        let _in_hand = core.drain.request();
-        let answer = match next {
-            Err(_) | Ok(Err(ReadError::Gone)) => break,
-            Ok(Err(ReadError::Head(e))) => Answer::early(head_error(e)),
-            Ok(Ok((head, _))) if crate::transport::is_upgrade(&head) => match crate::transport::check_upgrade(&head) {
-                Ok(kind) => {
-                    if !out.is_empty() && flush(&mut write, std::mem::take(&mut out), stall, idle).await.is_err() {
-                        return;
-                    }
-                    crate::transport::upgrade(core, head, kind, framed, write).await;
-                    return;
-                }
-                Err(response) => Answer { response: response.closing(), keep_alive: false, head_only: false, unread_input: false },
-            },
-            Ok(Ok((head, framing))) => {
-                let keep_alive = wants_keep_alive(&head);
-                let head_only = head.method == http::Method::HEAD;
-                // Clients that wait for permission before sending a body (curl does, past 1 KiB):
-                // refuse an oversized one at once, otherwise invite it.
-                let refused = matches!(framing, Framing::Length(n) if n > limit);
-                if expects_continue(&head) && !refused && framing != Framing::None {
-                    out.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
-                    match flush(&mut write, std::mem::take(&mut out), stall, idle).await {
-                        Ok(buf) => out = buf,
-                        Err(_) => break,
-                    }
-                }
-                match monoio::time::timeout(idle, framed.read_body(framing, limit)).await {
-                    Err(_) => Answer::early(Response::error(408, "timed out reading the request body").closing()),
-                    Ok(Err(response)) => Answer::early(response),
-                    Ok(Ok(body)) => {
-                        let request = Request {
-                            path: head.uri.path().to_string(),
-                            query: head.uri.query().map(str::to_string),
-                            // HEAD is answered as GET would be, without the body (RFC 9110 §9.3.2).
-                            method: if head_only { http::Method::GET } else { head.method },
-                            headers: head.headers,
-                            body,
-                        };
-                        let response = crate::api::handle(&core, request).await;
-                        Answer { response, keep_alive, head_only, unread_input: false }
-                    }
-                }
-            }
-        };
-        // While shutting down, each connection gets one last answer.
-        let keep_alive = answer.keep_alive && !crate::shutdown::STOPPING.is_stopping();
-        let close = !keep_alive || answer.response.close;
-        answer.response.encode_for(&mut out, keep_alive, !answer.head_only);
-        if close || out.len() >= PIPELINE_FLUSH_BYTES || !framed.next_request_buffered() {
-            match flush(&mut write, std::mem::take(&mut out), stall, idle).await {
-                Ok(buf) => out = buf,
-                Err(WriteFailed::Stalled) => {
-                    tracing::info!(core = core.index, ?stall, "closing an HTTP connection whose client does not read its answers");
-                    return;
-                }
-                Err(WriteFailed::Io) => return,
-            }
+    let pipe = Pipeline::new();
+    let (reader_end, writer_end) = {
+        let mut reader = pin!(async {
+            let end = read_requests(&core, &mut framed, &pipe, idle).await;
+            pipe.finish_reading();
+            end
+        });
+        let mut writer = pin!(write_answers(&core, &mut write, &pipe, idle));
+        let mut idle_out = pin!(pipe.idle_out(idle));
+        enum First<R, W> {
+            Reader(R),
+            Writer(W),
+            Idle,
         }
-        if close {
-            if answer.unread_input {
-                linger(framed, write).await;
+        let first = poll_fn(|cx| {
+            if let Poll::Ready(w) = writer.as_mut().poll(cx) {
+                return Poll::Ready(First::Writer(w));
             }
-            return;
+            if let Poll::Ready(r) = reader.as_mut().poll(cx) {
+                return Poll::Ready(First::Reader(r));
+            }
+            match idle_out.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(First::Idle),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await;
+        match first {
+            // Everything read is answered before the connection is closed or taken over.
+            First::Reader(end) => (Some(end), writer.await),
+            // The writer closed or failed: a read still pending is abandoned with the
+            // connection (monoio reads are not cancel-safe, and nothing more is read).
+            First::Writer(end) => (None, end),
+            First::Idle => return,
         }
-    }
-    if !out.is_empty() {
-        let _ = flush(&mut write, out, stall, idle).await;
+    };
+    match (reader_end, writer_end) {
+        (Some(ReaderEnd::Upgrade { head, kind, in_hand }), WriterEnd::Open) => {
+            crate::transport::upgrade(core, head, kind, framed, write).await;
+            drop(in_hand);
+        }
+        (_, WriterEnd::Closed { linger: true }) => linger(framed, write).await,
+        _ => {}
     }
 }
 

@@ -348,6 +348,14 @@ impl Core {
     /// Routes device messages to their owning cores; resolves when all are applied (and the
     /// cores that applied them have room in their cross-core backlogs).
     pub async fn ingest(self: &Rc<Self>, batch: Vec<IngestMessage>) {
+        self.ingest_begin(batch).await.await;
+    }
+
+    /// The first half of [`Core::ingest`]: waits for room, applies this core's share and
+    /// posts the others' (in call order, so batches begun one after the other on this core
+    /// reach every owning core in that order). The returned future resolves once every
+    /// share is applied; it needs no polling to make progress.
+    pub async fn ingest_begin(self: &Rc<Self>, batch: Vec<IngestMessage>) -> impl std::future::Future<Output = ()> {
         self.mesh.wait_for_room().await;
         let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
         for msg in batch {
@@ -366,8 +374,10 @@ impl Core {
                 waits.push(rx);
             }
         }
-        for rx in waits {
-            await_reply(rx).await;
+        async move {
+            for rx in waits {
+                await_reply(rx).await;
+            }
         }
     }
 
