@@ -132,6 +132,9 @@ pub struct FleetArgs {
     /// --event-hub-prefetch (link credit per partition) for a spawned hubcast.
     #[arg(long, default_value_t = 2000)]
     pub prefetch: u32,
+    /// HTTP fleet: batches in flight per connection (pipelined, answers read in order); 1 waits for each answer.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
 }
 
 impl FleetArgs {
@@ -143,6 +146,7 @@ impl FleetArgs {
             batch: self.batch,
             conns: self.fleet_conns,
             partitions: self.partitions,
+            pipeline: self.pipeline,
         }
     }
 }

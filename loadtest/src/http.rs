@@ -134,7 +134,7 @@ impl HttpConn {
 }
 
 /// Parses a response head: (head length, status, body length, connection: close).
-fn parse_head(bytes: &[u8]) -> io::Result<Option<(usize, u16, usize, bool)>> {
+pub fn parse_head(bytes: &[u8]) -> io::Result<Option<(usize, u16, usize, bool)>> {
     let mut headers = [httparse::EMPTY_HEADER; 32];
     let mut resp = httparse::Response::new(&mut headers);
     match resp.parse(bytes) {

@@ -1,6 +1,7 @@
 //! The fleet over `POST /ingest`: `conns` keep-alive connections, each posting batches of
 //! `batch` messages (`[{"deviceId","body"}…]`) on its share of the rate, waiting for each
-//! answer (hubcast answers once the batch is applied) before the next.
+//! answer (hubcast answers once the batch is applied) before the next, or, with
+//! `--pipeline N`, keeping up to N batches in flight per connection (answers read in order).
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -24,6 +25,16 @@ pub fn start(addr: SocketAddr, admin_key: &str, plan: &FleetPlan, stats: Arc<Fle
         // subscriber B/D messages at once, which hubcast writes to its socket in one write.
         let batch = plan.batch.max(1);
         let offset = k as f64 / conns as f64;
+        if plan.pipeline > 1 {
+            let depth = plan.pipeline;
+            tasks.spawn(async move {
+                if !stats.started().await {
+                    return;
+                }
+                pipelined(addr, &key, &ids, rate, batch, offset, depth, &stats).await;
+            });
+            continue;
+        }
         tasks.spawn(async move {
             if !stats.started().await {
                 return;
@@ -82,5 +93,104 @@ pub fn start(addr: SocketAddr, admin_key: &str, plan: &FleetPlan, stats: Arc<Fle
                 }
             }
         });
+    }
+}
+
+/// Builds one `POST /ingest` of `batch` messages into `request`.
+fn build_request(request: &mut Vec<u8>, body: &mut Vec<u8>, head_prefix: &str, ids: &[String], first: u64, batch: usize) {
+    let sent_at = now_micros();
+    body.clear();
+    body.push(b'[');
+    for i in 0..batch as u64 {
+        let seq = first + i;
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(b"{\"deviceId\":\"");
+        body.extend_from_slice(ids[(seq % ids.len() as u64) as usize].as_bytes());
+        body.extend_from_slice(b"\",\"body\":");
+        write_body(body, sent_at, seq);
+        body.push(b'}');
+    }
+    body.push(b']');
+    request.clear();
+    request.extend_from_slice(head_prefix.as_bytes());
+    request.extend_from_slice(body.len().to_string().as_bytes());
+    request.extend_from_slice(b"\r\n\r\n");
+    request.extend_from_slice(body);
+}
+
+/// One connection with up to `depth` batches in flight: a writer sends while it holds a
+/// permit, a reader takes the answers in order and gives the permits back.
+#[allow(clippy::too_many_arguments)]
+async fn pipelined(addr: SocketAddr, key: &str, ids: &[String], rate: f64, batch: usize, offset: f64, depth: usize, stats: &Arc<FleetStats>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stream = match tokio::net::TcpStream::connect(addr).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("hubcast-load: connect failed: {e}");
+            return;
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let permits = Arc::new(tokio::sync::Semaphore::new(depth));
+    let reader = {
+        let permits = permits.clone();
+        let stats = stats.clone();
+        async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut filled = 0;
+            loop {
+                while let Ok(Some((head_len, status, body_len, _))) = crate::http::parse_head(&buf[..filled]) {
+                    let total = head_len + body_len;
+                    if filled < total {
+                        break;
+                    }
+                    if status == 200 {
+                        stats.accepted.fetch_add(batch as u64, Ordering::Relaxed);
+                    } else if stats.errors.fetch_add(1, Ordering::Relaxed) < 3 {
+                        eprintln!("hubcast-load: POST /ingest answered {status}: {}", String::from_utf8_lossy(&buf[head_len..total]));
+                    }
+                    buf.copy_within(total..filled, 0);
+                    filled -= total;
+                    permits.add_permits(1);
+                }
+                if filled == buf.len() {
+                    buf.resize(buf.len() * 2, 0);
+                }
+                match rd.read(&mut buf[filled..]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => filled += n,
+                }
+            }
+        }
+    };
+    let writer = async move {
+        let mut pacer = Pacer::new(rate, batch, offset);
+        let mut body = Vec::with_capacity(batch * 100);
+        let mut request = Vec::with_capacity(batch * 100 + 200);
+        let head_prefix = format!(
+            "POST /ingest HTTP/1.1\r\nhost: 127.0.0.1\r\nshared-access-key: {key}\r\ncontent-type: application/json\r\ncontent-length: "
+        );
+        while !stats.stopped() {
+            pacer.wait().await;
+            let Ok(permit) = permits.acquire().await else { return };
+            permit.forget();
+            if stats.stopped() {
+                break;
+            }
+            build_request(&mut request, &mut body, &head_prefix, ids, stats.take(batch), batch);
+            stats.sent.fetch_add(batch as u64, Ordering::Relaxed);
+            if let Err(e) = wr.write_all(&request).await {
+                stats.errors.fetch_add(1, Ordering::Relaxed);
+                eprintln!("hubcast-load: POST /ingest failed: {e}");
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = reader => {}
+        _ = writer => {}
     }
 }

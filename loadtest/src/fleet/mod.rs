@@ -42,6 +42,8 @@ pub struct FleetPlan {
     pub conns: usize,
     /// Partitions of the AMQP endpoint.
     pub partitions: usize,
+    /// HTTP: batches in flight per connection (1: wait for each answer).
+    pub pipeline: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
