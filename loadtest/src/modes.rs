@@ -459,6 +459,7 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
         partitions: 4,
         amqp_port: 0,
         prefetch: 2000,
+        pipeline: 1,
     };
 
     eprintln!("hubcast-load all: ingest over POST /ingest");

@@ -448,7 +448,7 @@ enum ReaderEnd {
     /// connection (its answer is queued).
     Stopped,
     /// A WebSocket or Engine.IO upgrade, to take over once every earlier answer is written.
-    Upgrade { head: RequestHead, kind: crate::transport::SocketKind, in_hand: Busy },
+    Upgrade { head: Box<RequestHead>, kind: crate::transport::SocketKind, in_hand: Busy },
 }
 
 /// Why the writer stopped.
@@ -486,7 +486,7 @@ async fn read_requests(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, id
         };
         if crate::transport::is_upgrade(&head) {
             match crate::transport::check_upgrade(&head) {
-                Ok(kind) => return ReaderEnd::Upgrade { head, kind, in_hand },
+                Ok(kind) => return ReaderEnd::Upgrade { head: Box::new(head), kind, in_hand },
                 Err(response) => {
                     let answer = Answer { response: response.closing(), keep_alive: false, head_only: false, unread_input: false };
                     pipe.push_ready(answer, in_hand);
@@ -652,7 +652,7 @@ pub async fn serve(core: Rc<Core>, stream: Stream) {
     };
     match (reader_end, writer_end) {
         (Some(ReaderEnd::Upgrade { head, kind, in_hand }), WriterEnd::Open) => {
-            crate::transport::upgrade(core, head, kind, framed, write).await;
+            crate::transport::upgrade(core, *head, kind, framed, write).await;
             drop(in_hand);
         }
         (_, WriterEnd::Closed { linger: true }) => linger(framed, write).await,
