@@ -42,36 +42,14 @@ pub fn start(addr: SocketAddr, admin_key: &str, plan: &FleetPlan, stats: Arc<Fle
             let mut conn = HttpConn::new(addr);
             let mut pacer = Pacer::new(rate, batch, offset);
             let mut body = Vec::with_capacity(batch * 100);
-            let head_prefix = format!(
-                "POST /ingest HTTP/1.1\r\nhost: 127.0.0.1\r\nshared-access-key: {key}\r\ncontent-type: application/json\r\ncontent-length: "
-            );
+            let head_prefix = head_prefix(&key);
             let mut request = Vec::with_capacity(batch * 100 + 200);
             while !stats.stopped() {
                 pacer.wait().await;
                 if stats.stopped() {
                     break;
                 }
-                let first = stats.take(batch);
-                let sent_at = now_micros();
-                body.clear();
-                body.push(b'[');
-                for i in 0..batch as u64 {
-                    let seq = first + i;
-                    if i > 0 {
-                        body.push(b',');
-                    }
-                    body.extend_from_slice(b"{\"deviceId\":\"");
-                    body.extend_from_slice(ids[(seq % ids.len() as u64) as usize].as_bytes());
-                    body.extend_from_slice(b"\",\"body\":");
-                    write_body(&mut body, sent_at, seq);
-                    body.push(b'}');
-                }
-                body.push(b']');
-                request.clear();
-                request.extend_from_slice(head_prefix.as_bytes());
-                request.extend_from_slice(body.len().to_string().as_bytes());
-                request.extend_from_slice(b"\r\n\r\n");
-                request.extend_from_slice(&body);
+                build_request(&mut request, &mut body, &head_prefix, &ids, stats.take(batch), batch);
                 stats.sent.fetch_add(batch as u64, Ordering::Relaxed);
                 match conn.send(&request).await {
                     Ok(r) if r.status == 200 => {
@@ -94,6 +72,11 @@ pub fn start(addr: SocketAddr, admin_key: &str, plan: &FleetPlan, stats: Arc<Fle
             }
         });
     }
+}
+
+/// A `POST /ingest` head up to its `content-length` value.
+fn head_prefix(key: &str) -> String {
+    format!("POST /ingest HTTP/1.1\r\nhost: 127.0.0.1\r\nshared-access-key: {key}\r\ncontent-type: application/json\r\ncontent-length: ")
 }
 
 /// Builds one `POST /ingest` of `batch` messages into `request`.
@@ -170,9 +153,7 @@ async fn pipelined(addr: SocketAddr, key: &str, ids: &[String], rate: f64, batch
         let mut pacer = Pacer::new(rate, batch, offset);
         let mut body = Vec::with_capacity(batch * 100);
         let mut request = Vec::with_capacity(batch * 100 + 200);
-        let head_prefix = format!(
-            "POST /ingest HTTP/1.1\r\nhost: 127.0.0.1\r\nshared-access-key: {key}\r\ncontent-type: application/json\r\ncontent-length: "
-        );
+        let head_prefix = head_prefix(key);
         while !stats.stopped() {
             pacer.wait().await;
             let Ok(permit) = permits.acquire().await else { return };
