@@ -142,6 +142,34 @@ fn a_read_pipelined_after_an_ingest_sees_its_messages() {
 }
 
 #[test]
+fn a_session_read_pipelined_after_an_ingest_sees_its_messages_on_four_cores() {
+    // Four cores: the read goes through the session's core before the device's, so it can
+    // only see the batch if it starts after the batch is applied.
+    let server = Server::start(&["--cores", "4"]);
+    let session = server.new_session();
+    let rounds = 16;
+    for tag in 0..rounds {
+        server.grant(&session, common::telemetry(&format!("pipe-{tag}-0"), None));
+    }
+    let mut bytes = Vec::new();
+    for tag in 0..rounds {
+        bytes.extend(ingest(tag, 1));
+        bytes.extend(
+            format!("GET /lastValue/pipe-{tag}-0 HTTP/1.1\r\nHost: 127.0.0.1\r\nsessionId: {session}\r\n\r\n").into_bytes(),
+        );
+    }
+    let mut stream = server.connect();
+    stream.write_all(&bytes).unwrap();
+    let mut answers = Answers::new(stream);
+    for tag in 0..rounds {
+        assert_eq!(accepted(&answers.next()), 1);
+        let answer = answers.next();
+        assert_eq!(answer.status, 200, "read {tag}: {answer:?}");
+        assert_eq!(seq_of(&answer.body), Some(tag as u64), "read {tag} misses its ingest: {answer:?}");
+    }
+}
+
+#[test]
 fn an_error_answer_in_the_middle_keeps_the_order() {
     let server = Server::start(&[]);
     let mut bytes = Vec::new();
