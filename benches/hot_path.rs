@@ -40,6 +40,7 @@ fn message(device: &str) -> IngestMessage {
         properties: Properties::new(),
         body: BODY.to_vec(),
         enqueued_at: Some(1_700_000_000_000),
+        arrived: None,
     }
 }
 

@@ -3,7 +3,9 @@
 
 use std::cell::Cell;
 use std::fmt::Write;
-use std::time::Duration;
+use std::num::NonZeroU32;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// Request latency histogram bounds, in seconds.
 pub const LATENCY_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5];
@@ -34,6 +36,48 @@ impl Histogram {
         self.count.set(self.count.get() + 1);
         self.sum_micros.set(self.sum_micros.get() + d.as_micros() as u64);
     }
+
+    fn snapshot(&self) -> HistogramSnapshot {
+        (self.buckets.iter().map(Cell::get).collect(), self.count.get(), self.sum_micros.get())
+    }
+}
+
+/// A histogram's per-bound counts (not cumulative), count and sum in microseconds.
+pub type HistogramSnapshot = (Vec<u64>, u64, u64);
+
+/// When hubcast received a device message (POST /ingest, AMQP, the simulator), carried with
+/// it into every delivery it causes and every socket queue slot, for the ingest→socket
+/// delivery histogram. Microseconds since a process-wide epoch, wrapping every ~71 minutes
+/// (4 bytes a slot; `Option<Arrival>` too): the elapsed time is a wrapping difference, exact
+/// for anything younger than that, and nothing waits that long (queues are bounded, a stalled
+/// write or an unanswered ping ends the socket within seconds). The epoch is shared by every
+/// thread because a message is stamped on one (an AMQP thread, an HTTP core) and delivered on
+/// another; `Instant` is monotonic across threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Arrival(NonZeroU32);
+
+fn epoch_micros() -> u32 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    // Truncation is the wrap described above.
+    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u32
+}
+
+impl Arrival {
+    pub fn now() -> Self {
+        // 0 is the niche that keeps `Option<Arrival>` at 4 bytes; 1 µs off once per wrap.
+        Self(NonZeroU32::new(epoch_micros()).unwrap_or(NonZeroU32::MIN))
+    }
+
+    /// A given stamp (unit tests).
+    #[cfg(test)]
+    pub(crate) fn at(micros: u32) -> Self {
+        Self(NonZeroU32::new(micros).expect("nonzero"))
+    }
+
+    /// Time since the arrival.
+    pub fn elapsed(self) -> Duration {
+        Duration::from_micros(u64::from(epoch_micros().wrapping_sub(self.0.get())))
+    }
 }
 
 fn bump(c: &Cell<u64>, n: u64) {
@@ -51,6 +95,8 @@ pub struct CoreMetrics {
     pub requests: [Histogram; ROUTES.len()],
     /// HTTP connections that stopped reading at their pipelining bound (`http` module docs).
     pub http_pipeline_pauses: Cell<u64>,
+    /// Ingest→socket delivery latency, by transport.
+    pub deliveries: [Histogram; TRANSPORTS.len()],
 }
 
 impl CoreMetrics {
@@ -78,6 +124,12 @@ impl CoreMetrics {
     pub fn http_pipeline_paused(&self) {
         bump(&self.http_pipeline_pauses, 1);
     }
+    /// Envelopes just written to a socket (or handed to a poll's answer), by their arrivals.
+    pub fn delivered(&self, transport: usize, arrivals: impl IntoIterator<Item = Arrival>) {
+        for a in arrivals {
+            self.deliveries[transport].observe(a.elapsed());
+        }
+    }
 
     pub fn snapshot(&self, state: StateCounts) -> Snapshot {
         let get = |c: &Cell<u64>| c.get();
@@ -87,13 +139,10 @@ impl CoreMetrics {
             sockets_open: self.sockets_open.iter().map(get).collect(),
             conflated: self.conflated.get(),
             slow_consumers_closed: self.slow_consumers_closed.get(),
-            requests: self
-                .requests
-                .iter()
-                .map(|h| (h.buckets.iter().map(get).collect(), h.count.get(), h.sum_micros.get()))
-                .collect(),
+            requests: self.requests.iter().map(Histogram::snapshot).collect(),
             state,
             http_pipeline_pauses: self.http_pipeline_pauses.get(),
+            deliveries: self.deliveries.iter().map(Histogram::snapshot).collect(),
         }
     }
 }
@@ -125,9 +174,10 @@ pub struct Snapshot {
     pub sockets_open: Vec<u64>,
     pub conflated: u64,
     pub slow_consumers_closed: u64,
-    pub requests: Vec<(Vec<u64>, u64, u64)>,
+    pub requests: Vec<HistogramSnapshot>,
     pub state: StateCounts,
     pub http_pipeline_pauses: u64,
+    pub deliveries: Vec<HistogramSnapshot>,
 }
 
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
@@ -155,6 +205,23 @@ fn render_mesh(out: &mut String, cores: &[Snapshot]) {
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// One labelled histogram summed over the cores; nothing until it has an observation.
+fn render_histogram(out: &mut String, name: &str, label: &str, cores: &[Snapshot], pick: impl Fn(&Snapshot) -> &HistogramSnapshot) {
+    let count: u64 = cores.iter().map(|c| pick(c).1).sum();
+    if count == 0 {
+        return;
+    }
+    let mut cumulative = 0;
+    for (b, bound) in LATENCY_BOUNDS.iter().enumerate() {
+        cumulative += cores.iter().map(|c| pick(c).0[b]).sum::<u64>();
+        let _ = writeln!(out, "{name}_bucket{{{label},le=\"{bound}\"}} {cumulative}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{{label},le=\"+Inf\"}} {count}");
+    let sum: u64 = cores.iter().map(|c| pick(c).2).sum();
+    let _ = writeln!(out, "{name}_sum{{{label}}} {}", sum as f64 / 1e6);
+    let _ = writeln!(out, "{name}_count{{{label}}} {count}");
 }
 
 /// Renders every core's snapshot (index = core).
@@ -205,19 +272,17 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     }
     family(&mut out, "hubcast_request_duration_seconds", "histogram", "REST request latency, by route.");
     for (r, route) in ROUTES.iter().enumerate() {
-        let count: u64 = cores.iter().map(|c| c.requests[r].1).sum();
-        if count == 0 {
-            continue;
-        }
-        let mut cumulative = 0;
-        for (b, bound) in LATENCY_BOUNDS.iter().enumerate() {
-            cumulative += cores.iter().map(|c| c.requests[r].0[b]).sum::<u64>();
-            let _ = writeln!(out, "hubcast_request_duration_seconds_bucket{{route=\"{route}\",le=\"{bound}\"}} {cumulative}");
-        }
-        let _ = writeln!(out, "hubcast_request_duration_seconds_bucket{{route=\"{route}\",le=\"+Inf\"}} {count}");
-        let sum: u64 = cores.iter().map(|c| c.requests[r].2).sum();
-        let _ = writeln!(out, "hubcast_request_duration_seconds_sum{{route=\"{route}\"}} {}", sum as f64 / 1e6);
-        let _ = writeln!(out, "hubcast_request_duration_seconds_count{{route=\"{route}\"}} {count}");
+        render_histogram(&mut out, "hubcast_request_duration_seconds", &format!("route=\"{route}\""), cores, |c| &c.requests[r]);
+    }
+    family(
+        &mut out,
+        "hubcast_delivery_duration_seconds",
+        "histogram",
+        "Time from a device message's arrival to its frame being written to a socket, by transport.",
+    );
+    for (t, transport) in TRANSPORTS.iter().enumerate() {
+        let label = format!("transport=\"{transport}\"");
+        render_histogram(&mut out, "hubcast_delivery_duration_seconds", &label, cores, |c| &c.deliveries[t]);
     }
     render_mesh(&mut out, cores);
     let mut last = String::new();

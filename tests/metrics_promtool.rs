@@ -59,10 +59,56 @@ fn promtool_accepts_a_live_scrape_and_every_family_has_help_and_type() {
     live.next_json(WAIT).expect("HTTP ingest message delivered");
     server.call("GET", "/lastValue/metrics-dev", &[ADMIN], None);
 
-    let body = scrape_until(&server, "partition lag", |m| m.contains("hubcast_amqp_partition_lag{"));
+    let body = scrape_until(&server, "partition lag and both deliveries", |m| {
+        m.contains("hubcast_amqp_partition_lag{") && m.contains(&format!("{DELIVERY_COUNT} 2"))
+    });
     assert!(body.contains("hubcast_request_duration_seconds_bucket{route=\"lastValue\",le=\"+Inf\"}"), "{body}");
     assert!(body.contains("hubcast_ingest_faults_total{kind=\"not_object\"} 1"), "{body}");
+    promtool_accepts(&body);
+}
 
+/// The delivery histogram's count for plain WebSockets.
+const DELIVERY_COUNT: &str = "hubcast_delivery_duration_seconds_count{transport=\"websocket\"}";
+
+/// Every message ingested over HTTP and received on a subscribed WebSocket is observed once in
+/// `hubcast_delivery_duration_seconds` (AMQP arrivals are covered by the test above), and
+/// the buckets are cumulative up to that count.
+#[test]
+fn the_delivery_histogram_counts_every_frame_written_to_a_socket() {
+    const SENT: usize = 25;
+    let server = Server::start(&[]);
+    let session = server.new_session();
+    server.grant(&session, telemetry("latency-dev", None));
+    assert_eq!(server.subscribe(&session, with_session(&session, telemetry("latency-dev", None))).0, 204);
+    let mut live = server.live(&session);
+    assert!(!scrape(&server).contains(DELIVERY_COUNT), "no deliveries observed before any message");
+    // One batch and single messages: both are stamped on arrival.
+    server.ingest(json!((0..5).map(|i| json!({"deviceId": "latency-dev", "body": {"n": i}})).collect::<Vec<_>>()));
+    for i in 5..SENT {
+        server.ingest(json!({"deviceId": "latency-dev", "body": {"n": i}}));
+    }
+    for i in 0..SENT {
+        let frame = live.next_json(WAIT).unwrap_or_else(|| panic!("message {i} delivered"));
+        assert_eq!(frame["telemetry"]["n"], json!(i), "{frame}");
+    }
+
+    let expected = format!("{DELIVERY_COUNT} {SENT}\n");
+    let body = scrape_until(&server, "the delivery count", |m| m.contains(&expected));
+    let inf = format!("hubcast_delivery_duration_seconds_bucket{{transport=\"websocket\",le=\"+Inf\"}} {SENT}\n");
+    assert!(body.contains(&inf), "{body}");
+    let buckets: Vec<u64> = body
+        .lines()
+        .filter(|l| l.starts_with("hubcast_delivery_duration_seconds_bucket{transport=\"websocket\""))
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(buckets.windows(2).all(|w| w[0] <= w[1]) && buckets.len() > 2, "cumulative buckets: {body}");
+    assert!(body.contains("hubcast_delivery_duration_seconds_sum{transport=\"websocket\"} "), "{body}");
+    assert!(!body.contains("hubcast_delivery_duration_seconds_count{transport=\"socketio"), "only the transport used: {body}");
+    promtool_accepts(&body);
+}
+
+/// `promtool check metrics` finds nothing to say, and every sample has HELP and TYPE.
+fn promtool_accepts(body: &str) {
     let mut promtool = Command::new(tools::on_path("promtool"))
         .args(["check", "metrics"])
         .stdin(Stdio::piped())

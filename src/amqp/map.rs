@@ -341,7 +341,8 @@ pub fn to_ingest(message: &mut Message<Body<Value>>, settings: &MapSettings) -> 
     // Hub message has only the latter, which still beats the arrival time after a replay.
     let enqueued_at = fields.annotation(HUB_ENQUEUED).or_else(|| fields.annotation(ENQUEUED)).and_then(value_millis);
 
-    Ok(IngestMessage { device_id, source, properties, body, enqueued_at })
+    let arrived = Some(crate::metrics::Arrival::now());
+    Ok(IngestMessage { device_id, source, properties, body, enqueued_at, arrived })
 }
 
 #[cfg(test)]

@@ -82,6 +82,7 @@ fn to_message(wire: WireMessage<'_>, device_id_key: &str) -> Checked<IngestMessa
         properties,
         body: body.get().as_bytes().to_vec(),
         enqueued_at,
+        arrived: Some(crate::metrics::Arrival::now()),
     })
 }
 

@@ -52,6 +52,8 @@ pub struct IngestMessage {
     pub body: Vec<u8>,
     /// When the hub enqueued it, if known.
     pub enqueued_at: Option<Millis>,
+    /// When hubcast received it (for the delivery latency histogram); `None` in tests.
+    pub arrived: Option<crate::metrics::Arrival>,
 }
 
 /// The deployment parameters that shape how bodies are read.

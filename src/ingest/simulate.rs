@@ -40,6 +40,7 @@ fn message(device: &str, source: SourceKind, op: Option<&str>, body: serde_json:
         properties,
         body: body.to_string().into_bytes(),
         enqueued_at: Some(now_millis()),
+        arrived: Some(crate::metrics::Arrival::now()),
     }
 }
 

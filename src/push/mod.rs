@@ -31,4 +31,9 @@ pub struct Delivery {
     pub kind: FrameKind,
     /// The JSON envelope `{deviceId, timestamp, <kind>}`.
     pub frame: Arc<str>,
+    /// When the device message it carries reached hubcast; observed in
+    /// `hubcast_delivery_duration_seconds` once the frame is written. `None` for frames no
+    /// single message caused (throttled telemetry sent later, TTL expiry, a twin completed
+    /// by a hub read): their wait is hubcast's own choice, not delivery latency.
+    pub arrived: Option<crate::metrics::Arrival>,
 }

@@ -14,6 +14,12 @@
 //!   `hard_bytes` may still wait alone).
 //!
 //! A slow socket therefore costs bounded memory and never slows the others.
+//!
+//! Each queue slot also holds the arrival of the message its frame carries (4 bytes, in a
+//! deque kept parallel to the queue, so bounded by the same limits), handed to the writer with
+//! the frames for the delivery latency histogram. A conflated slot takes the newest message's
+//! arrival: the frame written is that message's, and the older ones are counted as conflated,
+//! not delivered.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -25,6 +31,7 @@ use std::task::{Poll, Waker};
 use hashbrown::HashMap;
 
 use super::{Delivery, FrameKind};
+use crate::metrics::Arrival;
 
 /// Something for the writer to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +104,8 @@ struct State {
     /// another kind of that device was queued after it (then a newer one must go to the back).
     slots: HashMap<Arc<str>, Slot>,
     closing: Option<CloseReason>,
+    /// Parallel to `queue`: the arrival of each slot's message (`None` for protocol items).
+    arrivals: VecDeque<Option<Arrival>>,
 }
 
 #[derive(Clone, Copy)]
@@ -110,10 +119,29 @@ impl State {
         self.bytes += item.charged_bytes();
         self.live += 1;
         self.queue.push_back(Some(item));
+        self.arrivals.push_back(None);
         self.queue.len() - 1
     }
 
+    fn push_arrived(&mut self, item: Out, arrived: Option<Arrival>) -> usize {
+        let pos = self.push(item);
+        self.arrivals[pos] = arrived;
+        pos
+    }
+
+    /// Takes the live items and their arrivals (same length, same order).
+    fn take_all_arrived(&mut self) -> (Vec<Out>, Vec<Option<Arrival>>) {
+        let arrivals = if self.arrivals.iter().any(Option::is_some) {
+            self.arrivals.iter().zip(&self.queue).filter(|(_, item)| item.is_some()).map(|(a, _)| *a).collect()
+        } else {
+            Vec::new()
+        };
+        self.arrivals.clear();
+        (self.take_all(), arrivals)
+    }
+
     fn take_all(&mut self) -> Vec<Out> {
+        self.arrivals.clear();
         let items = self.queue.drain(..).flatten().collect();
         self.slots.clear();
         self.live = 0;
@@ -133,6 +161,8 @@ impl State {
             remap.push(next);
             next += usize::from(item.is_some());
         }
+        let mut live = self.queue.iter().map(Option::is_some);
+        self.arrivals.retain(|_| live.next().unwrap_or(false));
         self.queue.retain(Option::is_some);
         for slot in self.slots.values_mut() {
             slot.pos = remap[slot.pos];
@@ -155,6 +185,16 @@ pub struct Outlet {
 pub struct Drained {
     pub items: Vec<Out>,
     pub closing: Option<CloseReason>,
+    /// The arrival of each item's message, index for index with `items`; empty when none has
+    /// one (protocol packets only).
+    pub arrivals: Vec<Option<Arrival>>,
+}
+
+impl Drained {
+    /// The arrivals of the envelopes taken, for the delivery latency histogram.
+    pub fn arrived(&self) -> impl Iterator<Item = Arrival> + '_ {
+        self.arrivals.iter().flatten().copied()
+    }
 }
 
 /// What became of one delivery.
@@ -232,12 +272,7 @@ impl Outlet {
 
     /// Queues a protocol item; never dropped (but counts towards the hard limits).
     pub fn push(&self, item: Out) {
-        let mut s = self.state.borrow_mut();
-        if s.closing.is_some() {
-            return;
-        }
-        s.push(item);
-        self.check_hard_limits(s);
+        self.push_arrived(item, None);
     }
 
     /// Queues a delivery, conflating telemetry when the consumer is behind.
@@ -253,9 +288,9 @@ impl Outlet {
             if let Some(slot) = s.slots.get_mut(&d.device) {
                 slot.sealed = true;
             }
-            s.push(item);
+            s.push_arrived(item, d.arrived);
         } else if !behind {
-            s.push(item);
+            s.push_arrived(item, d.arrived);
         } else {
             let old = s.slots.get(&d.device).copied();
             match old {
@@ -263,18 +298,21 @@ impl Outlet {
                     let new_bytes = item.charged_bytes();
                     let previous = s.queue[pos].replace(item).map_or(0, |o| o.charged_bytes());
                     s.bytes = s.bytes + new_bytes - previous;
+                    // The newest message's arrival: it is the one whose frame will be written.
+                    s.arrivals[pos] = d.arrived;
                 }
                 Some(Slot { pos, sealed: true }) => {
                     if let Some(previous) = s.queue[pos].take() {
                         s.bytes -= previous.charged_bytes();
                         s.live -= 1;
                     }
-                    let pos = s.push(item);
+                    s.arrivals[pos] = None;
+                    let pos = s.push_arrived(item, d.arrived);
                     s.slots.insert(d.device.clone(), Slot { pos, sealed: false });
                     s.compact();
                 }
                 None => {
-                    let pos = s.push(item);
+                    let pos = s.push_arrived(item, d.arrived);
                     s.slots.insert(d.device.clone(), Slot { pos, sealed: false });
                 }
             }
@@ -314,7 +352,8 @@ impl Outlet {
         poll_fn(|cx| {
             let mut s = self.state.borrow_mut();
             if s.closing.is_some() || s.live > 0 {
-                return Poll::Ready(Drained { items: s.take_all(), closing: s.closing.clone() });
+                let (items, arrivals) = s.take_all_arrived();
+                return Poll::Ready(Drained { items, closing: s.closing.clone(), arrivals });
             }
             *self.waker.borrow_mut() = Some(cx.waker().clone());
             Poll::Pending
@@ -325,7 +364,19 @@ impl Outlet {
     /// Takes what is queued without waiting (long-polling).
     pub fn try_drain(&self) -> Drained {
         let mut s = self.state.borrow_mut();
-        Drained { items: s.take_all(), closing: s.closing.clone() }
+        let (items, arrivals) = s.take_all_arrived();
+        Drained { items, closing: s.closing.clone(), arrivals }
+    }
+
+    /// Queues an item taken from another outlet with its arrival (a polling session's queue
+    /// moving to the WebSocket that upgrades it); never dropped, like [`Outlet::push`].
+    pub fn push_arrived(&self, item: Out, arrived: Option<Arrival>) {
+        let mut s = self.state.borrow_mut();
+        if s.closing.is_some() {
+            return;
+        }
+        s.push_arrived(item, arrived);
+        self.check_hard_limits(s);
     }
 }
 
@@ -335,7 +386,7 @@ mod tests {
     use crate::ids::SessionId;
 
     fn delivery(device: &str, kind: FrameKind, frame: &str) -> Delivery {
-        Delivery { session: SessionId(1), device: device.into(), kind, frame: frame.into() }
+        Delivery { session: SessionId(1), device: device.into(), kind, frame: frame.into(), arrived: None }
     }
 
     fn limits(soft: usize, hard: usize) -> QueueLimits {
@@ -411,5 +462,56 @@ mod tests {
         assert_eq!(all.iter().filter(|f| f.starts_with('t')).count(), 2, "{all:?}");
         assert_eq!(all.last().map(String::as_str), Some("c"));
         assert_eq!(all[all.len() - 2], "t9999");
+    }
+
+    fn arrived(device: &str, kind: FrameKind, frame: &str, at: u32) -> Delivery {
+        Delivery { arrived: Some(Arrival::at(at)), ..delivery(device, kind, frame) }
+    }
+
+    #[test]
+    fn each_frame_keeps_its_arrival_and_a_conflated_one_the_newest() {
+        let o = Outlet::new(1, limits(1, 100));
+        o.deliver(&arrived("b", FrameKind::Telemetry, "b1", 1));
+        o.push(Out::Packet("2".into()));
+        o.deliver(&arrived("a", FrameKind::Telemetry, "a1", 2));
+        o.deliver(&arrived("a", FrameKind::Telemetry, "a2", 3)); // replaces a1 in place
+        o.deliver(&arrived("b", FrameKind::ConnectionState, "off", 4));
+        o.deliver(&arrived("b", FrameKind::Telemetry, "b2", 5)); // behind: new slot at the back
+        o.deliver(&arrived("b", FrameKind::Telemetry, "b3", 6)); // replaces b2 in place
+        o.deliver(&delivery("c", FrameKind::Telemetry, "c1")); // no arrival (throttled, TTL)
+        let d = o.try_drain();
+        assert_eq!(d.items.len(), d.arrivals.len());
+        let at = |n| Some(Arrival::at(n));
+        assert_eq!(d.arrivals, vec![at(1), None, at(3), at(4), at(6), None]);
+        assert_eq!(d.arrived().count(), 4);
+        assert!(o.try_drain().arrivals.is_empty(), "nothing left behind");
+    }
+
+    #[test]
+    fn arrivals_follow_their_frames_through_compaction() {
+        let o = Outlet::new(1, QueueLimits { soft: 1, hard: 100_000, soft_bytes: usize::MAX, hard_bytes: usize::MAX });
+        for i in 1..=1000 {
+            o.deliver(&arrived("a", FrameKind::Telemetry, &format!("t{i}"), i));
+            o.deliver(&arrived("a", FrameKind::ConnectionState, "c", 100_000 + i));
+        }
+        let d = o.try_drain();
+        let pairs: Vec<(String, Arrival)> = d
+            .items
+            .iter()
+            .zip(&d.arrivals)
+            .map(|(i, a)| match i {
+                Out::Envelope(f) => (f.to_string(), a.expect("every frame has its arrival")),
+                _ => unreachable!(),
+            })
+            .collect();
+        for (frame, at) in &pairs {
+            if let Some(n) = frame.strip_prefix('t') {
+                assert_eq!(*at, Arrival::at(n.parse().unwrap()), "{frame}");
+            }
+        }
+        let telemetry: Vec<&str> = pairs.iter().map(|(f, _)| f.as_str()).filter(|f| f.starts_with('t')).collect();
+        assert_eq!(telemetry, ["t1", "t1000"]);
+        assert_eq!(pairs.len(), 1002);
+        assert_eq!(pairs.last().unwrap().1, Arrival::at(101_000));
     }
 }

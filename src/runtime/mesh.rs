@@ -397,7 +397,7 @@ mod tests {
     use super::*;
 
     fn delivery(session: u128, device: &str, kind: FrameKind, frame: &str) -> Delivery {
-        Delivery { session: SessionId(session), device: device.into(), kind, frame: frame.into() }
+        Delivery { session: SessionId(session), device: device.into(), kind, frame: frame.into(), arrived: None }
     }
 
     fn frames(batch: &[CoreMsg]) -> Vec<String> {

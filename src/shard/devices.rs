@@ -44,6 +44,8 @@ pub struct Publication {
     pub twin: Option<String>,
     /// The whole body, for `d2cMessages` subscribers (JSON text).
     pub message: Option<String>,
+    /// When the message it comes from reached hubcast (see [`Delivery::arrived`]).
+    pub arrived: Option<crate::metrics::Arrival>,
 }
 
 /// How live pushes are timed on this core.
@@ -396,7 +398,9 @@ impl DeviceTable {
 
     /// Applies one device message and pushes what it changed to the device's subscribers.
     pub fn ingest_and_publish(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
-        if let Some(publication) = self.ingest(msg, now) {
+        let arrived = msg.arrived;
+        if let Some(mut publication) = self.ingest(msg, now) {
+            publication.arrived = arrived;
             let device = publication.device.clone();
             self.publish(&device, publication, now, out);
         }
@@ -405,7 +409,7 @@ impl DeviceTable {
     /// Applies one device message to the owning shard; returns what subscribers should get
     /// (`None` when the device has no subscriber or nothing changed).
     pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
-        let IngestMessage { device_id, source, properties, body, enqueued_at } = msg;
+        let IngestMessage { device_id, source, properties, body, enqueued_at, .. } = msg;
         self.dirty.device(&device_id);
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
@@ -601,7 +605,7 @@ impl DeviceTable {
                 continue;
             }
             let mut send = |kind: FrameKind, frame: Arc<str>| {
-                out.push(Delivery { session, device: device_id.clone(), kind, frame });
+                out.push(Delivery { session, device: device_id.clone(), kind, frame, arrived: p.arrived });
             };
             if !p.telemetry.is_empty() && !subs.telemetry.is_empty() {
                 match throttle {
@@ -680,7 +684,7 @@ impl DeviceTable {
             let device: Arc<str> = Arc::from(&*device_id);
             let envelope = EnvelopeBuilder::new(&device, &iso(throttled.pending_at));
             let frame = envelope.telemetry(values.iter().map(|(k, v)| (&**k, &**v)));
-            out.push(Delivery { session, device, kind: FrameKind::Telemetry, frame });
+            out.push(Delivery { session, device, kind: FrameKind::Telemetry, frame, arrived: None });
         }
     }
 
@@ -941,6 +945,7 @@ mod tests {
             properties: smallvec::smallvec![("opType".into(), "updateTwin".into())],
             body: format!(r#"{{"version":{version},"properties":{{"reported":{{"n":{version}}}}}}}"#).into_bytes(),
             enqueued_at: None,
+            arrived: None,
         };
         let mut out = Vec::new();
         for version in 10..10 + PENDING_TWIN_CHANGES + 2 {

@@ -393,7 +393,10 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         }
         if !buf.is_empty() {
             match monoio::time::timeout(WRITE_STALL_LIMIT, write.write_all(std::mem::take(&mut buf))).await {
-                Ok((Ok(_), b)) => buf = b,
+                Ok((Ok(_), b)) => {
+                    buf = b;
+                    metrics.delivered(conn.transport(), drained.arrived());
+                }
                 Ok((Err(_), _)) | Err(_) => {
                     conn.outlet.close(CloseReason::new(1001, "write failed or stalled"));
                     conn.shutdown();

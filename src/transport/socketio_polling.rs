@@ -206,6 +206,8 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
     let Ok(drained) = drained else { return text("6") };
     let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
     core.metrics.messages_out(POLLING, envelopes as u64);
+    // Observed when the answer is handed to the HTTP writer (its write is not tracked here).
+    core.metrics.delivered(POLLING, drained.arrived());
     let mut body = Vec::new();
     for item in &drained.items {
         if !body.is_empty() {
@@ -331,9 +333,11 @@ pub fn complete_upgrade(conn: &Conn) {
     let Some(socket) = conn.core.polling.borrow_mut().remove(&*sid) else { return };
     released(&conn.core, &socket);
     // Whatever the polling side still held goes out on the WebSocket, in order.
-    for item in socket.outlet.try_drain().items {
+    let drained = socket.outlet.try_drain();
+    let arrivals = drained.arrivals.into_iter().chain(std::iter::repeat(None));
+    for (item, arrived) in drained.items.into_iter().zip(arrivals) {
         if item != Out::Packet("6".into()) {
-            conn.outlet.push(item);
+            conn.outlet.push_arrived(item, arrived);
         }
     }
     socket.outlet.close(CloseReason::new(1000, "upgraded"));
