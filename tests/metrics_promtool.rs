@@ -107,6 +107,39 @@ fn the_delivery_histogram_counts_every_frame_written_to_a_socket() {
     promtool_accepts(&body);
 }
 
+/// Socket.IO frames count under their own transport label: over a WebSocket when the write
+/// succeeded, over long-polling when a poll's answer carried them.
+#[test]
+fn socket_io_deliveries_count_under_their_transport() {
+    const SENT: usize = 6;
+    let server = Server::start(&[]);
+    let mut clients = Vec::new();
+    for (transport, device) in [("websocket", "sio-ws-dev"), ("polling", "sio-poll-dev")] {
+        let session = server.new_session();
+        server.grant(&session, telemetry(device, None));
+        assert_eq!(server.subscribe(&session, with_session(&session, telemetry(device, None))).0, 204);
+        let client = server.socketio(&[&session], transport);
+        client.wait_for("connect", WAIT).unwrap_or_else(|| panic!("{transport}: connect"));
+        clients.push((client, device));
+    }
+    for i in 0..SENT {
+        server.ingest(json!([{"deviceId": "sio-ws-dev", "body": {"n": i}}, {"deviceId": "sio-poll-dev", "body": {"n": i}}]));
+    }
+    for (client, device) in &clients {
+        for i in 0..SENT {
+            let e = client.wait_for("data", WAIT).unwrap_or_else(|| panic!("{device}: message {i}"));
+            assert_eq!(e["data"]["deviceId"], *device, "{e}");
+        }
+    }
+    let counts = [
+        format!("hubcast_delivery_duration_seconds_count{{transport=\"socketio_websocket\"}} {SENT}\n"),
+        format!("hubcast_delivery_duration_seconds_count{{transport=\"socketio_polling\"}} {SENT}\n"),
+    ];
+    let body = scrape_until(&server, "both Socket.IO delivery counts", |m| counts.iter().all(|c| m.contains(c)));
+    assert!(!body.contains(DELIVERY_COUNT), "no plain WebSocket here: {body}");
+    promtool_accepts(&body);
+}
+
 /// `promtool check metrics` finds nothing to say, and every sample has HELP and TYPE.
 fn promtool_accepts(body: &str) {
     let mut promtool = Command::new(tools::on_path("promtool"))
