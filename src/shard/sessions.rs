@@ -168,11 +168,19 @@ impl SessionTable {
     }
 
     /// Restores sessions read back at start; each gets a fresh grace period from `now`.
+    /// Restored sessions count against the limit like created ones (they may exceed it: then
+    /// new ones are refused until enough have gone), so their end is not released twice.
     pub fn restore(&mut self, sessions: impl Iterator<Item = (SessionId, Vec<Box<str>>)>, now: Instant) {
+        let mut added = 0;
         for (id, devices) in sessions {
             let record = SessionRecord { last_active: now, devices: devices.into_iter().collect(), sockets: SmallVec::new() };
-            self.sessions.insert(id, record);
+            if self.sessions.insert(id, record).is_none() {
+                added += 1;
+            }
             self.deadlines.push(Reverse((now + self.grace, id)));
+        }
+        if self.process_total && added > 0 {
+            PROCESS_SESSIONS.fetch_add(added, Ordering::AcqRel);
         }
     }
 }
@@ -194,6 +202,19 @@ mod tests {
         assert_eq!(gone.iter().map(|(id, _)| *id).collect::<Vec<_>>(), vec![a]);
         assert!(table.touch(b, t0 + Duration::from_secs(11)).is_some());
         assert!(table.expire(t0 + Duration::from_secs(30)).iter().any(|(id, _)| *id == b));
+    }
+
+    /// A session restored from the store and then expired must not wrap the process-wide
+    /// count below zero (which refused every new session for the life of the process).
+    #[test]
+    fn restored_sessions_are_counted_and_released_once() {
+        let t0 = Instant::now();
+        let grace = Duration::from_secs(10);
+        let mut table = SessionTable::new(grace, usize::MAX).process_total();
+        table.restore([(SessionId(0xfeed_0001), vec![Box::<str>::from("d")])].into_iter(), t0);
+        assert_eq!(table.expire(t0 + Duration::from_secs(11)).len(), 1);
+        assert!(table.create(SessionId(0xfeed_0002), t0), "a new session after a restored one expired");
+        assert!(table.remove(SessionId(0xfeed_0002)).is_some());
     }
 
     #[test]
