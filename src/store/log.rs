@@ -418,6 +418,12 @@ pub struct LogStore {
     pending: Vec<u8>,
     frame_at: Option<usize>,
     log_bytes: u64,
+    /// Length of the current log up to its last whole frame: a write that fails part-way is
+    /// cut back to it, so the torn frame does not hide the commits written after it.
+    file_len: u64,
+    /// Test hook: the next commit writes only this many bytes, then fails.
+    #[cfg(test)]
+    tear_next: Option<usize>,
     snapshot_size: u64,
     snapshot: Option<(Vec<u8>, usize, u64)>,
     snapshot_running: Arc<AtomicBool>,
@@ -448,6 +454,9 @@ impl LogStore {
             pending: Vec::with_capacity(64 << 10),
             frame_at: None,
             log_bytes: 0,
+            file_len: 0,
+            #[cfg(test)]
+            tear_next: None,
             snapshot_size,
             snapshot: None,
             snapshot_running: Arc::new(AtomicBool::new(false)),
@@ -466,6 +475,7 @@ impl LogStore {
         if f.metadata()?.len() == 0 {
             f.write_all(&format::header(KIND_LOG))?;
         }
+        self.file_len = f.metadata()?.len();
         sync_dir(&self.dir);
         *self.slot.file.lock().unwrap_or_else(|e| e.into_inner()) = Some(f.try_clone()?);
         self.file = Some(f);
@@ -491,9 +501,19 @@ impl StateStore for LogStore {
     fn commit(&mut self) {
         let Some(at) = self.frame_at.take() else { return };
         format::end_frame(&mut self.pending, at);
+        #[cfg(test)]
+        let tear = self.tear_next.take();
+        #[cfg(not(test))]
+        let tear: Option<usize> = None;
+        let mut torn = false;
         if let Some(f) = self.file.as_mut() {
-            match f.write_all(&self.pending) {
+            let written = match tear {
+                Some(n) => f.write_all(&self.pending[..n]).and(Err(io::Error::other("torn write (test)"))),
+                None => f.write_all(&self.pending),
+            };
+            match written {
                 Ok(()) => {
+                    self.file_len += self.pending.len() as u64;
                     self.commits += 1;
                     self.log_bytes += self.pending.len() as u64;
                     STATS.commits.fetch_add(1, Ordering::Relaxed);
@@ -509,7 +529,21 @@ impl StateStore for LogStore {
                         self.slot.dirty.store(true, Ordering::Release);
                     }
                 }
-                Err(e) => self.write_error("cannot write the log", &e),
+                Err(e) => {
+                    // Part of the frame may be in the file (ENOSPC half-way): recovery stops
+                    // reading a log at its first bad frame, so cut it off, or later commits
+                    // would be written behind it and lost at the next start.
+                    torn = f.set_len(self.file_len).is_err();
+                    self.write_error("cannot write the log", &e);
+                }
+            }
+        }
+        if torn {
+            // Cannot cut it off: go on in a new log (a start reads every log in order).
+            self.gen += 1;
+            if let Err(e) = self.open_log() {
+                self.file = None;
+                self.write_error("cannot start a new log after a failed write", &e);
             }
         }
         self.pending.clear();
@@ -676,6 +710,29 @@ mod tests {
         let (grants, subs) = o.loaded[0].access.get(&(Box::from("dev-0-0"), SessionId(7))).unwrap();
         assert!(grants.device_twin && subs.device_twin);
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_commit_written_half_way_does_not_hide_the_commits_after_it() {
+        let dir = temp_dir("torn");
+        fs::create_dir_all(&dir).unwrap();
+        let lock = Arc::new(lock_dir(&dir).unwrap());
+        let mut store = LogStore::create(&dir, 1, 0, 1, Arc::default(), lock, Duration::ZERO, 0).unwrap();
+        store.put(Change::Device { id: "before", device: Some(&device(1.0, "01")) });
+        store.commit();
+        // The disk fills up half-way through a commit: that commit is lost (and reported)...
+        store.tear_next = Some(11);
+        store.put(Change::Device { id: "torn", device: Some(&device(2.0, "02")) });
+        store.commit();
+        // ...but once there is room again, what is committed survives a restart.
+        store.put(Change::Device { id: "after", device: Some(&device(3.0, "03")) });
+        store.commit();
+        drop(store);
+        let o = open(&dir, 1, Duration::ZERO).unwrap();
+        let ids: Vec<Box<str>> = all_devices(&o).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(ids, vec![Box::<str>::from("after"), "before".into()]);
         drop(o);
         let _ = fs::remove_dir_all(&dir);
     }
