@@ -88,3 +88,19 @@ fn device_list_needs_the_key_and_names_bad_parameters() {
     let (status, body, _) = server.call("GET", &format!("/devices?q={long}"), &[ADMIN], None);
     assert_error(status, &body, 400, "`q` is longer than 128 bytes");
 }
+
+/// The device list shows last values as the device sent them, like `/lastValue` does: a
+/// number no machine type holds is neither rounded nor turned into `null`.
+#[test]
+fn the_device_list_keeps_big_numbers_as_sent() {
+    let server = Server::start(&[]);
+    let body = br#"{"deviceId":"big","body":{"u":18446744073709551616,"inf":1e309,"t":21.50}}"#;
+    let (status, answer, _) = server.call_raw("POST", "/ingest", &[ADMIN, ("Content-Type", "application/json")], body);
+    assert_eq!((status, answer.as_str()), (200, r#"{"accepted":1}"#));
+    let (status, list, _) = server.call("GET", "/devices?q=big", &[ADMIN], None);
+    assert_eq!(status, 200, "{list}");
+    let members = [r#""deviceId":"big""#, r#""u":18446744073709551616"#, r#""inf":1e309"#, r#""t":21.50"#, r#""telemetryKeys":3"#];
+    for member in members {
+        assert!(list.contains(member), "{member} in {list}");
+    }
+}

@@ -6,7 +6,8 @@
 
 use std::rc::Rc;
 
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::value::RawValue;
 
 use super::auth::require_admin;
 use crate::config::MAX_DEVICE_ID_LEN;
@@ -59,33 +60,62 @@ pub async fn list(core: &Rc<Core>, req: &Request) -> Checked<Response> {
             _ => return Err(Rejection::new(503, "a core did not answer the device listing")),
         }
     }
-    Ok(Response::json(200, render(pages, request.limit).to_string()))
+    Ok(Response::json(200, render(pages, request.limit)))
 }
 
-fn render(pages: Vec<Page>, limit: usize) -> Value {
+/// The page as JSON text. Telemetry values go out as the JSON text the device sent, as in
+/// every other read (`/lastValue`): a number no machine type holds (`18446744073709551616`,
+/// `1e309`) is neither rounded nor turned into `null`.
+fn render(pages: Vec<Page>, limit: usize) -> String {
     let total: u64 = pages.iter().map(|p| p.total).sum();
     let after_cursor: u64 = pages.iter().map(|p| p.after_cursor).sum();
     let mut devices: Vec<_> = pages.into_iter().flat_map(|p| p.devices).collect();
     devices.sort_unstable_by(|a, b| a.id.cmp(&b.id));
     devices.truncate(limit);
     let next = (after_cursor > limit as u64).then(|| devices.last().map(|d| d.id.to_string())).flatten();
-    let devices: Vec<Value> = devices
-        .into_iter()
-        .map(|d| {
-            let telemetry: Map<String, Value> = d
-                .telemetry
-                .iter()
-                .map(|(k, v)| (k.to_string(), serde_json::from_str(v).unwrap_or(Value::Null)))
-                .collect();
-            json!({
-                "deviceId": &*d.id,
-                "connected": d.connected,
-                "lastSeen": d.last.map(iso),
-                "telemetry": telemetry,
-                "telemetryKeys": d.keys,
-                "hasTwin": d.has_twin,
-            })
+    let devices: Vec<DeviceOut<'_>> = devices
+        .iter()
+        .map(|d| DeviceOut {
+            device_id: &d.id,
+            connected: d.connected,
+            last_seen: d.last.map(iso),
+            telemetry: Telemetry(&d.telemetry),
+            telemetry_keys: d.keys,
+            has_twin: d.has_twin,
         })
         .collect();
-    json!({ "total": total, "devices": devices, "next": next })
+    serde_json::to_string(&PageOut { total, devices, next }).unwrap_or_else(|_| String::from("{}"))
+}
+
+#[derive(Serialize)]
+struct PageOut<'a> {
+    total: u64,
+    devices: Vec<DeviceOut<'a>>,
+    next: Option<String>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct DeviceOut<'a> {
+    device_id: &'a str,
+    connected: Option<bool>,
+    last_seen: Option<String>,
+    telemetry: Telemetry<'a>,
+    telemetry_keys: usize,
+    has_twin: bool,
+}
+
+/// Last values as an object of their stored JSON texts, unchanged.
+struct Telemetry<'a>(&'a [(Box<str>, std::sync::Arc<str>)]);
+
+impl Serialize for Telemetry<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (key, json) in self.0 {
+            let raw: Option<&RawValue> = serde_json::from_str(json).ok();
+            map.serialize_entry(&**key, &raw)?;
+        }
+        map.end()
+    }
 }
