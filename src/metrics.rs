@@ -164,6 +164,8 @@ pub struct StateCounts {
     pub mesh_backlog_peak: u64,
     /// Telemetry deliveries conflated in those backlogs.
     pub mesh_conflated: u64,
+    /// Wake-ups of the core's timer task (runtime/clock.rs).
+    pub timer_wakeups: u64,
 }
 
 /// A core's metrics, sent to the core answering the scrape.
@@ -265,6 +267,10 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     family(&mut out, "hubcast_core_sessions", "gauge", "Live sessions owned by each core.");
     for (core, c) in cores.iter().enumerate() {
         let _ = writeln!(out, "hubcast_core_sessions{{core=\"{core}\"}} {}", c.state.sessions);
+    }
+    family(&mut out, "hubcast_core_timer_wakeups_total", "counter", "Wake-ups of each core's timer task (throttle flushes, connection TTL, session expiry).");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_core_timer_wakeups_total{{core=\"{core}\"}} {}", c.state.timer_wakeups);
     }
     family(&mut out, "hubcast_core_sockets", "gauge", "Open live-data sockets on each core, all transports.");
     for (core, c) in cores.iter().enumerate() {

@@ -43,6 +43,8 @@ pub struct Core {
     pub store: RefCell<Option<Box<dyn crate::store::StateStore + Send>>>,
     /// Source partition → the highest sequence number this core has applied.
     pub applied: RefCell<hashbrown::HashMap<Box<str>, i64>>,
+    /// This core's timers: one task sleeping until the shard's next deadline (runtime/clock.rs).
+    pub clock: crate::runtime::clock::Clock,
 }
 
 impl Core {
@@ -77,6 +79,7 @@ impl Core {
             drain: Rc::default(),
             store: RefCell::default(),
             applied: RefCell::default(),
+            clock: Default::default(),
         })
     }
 
@@ -107,6 +110,7 @@ impl Core {
                 ops.into_iter().map(|op| devices.apply(op)).collect()
             };
             self.persist(None);
+            self.arm_clock();
             return replies;
         }
         let (tx, rx) = oneshot::channel();
@@ -161,6 +165,7 @@ impl Core {
         let reply = self.run_session_op_inner(op, now);
         // Session changes are committed before the device steps leave this core.
         self.persist(None);
+        self.arm_clock();
         match reply {
             Ok(reply) => reply,
             Err(ops) => SessionReply::Scoped(Some(self.device_ops_anywhere(ops).await)),
@@ -220,7 +225,7 @@ impl Core {
     }
 
     /// A session is gone: close its sockets and drop its grants and subscriptions.
-    fn end_session(self: &Rc<Self>, id: SessionId, record: crate::shard::sessions::SessionRecord, why: &str) {
+    pub(crate) fn end_session(self: &Rc<Self>, id: SessionId, record: crate::shard::sessions::SessionRecord, why: &str) {
         for outlet in &record.sockets {
             outlet.close(CloseReason::disconnect(1000, why));
         }
@@ -263,6 +268,7 @@ impl Core {
                     let mut deliveries = Vec::new();
                     let again = me.devices.borrow_mut().hub_twin_fetched(&device, read.map(|a| a.body), Instant::now(), &mut deliveries);
                     me.persist(None);
+                    me.arm_clock();
                     me.dispatch(deliveries);
                     if !again {
                         break;
@@ -276,11 +282,15 @@ impl Core {
     pub fn apply_ingest(&self, batch: Vec<IngestMessage>) -> Vec<Delivery> {
         let now = Instant::now();
         let mut deliveries = Vec::new();
-        let mut devices = self.devices.borrow_mut();
-        for msg in batch {
-            self.metrics.message_in(msg.source as usize);
-            devices.ingest_and_publish(msg, now, &mut deliveries);
+        {
+            let mut devices = self.devices.borrow_mut();
+            for msg in batch {
+                self.metrics.message_in(msg.source as usize);
+                devices.ingest_and_publish(msg, now, &mut deliveries);
+            }
         }
+        // Held-back telemetry and devices seen connected add deadlines.
+        self.arm_clock();
         deliveries
     }
 
@@ -335,9 +345,8 @@ impl Core {
 
     /// Detaches a closed socket; the session's grace period starts when its last socket goes.
     pub fn detach_socket(&self, session: SessionId, outlet_id: u64) {
-        if let Some(record) = self.sessions.borrow_mut().touch(session, Instant::now()) {
-            record.sockets.retain(|o| o.id != outlet_id);
-        }
+        self.sessions.borrow_mut().detach_socket(session, outlet_id, Instant::now());
+        self.arm_clock();
     }
 
     /// Whether the session exists (on the session's core), keeping it alive.
@@ -427,6 +436,7 @@ impl Core {
                             ops.into_iter().map(|op| devices.apply(op)).collect()
                         };
                         self.persist(None);
+                        self.arm_clock();
                         if let Some(reply) = reply {
                             let _ = reply.send(replies);
                         }
@@ -468,47 +478,8 @@ impl Core {
             mesh_backlog: self.mesh.backlog().into_iter().map(|n| n as u64).collect(),
             mesh_backlog_peak: self.mesh.backlog_peak.get() as u64,
             mesh_conflated: self.mesh.conflated.get(),
+            timer_wakeups: self.clock.wakeups.get(),
         };
         self.metrics.snapshot(state)
-    }
-
-    /// Expires idle sessions, every half second.
-    pub async fn expire_sessions(self: Rc<Self>) {
-        loop {
-            monoio::time::sleep(Duration::from_millis(500)).await;
-            let expired = self.sessions.borrow_mut().expire(Instant::now());
-            if !expired.is_empty() {
-                self.persist(None);
-            }
-            for (id, record) in expired {
-                tracing::debug!(session = %id, "session expired");
-                self.end_session(id, record, "session expired");
-            }
-        }
-    }
-
-    /// Push timers of this core's devices: trailing throttle flushes (every 5 ms while
-    /// throttling is on) and connection-state TTL expiry (every 250 ms).
-    pub async fn push_timers(self: Rc<Self>) {
-        let throttling = self.settings.config.throttling_interval > 0;
-        let tick = if throttling { Duration::from_millis(5) } else { Duration::from_millis(250) };
-        let mut last_ttl_check = Instant::now();
-        loop {
-            monoio::time::sleep(tick).await;
-            let now = Instant::now();
-            let mut deliveries = Vec::new();
-            {
-                let mut devices = self.devices.borrow_mut();
-                if throttling {
-                    devices.flush_throttled(now, &mut deliveries);
-                }
-                if now.duration_since(last_ttl_check) >= Duration::from_millis(250) {
-                    last_ttl_check = now;
-                    devices.expire_connections(now, &mut deliveries);
-                }
-            }
-            self.persist(None);
-            self.dispatch(deliveries);
-        }
     }
 }

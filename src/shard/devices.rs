@@ -661,6 +661,14 @@ impl DeviceTable {
         }
     }
 
+    /// The earliest pending timer (a trailing throttle flush or an off-line check): the core's
+    /// clock sleeps until it. Entries may be stale; waking for one costs a heap pop.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let throttle = self.throttle_due.peek().map(|Reverse((t, _, _))| *t);
+        let offline = self.timing.connection_ttl.and(self.offline_due.peek().map(|Reverse((t, _))| *t));
+        throttle.into_iter().chain(offline).min()
+    }
+
     /// Sends the telemetry held back by throttling whose interval has passed.
     pub fn flush_throttled(&mut self, now: Instant, out: &mut Vec<Delivery>) {
         while let Some(Reverse((due, _, _))) = self.throttle_due.peek() {

@@ -2,7 +2,9 @@
 //!
 //! Expiry keeps one deadline per session in a min-heap and re-arms it lazily: touching a
 //! session only updates `last_active`; when its deadline comes up, a session that was active
-//! since is pushed back with its new deadline instead of expiring. No periodic full scan.
+//! since is pushed back with its new deadline instead of expiring. A session with an open socket
+//! holds no deadline; detaching its last socket arms one. No periodic full scan, and the core's
+//! clock ([`crate::runtime::clock`]) sleeps until [`SessionTable::next_deadline`].
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -129,6 +131,22 @@ impl SessionTable {
         all
     }
 
+    /// The earliest session deadline (possibly stale): the core's clock sleeps until it.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.peek().map(|Reverse((t, _))| *t)
+    }
+
+    /// Detaches a closed socket and marks the session active; when it was the last socket, the
+    /// grace period starts now and gets its deadline. False when there is no such session.
+    pub fn detach_socket(&mut self, id: SessionId, outlet_id: u64, now: Instant) -> bool {
+        let Some(record) = self.touch(id, now) else { return false };
+        record.sockets.retain(|o| o.id != outlet_id);
+        if record.sockets.is_empty() {
+            self.deadlines.push(Reverse((now + self.grace, id)));
+        }
+        true
+    }
+
     /// Removes and returns the sessions idle for the grace period at `now`.
     pub fn expire(&mut self, now: Instant) -> Vec<(SessionId, SessionRecord)> {
         let mut expired = Vec::new();
@@ -139,7 +157,11 @@ impl SessionTable {
             self.deadlines.pop();
             let Some(record) = self.sessions.get(&id) else { continue };
             let due = record.last_active + self.grace;
-            if record.sockets.is_empty() && due <= now {
+            if !record.sockets.is_empty() {
+                // No deadline while a socket is open: `detach_socket` arms one when the last goes.
+                continue;
+            }
+            if due <= now {
                 self.dirty.mark(id);
                 expired.push((id, self.sessions.remove(&id).expect("present")));
             } else {

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Idle wake-ups of a hubcast process: voluntary context switches of all its threads, per second.
+
+Starts BINARY (2 cores, throttling on), opens one session with SOCKETS plain WebSockets on it,
+lets it settle, then counts voluntary_ctxt_switches over /proc/<pid>/task/*/status across
+SECONDS of idleness (no ingest, no requests). Prints one line: binary, sockets, wake-ups/s.
+Usage: idle_wakeups.py BINARY [SOCKETS=1] [SECONDS=10]
+"""
+import base64, json, os, socket, subprocess, sys, tempfile, time, urllib.request
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close(); return port
+
+def switches(pid):
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total
+
+def main():
+    binary = sys.argv[1]
+    sockets = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 10.0
+    port = free_port()
+    data = tempfile.mkdtemp(prefix="idle-wakeups-")
+    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--cores", "2",
+                             "--throttling-interval", "1000", "--primary-admin-secret", "k",
+                             "--data-dir", data], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        while "listening on" not in proc.stdout.readline():
+            pass
+        base = f"http://127.0.0.1:{port}"
+        req = urllib.request.Request(base + "/session", method="POST", data=b"")
+        session = json.load(urllib.request.urlopen(req))["sessionId"]
+        conns = []
+        for _ in range(sockets):
+            c = socket.create_connection(("127.0.0.1", port))
+            key = base64.b64encode(os.urandom(16)).decode()
+            c.sendall((f"GET /ws?sessionId={session} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                       f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += c.recv(4096)
+            assert head.startswith(b"HTTP/1.1 101"), head[:80]
+            conns.append(c)
+        time.sleep(1.0)  # settle: the handshakes' own wake-ups are over
+        before = switches(proc.pid)
+        time.sleep(seconds)
+        after = switches(proc.pid)
+        print(f"{os.path.basename(binary)}\tsockets={sockets}\t{(after - before) / seconds:.1f} wake-ups/s")
+    finally:
+        proc.terminate()
+        proc.wait()
+
+if __name__ == "__main__":
+    main()

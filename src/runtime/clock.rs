@@ -1,0 +1,107 @@
+//! The per-core clock: one task per core that sleeps until the earliest deadline of the core's
+//! shard (trailing throttle flushes and connection-state TTL checks in
+//! [`DeviceTable::next_deadline`](crate::shard::DeviceTable::next_deadline), session expiry in
+//! [`SessionTable::next_deadline`](crate::shard::SessionTable::next_deadline)) and is woken early
+//! when an earlier deadline is added. No fixed tick: an idle core with throttling on and sessions
+//! open does not wake at all until something is due.
+//!
+//! The deadlines themselves live in the shard's min-heaps (the shard stays pure and synchronous);
+//! the core calls [`Core::arm_clock`] after every change that may add one, which wakes the task
+//! only when the new earliest deadline is earlier than the one it sleeps until. Everything is
+//! on one thread (monoio tasks are `!Send`), so the wake-up is a plain `Cell<Option<Waker>>`.
+
+use std::cell::Cell;
+use std::future::{poll_fn, Future};
+use std::rc::Rc;
+use std::task::{Poll, Waker};
+use std::time::Instant;
+
+use crate::runtime::core::Core;
+
+/// Where a core's timer task sleeps, and how it is woken early.
+#[derive(Default)]
+pub struct Clock {
+    /// The deadline the task sleeps until (`None`: no deadline, it waits to be woken).
+    armed: Cell<Option<Instant>>,
+    /// Set when an earlier deadline was armed while the task slept.
+    nudged: Cell<bool>,
+    waker: Cell<Option<Waker>>,
+    /// Times the task woke (deadline reached or nudged), for `hubcast_core_timer_wakeups_total`.
+    pub wakeups: Cell<u64>,
+}
+
+impl Clock {
+    /// Makes sure the task wakes by `at`: wakes it now when `at` is earlier than its deadline.
+    pub fn arm(&self, at: Instant) {
+        if self.armed.get().is_some_and(|armed| armed <= at) {
+            return;
+        }
+        self.armed.set(Some(at));
+        self.nudged.set(true);
+        if let Some(waker) = self.waker.take() {
+            waker.wake();
+        }
+    }
+
+    /// Sleeps until `until` (forever when `None`) or until [`Clock::arm`] asks for earlier.
+    async fn sleep(&self, until: Option<Instant>) {
+        self.armed.set(until);
+        self.nudged.set(false);
+        let mut timer = until.map(|t| Box::pin(monoio::time::sleep_until(t.into())));
+        poll_fn(|cx| {
+            if self.nudged.get() {
+                return Poll::Ready(());
+            }
+            if let Some(timer) = timer.as_mut() {
+                if timer.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(());
+                }
+            }
+            self.waker.set(Some(cx.waker().clone()));
+            Poll::Pending
+        })
+        .await;
+        self.waker.take();
+        self.wakeups.set(self.wakeups.get() + 1);
+    }
+}
+
+impl Core {
+    /// The earliest deadline of this core's shard.
+    fn next_deadline(&self) -> Option<Instant> {
+        let devices = self.devices.borrow().next_deadline();
+        let sessions = self.sessions.borrow().next_deadline();
+        devices.into_iter().chain(sessions).min()
+    }
+
+    /// Call after a change that may have added a deadline (telemetry held back by throttling, a
+    /// device seen connected, a session created or left without sockets): wakes the timer task
+    /// if that deadline is earlier than the one it sleeps until. Two heap peeks.
+    pub fn arm_clock(&self) {
+        if let Some(at) = self.next_deadline() {
+            self.clock.arm(at);
+        }
+    }
+
+    /// The core's timer task: sleeps until the next deadline, then runs what is due: trailing
+    /// throttle flushes, connection-state TTL expiry, session expiry.
+    pub async fn run_timers(self: Rc<Self>) {
+        loop {
+            self.clock.sleep(self.next_deadline()).await;
+            let now = Instant::now();
+            let expired = self.sessions.borrow_mut().expire(now);
+            let mut deliveries = Vec::new();
+            {
+                let mut devices = self.devices.borrow_mut();
+                devices.flush_throttled(now, &mut deliveries);
+                devices.expire_connections(now, &mut deliveries);
+            }
+            self.persist(None);
+            for (id, record) in expired {
+                tracing::debug!(session = %id, "session expired");
+                self.end_session(id, record, "session expired");
+            }
+            self.dispatch(deliveries);
+        }
+    }
+}
