@@ -118,6 +118,40 @@ fn conflated_telemetry_still_arrives_before_the_later_connection_state() {
     assert!(at(&|f| f["telemetry"]["n"] == json!(2)).is_none(), "n=2 was conflated: {frames:?}");
 }
 
+// ---- conflation keeps every key's newest value ----------------------------------------------------
+
+#[test]
+fn conflation_keeps_the_newest_value_of_every_key_when_a_device_alternates_key_sets() {
+    let server = Server::start(&["--socket-queue-soft-limit", "1"]);
+    let session = subscribed(&server, "dev-1", &["telemetry", "connectionState"]);
+    let mut live = server.live(&session);
+    // One batch reaches the socket's queue in one go: from the second frame on it is behind.
+    server.ingest(json!([
+        {"deviceId": "dev-1", "body": {"a": 1}},
+        {"deviceId": "dev-1", "body": {"b": 1}},
+        {"deviceId": "dev-1", "body": {"a": 2}},
+        {"deviceId": "dev-1", "body": {"b": 2}},
+        {"deviceId": "dev-1", "body": {"a": 3}},
+        {"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
+         "properties": {"opType": "deviceDisconnected"}, "body": {"sequenceNumber": "000000000000000001D5"}},
+    ]));
+    let mut frames = Vec::new();
+    while !frames.iter().any(|f: &Value| f["connectionState"] == json!(false)) {
+        frames.push(live.next_json(WAIT).unwrap_or_else(|| panic!("the offline state arrives; got {frames:?}")));
+    }
+    let telemetry: Vec<&Value> = frames.iter().filter(|f| f.get("telemetry").is_some()).collect();
+    assert!(telemetry.len() < 5, "the socket was behind, so telemetry was conflated: {frames:?}");
+    // What a client holds after applying every frame in order, as ux4iot's hooks do.
+    let mut state = serde_json::Map::new();
+    for f in &telemetry {
+        for (k, v) in f["telemetry"].as_object().unwrap() {
+            state.insert(k.clone(), v.clone());
+        }
+    }
+    assert_eq!(Value::Object(state), json!({"a": 3, "b": 2}), "every key's newest value arrives: {frames:?}");
+    assert!(server.metric("hubcast_conflated_total").unwrap_or(0.0) > 0.0);
+}
+
 // ---- A3: polling handshakes are capped ------------------------------------------------------
 
 #[test]

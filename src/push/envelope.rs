@@ -1,7 +1,13 @@
 //! The `data` envelope: `{"deviceId", "timestamp", <exactly one of telemetry |
 //! connectionState | deviceTwin | message>}` (reference §2).
 
+use std::borrow::Cow;
+use std::fmt;
 use std::sync::Arc;
+
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 
 /// Builds the envelopes of one device message; the shared prefix is written once.
 pub struct EnvelopeBuilder {
@@ -59,6 +65,61 @@ impl EnvelopeBuilder {
     }
 }
 
+/// Folds an older telemetry envelope of a device into a newer one that replaces it in a queue
+/// (conflation): the newer envelope's identity and timestamp, its own keys, then every key
+/// only the older one had, so a client that misses the older frame still learns the newest
+/// value of every key. Runs only on the slow path (a consumer that is behind); the values are
+/// copied as the raw JSON text they were sent as. Anything that is not two telemetry envelopes
+/// (never built here) gives the newer frame unchanged.
+pub fn merge_telemetry(older: &str, newer: &str) -> Arc<str> {
+    let (Ok(old), Ok(new)) = (serde_json::from_str::<Telemetry>(older), serde_json::from_str::<Telemetry>(newer)) else {
+        return newer.into();
+    };
+    let extra: Vec<&(Cow<str>, &RawValue)> =
+        old.telemetry.0.iter().filter(|(k, _)| !new.telemetry.0.iter().any(|(n, _)| n == k)).collect();
+    if extra.is_empty() {
+        return newer.into();
+    }
+    let device: String = serde_json::from_str(new.device_id.get()).unwrap_or_default();
+    let timestamp: String = serde_json::from_str(new.timestamp.get()).unwrap_or_default();
+    let values = new.telemetry.0.iter().chain(extra).map(|(k, v)| (k.as_ref(), v.get()));
+    EnvelopeBuilder::new(&device, &timestamp).telemetry(values)
+}
+
+/// A telemetry envelope read back, values kept as raw JSON.
+#[derive(Deserialize)]
+struct Telemetry<'a> {
+    #[serde(rename = "deviceId", borrow)]
+    device_id: &'a RawValue,
+    #[serde(borrow)]
+    timestamp: &'a RawValue,
+    #[serde(borrow)]
+    telemetry: Pairs<'a>,
+}
+
+/// A JSON object's members in the order they were written.
+struct Pairs<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Pairs<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Pairs<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a telemetry object")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Pairs<'a>, M::Error> {
+                let mut pairs = Vec::new();
+                while let Some(pair) = map.next_entry::<Cow<'de, str>, &'de RawValue>()? {
+                    pairs.push(pair);
+                }
+                Ok(Pairs(pairs))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,5 +133,18 @@ mod tests {
         let c: Value = serde_json::from_str(&b.connection_state(false)).unwrap();
         assert_eq!(c["connectionState"], json!(false));
         assert_eq!(c.as_object().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_merged_envelope_keeps_the_newest_value_of_every_key() {
+        let old = EnvelopeBuilder::new("d", "2026-01-01T00:00:00.000Z").telemetry([("a", "1"), ("b\"q", "{\"x\":[1]}")].into_iter());
+        let new = EnvelopeBuilder::new("d", "2026-01-01T00:00:01.000Z").telemetry([("a", "2"), ("c", "3.50")].into_iter());
+        let merged = merge_telemetry(&old, &new);
+        assert_eq!(&*merged, r#"{"deviceId":"d","timestamp":"2026-01-01T00:00:01.000Z","telemetry":{"a":2,"c":3.50,"b\"q":{"x":[1]}}}"#);
+        // Same keys: the newer frame as it is.
+        let same = EnvelopeBuilder::new("d", "t").telemetry([("a", "9")].into_iter());
+        // Not a telemetry envelope (never built by the fan-out): the newer frame as it is.
+        assert_eq!(merge_telemetry("{\"deviceId\":\"d\"}", &same), same);
+        assert_eq!(merge_telemetry(&EnvelopeBuilder::new("d", "t").telemetry([("a", "1")].into_iter()), &same), same);
     }
 }

@@ -3,7 +3,9 @@
 //! Producers (the fan-out, protocol packets) push; one writer drains everything queued into a
 //! single write. Back-pressure policy of one socket, bounded in messages *and* bytes:
 //! - **conflated**: once the consumer is behind (`soft` messages or `soft_bytes` bytes
-//!   waiting), telemetry is conflated: only the newest telemetry frame per device is kept. The
+//!   waiting), telemetry is conflated: only the newest telemetry frame per device is kept,
+//!   holding the newest value of every key the replaced frames had (a device that alternates
+//!   key sets loses no key's latest value; see [`super::envelope::merge_telemetry`]). The
 //!   newer frame takes the older one's place when nothing else of that device was queued after
 //!   it, and otherwise goes to the back (the older one is dropped), so every device's frames
 //!   still leave in the order they arrived (a conflated reading never overtakes the device's
@@ -30,6 +32,7 @@ use std::task::{Poll, Waker};
 
 use hashbrown::HashMap;
 
+use super::envelope::merge_telemetry;
 use super::{Delivery, FrameKind};
 use crate::metrics::Arrival;
 
@@ -295,6 +298,7 @@ impl Outlet {
             let old = s.slots.get(&d.device).copied();
             match old {
                 Some(Slot { pos, sealed: false }) => {
+                    let item = merged_with(s.queue[pos].as_ref(), item);
                     let new_bytes = item.charged_bytes();
                     let previous = s.queue[pos].replace(item).map_or(0, |o| o.charged_bytes());
                     s.bytes = s.bytes + new_bytes - previous;
@@ -302,10 +306,12 @@ impl Outlet {
                     s.arrivals[pos] = d.arrived;
                 }
                 Some(Slot { pos, sealed: true }) => {
-                    if let Some(previous) = s.queue[pos].take() {
+                    let previous = s.queue[pos].take();
+                    if let Some(previous) = &previous {
                         s.bytes -= previous.charged_bytes();
                         s.live -= 1;
                     }
+                    let item = merged_with(previous.as_ref(), item);
                     s.arrivals[pos] = None;
                     let pos = s.push_arrived(item, d.arrived);
                     s.slots.insert(d.device.clone(), Slot { pos, sealed: false });
@@ -377,6 +383,15 @@ impl Outlet {
         }
         s.push_arrived(item, arrived);
         self.check_hard_limits(s);
+    }
+}
+
+/// The telemetry frame that replaces `older` in the queue: `newer` with every key only `older`
+/// had, so conflation drops superseded values, never a key's newest one.
+fn merged_with(older: Option<&Out>, newer: Out) -> Out {
+    match (older, newer) {
+        (Some(Out::Envelope(old)), Out::Envelope(new)) => Out::Envelope(merge_telemetry(old, &new)),
+        (_, newer) => newer,
     }
 }
 

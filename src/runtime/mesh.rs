@@ -24,7 +24,8 @@
 //!   `ingress.rs`), `POST /ingest` answers only once its messages are applied *and* the
 //!   applying core has room again, and the simulated fleet waits.
 //! - **conflated**: while a destination is behind (its inbox full), a telemetry delivery
-//!   replaces the one still waiting for the same (session, device), in place; a delivery of
+//!   replaces the one still waiting for the same (session, device), in place, keeping the
+//!   newest value of every key the older one carried; a delivery of
 //!   another kind for that pair seals the older one, so a device's frames keep their order.
 //! - **never dropped**: state, twin and message deliveries, device and session operations,
 //!   replies and moving sockets. What feeds them is bounded elsewhere: requests by
@@ -45,6 +46,7 @@ use hashbrown::HashMap;
 
 use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
+use crate::push::envelope::merge_telemetry;
 use crate::push::{Delivery, FrameKind};
 use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
 
@@ -193,7 +195,9 @@ impl Outgoing {
         let key = (d.session, d.device.clone());
         if let Some(&at) = self.slots.get(&key) {
             if let Some(Pending::One(old)) = at.checked_sub(self.base).and_then(|i| self.queue.get_mut(i as usize)) {
-                *old = d;
+                // Keep the newest value of every key the replaced delivery carried.
+                let frame = merge_telemetry(&old.frame, &d.frame);
+                *old = Delivery { frame, ..d };
                 return true;
             }
         }
@@ -425,6 +429,21 @@ mod tests {
         assert_eq!(items, 4);
         assert_eq!(frames(&batch), vec!["a2", "other-session", "off", "a4"]);
         assert!(out.slots.is_empty());
+    }
+
+    #[test]
+    fn conflation_keeps_the_newest_value_of_every_key_when_key_sets_alternate() {
+        let limits = MeshLimits { batch_items: 100, batch_bytes: 1 << 20, backlog_soft: 10 };
+        let mut out = Outgoing { draining: true, ..Default::default() };
+        let env = |k: &str, v: &str| crate::push::envelope::EnvelopeBuilder::new("a", "t").telemetry([(k, v)].into_iter());
+        for (k, v) in [("x", "1"), ("y", "1"), ("x", "2"), ("y", "2")] {
+            out.push_delivery(delivery(1, "a", FrameKind::Telemetry, &env(k, v)));
+        }
+        let (batch, _) = out.take_batch(&limits).unwrap();
+        let frames = frames(&batch);
+        assert_eq!(frames.len(), 1, "{frames:?}");
+        let got: serde_json::Value = serde_json::from_str(&frames[0]).unwrap();
+        assert_eq!(got["telemetry"], serde_json::json!({"y": 2, "x": 2}));
     }
 
     #[test]
