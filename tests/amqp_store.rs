@@ -176,3 +176,19 @@ fn latest_is_pinned_in_the_store_so_a_restart_before_any_event_loses_nothing() {
     second.wait_for("/lastValue/pin/while_down", WAIT, |s, _| s == 200);
     assert_eq!(second.get("/lastValue/pin/before").0, 404, "what preceded the first start stays unread");
 }
+
+#[test]
+fn a_message_without_a_sequence_number_is_applied_after_positions_are_stored() {
+    let hub = FakeHub::start(&["0"], FakeAuth::Plain);
+    let dir = common::TempDir::new();
+    let server = start(&hub, dir.path(), &["--event-hub-start-position", "earliest"]);
+    hub.publish("0", NewEvent::telemetry("nos", json!({"with_seq": 1})));
+    // Sentinel: the partition is read and its position stored with the state.
+    server.wait_for("/lastValue/nos/with_seq", WAIT, |s, _| s == 200);
+    hub.publish("0", NewEvent::telemetry("nos", json!({"without_seq": 2})).without_sequence_number());
+    hub.publish("0", NewEvent::telemetry("nos", json!({"after": 3})));
+    server.wait_for("/lastValue/nos/after", WAIT, |s, _| s == 200);
+    let (status, body) = server.get_json("/lastValue/nos/without_seq");
+    assert_eq!(status, 200, "a message the hub sent without x-opt-sequence-number is applied: {body}");
+    assert_eq!(body["data"]["without_seq"], json!(2));
+}

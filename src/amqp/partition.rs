@@ -160,7 +160,7 @@ pub async fn consume(
             match to_ingest(&mut message, &settings) {
                 Ok(msg) => {
                     batch.push(msg);
-                    seqs.push(sequence.unwrap_or(-1));
+                    seqs.push(sequence.unwrap_or(crate::runtime::ingress::NO_SEQUENCE));
                 }
                 Err(r) => FAULTS.record(r.fault, r.device.as_deref(), &r.detail),
             }

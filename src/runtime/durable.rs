@@ -15,7 +15,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use crate::ingest::IngestMessage;
-use crate::runtime::ingress::Mark;
+use crate::runtime::ingress::{Mark, NO_SEQUENCE};
 use crate::runtime::Core;
 use crate::store::{Change, Loaded, StateStore};
 
@@ -72,7 +72,7 @@ impl Core {
     pub fn ingest_marked(self: &Rc<Self>, batch: Vec<IngestMessage>, mark: Mark) {
         let done = self.applied.borrow().get(&*mark.key).copied();
         let batch: Vec<IngestMessage> = match done {
-            Some(done) => batch.into_iter().zip(&mark.seqs).filter(|(_, &seq)| seq > done).map(|(m, _)| m).collect(),
+            Some(done) => batch.into_iter().zip(&mark.seqs).filter(|(_, &seq)| seq == NO_SEQUENCE || seq > done).map(|(m, _)| m).collect(),
             None => batch,
         };
         let upto = done.map_or(mark.upto, |d| d.max(mark.upto));

@@ -32,9 +32,14 @@ pub struct IngressBatch {
 pub struct Mark {
     pub key: std::sync::Arc<str>,
     pub upto: i64,
-    /// Parallel to the messages.
+    /// Parallel to the messages; [`NO_SEQUENCE`] for a message that carried none.
     pub seqs: Vec<i64>,
 }
+
+/// The sequence number of a message that carried none (Event Hubs numbers from 0). Such a
+/// message cannot be told apart from a redelivery, so it is always applied: at least once,
+/// where numbered messages are applied exactly once.
+pub const NO_SEQUENCE: i64 = -1;
 
 /// The durable store's view of the event source: marks are stored under `prefix + partition`
 /// (the prefix names the event stream and consumer group, so another stream starts afresh).

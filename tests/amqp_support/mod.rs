@@ -249,6 +249,8 @@ pub struct NewEvent {
     properties: Vec<(String, String)>,
     body: Vec<u8>,
     enqueued: Option<i64>,
+    /// Sent without `x-opt-sequence-number` (a hub that omits it, or a relay that strips it).
+    no_sequence: bool,
 }
 
 impl NewEvent {
@@ -261,6 +263,7 @@ impl NewEvent {
             properties: vec![],
             body: body.to_string().into_bytes(),
             enqueued: None,
+            no_sequence: false,
         }
     }
 
@@ -272,7 +275,15 @@ impl NewEvent {
     /// A plain Event Hub message: no IoT Hub annotations; the device id (if any) is given with
     /// [`NewEvent::prop`] or sits in the body.
     pub fn plain(body: &[u8]) -> Self {
-        Self { device: None, iot_hub: false, source: None, properties: vec![], body: body.to_vec(), enqueued: None }
+        Self {
+            device: None,
+            iot_hub: false,
+            source: None,
+            properties: vec![],
+            body: body.to_vec(),
+            enqueued: None,
+            no_sequence: false,
+        }
     }
 
     pub fn source(mut self, source: &str) -> Self {
@@ -287,6 +298,11 @@ impl NewEvent {
 
     pub fn raw_body(mut self, body: &[u8]) -> Self {
         self.body = body.to_vec();
+        self
+    }
+
+    pub fn without_sequence_number(mut self) -> Self {
+        self.no_sequence = true;
         self
     }
 
@@ -447,6 +463,9 @@ impl FakeHub {
                 ("x-opt-offset".to_string(), Value::String((sequence * 100).to_string())),
                 ("x-opt-enqueued-time".to_string(), Value::Timestamp(Timestamp::from_milliseconds(enqueued))),
             ];
+            if event.no_sequence {
+                annotations.remove(0);
+            }
             let mut properties: Vec<(String, SimpleValue)> =
                 event.properties.iter().map(|(k, v)| (k.clone(), SimpleValue::String(v.clone()))).collect();
             if event.iot_hub {
