@@ -125,8 +125,10 @@ pub fn init_with(level: LogLevel, format: LogFormat) -> LogControl {
     LogControl { handle: Some(handle) }
 }
 
-/// Writes each event as one JSON object on one line of stderr (one `write` per line, so lines
-/// of different threads never interleave).
+/// Writes each event as one JSON object on one line of stderr. The whole line is written
+/// under stderr's lock, so lines of this process's threads never interleave, even when a long
+/// line takes several `write`s (a pipe takes at most `PIPE_BUF` bytes atomically; stderr is
+/// unbuffered). Another process writing to the same pipe could still cut into a long line.
 struct JsonLines;
 
 impl<S> tracing_subscriber::Layer<S> for JsonLines

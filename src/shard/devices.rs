@@ -856,6 +856,11 @@ impl PendingTwin {
             self.bytes = 0;
             self.overflowed = true;
         }
+        // A change bigger than the whole bound is not held either: the read again after the
+        // one in flight brings it (the hub applied it before it was sent on).
+        if size > PENDING_TWIN_BYTES {
+            return;
+        }
         self.bytes += size;
         self.changes.push((change, at));
     }
@@ -896,6 +901,20 @@ pub fn merge_patch(target: &mut Value, patch: Value) {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn held_twin_changes_never_exceed_the_byte_bound_not_even_one_big_change() {
+        let mut pending = PendingTwin::default();
+        pending.hold(json!({"small": 1}), 1);
+        assert_eq!(pending.changes.len(), 1);
+        pending.hold(json!({"big": "x".repeat(PENDING_TWIN_BYTES)}), 2);
+        assert!(pending.overflowed, "the twin is read again");
+        assert!(pending.changes.is_empty() && pending.bytes == 0, "{} bytes held", pending.bytes);
+        for i in 0..PENDING_TWIN_CHANGES * 3 {
+            pending.hold(json!({ "k": "y".repeat(10_000), "i": i }), 3);
+            assert!(pending.bytes <= PENDING_TWIN_BYTES && pending.changes.len() <= PENDING_TWIN_CHANGES);
+        }
+    }
 
     #[test]
     fn merge_patch_merges_deep_and_deletes_null() {
