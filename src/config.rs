@@ -78,8 +78,8 @@ pub struct Config {
     /// Where each partition is read from the first time: `latest` (messages enqueued from now
     /// on), `earliest` (everything the hub retains) or an ISO 8601 time (messages enqueued after it).
     #[arg(long = "event-hub-start-position", env = "EVENT_HUB_START_POSITION", default_value = "latest",
-          value_parser = crate::amqp::StartPosition::parse)]
-    pub event_hub_start_position: crate::amqp::StartPosition,
+          value_parser = StartPosition::parse)]
+    pub event_hub_start_position: StartPosition,
 
     /// Authentication to the event stream: `auto` (CBS over TLS, SASL PLAIN on amqp://),
     /// `cbs` (SAS token on $cbs, renewed) or `plain` (SASL PLAIN with key name and key).
@@ -308,8 +308,8 @@ pub struct Config {
     /// Directory of the durable state (last values, twins, connection states, sessions, AMQP
     /// positions); `none`: memory only, nothing survives a restart. One hubcast per directory.
     #[arg(long = "data-dir", env = "DATA_DIR", default_value = "./hubcast-data",
-          value_parser = crate::store::DataDir::parse)]
-    pub data_dir: crate::store::DataDir,
+          value_parser = DataDir::parse)]
+    pub data_dir: DataDir,
 
     /// Milliseconds between syncs of the durable state to disk (0: sync every commit). A commit
     /// survives a crash of the process at once, and a power loss after at most this long.
@@ -335,8 +335,7 @@ impl Settings {
     }
 
     /// How long a twin read from the IoT Hub is served from the cache (`deviceTwinCacheTTL`).
-    pub fn twin_cache_ttl(&self) -> crate::shard::TwinCacheTtl {
-        use crate::shard::TwinCacheTtl;
+    pub fn twin_cache_ttl(&self) -> TwinCacheTtl {
         if let Some(ms) = self.config.device_twin_cache_ttl_ms {
             return TwinCacheTtl::For(std::time::Duration::from_millis(ms));
         }
@@ -439,4 +438,55 @@ impl Config {
         });
         Settings { config: self, cores, admin_secrets, event_hub, service }
     }
+}
+
+/// Where a partition is read from the first time (later: after the last message received).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StartPosition {
+    /// Only messages enqueued after hubcast connected.
+    Latest,
+    /// Everything the hub still retains.
+    Earliest,
+    /// Messages enqueued after this time.
+    EnqueuedAfter(crate::timefmt::Millis),
+}
+
+impl StartPosition {
+    /// `latest`, `earliest` or an ISO 8601 time (the clap value parser).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "latest" => Ok(Self::Latest),
+            "earliest" => Ok(Self::Earliest),
+            t => crate::timefmt::parse_iso(t)
+                .map(Self::EnqueuedAfter)
+                .ok_or_else(|| format!("`{t}` is neither `latest`, `earliest` nor an ISO 8601 time")),
+        }
+    }
+}
+
+/// Where the state lives: `--data-dir`, or nowhere (`--data-dir none`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataDir {
+    Memory,
+    Dir(std::path::PathBuf),
+}
+
+impl DataDir {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "" => Err("empty; give a directory, or `none` for memory only".into()),
+            "none" => Ok(Self::Memory),
+            dir => Ok(Self::Dir(std::path::PathBuf::from(dir))),
+        }
+    }
+}
+
+/// `deviceTwinCacheTTL`: how long a twin read from the IoT Hub is served from the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TwinCacheTtl {
+    /// `-1`: never; every read asks the hub.
+    Off,
+    /// `0`: the first hub read is kept (and kept current by twin change events).
+    Forever,
+    For(std::time::Duration),
 }

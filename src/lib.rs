@@ -16,6 +16,9 @@
 //!   on its own thread behind a bounded queue.
 //! - [`logging`], [`status`]: operations; [`shutdown`]: graceful SIGTERM/SIGINT shutdown;
 //!   [`owner`]: one process per port.
+//!
+//! Modules import only from their own layer or below (`scripts/layers.toml`, checked by
+//! `scripts/layers.py` in the test suite; today's exceptions in `scripts/layers-baseline.txt`).
 
 pub mod amqp;
 pub mod api;

@@ -35,11 +35,12 @@ use tokio::time::{sleep, timeout, Instant};
 use crate::config::Settings;
 use crate::connection_string::EventHubConnection;
 use crate::runtime::Ingress;
-use crate::timefmt::{now_millis, parse_iso, Millis};
+use crate::timefmt::now_millis;
 use crate::Shared;
 use connect::{Endpoint, IotHubHost, NodeError, NodeLink};
 use map::MapSettings;
 use partition::{End, Positions};
+pub use crate::config::StartPosition;
 
 /// First retry delay after a failure; doubled per failure in a row, up to [`BACKOFF_CAP`].
 const BACKOFF_BASE: Duration = Duration::from_millis(200);
@@ -87,29 +88,6 @@ impl Stats {
     }
 }
 
-/// Where a partition is read from the first time (later: after the last message received).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StartPosition {
-    /// Only messages enqueued after hubcast connected.
-    Latest,
-    /// Everything the hub still retains.
-    Earliest,
-    /// Messages enqueued after this time.
-    EnqueuedAfter(Millis),
-}
-
-impl StartPosition {
-    /// `latest`, `earliest` or an ISO 8601 time (the clap value parser).
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s.trim() {
-            "latest" => Ok(Self::Latest),
-            "earliest" => Ok(Self::Earliest),
-            t => parse_iso(t)
-                .map(Self::EnqueuedAfter)
-                .ok_or_else(|| format!("`{t}` is neither `latest`, `earliest` nor an ISO 8601 time")),
-        }
-    }
-}
 
 /// How to authenticate to the Event Hub.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -13,6 +13,7 @@ use crate::model::{Grant, Rejection, Subscription};
 
 pub use devices::DeviceTable;
 pub use sessions::SessionTable;
+pub use crate::config::TwinCacheTtl;
 
 /// Who is reading: the admin key (no grant checks) or a session (grants checked).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,15 +47,6 @@ pub enum DeviceOp {
     ReadConnectionStateOrMiss { device: Box<str>, viewer: Viewer },
 }
 
-/// `deviceTwinCacheTTL`: how long a twin read from the IoT Hub is served from the cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TwinCacheTtl {
-    /// `-1`: never; every read asks the hub.
-    Off,
-    /// `0`: the first hub read is kept (and kept current by twin change events).
-    Forever,
-    For(std::time::Duration),
-}
 
 impl DeviceOp {
     pub fn device(&self) -> &str {

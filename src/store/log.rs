@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use super::format::{self, Change, Record, Tail, KIND_LOG, KIND_SNAPSHOT};
 use super::{device_from_data, Loaded, Opened, StateStore};
-use crate::runtime::routing::{core_of_device, core_of_session};
+use crate::ids::{core_of_device, core_of_session};
 
 /// Logs smaller than this are never compacted.
 pub const SNAPSHOT_MIN_LOG: u64 = 64 << 20;

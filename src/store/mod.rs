@@ -14,7 +14,7 @@ pub mod format;
 pub mod log;
 
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use hashbrown::HashMap;
@@ -23,6 +23,7 @@ use crate::ids::SessionId;
 use crate::shard::access::{Grants, Subscriptions};
 
 pub use format::{Change, DeviceData, Record};
+pub use crate::config::DataDir;
 
 /// A core's durable state engine. Called only from the core's own thread.
 pub trait StateStore {
@@ -116,22 +117,6 @@ pub fn device_from_owned(d: DeviceData) -> crate::shard::devices::Device {
     device
 }
 
-/// Where the state lives: `--data-dir`, or nowhere (`--data-dir none`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DataDir {
-    Memory,
-    Dir(PathBuf),
-}
-
-impl DataDir {
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s {
-            "" => Err("empty; give a directory, or `none` for memory only".into()),
-            "none" => Ok(Self::Memory),
-            dir => Ok(Self::Dir(PathBuf::from(dir))),
-        }
-    }
-}
 
 /// The stores of every core, and what they held.
 pub struct Opened {

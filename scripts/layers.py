@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Layer check: every module of src/ imports only from its own layer or the ones below.
+
+The layers are listed leaf first in scripts/layers.toml. Each `crate::x` path in a file of
+src/ (a `use` or a path in code, `use crate::{a, b}` groups included) is an edge from that
+file to the top-level module `x`; an edge to a module of a higher layer goes the wrong way.
+`crate::Name` (an item of lib.rs itself) is an edge to the layer of `lib`.
+
+The wrong-way edges that exist today are listed in scripts/layers-baseline.txt, one
+`<file> -> <module>` per line: a ratchet. The check fails on any wrong-way edge that is not
+in the baseline, and on a baseline line that no longer holds (delete it: the baseline only
+shrinks). `--write-baseline` rewrites the baseline from the tree (for the commit that adds a
+layer or reviews the list, never to let a new edge in quietly).
+
+Usage: python3 scripts/layers.py [--root DIR] [--write-baseline]
+Exit status 0 when the tree keeps to the layers and the baseline, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+import tomllib
+
+COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+STRING = re.compile(r'"(?:\\.|[^"\\])*"')
+CRATE_PATH = re.compile(r"\bcrate::")
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def strip(text: str) -> str:
+    """Source without comments and string literals (doc text and strings may say `crate::`)."""
+    return STRING.sub('""', COMMENT.sub("", text))
+
+
+def group_items(text: str, start: int) -> list[str]:
+    """The first identifier of each top-level item of the `{...}` group at `start`."""
+    depth, item, items = 0, "", []
+    for ch in text[start:]:
+        if ch == "{":
+            depth += 1
+            if depth == 1:
+                continue
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                items.append(item)
+                break
+        if depth == 1 and ch == ",":
+            items.append(item)
+            item = ""
+        elif depth >= 1:
+            item += ch
+    names = []
+    for it in items:
+        m = IDENT.search(it)
+        if m:
+            names.append(m.group(0))
+    return names
+
+
+def targets(text: str) -> set[str]:
+    """Top-level names this source refers to through `crate::`."""
+    text = strip(text)
+    out: set[str] = set()
+    for m in CRATE_PATH.finditer(text):
+        rest = m.end()
+        if text[rest:rest + 1] == "{":
+            out.update(group_items(text, rest))
+        else:
+            ident = IDENT.match(text, rest)
+            if ident:
+                out.add(ident.group(0))
+    return {"lib" if name[:1].isupper() else name for name in out if name != "self"}
+
+
+def module_of(rel: pathlib.PurePosixPath) -> str:
+    first = rel.parts[0]
+    return first[:-3] if first.endswith(".rs") else first
+
+
+def load_layers(path: pathlib.Path) -> dict[str, int]:
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    rank: dict[str, int] = {}
+    for i, layer in enumerate(doc["layers"]):
+        for module in layer["modules"]:
+            if module in rank:
+                sys.exit(f"layers.toml: module {module} is in two layers")
+            rank[module] = i
+    return rank
+
+
+def wrong_way(src: pathlib.Path, rank: dict[str, int]) -> tuple[set[str], list[str]]:
+    """(`file -> module` edges that go up, problems such as a module no layer names)."""
+    edges: set[str] = set()
+    problems: list[str] = []
+    for file in sorted(src.rglob("*.rs")):
+        rel = pathlib.PurePosixPath(file.relative_to(src).as_posix())
+        own = module_of(rel)
+        if own not in rank:
+            problems.append(f"src/{rel}: module `{own}` is in no layer of scripts/layers.toml")
+            continue
+        for target in sorted(targets(file.read_text(encoding="utf-8"))):
+            if target == own:
+                continue
+            if target not in rank:
+                # Not a module (a macro or a re-export at the root): nothing to rank.
+                continue
+            if rank[target] > rank[own]:
+                edges.add(f"src/{rel} -> {target}")
+    return edges, problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=str(pathlib.Path(__file__).resolve().parent.parent))
+    ap.add_argument("--write-baseline", action="store_true")
+    args = ap.parse_args()
+    root = pathlib.Path(args.root)
+    rank = load_layers(root / "scripts" / "layers.toml")
+    edges, problems = wrong_way(root / "src", rank)
+    baseline_path = root / "scripts" / "layers-baseline.txt"
+    if args.write_baseline:
+        header = "# Wrong-way imports that exist today (scripts/layers.py). This list only shrinks.\n"
+        baseline_path.write_text(header + "".join(f"{e}\n" for e in sorted(edges)))
+        print(f"wrote {len(edges)} edges to {baseline_path}")
+        return 0
+    baseline = set()
+    if baseline_path.exists():
+        baseline = {l.strip() for l in baseline_path.read_text().splitlines() if l.strip() and not l.startswith("#")}
+    new = sorted(edges - baseline)
+    gone = sorted(baseline - edges)
+    for p in problems:
+        print(p)
+    for e in new:
+        print(f"new wrong-way import: {e} (a module may import only from its own layer or below; see scripts/layers.toml)")
+    for e in gone:
+        print(f"fixed: {e} no longer holds; delete its line from scripts/layers-baseline.txt")
+    ok = not (problems or new or gone)
+    print(f"layers: {len(edges)} known wrong-way imports, {len(new)} new, {len(gone)} gone: {'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Self-test of scripts/layers.py on a tiny fake tree: an upward import fails, a baselined
+one passes, a baseline line that no longer holds fails, `crate::{..}` groups and comments
+are read right."""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+LAYERS = """
+[[layers]]
+name = "low"
+modules = ["ids"]
+[[layers]]
+name = "mid"
+modules = ["shard"]
+[[layers]]
+name = "high"
+modules = ["api", "lib"]
+"""
+
+
+def run(root: pathlib.Path) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, str(HERE / "layers.py"), "--root", str(root)], capture_output=True, text=True)
+    return p.returncode, p.stdout + p.stderr
+
+
+def tree(files: dict[str, str], baseline: str = "") -> pathlib.Path:
+    root = pathlib.Path(tempfile.mkdtemp())
+    (root / "scripts").mkdir()
+    (root / "scripts" / "layers.toml").write_text(LAYERS)
+    (root / "scripts" / "layers-baseline.txt").write_text(baseline)
+    for name, text in files.items():
+        path = root / "src" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def check(name: str, files: dict[str, str], baseline: str, want_ok: bool, want_text: str) -> None:
+    root = tree(files, baseline)
+    try:
+        code, out = run(root)
+    finally:
+        shutil.rmtree(root)
+    assert (code == 0) == want_ok, f"{name}: exit {code}\n{out}"
+    assert want_text in out, f"{name}: {want_text!r} not in\n{out}"
+    print(f"ok: {name}")
+
+
+down = {"ids.rs": "pub fn f() {}", "shard/mod.rs": "use crate::ids::f;\n// crate::api in a comment\nconst S: &str = \"crate::api\";", "api.rs": "use crate::{shard, ids::f};"}
+check("downward imports pass", down, "", True, "0 new")
+up = dict(down, **{"shard/devices.rs": "use crate::{ids, api::Thing};"})
+check("an upward import in a group fails", up, "", False, "new wrong-way import: src/shard/devices.rs -> api")
+check("a baselined upward import passes", up, "src/shard/devices.rs -> api\n", True, "1 known")
+check("a vanished baseline line fails", down, "src/shard/devices.rs -> api\n", False, "no longer holds")
+check("an item of lib.rs is the lib layer", dict(down, **{"ids.rs": "fn g(_: &crate::Shared) {}"}), "", False, "src/ids.rs -> lib")
+check("a module in no layer fails", dict(down, **{"extra.rs": ""}), "", False, "in no layer")
