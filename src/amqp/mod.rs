@@ -552,7 +552,7 @@ mod tests {
         assert_eq!(StartPosition::parse("earliest"), Ok(StartPosition::Earliest));
         assert_eq!(
             StartPosition::parse("2024-01-02T03:04:05Z"),
-            Ok(StartPosition::EnqueuedAfter(parse_iso("2024-01-02T03:04:05Z").unwrap()))
+            Ok(StartPosition::EnqueuedAfter(crate::timefmt::parse_iso("2024-01-02T03:04:05Z").unwrap()))
         );
         assert!(StartPosition::parse("tomorrow").unwrap_err().contains("tomorrow"));
     }
