@@ -96,14 +96,18 @@ impl DeviceTable {
     /// Restores devices and access entries read back at start. A connected device counts as
     /// heard from now (its connection-state TTL starts again).
     pub fn restore(&mut self, loaded: &mut Loaded, now: Instant) {
-        self.devices.reserve(loaded.devices.len());
-        for (id, data) in loaded.devices.drain() {
-            let mut device = crate::store::device_from_owned(data);
-            if device.connection.is_some() {
+        if self.devices.is_empty() {
+            // At start: adopt the loader's map whole (no second map, no rehash).
+            self.devices = std::mem::take(&mut loaded.devices);
+        } else {
+            self.devices.extend(loaded.devices.drain());
+        }
+        let ttl = self.timing.connection_ttl;
+        for (id, device) in self.devices.iter_mut() {
+            if device.connection.is_some() && device.last_seen.is_none() {
                 device.last_seen = Some(now);
-                Self::arm_offline_check(&mut self.offline_due, self.timing.connection_ttl, &id, &mut device, now);
+                Self::arm_offline_check(&mut self.offline_due, ttl, id, device, now);
             }
-            self.devices.insert(id, device);
         }
         for ((device, session), (grants, subs)) in loaded.access.drain() {
             let access = Access { grants, subs, throttle: None };

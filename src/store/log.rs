@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::format::{self, Change, Record, Tail, KIND_LOG, KIND_SNAPSHOT};
-use super::{device_from_data, Loaded, Opened, StateStore};
+use super::{Loaded, Opened, StateStore};
 use crate::ids::{core_of_device, core_of_session};
 
 /// Logs smaller than this are never compacted.
@@ -248,9 +248,8 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
             *frame = format::begin_frame(buf);
         }
     };
-    for (id, d) in &loaded.devices {
-        let device = device_from_data(d);
-        format::encode(&mut buf, Change::Device { id, device: Some(&device) });
+    for (id, device) in &loaded.devices {
+        format::encode(&mut buf, Change::Device { id, device: Some(device) });
         split(&mut buf, &mut frame);
     }
     for ((device, session), (grants, subs)) in &loaded.access {
@@ -692,7 +691,8 @@ mod tests {
     }
 
     fn all_devices(o: &Opened) -> Vec<(Box<str>, DeviceData)> {
-        let mut v: Vec<_> = o.loaded.iter().flat_map(|l| l.devices.iter().map(|(k, d)| (k.clone(), d.clone()))).collect();
+        let mut v: Vec<_> =
+            o.loaded.iter().flat_map(|l| l.devices.iter().map(|(k, d)| (k.clone(), crate::store::data_of_device(d)))).collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
@@ -832,9 +832,8 @@ mod tests {
         let state = o.loaded.pop().unwrap();
         let store = &mut o.stores[0];
         store.begin_snapshot();
-        for (id, d) in &state.devices {
-            let device = device_from_data(d);
-            store.put_snapshot(Change::Device { id, device: Some(&device) });
+        for (id, device) in &state.devices {
+            store.put_snapshot(Change::Device { id, device: Some(device) });
         }
         store.put_snapshot(Change::Applied { key: "p0", seq: 2 });
         store.end_snapshot();

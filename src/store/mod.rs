@@ -20,6 +20,7 @@ use std::time::Duration;
 use hashbrown::HashMap;
 
 use crate::ids::SessionId;
+use crate::shard::devices::Device;
 use crate::shard::access::{Grants, Subscriptions};
 
 pub use format::{Change, DeviceData, Record};
@@ -48,10 +49,12 @@ pub trait StateStore {
     fn close(&mut self) -> io::Result<()>;
 }
 
-/// One core's state as read back at start.
-#[derive(Default, Debug)]
+/// One core's state as read back at start. Devices are rebuilt as the shard's own [`Device`]s
+/// by the loader threads (one per core, in parallel), so the core adopts the whole map at once
+/// instead of building a second one (start-up with 1,000,000 devices, issue 11).
+#[derive(Default)]
 pub struct Loaded {
-    pub devices: HashMap<Box<str>, DeviceData>,
+    pub devices: HashMap<Box<str>, Device>,
     pub access: HashMap<(Box<str>, SessionId), (Grants, Subscriptions)>,
     pub sessions: HashMap<SessionId, Vec<Box<str>>>,
     /// Source partition → the highest sequence number this core has applied.
@@ -63,7 +66,7 @@ impl Loaded {
     pub fn apply(&mut self, record: Record) {
         match record {
             Record::Device(id, Some(d)) => {
-                self.devices.insert(id, d);
+                self.devices.insert(id, device_from_owned(d));
             }
             Record::Device(id, None) => {
                 self.devices.remove(&id);
@@ -93,12 +96,18 @@ impl Loaded {
     }
 }
 
-/// A device rebuilt from its stored data (for re-sharding and restore).
-pub fn device_from_data(d: &DeviceData) -> crate::shard::devices::Device {
-    device_from_owned(d.clone())
+/// A device's stored data, keys in order (tests compare what was read back).
+pub fn data_of_device(d: &Device) -> DeviceData {
+    let mut telemetry: Vec<_> = d.telemetry.iter().map(|(k, v)| (k.clone(), v.json.clone(), v.at)).collect();
+    telemetry.sort_by(|a, b| a.0.cmp(&b.0));
+    DeviceData {
+        telemetry,
+        twin: d.twin.as_ref().map(|t| (t.doc.to_string(), t.at)),
+        connection: d.connection.as_ref().map(|c| (c.connected, c.at, c.sequence.clone())),
+    }
 }
 
-/// [`device_from_data`] taking the data by value (no copy of keys and texts: restore at start).
+/// A device rebuilt from its stored data (no copy of keys and texts).
 pub fn device_from_owned(d: DeviceData) -> crate::shard::devices::Device {
     use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
     let mut device = Device::default();
