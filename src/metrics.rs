@@ -95,6 +95,9 @@ pub struct CoreMetrics {
     pub requests: [Histogram; ROUTES.len()],
     /// HTTP connections that stopped reading at their pipelining bound (`http` module docs).
     pub http_pipeline_pauses: Cell<u64>,
+    /// Times a live-data socket's reader paused to let its core serve others (transport's
+    /// `READ_BUDGET`: epoll only).
+    pub socket_read_pauses: Cell<u64>,
     /// Ingest→socket delivery latency, by transport.
     pub deliveries: [Histogram; TRANSPORTS.len()],
 }
@@ -124,6 +127,9 @@ impl CoreMetrics {
     pub fn http_pipeline_paused(&self) {
         bump(&self.http_pipeline_pauses, 1);
     }
+    pub fn socket_read_paused(&self) {
+        bump(&self.socket_read_pauses, 1);
+    }
     /// Envelopes just written to a socket (or handed to a poll's answer), by their arrivals.
     pub fn delivered(&self, transport: usize, arrivals: impl IntoIterator<Item = Arrival>) {
         for a in arrivals {
@@ -142,6 +148,7 @@ impl CoreMetrics {
             requests: self.requests.iter().map(Histogram::snapshot).collect(),
             state,
             http_pipeline_pauses: self.http_pipeline_pauses.get(),
+            socket_read_pauses: self.socket_read_pauses.get(),
             deliveries: self.deliveries.iter().map(Histogram::snapshot).collect(),
         }
     }
@@ -179,6 +186,7 @@ pub struct Snapshot {
     pub requests: Vec<HistogramSnapshot>,
     pub state: StateCounts,
     pub http_pipeline_pauses: u64,
+    pub socket_read_pauses: u64,
     pub deliveries: Vec<HistogramSnapshot>,
 }
 
@@ -250,6 +258,8 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     let _ = writeln!(out, "hubcast_slow_consumers_closed_total {}", cores.iter().map(|c| c.slow_consumers_closed).sum::<u64>());
     family(&mut out, "hubcast_http_pipeline_pauses_total", "counter", "Times an HTTP connection stopped reading at its pipelining bound (requests or body bytes in flight).");
     let _ = writeln!(out, "hubcast_http_pipeline_pauses_total {}", cores.iter().map(|c| c.http_pipeline_pauses).sum::<u64>());
+    family(&mut out, "hubcast_socket_read_pauses_total", "counter", "Times a live-data socket that kept data ready was paused 1 ms so its core could serve others (epoll only).");
+    let _ = writeln!(out, "hubcast_socket_read_pauses_total {}", cores.iter().map(|c| c.socket_read_pauses).sum::<u64>());
     for (name, help, pick) in [
         ("hubcast_devices", "Devices with cached state or grants.", (|s: &StateCounts| s.devices) as fn(&StateCounts) -> u64),
         ("hubcast_sessions", "Live sessions.", |s| s.sessions),

@@ -293,6 +293,48 @@ fn an_epoll_core_keeps_answering_while_sockets_stream_big_frames() {
     eprintln!("20 GET /version answered in {took:?} while {frames} frames of 65 KB streamed");
 }
 
+/// Streams `frames` text frames of 60 KB on a fresh `/ws` socket, then a ping, and waits for its
+/// pong: by then the server has read every byte. Returns the socket read pauses counted.
+fn read_pauses_after_streaming(server: &Server, frames: usize) -> f64 {
+    let session = server.new_session();
+    let (mut stream, status) = raw_upgrade(server, &format!("/ws?sessionId={session}"), Some(KEY));
+    assert_eq!(status, 101);
+    let frame = client_frame(0x1, "z".repeat(60_000).as_bytes());
+    let writer = {
+        let mut stream = stream.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for _ in 0..frames {
+                stream.write_all(&frame).unwrap();
+            }
+            stream.write_all(&client_frame(0x9, b"all sent")).unwrap();
+        })
+    };
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    loop {
+        let (opcode, payload) = read_frame(&mut stream).expect("the pong after every frame was read");
+        if opcode == 0xA && payload == b"all sent" {
+            break;
+        }
+    }
+    writer.join().unwrap();
+    server.metric("hubcast_socket_read_pauses_total").expect("the read pause counter")
+}
+
+#[test]
+fn only_an_epoll_core_pauses_a_socket_that_streams_and_io_uring_never_throttles_it() {
+    // 8 MiB: an epoll core reads what is already there without waiting, so it pauses the
+    // socket now and then to serve the others (the counter works)...
+    let epoll = Server::start(&["--io-driver", "epoll", "--cores", "1"]);
+    let paused = read_pauses_after_streaming(&epoll, 140);
+    assert!(paused >= 1.0, "an epoll core never paused a streaming socket ({paused})");
+    // ...while every io_uring read waits for its completion, so the others run anyway: no
+    // pause (before: a 1 ms pause every 64 KiB, about 128 here).
+    let uring = Server::start(&["--io-driver", "uring", "--cores", "1"]);
+    uring.wait_for_stdout(WAIT, |l| l.contains("io_uring")).expect("this machine runs io_uring");
+    let paused = read_pauses_after_streaming(&uring, 140);
+    assert_eq!(paused, 0.0, "io_uring reads were paused");
+}
+
 // ---- A5: bounded cross-core inboxes ----------------------------------------------------------
 
 #[test]

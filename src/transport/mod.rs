@@ -33,14 +33,32 @@ const READ_CHUNK: usize = 1024;
 /// A write that makes no progress for this long means a stalled client: the socket is dropped.
 const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
-/// Bytes a socket's reader handles before it lets the core's other tasks and its I/O driver
-/// run. With the epoll driver a read on a socket that always has data completes at once, so
-/// without this a client streaming big frames keeps its core from serving anyone else. The
-/// pause is a 1 ms timer, not a bare yield: monoio's legacy driver only collects readiness
-/// events once no task is runnable, so a task that merely re-queues itself still starves
-/// the others. Clients only send small protocol packets; 64 KiB per millisecond is plenty.
+/// Bytes a socket's reader may handle without once waiting for a read before it lets the
+/// core's other tasks and its I/O driver run. With the epoll driver a read on a socket that
+/// always has data completes at once, so without this a client streaming big frames keeps its
+/// core from serving anyone else. The pause is a 1 ms timer, not a bare yield: monoio's
+/// legacy driver only collects readiness events once no task is runnable, so a task that
+/// merely re-queues itself still starves the others. A read that had to wait (every read on
+/// io_uring, whose completions come through the driver; an epoll read on a drained socket)
+/// already let the others run, so it starts the budget afresh: only an epoll socket that
+/// keeps data ready is ever paused. Clients only send small protocol packets; 64 KiB per
+/// millisecond is plenty.
 const READ_BUDGET: usize = 64 * 1024;
 const READ_PAUSE: Duration = Duration::from_millis(1);
+
+/// Runs `fut` to its end and tells whether it had to wait (was ever `Pending`), i.e. whether
+/// the core's other tasks could run meanwhile (see [`READ_BUDGET`]).
+async fn waited<F: std::future::Future>(fut: F) -> (F::Output, bool) {
+    let mut fut = std::pin::pin!(fut);
+    let mut waited = false;
+    let output = std::future::poll_fn(|cx| {
+        let poll = fut.as_mut().poll(cx);
+        waited |= poll.is_pending();
+        poll
+    })
+    .await;
+    (output, waited)
+}
 
 pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -273,7 +291,7 @@ async fn run(
     // and clients only send pongs and small packets (it grows for a bigger burst).
     let mut chunk = Vec::with_capacity(READ_CHUNK);
     let mut incoming = Vec::new();
-    // Bytes handled since this task last let the others run (see READ_BUDGET).
+    // Bytes handled since this task last waited or paused (see READ_BUDGET).
     let mut budget = 0;
     'read: loop {
         match parser.parse(&mut pending, &mut incoming) {
@@ -308,11 +326,12 @@ async fn run(
         }
         if budget >= READ_BUDGET {
             budget = 0;
+            conn.core.metrics.socket_read_paused();
             monoio::time::sleep(READ_PAUSE).await;
         }
         chunk.clear();
         // Abandoning the read on timeout is safe: the connection is dropped with it.
-        let (result, buf) = match monoio::time::timeout(read_deadline, read.read(chunk)).await {
+        let ((result, buf), waited) = match monoio::time::timeout(read_deadline, waited(read.read(chunk))).await {
             Ok(r) => r,
             Err(_) => {
                 conn.outlet.close(CloseReason::new(1001, "no traffic from the client"));
@@ -320,6 +339,9 @@ async fn run(
             }
         };
         chunk = buf;
+        if waited {
+            budget = 0;
+        }
         match result {
             Ok(0) | Err(_) => break,
             Ok(n) => {
