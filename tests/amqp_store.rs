@@ -191,4 +191,5 @@ fn a_message_without_a_sequence_number_is_applied_after_positions_are_stored() {
     let (status, body) = server.get_json("/lastValue/nos/without_seq");
     assert_eq!(status, 200, "a message the hub sent without x-opt-sequence-number is applied: {body}");
     assert_eq!(body["data"]["without_seq"], json!(2));
+    assert_eq!(metric(&server, "hubcast_amqp_messages_unsequenced_total"), 1, "counted as unordered");
 }

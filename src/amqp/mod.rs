@@ -54,9 +54,16 @@ pub struct Stats {
     pub connects: AtomicU64,
     /// Messages received from the event stream, usable or not.
     pub received: AtomicU64,
+    /// Messages without `x-opt-sequence-number`: applied unordered, at least once.
+    pub unsequenced: AtomicU64,
 }
 
-pub static STATS: Stats = Stats { connected: AtomicU64::new(0), connects: AtomicU64::new(0), received: AtomicU64::new(0) };
+pub static STATS: Stats = Stats {
+    connected: AtomicU64::new(0),
+    connects: AtomicU64::new(0),
+    received: AtomicU64::new(0),
+    unsequenced: AtomicU64::new(0),
+};
 
 /// Messages enqueued in each partition but not yet received, as last measured (every
 /// `LAG_INTERVAL`, from `$management`). Written by the consumer thread, read by scrapes.
@@ -73,6 +80,11 @@ impl Stats {
             ("hubcast_amqp_connected", "1 while every partition receiver of the event stream is attached.", get(&self.connected)),
             ("hubcast_amqp_connects_total", "AMQP connections established to the event stream (reconnects included).", get(&self.connects)),
             ("hubcast_amqp_messages_received_total", "Messages received from the event stream.", get(&self.received)),
+            (
+                "hubcast_amqp_messages_unsequenced_total",
+                "Messages without a sequence number, applied unordered (at least once).",
+                get(&self.unsequenced),
+            ),
         ]
         .into_iter()
         .map(|(name, help, v)| (name.to_string(), help.to_string(), String::new(), v))

@@ -159,6 +159,10 @@ pub async fn consume(
             warn_retention_gap(&label, newest_seq, sequence);
             match to_ingest(&mut message, &settings) {
                 Ok(msg) => {
+                    if sequence.is_none() {
+                        super::STATS.unsequenced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::debug!(partition = %label, device = %msg.device_id, "message without a sequence number: applied unordered");
+                    }
                     batch.push(msg);
                     seqs.push(sequence.unwrap_or(crate::runtime::ingress::NO_SEQUENCE));
                 }
