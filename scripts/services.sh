@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Local services the tests talk to, started if they are not running (idempotent):
 # - RabbitMQ on 127.0.0.1:5672 (guest/guest) with AMQP 1.0 (tests/amqp_rabbitmq.rs).
+# - Redis: redis-server installed; tests/cluster.rs starts its own on free ports (and
+#   kills and restarts them); one is also started on 127.0.0.1:6379 for trying by hand.
 # Called by scripts/test.sh; safe to run by hand.
 set -euo pipefail
 
@@ -37,4 +39,26 @@ ensure_rabbitmq() {
   return 1
 }
 
+ensure_redis() {
+  if ! command -v redis-server >/dev/null 2>&1; then
+    log "installing redis-server"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  fi
+  if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+    log "starting redis-server on 127.0.0.1:6379"
+    redis-server --bind 127.0.0.1 --port 6379 --daemonize yes --save '' --appendonly no >/dev/null
+  fi
+  for _ in $(seq 1 40); do
+    if (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+      log "$(redis-server --version | cut -d' ' -f1-3) ready on 127.0.0.1:6379"
+      return 0
+    fi
+    sleep 0.25
+  done
+  log "Redis is not listening on 127.0.0.1:6379"
+  return 1
+}
+
 ensure_rabbitmq
+ensure_redis

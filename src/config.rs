@@ -316,6 +316,41 @@ pub struct Config {
     #[arg(long = "fsync-interval", env = "FSYNC_INTERVAL", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub fsync_interval: u64,
+
+    /// Redis (6 or newer, or Valkey) shared by several hubcast instances behind one load
+    /// balancer: `redis://[:PASSWORD@]HOST[:PORT][/DB]`, `rediss://` for TLS. Unset: one instance.
+    #[arg(long = "redis-url", env = "REDIS_URL", value_parser = parse_redis_url)]
+    pub redis_url: Option<String>,
+
+    /// Prefix of every Redis key and channel, so several deployments share one Redis.
+    #[arg(long = "redis-prefix", env = "REDIS_PREFIX", default_value = "hubcast",
+          value_parser = parse_redis_prefix)]
+    pub redis_prefix: String,
+
+    /// This instance's name among the instances on one Redis (`/status`, `/metrics`);
+    /// generated when unset. Two live instances must not share one.
+    #[arg(long = "instance-id", env = "INSTANCE_ID", value_parser = parse_redis_prefix)]
+    pub instance_id: Option<String>,
+}
+
+fn parse_redis_url(s: &str) -> Result<String, String> {
+    if s.starts_with("redis://") || s.starts_with("rediss://") || s.starts_with("valkey://") || s.starts_with("valkeys://") {
+        Ok(s.to_string())
+    } else {
+        Err("expected a URL starting with redis:// or rediss:// (TLS)".into())
+    }
+}
+
+/// Prefixes and instance ids: 1–64 of `A-Z a-z 0-9 - _ .` (they are parts of Redis keys).
+fn parse_redis_prefix(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 64
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err("expected 1 to 64 of A-Z, a-z, 0-9, '-', '_', '.'".into())
+    }
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -14,6 +14,8 @@
 //! - [`http`]: HTTP/1.1 connections; [`api`]: the REST endpoints of SPEC.md.
 //! - [`hub`]: the IoT Hub service REST client (twin, desired properties, direct methods),
 //!   on its own thread behind a bounded queue.
+//! - [`cluster`]: several instances on Redis (`--redis-url`): shared sessions and grants,
+//!   live data across instances.
 //! - [`logging`], [`status`]: operations; [`shutdown`]: graceful SIGTERM/SIGINT shutdown;
 //!   [`owner`]: one process per port.
 //!
@@ -23,6 +25,7 @@
 pub mod amqp;
 pub mod api;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod connection_string;
 pub mod http;
@@ -52,4 +55,8 @@ pub struct Shared {
     pub external_metrics: std::sync::OnceLock<Box<dyn Fn() -> metrics::ExternalSeries + Send + Sync>>,
     /// The IoT Hub service client; `None` without a (well-formed) service connection string.
     pub hub: Option<hub::HubClient>,
+    /// Scale-out on Redis (`--redis-url`); `None`: one instance.
+    pub cluster: Option<std::sync::Arc<cluster::Cluster>>,
+    /// The same, as the runtime sees it: started beside every core.
+    pub plugin: Option<std::sync::Arc<dyn runtime::relay::CorePlugin>>,
 }

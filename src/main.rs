@@ -80,7 +80,33 @@ fn main() -> ExitCode {
         }
     };
     let hub_metrics = hub.clone();
-    let shared = Arc::new(Shared { log, status, hub, external_metrics: Default::default() });
+    // Several instances on Redis: its link shows on GET /status like a source.
+    let cluster = settings.config.redis_url.as_deref().map(|url| {
+        let slot = status.add_source("redis");
+        (hubcast::cluster::Cluster::new(&settings, url), slot)
+    });
+    let plugin = cluster.as_ref().map(|(c, _)| c.clone() as Arc<dyn hubcast::runtime::relay::CorePlugin>);
+    let shared = Arc::new(Shared {
+        log,
+        status,
+        hub,
+        external_metrics: Default::default(),
+        cluster: cluster.as_ref().map(|(c, _)| c.clone()),
+        plugin,
+    });
+    if let Some((cluster, slot)) = &cluster {
+        let (board, slot) = (shared.clone(), *slot);
+        let status = move |down: Option<String>| match down {
+            None => board.status.source(slot).set_connected(),
+            Some(reason) => board.status.source(slot).set_connecting(reason),
+        };
+        if let Err(e) = cluster.run(status) {
+            eprintln!("hubcast: cannot start the Redis link: {e}");
+            return ExitCode::FAILURE;
+        }
+        tracing::info!(instance = %cluster.instance, "running as one of several instances on Redis");
+    }
+    let cluster_metrics = cluster.map(|(c, _)| c);
     let with_amqp = consumer.is_some();
     let with_store = settings.config.data_dir != hubcast::store::DataDir::Memory;
     let _ = shared.external_metrics.set(Box::new(move || {
@@ -93,6 +119,9 @@ fn main() -> ExitCode {
         }
         if with_store {
             series.extend(hubcast::store::log::STATS.series());
+        }
+        if let Some(cluster) = &cluster_metrics {
+            series.extend(cluster.series());
         }
         series
     }));

@@ -98,7 +98,7 @@ async fn authorize(core: &Rc<Core>, req: &Request, device: &str, grant: Grant) -
         .ok_or_else(|| Rejection::new(401, "Provide either a Shared-Access-Key or a sessionId header"))?;
     let session = parse_session(raw)?;
     let op = DeviceOp::CheckGrant { device: device.into(), session, grant };
-    match core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops: vec![op] }).await {
+    match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: false, ops: vec![op] }).await? {
         Some(SessionReply::Scoped(Some(replies))) if replies.first() == Some(&DeviceReply::Permitted(true)) => Ok(()),
         Some(SessionReply::Scoped(Some(_))) => Err(Rejection::new(403, "Forbidden: missing grant")),
         _ => Err(no_such_session()),

@@ -23,7 +23,7 @@ pub async fn change(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Respon
     } else {
         DeviceOp::Revoke { device, session, grant: request.grant }
     };
-    match core.session_op(session, SessionOp::Scoped { session, register_devices: add, ops: vec![op] }).await {
+    match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: add, ops: vec![op] }).await? {
         Some(SessionReply::Scoped(Some(_))) => Ok(Response::no_content()),
         _ => Err(no_such_session()),
     }

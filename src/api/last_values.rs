@@ -38,7 +38,7 @@ async fn run(core: &Rc<Core>, viewer: Viewer, op: DeviceOp) -> Checked<DeviceRep
             core.device_ops(target, vec![op]).await.pop()
         }
         Viewer::Session(session) => {
-            match core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops: vec![op] }).await {
+            match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: false, ops: vec![op] }).await? {
                 Some(SessionReply::Scoped(Some(mut replies))) => replies.pop(),
                 _ => return Err(no_such_session()),
             }

@@ -11,7 +11,7 @@ use crate::shard::{SessionOp, SessionReply};
 
 pub async fn create(core: &Rc<Core>) -> Checked<Response> {
     let id = SessionId::generate();
-    match core.session_op(id, SessionOp::Create(id)).await {
+    match crate::cluster::session_op(core, id, SessionOp::Create(id)).await? {
         Some(SessionReply::Created) => {
             Ok(Response::json(200, serde_json::json!({ "sessionId": id.to_string() }).to_string()))
         }
@@ -23,7 +23,7 @@ pub async fn delete(core: &Rc<Core>, req: &Request, raw: &str) -> Checked<Respon
     require_admin(&core.settings, req)?;
     let not_found = || Rejection::new(404, "The session was not found");
     let id = SessionId::parse(raw).ok_or_else(not_found)?;
-    match core.session_op(id, SessionOp::Delete(id)).await {
+    match crate::cluster::session_op(core, id, SessionOp::Delete(id)).await? {
         Some(SessionReply::Deleted(true)) => Ok(Response::no_content()),
         _ => Err(not_found()),
     }
@@ -31,6 +31,10 @@ pub async fn delete(core: &Rc<Core>, req: &Request, raw: &str) -> Checked<Respon
 
 pub async fn delete_all(core: &Rc<Core>, req: &Request) -> Checked<Response> {
     require_admin(&core.settings, req)?;
+    if crate::cluster::of(core).is_some() {
+        crate::cluster::session_op(core, crate::ids::SessionId(0), SessionOp::DeleteAll).await?;
+        return Ok(Response::no_content());
+    }
     let handles: Vec<_> = (0..core.cores())
         .map(|target| {
             let core = core.clone();

@@ -26,7 +26,7 @@ fn op(session: SessionId, r: SubscriptionRequest, add: bool) -> DeviceOp {
 }
 
 async fn run(core: &Rc<Core>, session: SessionId, ops: Vec<DeviceOp>) -> Checked<Vec<DeviceReply>> {
-    match core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops }).await {
+    match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: false, ops }).await? {
         Some(SessionReply::Scoped(Some(replies))) => Ok(replies),
         _ => Err(no_such_session()),
     }

@@ -45,6 +45,8 @@ pub struct Core {
     pub applied: RefCell<hashbrown::HashMap<Box<str>, i64>>,
     /// This core's timers: one task sleeping until the shard's next deadline (runtime/clock.rs).
     pub clock: crate::runtime::clock::Clock,
+    /// Scale-out: the link to the other instances (`None`: one instance). runtime/relay.rs.
+    pub relay: RefCell<Option<Rc<dyn crate::runtime::relay::Relay>>>,
 }
 
 impl Core {
@@ -80,7 +82,19 @@ impl Core {
             store: RefCell::default(),
             applied: RefCell::default(),
             clock: Default::default(),
+            relay: RefCell::default(),
         })
+    }
+
+    /// Hands the devices whose watch changed to the relay (scale-out only).
+    fn relay_watch(&self) {
+        let relay = self.relay.borrow();
+        if let Some(relay) = relay.as_ref() {
+            let changes = self.devices.borrow_mut().take_watch_changes();
+            if !changes.is_empty() {
+                relay.watch(changes);
+            }
+        }
     }
 
     pub fn cores(&self) -> usize {
@@ -111,6 +125,7 @@ impl Core {
             };
             self.persist(None);
             self.arm_clock();
+            self.relay_watch();
             return replies;
         }
         let (tx, rx) = oneshot::channel();
@@ -168,12 +183,16 @@ impl Core {
         self.arm_clock();
         match reply {
             Ok(reply) => reply,
-            Err(ops) => SessionReply::Scoped(Some(self.device_ops_anywhere(ops).await)),
+            Err((ops, asked)) => {
+                let mut replies = self.device_ops_anywhere(ops).await;
+                replies.truncate(asked);
+                SessionReply::Scoped(Some(replies))
+            }
         }
     }
 
     /// The session-table part of a session operation; `Err(ops)`: run these device steps.
-    fn run_session_op_inner(self: &Rc<Self>, op: SessionOp, now: Instant) -> Result<SessionReply, Vec<DeviceOp>> {
+    fn run_session_op_inner(self: &Rc<Self>, op: SessionOp, now: Instant) -> Result<SessionReply, (Vec<DeviceOp>, usize)> {
         Ok(match op {
             SessionOp::Create(id) => {
                 if self.sessions.borrow_mut().create(id, now) {
@@ -200,12 +219,23 @@ impl Core {
                 }
                 SessionReply::Deleted(any)
             }
-            SessionOp::Scoped { session, register_devices, ops } => {
+            SessionOp::Scoped { session, register_devices, mut ops } => {
+                let asked = ops.len();
                 {
                     let mut sessions = self.sessions.borrow_mut();
                     let Some(record) = sessions.touch(session, now) else {
                         return Ok(SessionReply::Scoped(None));
                     };
+                    // Scale-out: a session with a socket here watches what it subscribes to
+                    // (the replies to these extra steps are dropped in `run_session_op`).
+                    if !record.sockets.is_empty() && self.relay.borrow().is_some() {
+                        let present: Vec<DeviceOp> = ops
+                            .iter()
+                            .filter(|op| matches!(op, DeviceOp::Subscribe { .. } | DeviceOp::SetAccess { .. }))
+                            .map(|op| DeviceOp::Presence { device: op.device().into(), session, here: true })
+                            .collect();
+                        ops.extend(present);
+                    }
                     if register_devices {
                         let mut added = false;
                         for op in &ops {
@@ -219,7 +249,7 @@ impl Core {
                         }
                     }
                 }
-                return Err(ops);
+                return Err((ops, asked));
             }
         })
     }
@@ -278,16 +308,37 @@ impl Core {
         }
     }
 
-    /// Applies device messages owned by this core; returns what to push.
+    /// Applies device messages owned by this core, from a source of this instance (offered
+    /// to the relay first, with scale-out); returns what to push.
     pub fn apply_ingest(&self, batch: Vec<IngestMessage>) -> Vec<Delivery> {
+        self.apply_ingest_from(batch, true)
+    }
+
+    /// Applies another instance's device messages, received through the relay (never
+    /// relayed again), and pushes what they changed to this instance's sockets.
+    pub fn ingest_replicas(self: &Rc<Self>, batch: Vec<IngestMessage>) {
+        let deliveries = self.apply_ingest_from(batch, false);
+        self.persist(None);
+        self.dispatch(deliveries);
+        self.read_whole_twins();
+    }
+
+    fn apply_ingest_from(&self, batch: Vec<IngestMessage>, local: bool) -> Vec<Delivery> {
         let now = Instant::now();
         let mut deliveries = Vec::new();
+        let relay = if local { self.relay.borrow().clone() } else { None };
         {
             let mut devices = self.devices.borrow_mut();
             for msg in batch {
                 self.metrics.message_in(msg.source as usize);
+                if let Some(relay) = &relay {
+                    relay.offer(&msg);
+                }
                 devices.ingest_and_publish(msg, now, &mut deliveries);
             }
+        }
+        if let Some(relay) = &relay {
+            relay.flush();
         }
         // Held-back telemetry and devices seen connected add deadlines.
         self.arm_clock();
@@ -333,20 +384,43 @@ impl Core {
     }
 
     /// Attaches a socket to its session (on the session's core); false if there is no such session.
-    pub fn attach_socket(&self, session: SessionId, outlet: Rc<Outlet>) -> bool {
-        match self.sessions.borrow_mut().touch(session, Instant::now()) {
+    pub fn attach_socket(self: &Rc<Self>, session: SessionId, outlet: Rc<Outlet>) -> bool {
+        let first = match self.sessions.borrow_mut().touch(session, Instant::now()) {
             Some(record) => {
                 record.sockets.push(outlet);
-                true
+                (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>())
             }
-            None => false,
+            None => return false,
+        };
+        if let Some(devices) = first {
+            self.presence(session, devices, true);
         }
+        true
     }
 
     /// Detaches a closed socket; the session's grace period starts when its last socket goes.
-    pub fn detach_socket(&self, session: SessionId, outlet_id: u64) {
-        self.sessions.borrow_mut().detach_socket(session, outlet_id, Instant::now());
+    pub fn detach_socket(self: &Rc<Self>, session: SessionId, outlet_id: u64) {
+        let last = {
+            let mut sessions = self.sessions.borrow_mut();
+            sessions.detach_socket(session, outlet_id, Instant::now());
+            sessions.get(session).filter(|r| r.sockets.is_empty()).map(|r| r.devices.iter().cloned().collect::<Vec<_>>())
+        };
         self.arm_clock();
+        if let Some(devices) = last {
+            self.presence(session, devices, false);
+        }
+    }
+
+    /// Scale-out: tells the session's devices whether it has a socket on this instance.
+    fn presence(self: &Rc<Self>, session: SessionId, devices: Vec<Box<str>>, here: bool) {
+        if self.relay.borrow().is_none() || devices.is_empty() {
+            return;
+        }
+        let ops = devices.into_iter().map(|device| DeviceOp::Presence { device, session, here }).collect();
+        let me = self.clone();
+        monoio::spawn(async move {
+            me.device_ops_anywhere(ops).await;
+        });
     }
 
     /// Whether the session exists (on the session's core), keeping it alive.
@@ -437,6 +511,7 @@ impl Core {
                         };
                         self.persist(None);
                         self.arm_clock();
+                        self.relay_watch();
                         if let Some(reply) = reply {
                             let _ = reply.send(replies);
                         }

@@ -1,6 +1,7 @@
 //! The thread-per-core runtime: N monoio runtimes, one per core, each with its own
 //! SO_REUSEPORT listener, its own shard of state and an inbox for cross-core messages.
 
+pub mod relay;
 pub mod clock;
 pub mod core;
 pub mod durable;
@@ -198,6 +199,9 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>) -> io::Result<Running
                 monoio::spawn(core.clone().serve_inbox(inbox));
                 monoio::spawn(ingress::serve(core.clone(), ingress_queue));
                 monoio::spawn(core.clone().run_timers());
+                if let Some(plugin) = &core.shared.plugin {
+                    plugin.start(&core);
+                }
                 if index == 0 && settings.config.simulate > 0 {
                     monoio::spawn(crate::ingest::simulate::run(core.clone(), settings.config.simulate));
                 }

@@ -102,6 +102,8 @@ pub struct Access {
     pub grants: Grants,
     pub subs: Subscriptions,
     pub throttle: Option<Box<Throttle>>,
+    /// Scale-out: the session has a live socket on this instance (not stored).
+    pub here: bool,
 }
 
 impl Access {

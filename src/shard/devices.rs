@@ -103,6 +103,8 @@ pub struct Device {
     pub hub_twin_read: Option<Instant>,
     /// IoT Hub configured: twin changes waiting for the whole twin, being read from the hub.
     pub twin_pending: Option<Box<PendingTwin>>,
+    /// Scale-out: a session with a socket on this instance subscribes to this device.
+    watched_here: bool,
 }
 
 fn subscribed_any(device: &Device) -> bool {
@@ -141,6 +143,8 @@ pub struct DeviceTable {
     twin_fetches: Vec<Box<str>>,
     /// What changed since the core last handed it to its store (off without a store).
     pub dirty: Dirty,
+    /// Scale-out: devices whose `watched_here` changed, for the relay (`None`: one instance).
+    watch_changes: Option<Vec<(Box<str>, bool)>>,
 }
 
 /// Appends `s` as a JSON string literal.
@@ -175,6 +179,36 @@ impl DeviceTable {
             hub_twins: None,
             twin_fetches: Vec::new(),
             dirty: Dirty::default(),
+            watch_changes: None,
+        }
+    }
+
+    /// Scale-out: track which devices a session with a socket on this instance subscribes
+    /// to ([`Self::take_watch_changes`]).
+    pub fn track_watches(&mut self) {
+        self.watch_changes.get_or_insert_with(Vec::new);
+    }
+
+    /// Devices that became watched here (`true`) or stopped being watched (`false`) since
+    /// the last call: an instance receives another instance's messages of a device only
+    /// while it watches it.
+    pub fn take_watch_changes(&mut self) -> Vec<(Box<str>, bool)> {
+        self.watch_changes.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Devices watched here now (after a reconnect to Redis, to subscribe again).
+    pub fn watched_here(&self) -> Vec<Box<str>> {
+        self.devices.iter().filter(|(_, d)| d.watched_here).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// Re-computes whether `device` is watched here, noting a change.
+    fn note_watch(&mut self, device: &str) {
+        let Some(changes) = self.watch_changes.as_mut() else { return };
+        let Some(d) = self.devices.get_mut(device) else { return };
+        let now = d.access.values().any(|a| a.here && !a.subs.is_empty());
+        if now != d.watched_here {
+            d.watched_here = now;
+            changes.push((device.into(), now));
         }
     }
 
@@ -249,6 +283,11 @@ impl DeviceTable {
                 d.hub_twin_read = None;
             }
             if !d.has_data() && d.access.is_empty() {
+                if d.watched_here {
+                    if let Some(changes) = self.watch_changes.as_mut() {
+                        changes.push((device.into(), false));
+                    }
+                }
                 self.devices.remove(device);
             }
         }
@@ -256,6 +295,26 @@ impl DeviceTable {
 
     pub fn apply(&mut self, op: DeviceOp) -> DeviceReply {
         self.dirty.op(&op);
+        let watch = match (&op, self.watch_changes.is_some()) {
+            (
+                DeviceOp::Revoke { device, .. }
+                | DeviceOp::Subscribe { device, .. }
+                | DeviceOp::Unsubscribe { device, .. }
+                | DeviceOp::ForgetSession { device, .. }
+                | DeviceOp::SetAccess { device, .. }
+                | DeviceOp::Presence { device, .. },
+                true,
+            ) => Some(device.clone()),
+            _ => None,
+        };
+        let reply = self.apply_op(op);
+        if let Some(device) = watch {
+            self.note_watch(&device);
+        }
+        reply
+    }
+
+    fn apply_op(&mut self, op: DeviceOp) -> DeviceReply {
         match op {
             DeviceOp::Grant { device, session, grant } => {
                 self.access_mut(&device, session).add_grant(&grant);
@@ -290,6 +349,31 @@ impl DeviceTable {
                     d.access.remove(&session);
                 }
                 self.prune(&device);
+                DeviceReply::Done
+            }
+            DeviceOp::SetAccess { device, session, access } => {
+                match access {
+                    Some((grants, subs)) => {
+                        let a = self.access_mut(&device, session);
+                        a.grants = grants;
+                        a.subs = subs;
+                    }
+                    None => {
+                        if let Some(d) = self.devices.get_mut(&*device) {
+                            d.access.remove(&session);
+                        }
+                    }
+                }
+                self.prune(&device);
+                DeviceReply::Done
+            }
+            DeviceOp::ReadAccess { device, session } => DeviceReply::Access(
+                self.access(&device, session).filter(|a| !a.is_empty()).map(|a| (a.grants.clone(), a.subs.clone())),
+            ),
+            DeviceOp::Presence { device, session, here } => {
+                if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
+                    a.here = here;
+                }
                 DeviceReply::Done
             }
             DeviceOp::ReadTelemetry { device, key, viewer } => {

@@ -46,7 +46,8 @@ impl Dirty {
             | DeviceOp::Revoke { device, session, .. }
             | DeviceOp::Subscribe { device, session, .. }
             | DeviceOp::Unsubscribe { device, session, .. }
-            | DeviceOp::ForgetSession { device, session } => self.access(device, *session),
+            | DeviceOp::ForgetSession { device, session }
+            | DeviceOp::SetAccess { device, session, .. } => self.access(device, *session),
             DeviceOp::DeleteTelemetry { device, .. } | DeviceOp::StoreHubTwin { device, .. } => self.device(device),
             _ => {}
         }
@@ -110,7 +111,7 @@ impl DeviceTable {
             }
         }
         for ((device, session), (grants, subs)) in loaded.access.drain() {
-            let access = Access { grants, subs, throttle: None };
+            let access = Access { grants, subs, throttle: None, here: false };
             self.devices.entry(device).or_default().access.insert(session, access);
         }
     }

@@ -10,6 +10,7 @@ pub mod sessions;
 
 use crate::ids::SessionId;
 use crate::model::{Grant, Rejection, Subscription};
+pub use access::{Grants, Subscriptions};
 
 pub use devices::DeviceTable;
 pub use sessions::SessionTable;
@@ -45,6 +46,13 @@ pub enum DeviceOp {
     StoreHubTwin { device: Box<str>, doc: serde_json::Value },
     /// The cached connection state, or `Miss` when none is known (grant checked first).
     ReadConnectionStateOrMiss { device: Box<str>, viewer: Viewer },
+    /// Scale-out (src/cluster): the session's whole access here, as an instance decided it.
+    SetAccess { device: Box<str>, session: SessionId, access: Option<(Grants, Subscriptions)> },
+    /// Scale-out: the session's access here, replicated after a change ([`DeviceReply::Access`]).
+    ReadAccess { device: Box<str>, session: SessionId },
+    /// Scale-out: whether the session has a live socket on this instance, so that this
+    /// instance watches the devices it subscribes to ([`DeviceTable::take_watch_changes`]).
+    Presence { device: Box<str>, session: SessionId, here: bool },
 }
 
 
@@ -63,7 +71,10 @@ impl DeviceOp {
             | DeviceOp::ForgetSession { device, .. }
             | DeviceOp::ReadHubTwin { device, .. }
             | DeviceOp::StoreHubTwin { device, .. }
-            | DeviceOp::ReadConnectionStateOrMiss { device, .. } => device,
+            | DeviceOp::ReadConnectionStateOrMiss { device, .. }
+            | DeviceOp::SetAccess { device, .. }
+            | DeviceOp::ReadAccess { device, .. }
+            | DeviceOp::Presence { device, .. } => device,
         }
     }
 }
@@ -77,6 +88,8 @@ pub enum DeviceReply {
     Body(Result<String, Rejection>),
     /// A read the cache cannot answer (permitted, but nothing fresh): ask the IoT Hub.
     Miss,
+    /// [`DeviceOp::ReadAccess`]: the session's grants and subscriptions (`None`: nothing).
+    Access(Option<(Grants, Subscriptions)>),
 }
 
 /// An operation on one session, run on the session's core.

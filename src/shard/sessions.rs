@@ -121,6 +121,11 @@ impl SessionTable {
         record
     }
 
+    /// Every live session of this table (scale-out: their Redis keys are kept alive).
+    pub fn ids(&self) -> Vec<SessionId> {
+        self.sessions.keys().copied().collect()
+    }
+
     pub fn drain(&mut self) -> Vec<(SessionId, SessionRecord)> {
         self.released(self.sessions.len());
         self.deadlines.clear();

@@ -164,6 +164,10 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
         }
         _ => None,
     };
+    if let (None, Some(s)) = (polling_core, session) {
+        // Scale-out: a session opened on another instance is loaded here first.
+        let _ = crate::cluster::ensure_session(&core, s).await;
+    }
     let target = polling_core.unwrap_or_else(|| session.map_or(core.index, |s| core.session_core(s)));
     if target == core.index {
         monoio::spawn(run(core, stream, leftover, kind, session, response.into_bytes()));

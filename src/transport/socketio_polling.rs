@@ -79,6 +79,11 @@ pub async fn http(core: &Rc<Core>, req: &Request) -> Response {
         (None, Some(s)) => core.session_core(s),
         (None, None) => core.index,
     };
+    if let (None, Some(s)) = (&sid, session) {
+        // Scale-out: a session opened on another instance is loaded here first (an error
+        // leaves it unknown: the CONNECT then answers so).
+        let _ = crate::cluster::ensure_session(core, s).await;
+    }
     let request = PollRequest { sid, session, post };
     if target == core.index {
         return serve(core.clone(), request).await;

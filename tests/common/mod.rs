@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 pub mod process;
+pub mod redis;
 pub mod rawws;
 pub mod sio;
 pub mod ws;
@@ -57,6 +58,9 @@ const SECRET_FLAGS: &[(&str, &str)] =
 
 /// Environment variables that would change the server's configuration behind a test's back.
 const CONFIG_ENV: &[&str] = &[
+    "REDIS_URL",
+    "REDIS_PREFIX",
+    "INSTANCE_ID",
     "TLS_CERT",
     "TLS_KEY",
     "PRIMARY_ADMIN_SECRET",

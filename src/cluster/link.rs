@@ -1,0 +1,577 @@
+//! The Redis thread: one tokio runtime with a multiplexed command connection and a pub/sub
+//! connection, between the cores' command queue and their inbound queues.
+//!
+//! Keys and channels (`P` = `--redis-prefix`, all documented in README "Several instances"):
+//! - `P:session:<id>` hash: `created`, and `a:<device>` → the session's access on the device;
+//!   expires unless an instance holding the session refreshes it.
+//! - `P:instance:<id>` string with a TTL, renewed every [`HEARTBEAT`]: the live instances.
+//! - `P:watching:<id>` set: the devices instance `<id>` watches.
+//! - channel `P:ops`: shared session changes; `P:watch`: `+<id>\t<device>` / `-<id>\t<device>`;
+//!   `P:device:<device>`: the device's messages, for the instances watching it.
+//!
+//! Every Redis call has a deadline; a failure drops both connections, shows on `GET /status`
+//! and is retried with a capped back-off, while commands are refused (changes answer 503,
+//! publications are counted as dropped, watch changes are kept and announced on reconnect).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use hashbrown::{HashMap, HashSet};
+use redis::aio::{MultiplexedConnection, PubSubSink, PubSubStream};
+
+use super::wire::{self, SharedOp};
+use super::{Command, Inbound, Stats};
+use crate::ids::SessionId;
+use crate::runtime::routing::{core_of_device, core_of_session};
+
+/// How often an instance renews its `instance` key; it lives [`INSTANCE_TTL`].
+const HEARTBEAT: Duration = Duration::from_secs(2);
+const INSTANCE_TTL: Duration = Duration::from_secs(10);
+/// The longest one Redis call may take before the link is considered lost.
+const CALL_DEADLINE: Duration = Duration::from_secs(5);
+/// Commands per pipeline when many keys are touched at once.
+const CHUNK: usize = 512;
+
+pub struct Options {
+    pub url: String,
+    pub prefix: String,
+    pub instance: Arc<str>,
+    pub session_ttl: Duration,
+}
+
+pub fn start(
+    options: Options,
+    commands: async_channel::Receiver<Command>,
+    cores: Vec<async_channel::Sender<Inbound>>,
+    stats: Arc<Stats>,
+    status: Box<dyn Fn(Option<String>) + Send>,
+) -> std::io::Result<()> {
+    std::thread::Builder::new().name("hubcast-redis".into()).spawn(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the Redis thread's runtime");
+                return;
+            }
+        };
+        let mut link = Link {
+            o: options,
+            cores,
+            stats,
+            status,
+            local: HashSet::new(),
+            remote: HashMap::new(),
+            instances: HashSet::new(),
+            down_since_logged: false,
+        };
+        runtime.block_on(link.run(commands));
+    })?;
+    Ok(())
+}
+
+struct Link {
+    o: Options,
+    cores: Vec<async_channel::Sender<Inbound>>,
+    stats: Arc<Stats>,
+    /// Tells `GET /status` the link is up (`None`) or down, and why.
+    status: Box<dyn Fn(Option<String>) + Send>,
+    /// Devices this instance watches (kept while Redis is down, announced on reconnect).
+    local: HashSet<Box<str>>,
+    /// Device → the other live instances watching it.
+    remote: HashMap<Box<str>, HashSet<Arc<str>>>,
+    /// Other live instances.
+    instances: HashSet<Arc<str>>,
+    down_since_logged: bool,
+}
+
+type Failed = String;
+
+async fn within<T>(what: &str, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Failed> {
+    match tokio::time::timeout(CALL_DEADLINE, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: no answer within {} s", CALL_DEADLINE.as_secs())),
+    }
+}
+
+impl Link {
+    fn key(&self, kind: &str, id: &str) -> String {
+        format!("{}:{kind}:{id}", self.o.prefix)
+    }
+    fn channel(&self, name: &str) -> String {
+        format!("{}:{name}", self.o.prefix)
+    }
+    fn session_key(&self, id: SessionId) -> String {
+        self.key("session", &id.to_string())
+    }
+
+    async fn run(&mut self, commands: async_channel::Receiver<Command>) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let reason = match self.connect().await {
+                Ok((mut conn, mut sink, stream)) => {
+                    backoff = Duration::from_millis(100);
+                    (self.status)(None);
+                    self.stats.connected.store(1, Ordering::Relaxed);
+                    tracing::info!(instance = %self.o.instance, others = self.instances.len(), "connected to Redis");
+                    self.down_since_logged = false;
+                    let reason = self.serve(&mut conn, &mut sink, stream, &commands).await;
+                    self.stats.connected.store(0, Ordering::Relaxed);
+                    self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                    reason
+                }
+                Err(reason) => reason,
+            };
+            if commands.is_closed() {
+                return;
+            }
+            (self.status)(Some(reason.clone()));
+            if !self.down_since_logged {
+                tracing::warn!(reason = %reason, "Redis unreachable: changes answer 503 and live data from other instances stops until it is back; retrying");
+                self.down_since_logged = true;
+            } else {
+                tracing::debug!(reason = %reason, "Redis still unreachable");
+            }
+            // Disconnected: refuse what needs Redis until the back-off has passed.
+            let until = tokio::time::Instant::now() + backoff;
+            loop {
+                tokio::select! {
+                    command = commands.recv() => match command {
+                        Ok(command) => self.refuse(command, &reason),
+                        Err(_) => return,
+                    },
+                    _ = tokio::time::sleep_until(until) => break,
+                }
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    fn refuse(&mut self, command: Command, reason: &str) {
+        match command {
+            Command::Save { reply, .. } => {
+                let _ = reply.send(Err(format!("not connected ({reason})")));
+            }
+            Command::Load { reply, .. } => {
+                let _ = reply.send(Err(format!("not connected ({reason})")));
+            }
+            Command::Publish(items) => {
+                self.stats.dropped.fetch_add(items.len() as u64, Ordering::Relaxed);
+            }
+            Command::Watch(changes) => {
+                for (device, on) in changes {
+                    if on {
+                        self.local.insert(device);
+                    } else {
+                        self.local.remove(&device);
+                    }
+                }
+                self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
+            }
+            Command::Refresh(_) => {}
+        }
+    }
+
+    async fn connect(&mut self) -> Result<(MultiplexedConnection, PubSubSink, PubSubStream), Failed> {
+        let client = redis::Client::open(self.o.url.as_str()).map_err(|e| format!("invalid --redis-url: {e}"))?;
+        let mut conn = within("connect", client.get_multiplexed_async_connection()).await?;
+        let pubsub = within("connect (pub/sub)", client.get_async_pubsub()).await?;
+        let (mut sink, stream) = pubsub.split();
+        within("SUBSCRIBE", sink.subscribe(&[self.channel("ops"), self.channel("watch")])).await?;
+        // Announce this instance and what it watches (after a reconnect: again, whole).
+        let me = self.o.instance.clone();
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(INSTANCE_TTL.as_millis() as u64).ignore();
+        pipe.cmd("DEL").arg(self.key("watching", &me)).ignore();
+        within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
+        let local: Vec<Box<str>> = self.local.iter().cloned().collect();
+        for chunk in local.chunks(CHUNK) {
+            let mut pipe = redis::pipe();
+            pipe.cmd("SADD").arg(self.key("watching", &me));
+            for device in chunk {
+                pipe.arg(&**device);
+            }
+            pipe.ignore();
+            for device in chunk {
+                pipe.cmd("PUBLISH").arg(self.channel("watch")).arg(format!("+{me}\t{device}")).ignore();
+            }
+            within("SADD watching", pipe.query_async::<()>(&mut conn)).await?;
+            let channels: Vec<String> = chunk.iter().map(|d| self.key("device", d)).collect();
+            within("SUBSCRIBE devices", sink.subscribe(channels)).await?;
+        }
+        // What the others watch, read after subscribing to `watch` so no change is missed.
+        let live = self.live_instances(&mut conn).await?;
+        let mut remote: HashMap<Box<str>, HashSet<Arc<str>>> = HashMap::new();
+        for instance in &live {
+            let devices: Vec<String> = within("SMEMBERS", redis::cmd("SMEMBERS").arg(self.key("watching", instance)).query_async(&mut conn)).await?;
+            for device in devices {
+                remote.entry(device.into_boxed_str()).or_default().insert(instance.clone());
+            }
+        }
+        let mut changes: Vec<(Box<str>, bool)> = Vec::new();
+        for device in self.remote.keys() {
+            if !remote.contains_key(device) {
+                changes.push((device.clone(), false));
+            }
+        }
+        for device in remote.keys() {
+            if !self.remote.contains_key(device) {
+                changes.push((device.clone(), true));
+            }
+        }
+        self.remote = remote;
+        self.instances = live;
+        self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
+        self.send_remote_watch(changes).await;
+        Ok((conn, sink, stream))
+    }
+
+    /// Other instances whose `instance` key is alive.
+    async fn live_instances(&self, conn: &mut MultiplexedConnection) -> Result<HashSet<Arc<str>>, Failed> {
+        let pattern = self.key("instance", "*");
+        let strip = pattern.len() - 1;
+        let mut cursor: u64 = 0;
+        let mut out = HashSet::new();
+        loop {
+            let (next, keys): (u64, Vec<String>) = within(
+                "SCAN",
+                redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn),
+            )
+            .await?;
+            for key in keys {
+                let id = &key[strip..];
+                if id != &*self.o.instance {
+                    out.insert(Arc::from(id));
+                }
+            }
+            if next == 0 {
+                return Ok(out);
+            }
+            cursor = next;
+        }
+    }
+
+    async fn serve(
+        &mut self,
+        conn: &mut MultiplexedConnection,
+        sink: &mut PubSubSink,
+        stream: PubSubStream,
+        commands: &async_channel::Receiver<Command>,
+    ) -> Failed {
+        let mut stream = stream.ready_chunks(256);
+        let mut beat = tokio::time::interval(HEARTBEAT);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let result = tokio::select! {
+                batch = stream.next() => match batch {
+                    Some(batch) => {
+                        self.on_messages(batch).await;
+                        Ok(())
+                    }
+                    None => Err("the pub/sub connection closed".to_string()),
+                },
+                command = commands.recv() => match command {
+                    Ok(command) => self.on_command(command, conn, sink).await,
+                    Err(_) => Err("stopped".to_string()),
+                },
+                _ = beat.tick() => self.heartbeat(conn).await,
+            };
+            if let Err(reason) = result {
+                return reason;
+            }
+        }
+    }
+
+    async fn heartbeat(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        let me = self.o.instance.clone();
+        let set = redis::cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(INSTANCE_TTL.as_millis() as u64).to_owned();
+        within("SET instance", set.query_async::<()>(conn)).await?;
+        let live = self.live_instances(conn).await?;
+        let gone: Vec<Arc<str>> = self.instances.iter().filter(|i| !live.contains(*i)).cloned().collect();
+        if !gone.is_empty() {
+            // An instance that died without saying so: forget what it watched.
+            let mut changes = Vec::new();
+            self.remote.retain(|device, watchers| {
+                for g in &gone {
+                    watchers.remove(g);
+                }
+                if watchers.is_empty() {
+                    changes.push((device.clone(), false));
+                    false
+                } else {
+                    true
+                }
+            });
+            for g in &gone {
+                tracing::info!(instance = %g, "instance gone from Redis");
+                let _ = within("DEL watching", redis::cmd("DEL").arg(self.key("watching", g)).query_async::<()>(conn)).await;
+            }
+            self.send_remote_watch(changes).await;
+        }
+        for i in &live {
+            if !self.instances.contains(i) {
+                tracing::info!(instance = %i, "instance joined on Redis");
+            }
+        }
+        self.instances = live;
+        self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn on_command(&mut self, command: Command, conn: &mut MultiplexedConnection, sink: &mut PubSubSink) -> Result<(), Failed> {
+        match command {
+            Command::Save { op, reply } => {
+                let result = self.save(&op, conn).await;
+                let failed = result.as_ref().err().cloned();
+                let _ = reply.send(result);
+                if let Some(reason) = failed {
+                    return Err(reason);
+                }
+            }
+            Command::Load { session, reply } => {
+                let key = self.session_key(session);
+                let result: Result<std::collections::HashMap<Vec<u8>, Vec<u8>>, Failed> =
+                    within("HGETALL", redis::cmd("HGETALL").arg(&key).query_async(conn)).await;
+                let failed = result.as_ref().err().cloned();
+                let _ = reply.send(result.map(|fields| {
+                    if fields.is_empty() {
+                        return None;
+                    }
+                    let ops = fields
+                        .iter()
+                        .filter(|(k, _)| k.starts_with(b"a:"))
+                        .filter_map(|(_, v)| wire::decode_access(v))
+                        .filter(|(_, s, _)| *s == session)
+                        .map(|(device, session, access)| SharedOp::Access { session, device, access })
+                        .collect();
+                    Some(ops)
+                }));
+                if let Some(reason) = failed {
+                    return Err(reason);
+                }
+            }
+            Command::Publish(items) => {
+                let n = items.len() as u64;
+                let mut pipe = redis::pipe();
+                for (device, payload) in &items {
+                    pipe.cmd("PUBLISH").arg(self.key("device", device)).arg(payload.as_slice()).ignore();
+                }
+                if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(conn)).await {
+                    self.stats.dropped.fetch_add(n, Ordering::Relaxed);
+                    return Err(reason);
+                }
+                self.stats.published.fetch_add(n, Ordering::Relaxed);
+            }
+            Command::Watch(changes) => {
+                let me = self.o.instance.clone();
+                let (mut on, mut off) = (Vec::new(), Vec::new());
+                let mut pipe = redis::pipe();
+                for (device, watch) in changes {
+                    if watch == self.local.contains(&device) {
+                        continue;
+                    }
+                    let (cmd, sign) = if watch { ("SADD", '+') } else { ("SREM", '-') };
+                    pipe.cmd(cmd).arg(self.key("watching", &me)).arg(&*device).ignore();
+                    pipe.cmd("PUBLISH").arg(self.channel("watch")).arg(format!("{sign}{me}\t{device}")).ignore();
+                    let channel = self.key("device", &device);
+                    if watch {
+                        self.local.insert(device);
+                        on.push(channel);
+                    } else {
+                        self.local.remove(&device);
+                        off.push(channel);
+                    }
+                }
+                self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
+                if !on.is_empty() {
+                    within("SUBSCRIBE", sink.subscribe(on)).await?;
+                }
+                if !off.is_empty() {
+                    within("UNSUBSCRIBE", sink.unsubscribe(off)).await?;
+                }
+                within("announce watch", pipe.query_async::<()>(conn)).await?;
+            }
+            Command::Refresh(ids) => {
+                let ttl = self.o.session_ttl.as_millis() as u64;
+                for chunk in ids.chunks(CHUNK) {
+                    let mut pipe = redis::pipe();
+                    for id in chunk {
+                        pipe.cmd("PEXPIRE").arg(self.session_key(*id)).arg(ttl).ignore();
+                    }
+                    within("PEXPIRE", pipe.query_async::<()>(conn)).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn save(&self, op: &SharedOp, conn: &mut MultiplexedConnection) -> Result<bool, Failed> {
+        let ttl = self.o.session_ttl.as_millis() as u64;
+        let ops_channel = self.channel("ops");
+        match op {
+            SharedOp::Create(id) => {
+                let key = self.session_key(*id);
+                let mut pipe = redis::pipe();
+                pipe.atomic().cmd("HSET").arg(&key).arg("created").arg(crate::timefmt::now_millis()).ignore();
+                pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
+                within("HSET session", pipe.query_async::<()>(conn)).await?;
+                Ok(true)
+            }
+            SharedOp::Delete(id) => {
+                let mut pipe = redis::pipe();
+                pipe.atomic().cmd("DEL").arg(self.session_key(*id));
+                pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&self.o.instance, op)).ignore();
+                let (deleted,): (i64,) = within("DEL session", pipe.query_async(conn)).await?;
+                Ok(deleted > 0)
+            }
+            SharedOp::DeleteAll => {
+                let pattern = self.key("session", "*");
+                let mut cursor: u64 = 0;
+                loop {
+                    let (next, keys): (u64, Vec<String>) = within(
+                        "SCAN",
+                        redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn),
+                    )
+                    .await?;
+                    if !keys.is_empty() {
+                        within("DEL sessions", redis::cmd("DEL").arg(keys).query_async::<()>(conn)).await?;
+                    }
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
+                }
+                let publish = redis::cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&self.o.instance, op)).to_owned();
+                within("PUBLISH ops", publish.query_async::<()>(conn)).await?;
+                Ok(true)
+            }
+            SharedOp::Access { session, device, access } => {
+                let key = self.session_key(*session);
+                let field = format!("a:{device}");
+                let mut pipe = redis::pipe();
+                pipe.atomic();
+                match access {
+                    Some(a) => pipe.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, *session, Some(a))).ignore(),
+                    None => pipe.cmd("HDEL").arg(&key).arg(&field).ignore(),
+                };
+                pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
+                pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&self.o.instance, op)).ignore();
+                within("HSET access", pipe.query_async::<()>(conn)).await?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// A burst of pub/sub messages, in order: device messages are grouped per core between
+    /// two control messages; a shared change waits until its core applied it (so a revoke is
+    /// in force before any later message of the burst is handed over).
+    async fn on_messages(&mut self, batch: Vec<redis::Msg>) {
+        let ops = self.channel("ops");
+        let watch = self.channel("watch");
+        let device_prefix = self.key("device", "");
+        let mut per_core: Vec<Vec<crate::ingest::IngestMessage>> = (0..self.cores.len()).map(|_| Vec::new()).collect();
+        for msg in batch {
+            let channel = msg.get_channel_name();
+            let payload = msg.get_payload_bytes();
+            if channel.starts_with(&device_prefix) {
+                match wire::decode_message(payload) {
+                    Some((origin, m)) if origin != &*self.o.instance => {
+                        self.stats.received.fetch_add(1, Ordering::Relaxed);
+                        let core = core_of_device(&m.device_id, self.cores.len());
+                        per_core[core].push(m);
+                    }
+                    Some(_) => {}
+                    None => {
+                        self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            } else if channel == ops {
+                self.flush_messages(&mut per_core).await;
+                match wire::decode_op(payload) {
+                    Some((origin, op)) if origin != &*self.o.instance => self.apply_op(op).await,
+                    Some(_) => {}
+                    None => {
+                        self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            } else if channel == watch {
+                self.flush_messages(&mut per_core).await;
+                self.on_watch(payload).await;
+            }
+        }
+        self.flush_messages(&mut per_core).await;
+    }
+
+    async fn flush_messages(&self, per_core: &mut [Vec<crate::ingest::IngestMessage>]) {
+        for (core, batch) in per_core.iter_mut().enumerate() {
+            if !batch.is_empty() {
+                let _ = self.cores[core].send(Inbound::Messages(std::mem::take(batch))).await;
+            }
+        }
+    }
+
+    async fn apply_op(&self, op: SharedOp) {
+        let core = match &op {
+            SharedOp::Create(id) | SharedOp::Delete(id) => core_of_session(*id, self.cores.len()),
+            SharedOp::Access { session, .. } => core_of_session(*session, self.cores.len()),
+            SharedOp::DeleteAll => 0,
+        };
+        let (done, applied) = futures_channel::oneshot::channel();
+        if self.cores[core].send(Inbound::Op(op, done)).await.is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), applied).await;
+        }
+    }
+
+    async fn on_watch(&mut self, payload: &[u8]) {
+        let Some(text) = std::str::from_utf8(payload).ok() else { return };
+        let (on, rest) = match text.as_bytes().first() {
+            Some(b'+') => (true, &text[1..]),
+            Some(b'-') => (false, &text[1..]),
+            _ => return,
+        };
+        let Some((instance, device)) = rest.split_once('\t') else { return };
+        if instance == &*self.o.instance {
+            return;
+        }
+        let instance: Arc<str> = instance.into();
+        if !self.instances.contains(&instance) {
+            self.instances.insert(instance.clone());
+            self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
+        }
+        let mut change = None;
+        if on {
+            let watchers = self.remote.entry(device.into()).or_default();
+            if watchers.is_empty() {
+                change = Some((device.into(), true));
+            }
+            watchers.insert(instance);
+        } else if let Some(watchers) = self.remote.get_mut(device) {
+            watchers.remove(&instance);
+            if watchers.is_empty() {
+                self.remote.remove(device);
+                change = Some((device.into(), false));
+            }
+        }
+        if let Some(change) = change {
+            self.send_remote_watch(vec![change]).await;
+        }
+    }
+
+    async fn send_remote_watch(&self, changes: Vec<(Box<str>, bool)>) {
+        self.stats.watched_elsewhere.store(self.remote.len() as u64, Ordering::Relaxed);
+        if changes.is_empty() {
+            return;
+        }
+        let mut per_core: Vec<Vec<(Box<str>, bool)>> = (0..self.cores.len()).map(|_| Vec::new()).collect();
+        for (device, on) in changes {
+            per_core[core_of_device(&device, self.cores.len())].push((device, on));
+        }
+        for (core, changes) in per_core.into_iter().enumerate() {
+            if !changes.is_empty() {
+                let _ = self.cores[core].send(Inbound::RemoteWatch(changes)).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,433 @@
+//! Several hubcast instances behind one load balancer, sharing one Redis (`--redis-url`).
+//!
+//! Without `--redis-url` none of this runs. With it:
+//! - **Sessions are shared.** A session lives in Redis (`<prefix>:session:<id>`: its access
+//!   on every device, in the durable store's encoding) and as a copy on each instance that
+//!   uses it. An instance that meets an unknown session id (a REST call, a socket) loads it
+//!   from Redis first ([`ensure_session`]). Every change (grant, revoke, subscribe,
+//!   unsubscribe, delete) is applied here, written to Redis and published on `<prefix>:ops`
+//!   in one transaction before the client is answered; the other instances apply it to
+//!   their copies, so a grant revoked on one instance stops delivery on every other.
+//! - **Live data crosses once per interested instance.** An instance *watches* a device
+//!   while a session with a socket on it subscribes to the device; it then subscribes to
+//!   the Redis channel `<prefix>:device:<id>` and announces it (`<prefix>:watching:<instance>`
+//!   and `<prefix>:watch`). The core that ingests a device message publishes it once, only
+//!   when another instance watches the device; Redis hands it to each watching instance
+//!   once, whose device core applies it as a replica (last values, then its own sockets).
+//! - A session's key expires `grace + 2 × refresh` after the last instance holding a copy
+//!   stopped refreshing it (copies expire locally after `--session-grace-period` idle).
+//!
+//! The Redis client runs on its own thread ([`link`]); cores reach it through one bounded
+//! command queue and it reaches them through one bounded queue per core. Back-pressure:
+//! a full command queue refuses a change (503 to the client) and drops a publication
+//! (counted in `hubcast_redis_dropped_total`); a full core queue makes the link wait, so
+//! Redis buffers the instance's pub/sub output up to its `client-output-buffer-limit` and
+//! then drops the connection (the link reconnects and logs it).
+
+mod link;
+pub mod wire;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_channel::oneshot;
+use hashbrown::{HashMap, HashSet};
+
+use crate::config::Settings;
+use crate::ids::SessionId;
+use crate::ingest::IngestMessage;
+use crate::model::{Checked, Rejection};
+use crate::runtime::relay::{CorePlugin, Relay};
+use crate::runtime::Core;
+use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+pub use wire::SharedOp;
+
+/// Commands waiting for the Redis thread.
+const COMMANDS: usize = 1024;
+/// Batches waiting for one core from the Redis thread.
+const INBOUND: usize = 256;
+/// Device messages one core holds for Redis between two flushes, and their bytes.
+const OUTBOX_MESSAGES: usize = 4096;
+const OUTBOX_BYTES: usize = 4 << 20;
+
+pub(crate) enum Command {
+    /// Write a change to Redis and publish it; answers whether a deleted session existed.
+    Save { op: SharedOp, reply: oneshot::Sender<Result<bool, String>> },
+    /// Read a session from Redis: its access per device, `None` if there is no such session.
+    Load { session: SessionId, reply: oneshot::Sender<Result<Option<Vec<SharedOp>>, String>> },
+    /// Device messages to publish, each on its device's channel (payloads of [`wire`]).
+    Publish(Vec<(Box<str>, Vec<u8>)>),
+    /// Devices this instance started or stopped watching.
+    Watch(Vec<(Box<str>, bool)>),
+    /// Sessions held here: keep their Redis keys alive.
+    Refresh(Vec<SessionId>),
+}
+
+pub(crate) enum Inbound {
+    /// Apply another instance's change to the copy here; answer when done (ordering barrier).
+    Op(SharedOp, oneshot::Sender<()>),
+    /// Another instance's device messages, all of devices this core owns.
+    Messages(Vec<IngestMessage>),
+    /// Devices of this core that other instances started or stopped watching.
+    RemoteWatch(Vec<(Box<str>, bool)>),
+}
+
+/// Counters of the link, read by `GET /metrics`.
+#[derive(Default)]
+pub struct Stats {
+    pub connected: AtomicU64,
+    pub published: AtomicU64,
+    pub received: AtomicU64,
+    pub dropped: AtomicU64,
+    pub undecodable: AtomicU64,
+    pub reconnects: AtomicU64,
+    pub instances: AtomicU64,
+    pub watched_here: AtomicU64,
+    pub watched_elsewhere: AtomicU64,
+}
+
+pub struct Cluster {
+    pub instance: Arc<str>,
+    pub stats: Arc<Stats>,
+    commands: async_channel::Sender<Command>,
+    /// Each core takes its queue once, at start (never touched on the message path).
+    inbound: Mutex<Vec<Option<async_channel::Receiver<Inbound>>>>,
+    refresh: Duration,
+    /// What the Redis thread takes when it starts.
+    link: Mutex<Option<LinkParts>>,
+}
+
+type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_channel::Sender<Inbound>>);
+
+impl Cluster {
+    /// Prepares the link; [`Cluster::run`] starts its thread once the process is assembled.
+    pub fn new(settings: &Settings, url: &str) -> Arc<Self> {
+        let c = &settings.config;
+        let instance: Arc<str> = match &c.instance_id {
+            Some(id) => id.as_str().into(),
+            None => format!("{:016x}", u64::from_le_bytes(random8())).into(),
+        };
+        let grace = settings.session_grace_period();
+        let refresh = (grace / 3).clamp(Duration::from_millis(50), Duration::from_secs(60));
+        let (commands, command_rx) = async_channel::bounded(COMMANDS);
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded(INBOUND)).unzip();
+        let options = link::Options {
+            url: url.to_string(),
+            prefix: c.redis_prefix.clone(),
+            instance: instance.clone(),
+            session_ttl: grace + 2 * refresh + Duration::from_secs(1),
+        };
+        Arc::new(Self {
+            instance,
+            stats: Arc::default(),
+            commands,
+            inbound: Mutex::new(receivers.into_iter().map(Some).collect()),
+            refresh,
+            link: Mutex::new(Some((options, command_rx, senders))),
+        })
+    }
+
+    /// Starts the Redis thread; `status` is told when the link is up (`None`) or down (why),
+    /// for `GET /status`.
+    pub fn run(&self, status: impl Fn(Option<String>) + Send + 'static) -> std::io::Result<()> {
+        let Some((options, commands, cores)) = self.link.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return Ok(());
+        };
+        link::start(options, commands, cores, self.stats.clone(), Box::new(status))
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T, String>>) -> Command) -> Result<T, String> {
+        let (tx, rx) = oneshot::channel();
+        if self.commands.try_send(make(tx)).is_err() {
+            return Err("too many changes waiting for Redis".into());
+        }
+        match monoio::time::timeout(Duration::from_secs(10), rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err("the Redis link stopped".into()),
+            Err(_) => Err("Redis did not answer within 10 s".into()),
+        }
+    }
+
+    /// Writes a change to Redis and publishes it to the other instances.
+    pub async fn save(&self, op: SharedOp) -> Checked<bool> {
+        self.call(|reply| Command::Save { op, reply }).await.map_err(unavailable)
+    }
+
+    /// Metrics of the link, as `GET /metrics` series.
+    pub fn series(&self) -> crate::metrics::ExternalSeries {
+        let s = &self.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let label = format!("{{instance=\"{}\"}}", self.instance);
+        vec![
+            ("hubcast_redis_connected".into(), "1 while the link to Redis is up.".into(), label.clone(), get(&s.connected)),
+            ("hubcast_redis_instances".into(), "Live hubcast instances seen on Redis, this one included.".into(), label.clone(), get(&s.instances)),
+            ("hubcast_redis_watched_devices".into(), "Devices this instance receives from the others (a socket here subscribes).".into(), label.clone(), get(&s.watched_here)),
+            ("hubcast_redis_watched_elsewhere_devices".into(), "Devices other instances watch: their messages ingested here are published.".into(), label.clone(), get(&s.watched_elsewhere)),
+            ("hubcast_redis_published_total".into(), "Device messages published to Redis for other instances.".into(), label.clone(), get(&s.published)),
+            ("hubcast_redis_received_total".into(), "Device messages received from other instances through Redis.".into(), label.clone(), get(&s.received)),
+            ("hubcast_redis_dropped_total".into(), "Device messages not published: the link's queue was full or Redis was down.".into(), label.clone(), get(&s.dropped)),
+            ("hubcast_redis_undecodable_total".into(), "Payloads from Redis that did not decode (skipped).".into(), label.clone(), get(&s.undecodable)),
+            ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label, get(&s.reconnects)),
+        ]
+    }
+}
+
+fn random8() -> [u8; 8] {
+    let mut b = [0u8; 8];
+    let _ = getrandom::fill(&mut b);
+    b
+}
+
+fn unavailable(reason: String) -> Rejection {
+    Rejection::new(503, format!("Redis unavailable: {reason}; the change may be applied on this instance only, retry"))
+}
+
+/// Per core: the relay (runtime/relay.rs) and the task applying what other instances send.
+impl CorePlugin for Cluster {
+    fn start(&self, core: &Rc<Core>) {
+        let Some(inbound) = self.inbound.lock().unwrap_or_else(|e| e.into_inner()).get_mut(core.index).and_then(Option::take) else {
+            return;
+        };
+        core.devices.borrow_mut().track_watches();
+        let relay = Rc::new(CoreRelay {
+            instance: self.instance.clone(),
+            commands: self.commands.clone(),
+            stats: self.stats.clone(),
+            remote: RefCell::default(),
+            outbox: RefCell::default(),
+            pending_watch: RefCell::default(),
+        });
+        *core.relay.borrow_mut() = Some(relay.clone());
+        monoio::spawn(serve(core.clone(), relay, inbound));
+        monoio::spawn(refresh(core.clone(), self.commands.clone(), self.refresh));
+    }
+}
+
+struct CoreRelay {
+    instance: Arc<str>,
+    commands: async_channel::Sender<Command>,
+    stats: Arc<Stats>,
+    /// Devices of this core that another instance watches.
+    remote: RefCell<HashSet<Box<str>>>,
+    outbox: RefCell<Outbox>,
+    /// Watch changes the command queue had no room for (latest per device), sent later.
+    pending_watch: RefCell<HashMap<Box<str>, bool>>,
+}
+
+#[derive(Default)]
+struct Outbox {
+    items: Vec<(Box<str>, Vec<u8>)>,
+    bytes: usize,
+}
+
+impl Relay for CoreRelay {
+    fn offer(&self, msg: &IngestMessage) {
+        if !self.remote.borrow().contains(&*msg.device_id) {
+            return;
+        }
+        let mut outbox = self.outbox.borrow_mut();
+        // Bounded: beyond it the message is not published (counted), never queued unbounded.
+        if outbox.items.len() >= OUTBOX_MESSAGES || outbox.bytes + msg.body.len() > OUTBOX_BYTES {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let payload = wire::encode_message(&self.instance, msg);
+        outbox.bytes += payload.len();
+        outbox.items.push((msg.device_id.clone(), payload));
+    }
+
+    fn flush(&self) {
+        let items = {
+            let mut outbox = self.outbox.borrow_mut();
+            outbox.bytes = 0;
+            std::mem::take(&mut outbox.items)
+        };
+        if !items.is_empty() {
+            let n = items.len() as u64;
+            if self.commands.try_send(Command::Publish(items)).is_err() {
+                self.stats.dropped.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+        self.send_pending_watch();
+    }
+
+    fn watch(&self, changes: Vec<(Box<str>, bool)>) {
+        let mut pending = self.pending_watch.borrow_mut();
+        for (device, on) in changes {
+            pending.insert(device, on);
+        }
+        drop(pending);
+        self.send_pending_watch();
+    }
+}
+
+impl CoreRelay {
+    /// Bounded by the devices of this core: one pending entry per device at most.
+    fn send_pending_watch(&self) {
+        let mut pending = self.pending_watch.borrow_mut();
+        if pending.is_empty() {
+            return;
+        }
+        let changes: Vec<_> = pending.drain().collect();
+        if let Err(e) = self.commands.try_send(Command::Watch(changes)) {
+            if let Command::Watch(changes) = e.into_inner() {
+                pending.extend(changes);
+            }
+        }
+    }
+}
+
+/// Applies what the Redis thread hands this core.
+async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Receiver<Inbound>) {
+    while let Ok(item) = inbound.recv().await {
+        match item {
+            Inbound::Op(op, done) => {
+                apply_remote(&core, op).await;
+                let _ = done.send(());
+            }
+            Inbound::Messages(batch) => {
+                core.mesh.wait_for_room().await;
+                core.ingest_replicas(batch);
+            }
+            Inbound::RemoteWatch(changes) => {
+                let mut remote = relay.remote.borrow_mut();
+                for (device, on) in changes {
+                    if on {
+                        remote.insert(device);
+                    } else {
+                        remote.remove(&device);
+                    }
+                }
+            }
+        }
+        relay.send_pending_watch();
+    }
+}
+
+/// Another instance's change, applied to the copy here (if this instance holds one).
+async fn apply_remote(core: &Rc<Core>, op: SharedOp) {
+    match op {
+        SharedOp::Create(_) => {}
+        SharedOp::Delete(id) => {
+            core.session_op(id, SessionOp::Delete(id)).await;
+        }
+        SharedOp::DeleteAll => {
+            for target in 0..core.cores() {
+                core.session_op_on(target, SessionOp::DeleteAll).await;
+            }
+        }
+        SharedOp::Access { session, device, access } => {
+            let ops = vec![DeviceOp::SetAccess { device, session, access }];
+            core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
+        }
+    }
+}
+
+/// Keeps the Redis keys of this core's sessions alive.
+async fn refresh(core: Rc<Core>, commands: async_channel::Sender<Command>, every: Duration) {
+    loop {
+        monoio::time::sleep(every).await;
+        if crate::shutdown::STOPPING.is_stopping() {
+            return;
+        }
+        let ids = core.sessions.borrow().ids();
+        if !ids.is_empty() {
+            let _ = commands.try_send(Command::Refresh(ids));
+        }
+    }
+}
+
+/// The cluster of this process, if any.
+pub fn of(core: &Core) -> Option<&Arc<Cluster>> {
+    core.shared.cluster.as_ref()
+}
+
+/// Makes sure this instance holds its copy of `session`, loading it from Redis when it does
+/// not; false when the session exists nowhere. Always true without Redis (the caller's own
+/// check answers).
+pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool> {
+    let Some(cluster) = of(core) else { return Ok(true) };
+    if let Some(SessionReply::Scoped(Some(_))) =
+        core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops: Vec::new() }).await
+    {
+        return Ok(true);
+    }
+    let loaded = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)?;
+    let Some(accesses) = loaded else { return Ok(false) };
+    match core.session_op(session, SessionOp::Create(session)).await {
+        Some(SessionReply::Created) => {}
+        Some(SessionReply::Full) => return Err(Rejection::new(503, "session limit reached (maxSessions)")),
+        // Created meanwhile by a concurrent request: fill it all the same (idempotent).
+        _ => {}
+    }
+    let ops: Vec<DeviceOp> = accesses
+        .into_iter()
+        .filter_map(|op| match op {
+            SharedOp::Access { session, device, access } => Some(DeviceOp::SetAccess { device, session, access }),
+            _ => None,
+        })
+        .collect();
+    if !ops.is_empty() {
+        core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
+    }
+    tracing::debug!(session = %session, "session loaded from Redis");
+    Ok(true)
+}
+
+/// A session operation from the REST API: with Redis, the session is loaded first when this
+/// instance has no copy, and every change is written to Redis and published before the
+/// client is answered. Without Redis this is `core.session_op`.
+pub async fn session_op(core: &Rc<Core>, session: SessionId, op: SessionOp) -> Checked<Option<SessionReply>> {
+    let Some(cluster) = of(core).cloned() else { return Ok(core.session_op(session, op).await) };
+    match op {
+        SessionOp::Create(id) => {
+            let reply = core.session_op(id, SessionOp::Create(id)).await;
+            if matches!(reply, Some(SessionReply::Created)) {
+                if let Err(e) = cluster.save(SharedOp::Create(id)).await {
+                    core.session_op(id, SessionOp::Delete(id)).await;
+                    return Err(e);
+                }
+            }
+            Ok(reply)
+        }
+        SessionOp::Delete(id) => {
+            let existed = cluster.save(SharedOp::Delete(id)).await?;
+            let reply = core.session_op(id, SessionOp::Delete(id)).await;
+            Ok(Some(SessionReply::Deleted(existed || matches!(reply, Some(SessionReply::Deleted(true))))))
+        }
+        SessionOp::DeleteAll => {
+            cluster.save(SharedOp::DeleteAll).await?;
+            for target in 0..core.cores() {
+                core.session_op_on(target, SessionOp::DeleteAll).await;
+            }
+            Ok(Some(SessionReply::Deleted(true)))
+        }
+        SessionOp::Scoped { session, register_devices, ops } => {
+            if !ensure_session(core, session).await? {
+                return Ok(Some(SessionReply::Scoped(None)));
+            }
+            // Changes are followed by a read of the access they leave, which is replicated.
+            let changed: Vec<Box<str>> = ops
+                .iter()
+                .filter(|op| matches!(op, DeviceOp::Grant { .. } | DeviceOp::Revoke { .. } | DeviceOp::Subscribe { .. } | DeviceOp::Unsubscribe { .. }))
+                .map(|op| op.device().into())
+                .collect();
+            let asked = ops.len();
+            let mut ops = ops;
+            ops.extend(changed.iter().map(|device| DeviceOp::ReadAccess { device: device.clone(), session }));
+            let reply = core.session_op(session, SessionOp::Scoped { session, register_devices, ops }).await;
+            let Some(SessionReply::Scoped(Some(mut replies))) = reply else { return Ok(reply) };
+            let reads = replies.split_off(asked.min(replies.len()));
+            for (device, read) in changed.into_iter().zip(reads) {
+                if let DeviceReply::Access(access) = read {
+                    cluster.save(SharedOp::Access { session, device, access }).await?;
+                }
+            }
+            Ok(Some(SessionReply::Scoped(Some(replies))))
+        }
+        other => Ok(core.session_op(session, other).await),
+    }
+}

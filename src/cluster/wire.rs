@@ -1,0 +1,222 @@
+//! What crosses Redis: shared operations on the `ops` channel, device messages on the
+//! `device:<id>` channels, and the access of a session on a device in its `session:<id>` hash.
+//!
+//! Binary and versioned (first byte), with every length checked on the way in: a payload
+//! that does not decode is counted and skipped, never trusted. The access record is the
+//! durable store's own encoding (`store::format`), so both engines keep grants alike.
+
+use crate::ids::SessionId;
+use crate::ingest::{IngestMessage, Properties, SourceKind};
+use crate::shard::access::Access;
+use crate::shard::{Grants, Subscriptions};
+use crate::store::{format, Change, Record};
+
+const VERSION: u8 = 1;
+
+/// A change every instance applies to its copy of a session.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SharedOp {
+    /// A new session (stored in Redis; the other instances load it when they first need it).
+    Create(SessionId),
+    Delete(SessionId),
+    DeleteAll,
+    /// The session's whole access on one device after a change (`None`: none left).
+    Access { session: SessionId, device: Box<str>, access: Option<(Grants, Subscriptions)> },
+}
+
+const OP_DELETE: u8 = 1;
+const OP_DELETE_ALL: u8 = 2;
+const OP_ACCESS: u8 = 3;
+
+fn put_str(buf: &mut Vec<u8>, s: &[u8]) {
+    buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    buf.extend_from_slice(s);
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n)?;
+        let out = self.bytes.get(self.at..end)?;
+        self.at = end;
+        Some(out)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn i64(&mut self) -> Option<i64> {
+        Some(i64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn u128(&mut self) -> Option<u128> {
+        Some(u128::from_le_bytes(self.take(16)?.try_into().ok()?))
+    }
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn str(&mut self) -> Option<&'a str> {
+        std::str::from_utf8(self.bytes()?).ok()
+    }
+    fn rest(&mut self) -> &'a [u8] {
+        let out = &self.bytes[self.at..];
+        self.at = self.bytes.len();
+        out
+    }
+}
+
+/// The access record (the durable store's encoding).
+pub fn encode_access(device: &str, session: SessionId, access: Option<&(Grants, Subscriptions)>) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(64);
+    let whole = access.map(|(grants, subs)| Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false });
+    format::encode(&mut buf, Change::Access { device, session, access: whole.as_ref() });
+    buf
+}
+
+pub fn decode_access(bytes: &[u8]) -> Option<(Box<str>, SessionId, Option<(Grants, Subscriptions)>)> {
+    let mut found = None;
+    format::decode(bytes, &mut |record| {
+        if let Record::Access(device, session, access) = record {
+            found = Some((device, session, access));
+        }
+    })
+    .ok()?;
+    found
+}
+
+/// An operation as published on the `ops` channel, with the instance it comes from.
+pub fn encode_op(origin: &str, op: &SharedOp) -> Vec<u8> {
+    let mut buf = vec![VERSION];
+    put_str(&mut buf, origin.as_bytes());
+    match op {
+        SharedOp::Create(_) => unreachable!("a new session is not published"),
+        SharedOp::Delete(id) => {
+            buf.push(OP_DELETE);
+            buf.extend_from_slice(&id.0.to_le_bytes());
+        }
+        SharedOp::DeleteAll => buf.push(OP_DELETE_ALL),
+        SharedOp::Access { session, device, access } => {
+            buf.push(OP_ACCESS);
+            buf.extend_from_slice(&encode_access(device, *session, access.as_ref()));
+        }
+    }
+    buf
+}
+
+pub fn decode_op(bytes: &[u8]) -> Option<(&str, SharedOp)> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let origin = r.str()?;
+    let op = match r.u8()? {
+        OP_DELETE => SharedOp::Delete(SessionId(r.u128()?)),
+        OP_DELETE_ALL => SharedOp::DeleteAll,
+        OP_ACCESS => {
+            let (device, session, access) = decode_access(r.rest())?;
+            SharedOp::Access { session, device, access }
+        }
+        _ => return None,
+    };
+    Some((origin, op))
+}
+
+fn source_code(s: SourceKind) -> u8 {
+    s as u8
+}
+
+fn source_of(code: u8) -> Option<SourceKind> {
+    Some(match code {
+        0 => SourceKind::Telemetry,
+        1 => SourceKind::TwinChange,
+        2 => SourceKind::ConnectionState,
+        3 => SourceKind::Lifecycle,
+        _ => return None,
+    })
+}
+
+/// A device message as published on its device's channel.
+pub fn encode_message(origin: &str, msg: &IngestMessage) -> Vec<u8> {
+    let props: usize = msg.properties.iter().map(|(k, v)| k.len() + v.len() + 8).sum();
+    let mut buf = Vec::with_capacity(32 + origin.len() + msg.device_id.len() + props + msg.body.len());
+    buf.push(VERSION);
+    put_str(&mut buf, origin.as_bytes());
+    put_str(&mut buf, msg.device_id.as_bytes());
+    buf.push(source_code(msg.source));
+    buf.extend_from_slice(&msg.enqueued_at.unwrap_or(i64::MIN).to_le_bytes());
+    buf.extend_from_slice(&(msg.properties.len() as u32).to_le_bytes());
+    for (k, v) in &msg.properties {
+        put_str(&mut buf, k.as_bytes());
+        put_str(&mut buf, v.as_bytes());
+    }
+    buf.extend_from_slice(&msg.body);
+    buf
+}
+
+/// The origin instance and the message; `None` for a payload that does not decode.
+pub fn decode_message(bytes: &[u8]) -> Option<(&str, IngestMessage)> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let origin = r.str()?;
+    let device_id: Box<str> = r.str()?.into();
+    let source = source_of(r.u8()?)?;
+    let enqueued_at = Some(r.i64()?).filter(|t| *t != i64::MIN);
+    let n = r.u32()? as usize;
+    let mut properties = Properties::new();
+    for _ in 0..n.min(1024) {
+        let k: Box<str> = r.str()?.into();
+        let v: Box<str> = r.str()?.into();
+        properties.push((k, v));
+    }
+    if n > 1024 {
+        return None;
+    }
+    let body = r.rest().to_vec();
+    Some((origin, IngestMessage { device_id, source, properties, body, enqueued_at, arrived: Some(crate::metrics::Arrival::now()) }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{DataKind, Grant, GrantKind, Subscription};
+
+    #[test]
+    fn messages_and_ops_round_trip_and_garbage_is_refused() {
+        let mut props = Properties::new();
+        props.push(("opType".into(), "updateTwin".into()));
+        let msg = IngestMessage {
+            device_id: "pump-1".into(),
+            source: SourceKind::TwinChange,
+            properties: props,
+            body: br#"{"a":1}"#.to_vec(),
+            enqueued_at: Some(42),
+            arrived: None,
+        };
+        let bytes = encode_message("i1", &msg);
+        let (origin, back) = decode_message(&bytes).unwrap();
+        assert_eq!(origin, "i1");
+        assert_eq!((&*back.device_id, back.source, back.body.as_slice(), back.enqueued_at), ("pump-1", SourceKind::TwinChange, &br#"{"a":1}"#[..], Some(42)));
+        assert_eq!(back.properties.as_slice(), msg.properties.as_slice());
+        for cut in 0..bytes.len() - msg.body.len() {
+            assert!(decode_message(&bytes[..cut]).is_none(), "a payload cut at {cut} must not decode");
+        }
+
+        let mut access = Access::default();
+        access.add_grant(&Grant { kind: GrantKind::Data(DataKind::Telemetry), key: Some("t".into()) });
+        assert!(access.subscribe(&Subscription { kind: DataKind::Telemetry, key: Some("t".into()) }));
+        let op = SharedOp::Access { session: SessionId(7), device: "d".into(), access: Some((access.grants, access.subs)) };
+        let bytes = encode_op("i2", &op);
+        assert_eq!(decode_op(&bytes), Some(("i2", op)));
+        let gone = SharedOp::Delete(SessionId(9));
+        assert_eq!(decode_op(&encode_op("i2", &gone)), Some(("i2", gone)));
+        assert_eq!(decode_op(b"\x02garbage"), None);
+    }
+}

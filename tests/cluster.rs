@@ -1,0 +1,186 @@
+//! Several instances on one Redis (issue 12): real hubcast processes, a real redis-server,
+//! standard clients spread over the instances.
+
+mod common;
+
+use std::time::Duration;
+
+use common::redis::Redis;
+use common::{assert_error, Server, ADMIN};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn instance(redis: &Redis, id: &str) -> Server {
+    let server = Server::start(&["--redis-url", &redis.url(), "--instance-id", id, "--redis-prefix", "t"]);
+    let up = server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, |v| v == 1.0);
+    assert_eq!(up, Some(1.0), "instance {id} connects to Redis");
+    server
+}
+
+fn metric(server: &Server, name: &str, id: &str) -> f64 {
+    server.metric(&format!("{name}{{instance=\"{id}\"}}")).unwrap_or(0.0)
+}
+
+/// Waits until instance `id` knows that another instance watches `n` devices.
+fn wait_watched_elsewhere(server: &Server, id: &str, n: f64) {
+    let series = format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}");
+    assert_eq!(server.wait_for_metric(&series, WAIT, |v| v == n), Some(n), "instance {id} learns what the others watch");
+}
+
+fn telemetry_values(frames: &[Value], key: &str) -> Vec<i64> {
+    frames.iter().filter_map(|f| f["telemetry"][key].as_i64()).collect()
+}
+
+#[test]
+fn a_session_opened_on_one_instance_is_served_by_another_and_live_data_crosses_once() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    // Opened on A, granted on B, subscribed on A: every call may land anywhere.
+    let session = a.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "pump-1"});
+    b.grant(&session, request.clone());
+    let (status, body) = a.subscribe(&session, request.clone());
+    assert_eq!(status, 204, "the grant given on B holds on A: {body}");
+    // Sockets on B (plain WebSocket and the real socket.io-client); data ingested on A.
+    let mut ws = b.live(&session);
+    let sio = b.socketio(&[&session], "websocket");
+    assert!(sio.wait_for("connect", WAIT).is_some(), "socket.io-client connects on B with a session opened on A");
+    wait_watched_elsewhere(&a, "a", 1.0);
+    for n in 0..20 {
+        a.ingest(json!({"deviceId": "pump-1", "body": {"n": n}}));
+    }
+    let mut frames = Vec::new();
+    while telemetry_values(&frames, "n").last() != Some(&19) {
+        frames.push(ws.next_json(WAIT).unwrap_or_else(|| panic!("every message reaches B's WebSocket; got {frames:?}")));
+    }
+    assert_eq!(telemetry_values(&frames, "n"), (0..20).collect::<Vec<_>>(), "once each, in order");
+    let mut data = Vec::new();
+    while telemetry_values(&data, "n").last() != Some(&19) {
+        let e = sio.wait_for("data", WAIT).unwrap_or_else(|| panic!("every message reaches B's Socket.IO client; got {data:?}"));
+        data.push(e["data"].clone());
+    }
+    assert_eq!(telemetry_values(&data, "n"), (0..20).collect::<Vec<_>>(), "once each, in order");
+    // Once per message for the one interested instance, not once per socket.
+    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 20.0);
+    assert_eq!(metric(&b, "hubcast_redis_received_total", "b"), 20.0);
+    // B keeps the last values it received, so reads answer there too.
+    let (status, body, _) = b.call("GET", "/lastValue/pump-1/n", &[("sessionId", &session)], None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(common::parse_json(&body)["data"]["n"], json!(19));
+}
+
+#[test]
+fn a_device_no_other_instance_watches_never_crosses_redis() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = a.new_session();
+    for device in ["watched", "local-only"] {
+        let request = json!({"type": "telemetry", "deviceId": device});
+        a.grant(&session, request.clone());
+        assert_eq!(a.subscribe(&session, request).0, 204);
+    }
+    // A socket on A watches both devices; one on B watches only "watched" (another session).
+    let mut local = a.live(&session);
+    let other = b.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "watched"});
+    b.grant(&other, request.clone());
+    assert_eq!(b.subscribe(&other, request).0, 204);
+    let mut remote = b.live(&other);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    a.ingest(json!([
+        {"deviceId": "local-only", "body": {"x": 1}},
+        {"deviceId": "watched", "body": {"x": 2}},
+    ]));
+    // Both arrive on A's own socket; only the watched device reaches B.
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        seen.push(local.next_json(WAIT).unwrap_or_else(|| panic!("both messages reach A's socket; got {seen:?}")));
+    }
+    let frame = remote.next_json(WAIT).expect("the watched device's message reaches B");
+    assert_eq!((frame["deviceId"].as_str(), frame["telemetry"]["x"].as_i64()), (Some("watched"), Some(2)));
+    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 1.0, "the unwatched device was not published");
+}
+
+#[test]
+fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = a.new_session();
+    for kind in ["telemetry", "connectionState"] {
+        let request = json!({"type": kind, "deviceId": "valve"});
+        a.grant(&session, request.clone());
+        assert_eq!(a.subscribe(&session, request).0, 204);
+    }
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    a.ingest(json!({"deviceId": "valve", "body": {"open": 1}}));
+    let first = ws.next_json(WAIT).expect("before the revoke, telemetry arrives on B");
+    assert_eq!(first["telemetry"], json!({"open": 1}));
+    // Revoked on A: B must not deliver the next telemetry, and still delivers what is granted.
+    a.revoke(&session, json!({"type": "telemetry", "deviceId": "valve"}));
+    a.ingest(json!([
+        {"deviceId": "valve", "body": {"open": 2}},
+        {"deviceId": "valve", "source": "deviceConnectionStateEvents",
+         "properties": {"opType": "deviceDisconnected"}, "body": {"sequenceNumber": "000000000000000001D5"}},
+    ]));
+    let mut after = Vec::new();
+    while !after.iter().any(|f: &Value| f["connectionState"] == json!(false)) {
+        after.push(ws.next_json(WAIT).unwrap_or_else(|| panic!("the connection state, still granted, arrives on B; got {after:?}")));
+    }
+    assert!(after.iter().all(|f| f.get("telemetry").is_none()), "no telemetry after the revoke: {after:?}");
+}
+
+#[test]
+fn deleting_a_session_on_one_instance_closes_its_socket_on_another() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = a.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "d"});
+    a.grant(&session, request.clone());
+    assert_eq!(a.subscribe(&session, request).0, 204);
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    a.ingest(json!({"deviceId": "d", "body": {"v": 1}}));
+    assert!(ws.next_json(WAIT).is_some(), "the socket on B is live");
+    let (status, body, _) = a.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
+    assert_eq!(status, 204, "{body}");
+    assert_eq!(ws.wait_closed(WAIT), Some(1000), "B closes the deleted session's socket");
+    // Gone everywhere: B answers like A.
+    let (status, body) = b.subscribe(&session, json!({"type": "telemetry", "deviceId": "d"}));
+    assert_error(status, &body, 404, "No such sessionId");
+}
+
+#[test]
+fn redis_down_is_a_503_with_the_reason_and_each_instance_recovers_by_itself() {
+    let mut redis = Redis::start();
+    let a = instance(&redis, "a");
+    let session = a.new_session();
+    assert_eq!(a.call("GET", "/status", &[], None).0, 200);
+    redis.down();
+    let series = "hubcast_redis_connected{instance=\"a\"}";
+    assert_eq!(a.wait_for_metric(series, WAIT, |v| v == 0.0), Some(0.0), "the lost link is seen");
+    let (status, body, _) = a.call("GET", "/status", &[], None);
+    assert_error(status, &body, 503, "redis");
+    let (status, body) = a.try_grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
+    assert_error(status, &body, 503, "Redis unavailable");
+    redis.up();
+    assert_eq!(a.wait_for_metric(series, WAIT, |v| v == 1.0), Some(1.0), "the link comes back by itself");
+    assert_eq!(a.call("GET", "/status", &[], None).0, 200);
+    // A new session works end to end again.
+    let fresh = a.new_session();
+    a.grant(&fresh, json!({"type": "telemetry", "deviceId": "d"}));
+    a.assert_alive();
+}
+
+#[test]
+fn an_invalid_redis_url_stops_start_up_naming_the_flag() {
+    let args = common::full_args(&["--redis-url", "localhost:6379"], true);
+    let (ok, _, stderr) = common::run_expecting_exit(&args, &[]);
+    assert!(!ok);
+    assert!(stderr.contains("--redis-url") && stderr.contains("redis://"), "{stderr}");
+}
