@@ -184,3 +184,40 @@ fn an_invalid_redis_url_stops_start_up_naming_the_flag() {
     assert!(!ok);
     assert!(stderr.contains("--redis-url") && stderr.contains("redis://"), "{stderr}");
 }
+
+#[test]
+fn reads_answer_the_same_on_an_instance_that_neither_ingests_nor_watches_the_device() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    a.ingest(json!([
+        {"deviceId": "far", "body": {"a": 1, "b": 2}},
+        {"deviceId": "far", "source": "twinChangeEvents", "properties": {"opType": "replaceTwin"},
+         "body": {"properties": {"reported": {"fw": "1.0"}}}},
+    ]));
+    // Admin reads on B: answered from A's state.
+    let (status, body, _) = b.call("GET", "/lastValue/far", &[ADMIN], None);
+    assert_eq!(status, 200, "{body}");
+    let v = common::parse_json(&body);
+    assert_eq!((v["data"]["a"]["value"].clone(), v["data"]["b"]["value"].clone()), (json!(1), json!(2)), "{body}");
+    let (status, body, _) = b.call("GET", "/deviceTwin/far", &[ADMIN], None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(common::parse_json(&body)["data"]["properties"]["reported"]["fw"], json!("1.0"));
+    let (status, body, _) = b.call("GET", "/connectionState/far", &[ADMIN], None);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(common::parse_json(&body)["data"], json!(true));
+    // A session granted only key `a` (on B) sees only `a`, and nothing of an ungranted device.
+    let session = b.new_session();
+    b.grant(&session, json!({"type": "telemetry", "deviceId": "far", "telemetryKey": "a"}));
+    let (status, body, _) = b.call("GET", "/lastValue/far", &[("sessionId", &session)], None);
+    assert_eq!(status, 200, "{body}");
+    let data = common::parse_json(&body)["data"].clone();
+    assert_eq!(data.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()), Some(vec!["a".to_string()]), "{body}");
+    let (status, body, _) = b.call("GET", "/lastValue/far/b", &[("sessionId", &session)], None);
+    assert_eq!(status, 403, "{body}");
+    // A device no instance holds answers as on one node.
+    let (status, body, _) = b.call("GET", "/lastValue/nowhere", &[ADMIN], None);
+    let (one_status, one_body, _) = a.call("GET", "/lastValue/nowhere", &[ADMIN], None);
+    assert_eq!((status, common::error_message(&body)), (one_status, common::error_message(&one_body)));
+    assert_eq!(status, 404);
+}

@@ -61,11 +61,13 @@ fn record(device: &str, data: &Value) -> String {
 
 pub async fn read_telemetry(core: &Rc<Core>, req: &Request, device: &str, key: Option<&str>) -> Checked<Response> {
     let viewer = viewer(&core.settings, req, "last value of device")?;
-    let device = path_device(device)?.into();
+    let device: Box<str> = path_device(device)?.into();
     if key.is_some_and(|k| k.len() > MAX_KEY_LEN) {
         return Err(Rejection::bad_request(format!("telemetryKey is longer than {MAX_KEY_LEN} bytes")));
     }
-    let body = read(core, viewer, DeviceOp::ReadTelemetry { device, key: key.map(Into::into), viewer }).await?;
+    let kind = crate::cluster::ReadKind::Telemetry(key.map(Into::into));
+    let local = read(core, viewer, DeviceOp::ReadTelemetry { device: device.clone(), key: key.map(Into::into), viewer }).await;
+    let body = crate::cluster::or_elsewhere(core, local, viewer, &device, kind).await?;
     Ok(Response::json(200, body))
 }
 
@@ -80,8 +82,10 @@ pub async fn read_twin(core: &Rc<Core>, req: &Request, device: &str) -> Checked<
     let viewer = viewer(&core.settings, req, "device twin")?;
     let device: Box<str> = path_device(device)?.into();
     let Some(hub) = core.shared.hub.as_ref() else {
-        // No IoT Hub: the twin known from twin change events.
-        return Ok(Response::json(200, read(core, viewer, DeviceOp::ReadTwin { device, viewer }).await?));
+        // No IoT Hub: the twin known from twin change events (here or on another instance).
+        let local = read(core, viewer, DeviceOp::ReadTwin { device: device.clone(), viewer }).await;
+        let body = crate::cluster::or_elsewhere(core, local, viewer, &device, crate::cluster::ReadKind::Twin).await?;
+        return Ok(Response::json(200, body));
     };
     let ttl = core.settings.twin_cache_ttl();
     // The cache (and, for a session, the grant) lives on the device's core; the admin key
@@ -113,7 +117,9 @@ pub async fn read_connection_state(core: &Rc<Core>, req: &Request, device: &str)
     // With customConnectionStateKey the hub is not consulted (ux4iot 4.1.0).
     let hub = core.shared.hub.as_ref().filter(|_| core.settings.config.custom_connection_state_key.is_empty());
     let Some(hub) = hub else {
-        return Ok(Response::json(200, read(core, viewer, DeviceOp::ReadConnectionState { device, viewer }).await?));
+        let local = read(core, viewer, DeviceOp::ReadConnectionState { device: device.clone(), viewer }).await;
+        let kind = crate::cluster::ReadKind::ConnectionState;
+        return Ok(Response::json(200, crate::cluster::or_elsewhere(core, local, viewer, &device, kind).await?));
     };
     if let DeviceReply::Body(body) = run(core, viewer, DeviceOp::ReadConnectionStateOrMiss { device: device.clone(), viewer }).await? {
         return Ok(Response::json(200, body?));

@@ -33,6 +33,19 @@ const INSTANCE_TTL: Duration = Duration::from_secs(10);
 const CALL_DEADLINE: Duration = Duration::from_secs(5);
 /// Commands per pipeline when many keys are touched at once.
 const CHUNK: usize = 512;
+/// How long a read waits for the other instances' answers.
+const READ_DEADLINE: Duration = Duration::from_millis(1000);
+/// Reads waiting for answers at once (beyond: answered at once as "not found elsewhere").
+const READS_PENDING: usize = 4096;
+
+/// A read sent to the other instances, waiting for their answers.
+struct PendingRead {
+    reply: futures_channel::oneshot::Sender<Result<Option<String>, String>>,
+    expected: usize,
+    got: usize,
+    best: Option<(i64, String)>,
+    deadline: tokio::time::Instant,
+}
 
 pub struct Options {
     pub url: String,
@@ -65,6 +78,8 @@ pub fn start(
             remote: HashMap::new(),
             instances: HashSet::new(),
             down_since_logged: false,
+            reads: HashMap::new(),
+            next_read: 0,
         };
         runtime.block_on(link.run(commands));
     })?;
@@ -84,6 +99,8 @@ struct Link {
     /// Other live instances.
     instances: HashSet<Arc<str>>,
     down_since_logged: bool,
+    reads: HashMap<u64, PendingRead>,
+    next_read: u64,
 }
 
 type Failed = String;
@@ -118,6 +135,9 @@ impl Link {
                     tracing::info!(instance = %self.o.instance, others = self.instances.len(), "connected to Redis");
                     self.down_since_logged = false;
                     let reason = self.serve(&mut conn, &mut sink, stream, &commands).await;
+                    for (_, read) in self.reads.drain() {
+                        let _ = read.reply.send(Err(format!("the link to Redis was lost ({reason})")));
+                    }
                     self.stats.connected.store(0, Ordering::Relaxed);
                     self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                     reason
@@ -171,6 +191,9 @@ impl Link {
                 self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
             }
             Command::Refresh(_) => {}
+            Command::Read { reply, .. } => {
+                let _ = reply.send(Err(format!("not connected ({reason})")));
+            }
         }
     }
 
@@ -179,7 +202,8 @@ impl Link {
         let mut conn = within("connect", client.get_multiplexed_async_connection()).await?;
         let pubsub = within("connect (pub/sub)", client.get_async_pubsub()).await?;
         let (mut sink, stream) = pubsub.split();
-        within("SUBSCRIBE", sink.subscribe(&[self.channel("ops"), self.channel("watch")])).await?;
+        let channels = [self.channel("ops"), self.channel("watch"), self.channel("read"), self.key("answer", &self.o.instance)];
+        within("SUBSCRIBE", sink.subscribe(&channels)).await?;
         // Announce this instance and what it watches (after a reconnect: again, whole).
         let me = self.o.instance.clone();
         let mut pipe = redis::pipe();
@@ -264,14 +288,19 @@ impl Link {
         let mut beat = tokio::time::interval(HEARTBEAT);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let next_read = self.reads.values().map(|r| r.deadline).min();
             let result = tokio::select! {
                 batch = stream.next() => match batch {
                     Some(batch) => {
-                        self.on_messages(batch).await;
-                        Ok(())
+                        let answers = self.on_messages(batch).await;
+                        self.publish_answers(answers, conn).await
                     }
                     None => Err("the pub/sub connection closed".to_string()),
                 },
+                _ = tokio::time::sleep_until(next_read.unwrap_or_else(tokio::time::Instant::now)), if next_read.is_some() => {
+                    self.expire_reads();
+                    Ok(())
+                }
                 command = commands.recv() => match command {
                     Ok(command) => self.on_command(command, conn, sink).await,
                     Err(_) => Err("stopped".to_string()),
@@ -280,6 +309,28 @@ impl Link {
             };
             if let Err(reason) = result {
                 return reason;
+            }
+        }
+    }
+
+    async fn publish_answers(&self, answers: Vec<(String, Vec<u8>)>, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        if answers.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (channel, payload) in &answers {
+            pipe.cmd("PUBLISH").arg(channel).arg(payload.as_slice()).ignore();
+        }
+        within("PUBLISH answers", pipe.query_async::<()>(conn)).await
+    }
+
+    /// Answers the reads whose time is up with the best answer so far.
+    fn expire_reads(&mut self) {
+        let now = tokio::time::Instant::now();
+        let due: Vec<u64> = self.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(id, _)| *id).collect();
+        for id in due {
+            if let Some(read) = self.reads.remove(&id) {
+                let _ = read.reply.send(Ok(read.best.map(|(_, body)| body)));
             }
         }
     }
@@ -384,7 +435,7 @@ impl Link {
                         off.push(channel);
                     }
                 }
-                self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
+                // Subscribed before announced: once another instance knows, messages arrive.
                 if !on.is_empty() {
                     within("SUBSCRIBE", sink.subscribe(on)).await?;
                 }
@@ -392,6 +443,22 @@ impl Link {
                     within("UNSUBSCRIBE", sink.unsubscribe(off)).await?;
                 }
                 within("announce watch", pipe.query_async::<()>(conn)).await?;
+                self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
+            }
+            Command::Read { device, kind, reply } => {
+                if self.instances.is_empty() || self.reads.len() >= READS_PENDING {
+                    let _ = reply.send(Ok(None));
+                    return Ok(());
+                }
+                self.next_read += 1;
+                let id = self.next_read;
+                let publish = redis::cmd("PUBLISH").arg(self.channel("read")).arg(wire::encode_read(&self.o.instance, id, &device, &kind)).to_owned();
+                if let Err(reason) = within("PUBLISH read", publish.query_async::<()>(conn)).await {
+                    let _ = reply.send(Err(reason.clone()));
+                    return Err(reason);
+                }
+                let deadline = tokio::time::Instant::now() + READ_DEADLINE;
+                self.reads.insert(id, PendingRead { reply, expected: self.instances.len(), got: 0, best: None, deadline });
             }
             Command::Refresh(ids) => {
                 let ttl = self.o.session_ttl.as_millis() as u64;
@@ -467,10 +534,13 @@ impl Link {
     /// A burst of pub/sub messages, in order: device messages are grouped per core between
     /// two control messages; a shared change waits until its core applied it (so a revoke is
     /// in force before any later message of the burst is handed over).
-    async fn on_messages(&mut self, batch: Vec<redis::Msg>) {
+    async fn on_messages(&mut self, batch: Vec<redis::Msg>) -> Vec<(String, Vec<u8>)> {
         let ops = self.channel("ops");
         let watch = self.channel("watch");
+        let read = self.channel("read");
+        let answer = self.key("answer", &self.o.instance);
         let device_prefix = self.key("device", "");
+        let mut answers = Vec::new();
         let mut per_core: Vec<Vec<crate::ingest::IngestMessage>> = (0..self.cores.len()).map(|_| Vec::new()).collect();
         for msg in batch {
             let channel = msg.get_channel_name();
@@ -499,9 +569,56 @@ impl Link {
             } else if channel == watch {
                 self.flush_messages(&mut per_core).await;
                 self.on_watch(payload).await;
+            } else if channel == read {
+                // Answered after the messages before it are applied (same core, in order).
+                self.flush_messages(&mut per_core).await;
+                if let Some(a) = self.answer_read(payload).await {
+                    answers.push(a);
+                }
+            } else if channel == answer {
+                self.on_answer(payload);
             }
         }
         self.flush_messages(&mut per_core).await;
+        answers
+    }
+
+    /// Another instance's read: asks the device's core here; the answer for its channel.
+    async fn answer_read(&self, payload: &[u8]) -> Option<(String, Vec<u8>)> {
+        let Some((origin, id, device, kind)) = wire::decode_read(payload) else {
+            self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        if origin == &*self.o.instance {
+            return None;
+        }
+        let core = core_of_device(&device, self.cores.len());
+        let (reply, answer) = futures_channel::oneshot::channel();
+        let found = match self.cores[core].send(Inbound::Read { device, kind, reply }).await {
+            Ok(()) => tokio::time::timeout(READ_DEADLINE, answer).await.ok().and_then(Result::ok).flatten(),
+            Err(_) => None,
+        };
+        let payload = wire::encode_answer(id, found.as_ref().map(|(newest, body)| (*newest, body.as_str())));
+        Some((self.key("answer", origin), payload))
+    }
+
+    fn on_answer(&mut self, payload: &[u8]) {
+        let Some((id, found)) = wire::decode_answer(payload) else {
+            self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let Some(read) = self.reads.get_mut(&id) else { return };
+        read.got += 1;
+        if let Some((newest, body)) = found {
+            if read.best.as_ref().is_none_or(|(n, _)| newest > *n) {
+                read.best = Some((newest, body));
+            }
+        }
+        if read.got >= read.expected {
+            if let Some(read) = self.reads.remove(&id) {
+                let _ = read.reply.send(Ok(read.best.map(|(_, body)| body)));
+            }
+        }
     }
 
     async fn flush_messages(&self, per_core: &mut [Vec<crate::ingest::IngestMessage>]) {
@@ -560,7 +677,6 @@ impl Link {
     }
 
     async fn send_remote_watch(&self, changes: Vec<(Box<str>, bool)>) {
-        self.stats.watched_elsewhere.store(self.remote.len() as u64, Ordering::Relaxed);
         if changes.is_empty() {
             return;
         }

@@ -42,7 +42,8 @@ use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
 use crate::runtime::relay::{CorePlugin, Relay};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply, Viewer};
+pub use wire::ReadKind;
 pub use wire::SharedOp;
 
 /// Commands waiting for the Redis thread.
@@ -64,6 +65,9 @@ pub(crate) enum Command {
     Watch(Vec<(Box<str>, bool)>),
     /// Sessions held here: keep their Redis keys alive.
     Refresh(Vec<SessionId>),
+    /// Ask the other instances for a device this instance holds nothing of: the freshest
+    /// holder's answer, `None` when no instance holds it.
+    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Result<Option<String>, String>> },
 }
 
 pub(crate) enum Inbound {
@@ -73,6 +77,8 @@ pub(crate) enum Inbound {
     Messages(Vec<IngestMessage>),
     /// Devices of this core that other instances started or stopped watching.
     RemoteWatch(Vec<(Box<str>, bool)>),
+    /// Another instance's read of a device of this core: the body and how new the data is.
+    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Option<(i64, String)>> },
 }
 
 /// Counters of the link, read by `GET /metrics`.
@@ -292,13 +298,29 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 core.mesh.wait_for_room().await;
                 core.ingest_replicas(batch);
             }
+            Inbound::Read { device, kind, reply } => {
+                let newest = core.devices.borrow().newest(&device);
+                let op = match kind {
+                    wire::ReadKind::Telemetry(key) => DeviceOp::ReadTelemetry { device, key, viewer: Viewer::Admin },
+                    wire::ReadKind::Twin => DeviceOp::ReadTwin { device, viewer: Viewer::Admin },
+                    wire::ReadKind::ConnectionState => DeviceOp::ReadConnectionState { device, viewer: Viewer::Admin },
+                };
+                let found = match (newest, core.device_ops(core.index, vec![op]).await.pop()) {
+                    (Some(newest), Some(DeviceReply::Body(Ok(body)))) => Some((newest, body)),
+                    _ => None,
+                };
+                let _ = reply.send(found);
+            }
             Inbound::RemoteWatch(changes) => {
+                // Counted here, once the core publishes accordingly (the metric tests wait on).
                 let mut remote = relay.remote.borrow_mut();
                 for (device, on) in changes {
                     if on {
-                        remote.insert(device);
-                    } else {
-                        remote.remove(&device);
+                        if remote.insert(device) {
+                            relay.stats.watched_elsewhere.fetch_add(1, Ordering::Relaxed);
+                        }
+                    } else if remote.remove(&device) {
+                        relay.stats.watched_elsewhere.fetch_sub(1, Ordering::Relaxed);
                     }
                 }
             }
@@ -429,5 +451,35 @@ pub async fn session_op(core: &Rc<Core>, session: SessionId, op: SessionOp) -> C
             Ok(Some(SessionReply::Scoped(Some(replies))))
         }
         other => Ok(core.session_op(session, other).await),
+    }
+}
+
+/// A read that found nothing here (404): with Redis, the instances that hold the device are
+/// asked (the freshest answer wins), so reads answer the same on every instance. The grant
+/// was checked here; an all-keys telemetry read keeps only the keys the session's grants
+/// cover. Without Redis, or when no instance holds the device, the local answer stands.
+pub async fn or_elsewhere(core: &Rc<Core>, local: Checked<String>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<String> {
+    let Some(cluster) = of(core) else { return local };
+    match &local {
+        Err(r) if r.status == 404 => {}
+        _ => return local,
+    }
+    let found = cluster.call(|reply| Command::Read { device: device.into(), kind: kind.clone(), reply }).await.map_err(unavailable)?;
+    let Some(body) = found else { return local };
+    match (viewer, kind) {
+        (Viewer::Session(session), ReadKind::Telemetry(None)) => {
+            let target = core.device_core(device);
+            let reply = core.device_ops(target, vec![DeviceOp::ReadAccess { device: device.into(), session }]).await.pop();
+            let Some(DeviceReply::Access(Some((grants, _)))) = reply else { return local };
+            let mut record: serde_json::Value = serde_json::from_str(&body).map_err(|_| Rejection::new(502, "an instance answered a read with invalid JSON"))?;
+            if let Some(data) = record.get_mut("data").and_then(serde_json::Value::as_object_mut) {
+                data.retain(|k, _| grants.telemetry.contains_key(k));
+                if data.is_empty() {
+                    return local;
+                }
+            }
+            Ok(record.to_string())
+        }
+        _ => Ok(body),
     }
 }

@@ -127,6 +127,80 @@ pub fn decode_op(bytes: &[u8]) -> Option<(&str, SharedOp)> {
     Some((origin, op))
 }
 
+/// A read another instance may answer: what the device's holders are asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadKind {
+    /// One telemetry key, or every key (`None`).
+    Telemetry(Option<Box<str>>),
+    Twin,
+    ConnectionState,
+}
+
+/// `P:read`: "who holds `device`? answer on my channel, quoting `id`".
+pub fn encode_read(origin: &str, id: u64, device: &str, kind: &ReadKind) -> Vec<u8> {
+    let mut buf = vec![VERSION];
+    put_str(&mut buf, origin.as_bytes());
+    buf.extend_from_slice(&id.to_le_bytes());
+    put_str(&mut buf, device.as_bytes());
+    match kind {
+        ReadKind::Telemetry(None) => buf.push(1),
+        ReadKind::Telemetry(Some(key)) => {
+            buf.push(2);
+            put_str(&mut buf, key.as_bytes());
+        }
+        ReadKind::Twin => buf.push(3),
+        ReadKind::ConnectionState => buf.push(4),
+    }
+    buf
+}
+
+pub fn decode_read(bytes: &[u8]) -> Option<(&str, u64, Box<str>, ReadKind)> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let origin = r.str()?;
+    let id = r.i64()? as u64;
+    let device = r.str()?.into();
+    let kind = match r.u8()? {
+        1 => ReadKind::Telemetry(None),
+        2 => ReadKind::Telemetry(Some(r.str()?.into())),
+        3 => ReadKind::Twin,
+        4 => ReadKind::ConnectionState,
+        _ => return None,
+    };
+    Some((origin, id, device, kind))
+}
+
+/// The answer to a read: the holder's body (`None`: it holds nothing) and how new its data is.
+pub fn encode_answer(id: u64, found: Option<(i64, &str)>) -> Vec<u8> {
+    let mut buf = vec![VERSION];
+    buf.extend_from_slice(&id.to_le_bytes());
+    match found {
+        Some((newest, body)) => {
+            buf.push(1);
+            buf.extend_from_slice(&newest.to_le_bytes());
+            put_str(&mut buf, body.as_bytes());
+        }
+        None => buf.push(0),
+    }
+    buf
+}
+
+pub fn decode_answer(bytes: &[u8]) -> Option<(u64, Option<(i64, String)>)> {
+    let mut r = Reader { bytes, at: 0 };
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let id = r.i64()? as u64;
+    let found = match r.u8()? {
+        0 => None,
+        1 => Some((r.i64()?, r.str()?.to_string())),
+        _ => return None,
+    };
+    Some((id, found))
+}
+
 fn source_code(s: SourceKind) -> u8 {
     s as u8
 }
@@ -218,5 +292,12 @@ mod tests {
         let gone = SharedOp::Delete(SessionId(9));
         assert_eq!(decode_op(&encode_op("i2", &gone)), Some(("i2", gone)));
         assert_eq!(decode_op(b"\x02garbage"), None);
+
+        let kind = ReadKind::Telemetry(Some("t".into()));
+        let bytes = encode_read("i3", 5, "d", &kind);
+        assert_eq!(decode_read(&bytes), Some(("i3", 5, "d".into(), kind)));
+        assert_eq!(decode_answer(&encode_answer(5, Some((9, "{}")))), Some((5, Some((9, "{}".to_string())))));
+        assert_eq!(decode_answer(&encode_answer(6, None)), Some((6, None)));
+        assert!(decode_read(&bytes[..bytes.len() - 1]).is_none());
     }
 }

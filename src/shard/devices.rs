@@ -239,6 +239,14 @@ impl DeviceTable {
     }
 
     /// Grants and subscriptions held on this core's devices (counted at scrape time).
+    /// When the newest data held for `device` was produced (scale-out: the freshest of
+    /// several instances' answers wins); `None` without data.
+    pub fn newest(&self, device: &str) -> Option<Millis> {
+        let d = self.devices.get(device)?;
+        let telemetry = d.telemetry.values().map(|v| v.at).max();
+        [telemetry, d.twin.as_ref().map(|t| t.at), d.connection.as_ref().map(|c| c.at)].into_iter().flatten().max()
+    }
+
     pub fn access_counts(&self) -> (u64, u64) {
         let mut grants = 0u64;
         let mut subs = 0u64;
