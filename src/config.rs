@@ -331,6 +331,12 @@ pub struct Config {
     /// generated when unset. Two live instances must not share one.
     #[arg(long = "instance-id", env = "INSTANCE_ID", value_parser = parse_redis_prefix)]
     pub instance_id: Option<String>,
+
+    /// Seconds an instance's partition leases (and its presence) last in Redis without being
+    /// renewed: after a crash the others take its partitions over within this, plus a heartbeat.
+    #[arg(long = "lease-ttl", env = "LEASE_TTL", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub lease_ttl: u64,
 }
 
 fn parse_redis_url(s: &str) -> Result<String, String> {

@@ -107,6 +107,7 @@ fn main() -> ExitCode {
         tracing::info!(instance = %cluster.instance, "running as one of several instances on Redis");
     }
     let cluster_metrics = cluster.map(|(c, _)| c);
+    let metrics_cluster = cluster_metrics.clone();
     let with_amqp = consumer.is_some();
     let with_store = settings.config.data_dir != hubcast::store::DataDir::Memory;
     let _ = shared.external_metrics.set(Box::new(move || {
@@ -120,7 +121,7 @@ fn main() -> ExitCode {
         if with_store {
             series.extend(hubcast::store::log::STATS.series());
         }
-        if let Some(cluster) = &cluster_metrics {
+        if let Some(cluster) = &metrics_cluster {
             series.extend(cluster.series());
         }
         series
@@ -147,7 +148,8 @@ fn main() -> ExitCode {
                     std::process::exit(128 + again);
                 }
             });
-            match running.shutdown(amqp, Instant::now() + Duration::from_secs(timeout)) {
+            let handover = cluster_metrics.clone().map(|c| Box::new(move |deadline| c.leave(deadline)) as Box<dyn FnOnce(Instant) + Send>);
+            match running.shutdown(amqp, handover, Instant::now() + Duration::from_secs(timeout)) {
                 Ok(()) => {
                     tracing::info!("shutdown complete");
                     ExitCode::SUCCESS

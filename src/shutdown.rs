@@ -256,6 +256,7 @@ pub fn drive(
     reports: &std::sync::mpsc::Receiver<Report>,
     flush: &[async_channel::Sender<()>],
     amqp: Option<std::thread::JoinHandle<()>>,
+    handover: Option<Box<dyn FnOnce(Instant) + Send>>,
     deadline: Instant,
 ) -> Result<(), String> {
     let cores = flush.len();
@@ -282,6 +283,11 @@ pub fn drive(
         if done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).is_err() {
             return Err("the event hub consumer has not closed its connection".into());
         }
+    }
+    // Several instances: the consumer has stopped and the cores still run, so what they
+    // applied can be checkpointed and the partitions handed over before the final flush.
+    if let Some(handover) = handover {
+        handover(deadline);
     }
     for tx in flush {
         let _ = tx.try_send(());

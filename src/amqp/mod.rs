@@ -135,6 +135,8 @@ pub struct Plan {
     pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
     /// How often partition lag is measured ([`LAG_INTERVAL`] unless overridden).
     pub lag_interval: Duration,
+    /// Names this stream and consumer group (stored positions, Redis leases and checkpoints).
+    pub stream_key: String,
 }
 
 impl Plan {
@@ -179,6 +181,7 @@ impl Plan {
                 max_message_bytes: usize::try_from(c.max_message_bytes).unwrap_or(usize::MAX),
             },
             lag_interval: Duration::from_millis(c.amqp_lag_interval_ms),
+            stream_key: crate::runtime::source_prefix(settings),
         })
     }
 
@@ -232,6 +235,9 @@ fn stored_positions(ingress: &Ingress) -> HashMap<String, map::Position> {
 enum Stop {
     /// Reconnect after a back-off. `worked`: it had been connected (resets the back-off).
     Retry { reason: String, worked: bool },
+    /// Several instances: the partitions this instance holds leases on changed; read the
+    /// new set at once (no back-off, nothing wrong).
+    Rebalance,
     /// The cores are gone: the process is stopping.
     Shutdown,
 }
@@ -265,7 +271,61 @@ pub fn backoff(failures: u32) -> Duration {
     full.mul_f64(0.5 + fastrand::f64() / 2.0)
 }
 
+/// Resolves (true) when the set of leased partitions differs from the one being read.
+async fn lease_change(leases: &mut Option<(tokio::sync::watch::Receiver<crate::cluster::Owned>, crate::cluster::Owned)>) -> bool {
+    let Some((rx, reading)) = leases.as_mut() else { return std::future::pending().await };
+    loop {
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        let now = rx.borrow_and_update().partitions.keys().cloned().collect::<Vec<_>>();
+        if now != reading.partitions.keys().cloned().collect::<Vec<_>>() {
+            return true;
+        }
+    }
+}
+
 impl Supervisor {
+    /// Several instances: names this stream's partitions to the Redis link, waits briefly for
+    /// its leases, and resumes each leased partition after the later of the position known
+    /// here and the checkpoint in Redis (where the instance that held it before stopped).
+    async fn leased_partitions(
+        &self,
+        cluster: &crate::cluster::Cluster,
+        ids: &[String],
+    ) -> (crate::cluster::Owned, tokio::sync::watch::Receiver<crate::cluster::Owned>) {
+        let positions = self.positions.clone();
+        let handed = move || {
+            let positions = positions.lock().unwrap_or_else(|e| e.into_inner());
+            positions.iter().filter_map(|(p, pos)| Some((p.clone(), pos.sequence?))).collect()
+        };
+        let mut rx = cluster.owned();
+        rx.borrow_and_update();
+        let plan = crate::cluster::StreamPlan {
+            key: self.plan.stream_key.clone(),
+            ids: ids.to_vec(),
+            positions: Arc::new(handed),
+            marks: self.ingress.has_source(),
+        };
+        if cluster.stream(plan) {
+            // The first balance follows at once unless Redis is down; the set may also be
+            // unchanged (a reconnect), so do not wait long.
+            let _ = timeout(Duration::from_secs(2), rx.changed()).await;
+        }
+        let owned = rx.borrow_and_update().clone();
+        let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+        for (p, checkpoint) in &owned.partitions {
+            if let Some(seq) = checkpoint {
+                let known = positions.entry(p.clone()).or_default();
+                if known.sequence.is_none_or(|s| s < *seq) {
+                    *known = map::Position { sequence: Some(*seq), ..Default::default() };
+                }
+            }
+        }
+        tracing::info!(partitions = ?owned.partitions.keys().collect::<Vec<_>>(), of = ids.len(), "reading the partitions leased to this instance");
+        (owned, rx)
+    }
+
     pub async fn run(self) {
         let mut failures = 0u32;
         loop {
@@ -277,6 +337,9 @@ impl Supervisor {
                 Stop::Shutdown => {
                     tracing::info!("the event hub consumer stopped: partition links detached, connection closed");
                     return;
+                }
+                Stop::Rebalance => {
+                    tracing::info!("partition leases changed: reconnecting to read the partitions now held");
                 }
                 Stop::Retry { reason, worked } => {
                     if worked {
@@ -398,6 +461,8 @@ impl Supervisor {
             renew_at = Instant::now() + self.renewal_delay(expiry);
         }
 
+        // Several instances on Redis: the partitions this instance holds leases on.
+        let mut leases: Option<(tokio::sync::watch::Receiver<crate::cluster::Owned>, crate::cluster::Owned)> = None;
         // The partitions, or the entity itself when it is a queue of a plain AMQP broker.
         let mut addresses: Vec<(String, String, Option<String>)> = Vec::new(); // (label, address, filter)
         let mut lag_link: Option<NodeLink> = None;
@@ -408,10 +473,15 @@ impl Supervisor {
         };
         match management {
             Ok(mut mgmt) => {
-                let ids = match connect::partition_ids(&mut mgmt, &endpoint.entity, token.as_deref()).await {
+                let mut ids = match connect::partition_ids(&mut mgmt, &endpoint.entity, token.as_deref()).await {
                     Ok(ids) => ids,
                     Err(e) => return retry(format!("cannot list partitions: {e}")),
                 };
+                if let Some(cluster) = &self.shared.cluster {
+                    let (owned, rx) = self.leased_partitions(cluster, &ids).await;
+                    ids.retain(|id| owned.partitions.contains_key(id));
+                    leases = Some((rx, owned));
+                }
                 for id in ids {
                     let known = self.positions.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned();
                     let mut position = known;
@@ -503,7 +573,10 @@ impl Supervisor {
                 // Graceful shutdown: each partition task sees it too and detaches its link.
                 _ = crate::shutdown::STOPPING.wait() => break Stop::Shutdown,
                 never = &mut lag => match never {},
-                ended = tasks.join_next() => {
+                owned = lease_change(&mut leases) => if owned {
+                    break Stop::Rebalance;
+                },
+                ended = tasks.join_next(), if !tasks.is_empty() || leases.is_none() => {
                     break match ended {
                         Some(Ok(End::CoresGone)) => Stop::Shutdown,
                         Some(Ok(End::Lost(reason))) => Stop::Retry { reason, worked: true },

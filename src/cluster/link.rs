@@ -26,9 +26,10 @@ use super::{Command, Inbound, Stats};
 use crate::ids::SessionId;
 use crate::runtime::routing::{core_of_device, core_of_session};
 
-/// How often an instance renews its `instance` key; it lives [`INSTANCE_TTL`].
-const HEARTBEAT: Duration = Duration::from_secs(2);
-const INSTANCE_TTL: Duration = Duration::from_secs(10);
+/// Renews a lease only if this instance still holds it.
+const RENEW: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end";
+/// Gives a lease up only if this instance holds it.
+const RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
 /// The longest one Redis call may take before the link is considered lost.
 const CALL_DEADLINE: Duration = Duration::from_secs(5);
 /// Commands per pipeline when many keys are touched at once.
@@ -52,12 +53,22 @@ pub struct Options {
     pub prefix: String,
     pub instance: Arc<str>,
     pub session_ttl: Duration,
+    /// `--lease-ttl`: how long partition leases and the instance key live unrenewed.
+    pub lease_ttl: Duration,
+}
+
+impl Options {
+    /// Heartbeats renew leases and the instance key three times per TTL (at most every 2 s).
+    fn heartbeat(&self) -> Duration {
+        (self.lease_ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(2))
+    }
 }
 
 pub fn start(
     options: Options,
     commands: async_channel::Receiver<Command>,
     cores: Vec<async_channel::Sender<Inbound>>,
+    owned: tokio::sync::watch::Sender<super::Owned>,
     stats: Arc<Stats>,
     status: Box<dyn Fn(Option<String>) + Send>,
 ) -> std::io::Result<()> {
@@ -80,6 +91,12 @@ pub fn start(
             down_since_logged: false,
             reads: HashMap::new(),
             next_read: 0,
+            stream: None,
+            leased: std::collections::BTreeMap::new(),
+            checkpointed: HashMap::new(),
+            owned,
+            renewed_at: tokio::time::Instant::now(),
+            left: false,
         };
         runtime.block_on(link.run(commands));
     })?;
@@ -101,6 +118,17 @@ struct Link {
     down_since_logged: bool,
     reads: HashMap<u64, PendingRead>,
     next_read: u64,
+    /// The event stream the consumer reads, once it has said.
+    stream: Option<super::StreamPlan>,
+    /// Partitions leased here → the checkpoint found when the lease was taken.
+    leased: std::collections::BTreeMap<String, Option<i64>>,
+    /// The last checkpoint written per partition.
+    checkpointed: HashMap<String, i64>,
+    owned: tokio::sync::watch::Sender<super::Owned>,
+    /// When the leases were last renewed: past the TTL without Redis they are given up.
+    renewed_at: tokio::time::Instant,
+    /// Shut down gracefully: no lease is taken and the instance key is not renewed again.
+    left: bool,
 }
 
 type Failed = String;
@@ -156,12 +184,20 @@ impl Link {
             }
             // Disconnected: refuse what needs Redis until the back-off has passed.
             let until = tokio::time::Instant::now() + backoff;
+            // Leases not renewed may be someone else's by now: stop reading their partitions
+            // a heartbeat before they can expire.
+            let give_up = self.renewed_at + self.o.lease_ttl.saturating_sub(self.o.heartbeat());
             loop {
                 tokio::select! {
                     command = commands.recv() => match command {
                         Ok(command) => self.refuse(command, &reason),
                         Err(_) => return,
                     },
+                    _ = tokio::time::sleep_until(give_up), if !self.leased.is_empty() => {
+                        tracing::warn!(partitions = self.leased.len(), "partition leases not renewed in time (Redis unreachable): reading none until they are taken again");
+                        self.leased.clear();
+                        self.publish_owned();
+                    }
                     _ = tokio::time::sleep_until(until) => break,
                 }
             }
@@ -191,6 +227,10 @@ impl Link {
                 self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
             }
             Command::Refresh(_) => {}
+            Command::Stream(plan) => self.stream = Some(plan),
+            Command::Leave(done) => {
+                let _ = done.send(());
+            }
             Command::Read { reply, .. } => {
                 let _ = reply.send(Err(format!("not connected ({reason})")));
             }
@@ -207,7 +247,7 @@ impl Link {
         // Announce this instance and what it watches (after a reconnect: again, whole).
         let me = self.o.instance.clone();
         let mut pipe = redis::pipe();
-        pipe.cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(INSTANCE_TTL.as_millis() as u64).ignore();
+        pipe.cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(self.o.lease_ttl.as_millis() as u64).ignore();
         pipe.cmd("DEL").arg(self.key("watching", &me)).ignore();
         within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
         let local: Vec<Box<str>> = self.local.iter().cloned().collect();
@@ -285,7 +325,7 @@ impl Link {
         commands: &async_channel::Receiver<Command>,
     ) -> Failed {
         let mut stream = stream.ready_chunks(256);
-        let mut beat = tokio::time::interval(HEARTBEAT);
+        let mut beat = tokio::time::interval(self.o.heartbeat());
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let next_read = self.reads.values().map(|r| r.deadline).min();
@@ -336,8 +376,11 @@ impl Link {
     }
 
     async fn heartbeat(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        if self.left {
+            return Ok(());
+        }
         let me = self.o.instance.clone();
-        let set = redis::cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(INSTANCE_TTL.as_millis() as u64).to_owned();
+        let set = redis::cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(self.o.lease_ttl.as_millis() as u64).to_owned();
         within("SET instance", set.query_async::<()>(conn)).await?;
         let live = self.live_instances(conn).await?;
         let gone: Vec<Arc<str>> = self.instances.iter().filter(|i| !live.contains(*i)).cloned().collect();
@@ -368,6 +411,157 @@ impl Link {
         }
         self.instances = live;
         self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
+        self.leases(conn).await
+    }
+
+    /// Graceful shutdown: a last checkpoint (`leases` writes it), every lease given up,
+    /// watches withdrawn, the instance key deleted: the others rebalance at once.
+    async fn leave(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        self.leases(conn).await?;
+        let me = self.o.instance.clone();
+        let held: Vec<String> = std::mem::take(&mut self.leased).into_keys().collect();
+        let mut pipe = redis::pipe();
+        if let Some(stream) = &self.stream {
+            let leases = self.key("lease", &format!("{:08x}", crc32fast::hash(stream.key.as_bytes())));
+            for p in &held {
+                pipe.cmd("EVAL").arg(RELEASE).arg(1).arg(format!("{leases}:{p}")).arg(&*me).ignore();
+            }
+        }
+        for device in &self.local {
+            pipe.cmd("PUBLISH").arg(self.channel("watch")).arg(format!("-{me}\t{device}")).ignore();
+        }
+        pipe.cmd("DEL").arg(self.key("watching", &me)).ignore();
+        pipe.cmd("DEL").arg(self.key("instance", &me)).ignore();
+        self.left = true;
+        self.stream = None;
+        within("leave", pipe.query_async::<()>(conn)).await?;
+        self.publish_owned();
+        tracing::info!(partitions = held.len(), "left Redis: partition leases given up, watches withdrawn");
+        Ok(())
+    }
+
+    fn publish_owned(&self) {
+        self.stats.leases.store(self.leased.len() as u64, Ordering::Relaxed);
+        let owned = super::Owned { partitions: self.leased.clone() };
+        self.owned.send_if_modified(|o| {
+            if *o == owned {
+                false
+            } else {
+                *o = owned;
+                true
+            }
+        });
+    }
+
+    /// The cores' applied marks: source partition → the lowest mark over every core (only
+    /// partitions every core has a mark for).
+    async fn applied_marks(&self) -> HashMap<Box<str>, i64> {
+        let mut low: HashMap<Box<str>, (i64, usize)> = HashMap::new();
+        for core in &self.cores {
+            let (reply, marks) = futures_channel::oneshot::channel();
+            if core.send(Inbound::Applied(reply)).await.is_err() {
+                return HashMap::new();
+            }
+            let Ok(Ok(marks)) = tokio::time::timeout(CALL_DEADLINE, marks).await else { return HashMap::new() };
+            for (key, seq) in marks {
+                let e = low.entry(key).or_insert((seq, 0));
+                e.0 = e.0.min(seq);
+                e.1 += 1;
+            }
+        }
+        let n = self.cores.len();
+        low.into_iter().filter(|(_, (_, count))| *count == n).map(|(k, (seq, _))| (k, seq)).collect()
+    }
+
+    /// Partition leases, Event Hubs' processor style: renew what is held, checkpoint it,
+    /// give up what is over this instance's share (`ceil(partitions / live instances)`),
+    /// and take free partitions (never held, or whose lease expired) up to it.
+    async fn leases(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+        let Some(stream) = &self.stream else { return Ok(()) };
+        let stream_key = format!("{:08x}", crc32fast::hash(stream.key.as_bytes()));
+        let (leases, checkpoints) = (self.key("lease", &stream_key), self.key("checkpoint", &stream_key));
+        let lease_key = |p: &str| format!("{leases}:{p}");
+        let checkpoint_key = |p: &str| format!("{checkpoints}:{p}");
+        let holders = self.key("holder", &stream_key);
+        let holder_key = |p: &str| format!("{holders}:{p}");
+        let me = self.o.instance.clone();
+        let ttl = self.o.lease_ttl.as_millis() as u64;
+        let before = self.leased.clone();
+        // 1. Renew.
+        if !self.leased.is_empty() {
+            let mut pipe = redis::pipe();
+            for p in self.leased.keys() {
+                pipe.cmd("EVAL").arg(RENEW).arg(1).arg(lease_key(p)).arg(&*me).arg(ttl);
+            }
+            let renewed: Vec<i64> = within("renew leases", pipe.query_async(conn)).await?;
+            let lost: Vec<String> = self.leased.keys().zip(renewed).filter(|(_, ok)| *ok == 0).map(|(p, _)| p.clone()).collect();
+            for p in lost {
+                tracing::warn!(partition = %p, "partition lease lost (taken by another instance)");
+                self.leased.remove(&p);
+            }
+        }
+        self.renewed_at = tokio::time::Instant::now();
+        // 2. Checkpoint what every core applied (or, without a store, what was handed over).
+        let positions = (stream.positions)();
+        let marks = if stream.marks { Some(self.applied_marks().await) } else { None };
+        let mut pipe = redis::pipe();
+        let mut written = Vec::new();
+        for p in self.leased.keys() {
+            let seq = match &marks {
+                Some(marks) => marks.get(format!("{}{p}", stream.key).as_str()).copied(),
+                None => positions.get(p).copied(),
+            };
+            if let Some(seq) = seq.filter(|s| self.checkpointed.get(p) != Some(s)) {
+                pipe.cmd("SET").arg(checkpoint_key(p)).arg(seq).ignore();
+                written.push((p.clone(), seq));
+            }
+        }
+        if !written.is_empty() {
+            within("checkpoint", pipe.query_async::<()>(conn)).await?;
+            self.checkpointed.extend(written);
+        }
+        // 3. Balance.
+        let instances = self.instances.len() + 1;
+        let share = stream.ids.len().div_ceil(instances);
+        while self.leased.len() > share {
+            let Some((p, _)) = self.leased.pop_last() else { break };
+            let release = redis::cmd("EVAL").arg(RELEASE).arg(1).arg(lease_key(&p)).arg(&*me).to_owned();
+            within("release lease", release.query_async::<i64>(conn)).await?;
+            tracing::info!(partition = %p, instances, share, "partition lease given up to balance the instances");
+        }
+        if self.leased.len() < share {
+            // Start at a place of this instance's own, so instances do not race for one partition.
+            let start = crc32fast::hash(me.as_bytes()) as usize % stream.ids.len().max(1);
+            let order: Vec<String> = stream.ids.iter().cycle().skip(start).take(stream.ids.len()).cloned().collect();
+            for p in order {
+                if self.leased.len() >= share {
+                    break;
+                }
+                if self.leased.contains_key(&p) {
+                    continue;
+                }
+                let take = redis::cmd("SET").arg(lease_key(&p)).arg(&*me).arg("NX").arg("PX").arg(ttl).to_owned();
+                let taken: Option<String> = within("take lease", take.query_async(conn)).await?;
+                if taken.is_none() {
+                    continue;
+                }
+                let mut pipe = redis::pipe();
+                pipe.cmd("GET").arg(checkpoint_key(&p));
+                pipe.cmd("SET").arg(holder_key(&p)).arg(&*me).arg("GET");
+                let (checkpoint, holder): (Option<i64>, Option<String>) = within("GET checkpoint", pipe.query_async(conn)).await?;
+                if holder.as_deref().is_some_and(|h| h != &*me) {
+                    self.stats.takeovers.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(seq) = checkpoint {
+                    self.checkpointed.insert(p.clone(), seq);
+                }
+                tracing::info!(partition = %p, after_sequence_number = ?checkpoint, instances, share, "partition lease taken");
+                self.leased.insert(p, checkpoint);
+            }
+        }
+        if self.leased != before {
+            self.publish_owned();
+        }
         Ok(())
     }
 
@@ -444,6 +638,17 @@ impl Link {
                 }
                 within("announce watch", pipe.query_async::<()>(conn)).await?;
                 self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
+            }
+            Command::Leave(done) => {
+                let left = self.leave(conn).await;
+                let _ = done.send(());
+                left?;
+            }
+            Command::Stream(plan) => {
+                self.stream = Some(plan);
+                self.leases(conn).await?;
+                // The consumer waits for this answer at every connect, changed or not.
+                self.owned.send_replace(super::Owned { partitions: self.leased.clone() });
             }
             Command::Read { device, kind, reply } => {
                 if self.instances.is_empty() || self.reads.len() >= READS_PENDING {

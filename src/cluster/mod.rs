@@ -65,6 +65,10 @@ pub(crate) enum Command {
     Watch(Vec<(Box<str>, bool)>),
     /// Sessions held here: keep their Redis keys alive.
     Refresh(Vec<SessionId>),
+    /// The partitions of the event stream this instance reads (at every connect), for leases.
+    Stream(StreamPlan),
+    /// Graceful shutdown: checkpoint, give every lease up, leave (answered when done).
+    Leave(std::sync::mpsc::Sender<()>),
     /// Ask the other instances for a device this instance holds nothing of: the freshest
     /// holder's answer, `None` when no instance holds it.
     Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Result<Option<String>, String>> },
@@ -77,6 +81,8 @@ pub(crate) enum Inbound {
     Messages(Vec<IngestMessage>),
     /// Devices of this core that other instances started or stopped watching.
     RemoteWatch(Vec<(Box<str>, bool)>),
+    /// This core's applied marks (source partition → sequence number), for checkpoints.
+    Applied(oneshot::Sender<Vec<(Box<str>, i64)>>),
     /// Another instance's read of a device of this core: the body and how new the data is.
     Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Option<(i64, String)>> },
 }
@@ -93,6 +99,29 @@ pub struct Stats {
     pub instances: AtomicU64,
     pub watched_here: AtomicU64,
     pub watched_elsewhere: AtomicU64,
+    pub leases: AtomicU64,
+    pub takeovers: AtomicU64,
+}
+
+/// The partitions of the event stream this instance holds a lease on, each with the
+/// checkpoint found in Redis when the lease was taken (the consumer resumes after it).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Owned {
+    pub partitions: std::collections::BTreeMap<String, Option<i64>>,
+}
+
+/// What the event stream consumer tells the link at every connect.
+pub struct StreamPlan {
+    /// Names the stream and consumer group (`runtime::source_prefix`); leases and
+    /// checkpoints are kept per stream.
+    pub key: String,
+    /// Every partition of the stream.
+    pub ids: Vec<String>,
+    /// Partition → the last sequence number handed to the cores.
+    pub positions: Arc<dyn Fn() -> std::collections::HashMap<String, i64> + Send + Sync>,
+    /// With a durable store, the cores' applied marks are kept under `key + partition`: the
+    /// checkpoint is the lowest of them (what every core applied), else `positions`.
+    pub marks: bool,
 }
 
 pub struct Cluster {
@@ -104,9 +133,10 @@ pub struct Cluster {
     refresh: Duration,
     /// What the Redis thread takes when it starts.
     link: Mutex<Option<LinkParts>>,
+    owned: tokio::sync::watch::Receiver<Owned>,
 }
 
-type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_channel::Sender<Inbound>>);
+type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_channel::Sender<Inbound>>, tokio::sync::watch::Sender<Owned>);
 
 impl Cluster {
     /// Prepares the link; [`Cluster::run`] starts its thread once the process is assembled.
@@ -125,24 +155,51 @@ impl Cluster {
             prefix: c.redis_prefix.clone(),
             instance: instance.clone(),
             session_ttl: grace + 2 * refresh + Duration::from_secs(1),
+            lease_ttl: Duration::from_secs(c.lease_ttl),
         };
+        let (owned_tx, owned) = tokio::sync::watch::channel(Owned::default());
         Arc::new(Self {
             instance,
             stats: Arc::default(),
             commands,
             inbound: Mutex::new(receivers.into_iter().map(Some).collect()),
             refresh,
-            link: Mutex::new(Some((options, command_rx, senders))),
+            link: Mutex::new(Some((options, command_rx, senders, owned_tx))),
+            owned,
         })
     }
 
     /// Starts the Redis thread; `status` is told when the link is up (`None`) or down (why),
     /// for `GET /status`.
     pub fn run(&self, status: impl Fn(Option<String>) + Send + 'static) -> std::io::Result<()> {
-        let Some((options, commands, cores)) = self.link.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        let Some((options, commands, cores, owned)) = self.link.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             return Ok(());
         };
-        link::start(options, commands, cores, self.stats.clone(), Box::new(status))
+        link::start(options, commands, cores, owned, self.stats.clone(), Box::new(status))
+    }
+
+    /// The event stream consumer's side of partition leases: it names its stream and
+    /// partitions at every connect, and reads only the partitions in [`Owned`] (watched).
+    pub fn stream(&self, plan: StreamPlan) -> bool {
+        self.commands.try_send(Command::Stream(plan)).is_ok()
+    }
+
+    /// Graceful shutdown, once the event stream consumer has stopped: checkpoints what the
+    /// cores applied, gives every partition lease up and leaves Redis, so the other instances
+    /// take the partitions over at their next heartbeat with no event applied twice. Waits
+    /// at most 3 s (and never past `deadline`).
+    pub fn leave(&self, deadline: std::time::Instant) {
+        let (done, left) = std::sync::mpsc::channel();
+        if self.commands.try_send(Command::Leave(done)).is_ok() {
+            let wait = deadline.saturating_duration_since(std::time::Instant::now()).min(Duration::from_secs(3));
+            if left.recv_timeout(wait).is_err() {
+                tracing::warn!("could not hand the partition leases over in time; the others take them when they expire");
+            }
+        }
+    }
+
+    pub fn owned(&self) -> tokio::sync::watch::Receiver<Owned> {
+        self.owned.clone()
     }
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T, String>>) -> Command) -> Result<T, String> {
@@ -176,6 +233,8 @@ impl Cluster {
             ("hubcast_redis_received_total".into(), "Device messages received from other instances through Redis.".into(), label.clone(), get(&s.received)),
             ("hubcast_redis_dropped_total".into(), "Device messages not published: the link's queue was full or Redis was down.".into(), label.clone(), get(&s.dropped)),
             ("hubcast_redis_undecodable_total".into(), "Payloads from Redis that did not decode (skipped).".into(), label.clone(), get(&s.undecodable)),
+            ("hubcast_redis_partition_leases".into(), "Event stream partitions this instance holds a lease on (and reads).".into(), label.clone(), get(&s.leases)),
+            ("hubcast_redis_partition_takeovers_total".into(), "Partition leases taken that another instance held before (it left, died, or gave it up to balance); events after its last checkpoint may be applied twice.".into(), label.clone(), get(&s.takeovers)),
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label, get(&s.reconnects)),
         ]
     }
@@ -297,6 +356,9 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
             Inbound::Messages(batch) => {
                 core.mesh.wait_for_room().await;
                 core.ingest_replicas(batch);
+            }
+            Inbound::Applied(reply) => {
+                let _ = reply.send(core.applied.borrow().iter().map(|(k, v)| (k.clone(), *v)).collect());
             }
             Inbound::Read { device, kind, reply } => {
                 let newest = core.devices.borrow().newest(&device);

@@ -63,6 +63,12 @@ impl Ingress {
         self
     }
 
+    /// Whether position marks are on (a durable store runs): the cores then record what
+    /// they applied of each partition.
+    pub fn has_source(&self) -> bool {
+        self.source.is_some()
+    }
+
     /// Partition → the sequence number its stored state was applied up to (empty without a store).
     pub fn stored_positions(&self) -> std::collections::HashMap<String, i64> {
         self.source.as_ref().map(|s| s.resume.clone()).unwrap_or_default()

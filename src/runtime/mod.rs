@@ -81,10 +81,17 @@ impl Running {
     /// Runs the graceful shutdown once [`crate::shutdown::STOPPING`] is set (see
     /// [`crate::shutdown`]); `amqp` is the consumer's thread. `Err` says what was still
     /// pending at `deadline`.
-    pub fn shutdown(self, amqp: Option<std::thread::JoinHandle<()>>, deadline: std::time::Instant) -> Result<(), String> {
+    /// `handover` runs once the event stream consumer has stopped, before the cores' final
+    /// flush (scale-out: checkpoint and give the partition leases up).
+    pub fn shutdown(
+        self,
+        amqp: Option<std::thread::JoinHandle<()>>,
+        handover: Option<Box<dyn FnOnce(std::time::Instant) + Send>>,
+        deadline: std::time::Instant,
+    ) -> Result<(), String> {
         // The core threads park after flushing; the process exits without tearing down
         // their runtimes.
-        crate::shutdown::drive(&self.reports, &self.flush, amqp, deadline)
+        crate::shutdown::drive(&self.reports, &self.flush, amqp, handover, deadline)
     }
 }
 
@@ -138,7 +145,7 @@ fn open_store(settings: &Settings, ingress: Ingress) -> io::Result<(Ingress, Vec
 
 /// Names the event stream and consumer group in stored position keys: positions of another
 /// stream or group are never used.
-fn source_prefix(settings: &Settings) -> String {
+pub fn source_prefix(settings: &Settings) -> String {
     let stream = match &settings.event_hub {
         Some(Ok(c)) => format!(
             "{}/{}",

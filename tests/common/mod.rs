@@ -61,6 +61,7 @@ const CONFIG_ENV: &[&str] = &[
     "REDIS_URL",
     "REDIS_PREFIX",
     "INSTANCE_ID",
+    "LEASE_TTL",
     "TLS_CERT",
     "TLS_KEY",
     "PRIMARY_ADMIN_SECRET",

@@ -1,0 +1,161 @@
+//! Several instances reading one event stream (issue 12): partition leases in Redis, balanced
+//! among the live instances, taken over after `kill -9` from the checkpoint, and taken by an
+//! instance that joins. Real hubcast processes, a real redis-server, the fake Event Hub.
+
+mod amqp_support;
+mod common;
+
+use std::time::{Duration, Instant};
+
+use amqp_support::{FakeAuth, FakeHub, NewEvent};
+use common::redis::Redis;
+use common::{Server, ADMIN};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(20);
+const PARTITIONS: [&str; 8] = ["0", "1", "2", "3", "4", "5", "6", "7"];
+
+fn instance(redis: &Redis, hub: &FakeHub, id: &str) -> Server {
+    let cs = hub.connection_string();
+    let url = redis.url();
+    let args = [
+        "--redis-url", url.as_str(), "--redis-prefix", "t", "--instance-id", id, "--lease-ttl", "2",
+        "--iot-hub-event-hub-connection-string", cs.as_str(), "--event-hub-start-position", "earliest",
+    ];
+    Server::start(&args)
+}
+
+fn leases(server: &Server, id: &str) -> f64 {
+    server.metric(&format!("hubcast_redis_partition_leases{{instance=\"{id}\"}}")).unwrap_or(0.0)
+}
+
+/// Waits until the instances hold every partition between them, each its share.
+fn wait_balanced(instances: &[(&Server, &str)]) -> Vec<f64> {
+    let share = (PARTITIONS.len() as f64 / instances.len() as f64).ceil();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let held: Vec<f64> = instances.iter().map(|(s, id)| leases(s, id)).collect();
+        if held.iter().sum::<f64>() == PARTITIONS.len() as f64 && held.iter().all(|h| *h >= 1.0 && *h <= share) {
+            return held;
+        }
+        assert!(Instant::now() < deadline, "partitions balanced among {} instances; holding {held:?}", instances.len());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The device whose events go to partition `p`.
+fn device(p: usize) -> String {
+    format!("dev-{p}")
+}
+
+fn publish_round(hub: &FakeHub, n: i64) {
+    for (p, partition) in PARTITIONS.iter().enumerate() {
+        hub.publish(partition, NewEvent::telemetry(&device(p), json!({"n": n})));
+    }
+}
+
+/// Waits until `server` answers every device's last `n` with `n` (read from any instance).
+fn wait_last_values(server: &Server, n: i64) {
+    let deadline = Instant::now() + WAIT;
+    for p in 0..PARTITIONS.len() {
+        loop {
+            let (status, body, _) = server.call("GET", &format!("/lastValue/{}/n", device(p)), &[ADMIN], None);
+            let got = (status == 200).then(|| common::parse_json(&body)["data"]["n"].as_i64()).flatten();
+            if got == Some(n) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{} reaches n = {n} (last answer {status} {body})", device(p));
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
+
+#[test]
+fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_instance() {
+    let redis = Redis::start();
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    let a = instance(&redis, &hub, "a");
+    let b = instance(&redis, &hub, "b");
+    let c = instance(&redis, &hub, "c");
+    wait_balanced(&[(&a, "a"), (&b, "b"), (&c, "c")]);
+    // A live client on C subscribed to every device: it gets each event once, whoever reads it.
+    let session = c.new_session();
+    for p in 0..PARTITIONS.len() {
+        let request = json!({"type": "telemetry", "deviceId": device(p)});
+        c.grant(&session, request.clone());
+        assert_eq!(c.subscribe(&session, request).0, 204);
+    }
+    let mut live = c.live(&session);
+    publish_round(&hub, 1);
+    wait_last_values(&b, 1);
+    // kill -9 of an instance that holds partitions: the others take them over.
+    let mut a = a;
+    assert!(leases(&a, "a") >= 1.0);
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT);
+    let started = Instant::now();
+    wait_balanced(&[(&b, "b"), (&c, "c")]);
+    let failover = started.elapsed();
+    assert!(b.metric("hubcast_redis_partition_takeovers_total{instance=\"b\"}").unwrap_or(0.0)
+        + c.metric("hubcast_redis_partition_takeovers_total{instance=\"c\"}").unwrap_or(0.0) >= 1.0);
+    publish_round(&hub, 2);
+    wait_last_values(&b, 2);
+    wait_last_values(&c, 2);
+    // A fourth instance joins and takes its share.
+    let d = instance(&redis, &hub, "d");
+    wait_balanced(&[(&b, "b"), (&c, "c"), (&d, "d")]);
+    publish_round(&hub, 3);
+    wait_last_values(&d, 3);
+    // The live client saw every round for every device, in order (a takeover may repeat an
+    // event after the dead instance's last checkpoint; none is lost).
+    let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
+    while seen.iter().any(|s| s.last() != Some(&3)) {
+        let frame: Value = live.next_json(WAIT).unwrap_or_else(|| panic!("every round reaches the live client; got {seen:?}"));
+        if let (Some(dev), Some(n)) = (frame["deviceId"].as_str(), frame["telemetry"]["n"].as_i64()) {
+            let p: usize = dev.trim_start_matches("dev-").parse().unwrap();
+            seen[p].push(n);
+        }
+    }
+    for (p, s) in seen.iter().enumerate() {
+        let mut distinct = s.clone();
+        distinct.dedup();
+        assert_eq!(distinct, vec![1, 2, 3], "{}: every event, in order: {s:?}", device(p));
+    }
+    eprintln!("failover after kill -9 with --lease-ttl 2: {failover:?}");
+}
+
+#[test]
+fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated() {
+    let redis = Redis::start();
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    let mut a = instance(&redis, &hub, "a");
+    let b = instance(&redis, &hub, "b");
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    let session = b.new_session();
+    for p in 0..PARTITIONS.len() {
+        let request = json!({"type": "telemetry", "deviceId": device(p)});
+        b.grant(&session, request.clone());
+        assert_eq!(b.subscribe(&session, request).0, 204);
+    }
+    let mut live = b.live(&session);
+    let watched = "hubcast_redis_watched_elsewhere_devices{instance=\"a\"}";
+    assert_eq!(a.wait_for_metric(watched, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64));
+    publish_round(&hub, 1);
+    wait_last_values(&b, 1);
+    a.signal(libc::SIGTERM);
+    let status = a.wait_exit(WAIT).expect("A exits after SIGTERM");
+    assert!(status.success(), "a graceful shutdown exits 0: {status:?}");
+    assert!(a.stderr_lines().iter().chain(a.stdout_lines().iter()).any(|l| l.contains("partition leases given up")));
+    wait_balanced(&[(&b, "b")]);
+    publish_round(&hub, 2);
+    let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
+    while seen.iter().any(|s| s.last() != Some(&2)) {
+        let frame: Value = live.next_json(WAIT).unwrap_or_else(|| panic!("both rounds reach the live client; got {seen:?}"));
+        if let (Some(dev), Some(n)) = (frame["deviceId"].as_str(), frame["telemetry"]["n"].as_i64()) {
+            seen[dev.trim_start_matches("dev-").parse::<usize>().unwrap()].push(n);
+        }
+    }
+    for (p, s) in seen.iter().enumerate() {
+        assert_eq!(s, &vec![1, 2], "{}: each event exactly once across the handover", device(p));
+    }
+}
