@@ -35,7 +35,11 @@ paths = {
  "/version": {"get": {"operationId": "getVersion", "tags": ["meta"], "summary": "Server version (SPEC 1).", "security": OPEN,
    "responses": {"200": ok_text("The version, e.g. `0.1.0`.")}}},
  "/status": {"get": {"operationId": "getStatus", "tags": ["meta"], "summary": "Service status (SPEC 2).", "security": OPEN,
-   "responses": {"200": ok_text("`OK`: every configured source is connected.", {"type": "string", "const": "OK"}),
+   "responses": {"200": {"description": "`OK`: every configured source is connected. With a valid `Shared-Access-Key`: JSON with `status`, and with Redis (`--redis-url`) the `instance` id, the live `instances` and the `partitions` this instance holds leases on.",
+                        "content": {"text/plain": {"schema": {"type": "string", "const": "OK"}},
+                                    "application/json": {"schema": {"type": "object", "required": ["status"], "properties": {
+                                        "status": {"type": "string", "const": "OK"}, "instance": {"type": "string"},
+                                        "instances": {"type": "integer", "minimum": 1}, "partitions": {"type": "array", "items": {"type": "string"}}}}}}},
                  "500": err("A connection string is malformed; the message names the parameter."),
                  "503": err("`Still initializing: …` while a source (the event hub consumer) connects.")}}},
  "/logLevel/{level}": {"put": {"operationId": "setLogLevel", "tags": ["meta"], "summary": "Set the log level, live (SPEC 3).", "security": KEY,

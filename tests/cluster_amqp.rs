@@ -77,7 +77,21 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
     let a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
     let c = instance(&redis, &hub, "c");
-    wait_balanced(&[(&a, "a"), (&b, "b"), (&c, "c")]);
+    let held = wait_balanced(&[(&a, "a"), (&b, "b"), (&c, "c")]);
+    // GET /status with the admin key names the instance and the partitions it reads: each
+    // partition is read by exactly one instance.
+    let mut all: Vec<String> = Vec::new();
+    for (server, id, n) in [(&a, "a", held[0]), (&b, "b", held[1]), (&c, "c", held[2])] {
+        let (status, body, _) = server.call("GET", "/status", &[ADMIN], None);
+        assert_eq!(status, 200, "{body}");
+        let v = common::parse_json(&body);
+        assert_eq!((v["instance"].as_str(), v["instances"].as_u64()), (Some(id), Some(3)), "{body}");
+        let partitions: Vec<String> = serde_json::from_value(v["partitions"].clone()).unwrap();
+        assert_eq!(partitions.len() as f64, n, "{body}");
+        all.extend(partitions);
+    }
+    all.sort();
+    assert_eq!(all, PARTITIONS.iter().map(|p| p.to_string()).collect::<Vec<_>>());
     // A live client on C subscribed to every device: it gets each event once, whoever reads it.
     let session = c.new_session();
     for p in 0..PARTITIONS.len() {

@@ -190,7 +190,7 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
     use Method as M;
     match (&route, &req.method) {
         (Route::Version, &M::GET) => Ok(meta::version()),
-        (Route::Status, &M::GET) => Ok(meta::status(core)),
+        (Route::Status, &M::GET) => Ok(meta::status(core, &req)),
         (Route::LogLevel(level), &M::PUT) => meta::set_log_level(core, &req, level),
         (Route::Session, &M::POST) => sessions::create(core).await,
         (Route::AllSessions, &M::DELETE) => sessions::delete_all(core, &req).await,
