@@ -2,7 +2,8 @@
 # Local services the tests talk to, started if they are not running (idempotent):
 # - RabbitMQ on 127.0.0.1:5672 (guest/guest) with AMQP 1.0 (tests/amqp_rabbitmq.rs).
 # - Redis: redis-server installed; tests/cluster.rs starts its own on free ports (and
-#   kills and restarts them); one is also started on 127.0.0.1:6379 for trying by hand.
+#   kills and restarts them; socat puts TLS in front of one); one is also started on
+#   127.0.0.1:6379 for trying by hand.
 # Called by scripts/test.sh; safe to run by hand.
 set -euo pipefail
 
@@ -40,10 +41,11 @@ ensure_rabbitmq() {
 }
 
 ensure_redis() {
-  if ! command -v redis-server >/dev/null 2>&1; then
-    log "installing redis-server"
+  if ! command -v redis-server >/dev/null 2>&1 || ! command -v socat >/dev/null 2>&1; then
+    # socat puts TLS in front of a test redis-server (tests/cluster.rs: rediss://).
+    log "installing redis-server and socat"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server socat >/dev/null
   fi
   if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
     log "starting redis-server on 127.0.0.1:6379"

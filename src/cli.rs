@@ -68,7 +68,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
     ("Limits", &["max_body_bytes", "max_connections", "max_sessions", "mesh_inbox_messages", "mesh_inbox_bytes"]),
     ("Logs", &["log_level", "log_format"]),
     ("Durable state", &["data_dir", "fsync_interval"]),
-    ("Several instances (Redis)", &["redis_url", "redis_prefix", "instance_id", "lease_ttl"]),
+    ("Several instances (Redis)", &["redis_url", "redis_prefix", "instance_id", "lease_ttl", "redis_ca_file"]),
 ];
 
 /// Heading of flags no group names yet (the unit test keeps it empty).

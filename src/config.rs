@@ -332,6 +332,11 @@ pub struct Config {
     #[arg(long = "instance-id", env = "INSTANCE_ID", value_parser = parse_redis_prefix)]
     pub instance_id: Option<String>,
 
+    /// PEM file of the root certificates trusted for a `rediss://` Redis (instead of the
+    /// public web roots): a private CA, or a managed Redis's own.
+    #[arg(long = "redis-ca-file", env = "REDIS_CA_FILE")]
+    pub redis_ca_file: Option<std::path::PathBuf>,
+
     /// Seconds an instance's partition leases (and its presence) last in Redis without being
     /// renewed: after a crash the others take its partitions over within this, plus a heartbeat.
     #[arg(long = "lease-ttl", env = "LEASE_TTL", default_value_t = 10,

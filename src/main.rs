@@ -81,10 +81,14 @@ fn main() -> ExitCode {
     };
     let hub_metrics = hub.clone();
     // Several instances on Redis: its link shows on GET /status like a source.
-    let cluster = settings.config.redis_url.as_deref().map(|url| {
-        let slot = status.add_source("redis");
-        (hubcast::cluster::Cluster::new(&settings, url), slot)
-    });
+    let cluster = match settings.config.redis_url.as_deref().map(|url| hubcast::cluster::Cluster::new(&settings, url)) {
+        Some(Ok(cluster)) => Some((cluster, status.add_source("redis"))),
+        Some(Err(message)) => {
+            eprintln!("hubcast: {message}");
+            return ExitCode::FAILURE;
+        }
+        None => None,
+    };
     let plugin = cluster.as_ref().map(|(c, _)| c.clone() as Arc<dyn hubcast::runtime::relay::CorePlugin>);
     let shared = Arc::new(Shared {
         log,

@@ -221,3 +221,70 @@ fn reads_answer_the_same_on_an_instance_that_neither_ingests_nor_watches_the_dev
     assert_eq!((status, common::error_message(&body)), (one_status, common::error_message(&one_body)));
     assert_eq!(status, 404);
 }
+
+#[test]
+fn a_password_protected_redis_is_reached_with_the_password_in_the_url_and_refused_without() {
+    let redis = Redis::start_with(&["--requirepass", "s3cret"]);
+    let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port);
+    let a = Server::start(&["--redis-url", &url, "--instance-id", "a"]);
+    assert_eq!(a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, |v| v == 1.0), Some(1.0));
+    let session = a.new_session();
+    a.grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
+    // The session is in Redis, readable with the password only.
+    let keys = redis.command("AUTH s3cret\r\nKEYS hubcast:session:*").unwrap_or_default();
+    assert!(keys.contains(&session), "the session is stored under the default prefix: {keys}");
+    let wrong = Server::start(&["--redis-url", &redis.url(), "--instance-id", "w"]);
+    let (status, body, _) = wrong.call("GET", "/status", &[], None);
+    assert_error(status, &body, 503, "redis");
+    assert_eq!(wrong.metric("hubcast_redis_connected{instance=\"w\"}"), Some(0.0));
+}
+
+#[test]
+fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let dir = common::TempDir::new();
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name.push(DnType::CommonName, "hubcast test Redis CA");
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let leaf_cert = leaf.signed_by(&leaf_key, &ca_cert, &ca_key).unwrap();
+    let file = |name: &str, text: String| {
+        let path = format!("{}/{name}", dir.path());
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (ca_pem, cert, key) = (file("ca.pem", ca_cert.pem()), file("cert.pem", leaf_cert.pem()), file("key.pem", leaf_key.serialize_pem()));
+    // TLS in front of a plain redis-server (Debian's is built without TLS): socat terminates it.
+    let redis = Redis::start();
+    let tls_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut socat = std::process::Command::new("socat")
+        .arg(format!("OPENSSL-LISTEN:{tls_port},bind=127.0.0.1,reuseaddr,fork,cert={cert},key={key},verify=0"))
+        .arg(format!("TCP:127.0.0.1:{}", redis.port))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("socat is installed (scripts/services.sh installs it)");
+    let deadline = std::time::Instant::now() + WAIT;
+    while std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "socat listens");
+        std::thread::yield_now();
+    }
+    let url = format!("rediss://localhost:{tls_port}");
+    let a = Server::start(&["--redis-url", &url, "--redis-ca-file", &ca_pem, "--instance-id", "a"]);
+    assert_eq!(a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, |v| v == 1.0), Some(1.0), "TLS to Redis with the private CA");
+    let session = a.new_session();
+    a.grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
+    // Without the CA the server's certificate is not trusted: 503 naming Redis.
+    let untrusting = Server::start(&["--redis-url", &url, "--instance-id", "u"]);
+    let (status, body, _) = untrusting.call("GET", "/status", &[], None);
+    assert_error(status, &body, 503, "redis");
+    let args = common::full_args(&["--redis-url", &url, "--redis-ca-file", "/nonexistent/ca.pem"], true);
+    let (ok, _, stderr) = common::run_expecting_exit(&args, &[]);
+    assert!(!ok && stderr.contains("--redis-ca-file"), "{stderr}");
+    let _ = socat.kill();
+    let _ = socat.wait();
+}

@@ -50,6 +50,8 @@ struct PendingRead {
 
 pub struct Options {
     pub url: String,
+    /// `--redis-ca-file`: PEM roots for `rediss://` instead of the public web roots.
+    pub ca: Option<Vec<u8>>,
     pub prefix: String,
     pub instance: Arc<str>,
     pub session_ttl: Duration,
@@ -238,8 +240,19 @@ impl Link {
     }
 
     async fn connect(&mut self) -> Result<(MultiplexedConnection, PubSubSink, PubSubStream), Failed> {
-        let client = redis::Client::open(self.o.url.as_str()).map_err(|e| format!("invalid --redis-url: {e}"))?;
-        let mut conn = within("connect", client.get_multiplexed_async_connection()).await?;
+        let client = match &self.o.ca {
+            Some(ca) => redis::Client::build_with_tls(
+                self.o.url.as_str(),
+                redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) },
+            ),
+            None => redis::Client::open(self.o.url.as_str()),
+        }
+        .map_err(|e| format!("invalid --redis-url: {e}"))?;
+        // Our own deadline per call (the client's default answer timeout is 500 ms).
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CALL_DEADLINE))
+            .set_response_timeout(Some(CALL_DEADLINE));
+        let mut conn = within("connect", client.get_multiplexed_async_connection_with_config(&config)).await?;
         let pubsub = within("connect (pub/sub)", client.get_async_pubsub()).await?;
         let (mut sink, stream) = pubsub.split();
         let channels = [self.channel("ops"), self.channel("watch"), self.channel("read"), self.key("answer", &self.o.instance)];

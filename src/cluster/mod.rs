@@ -140,7 +140,8 @@ type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_cha
 
 impl Cluster {
     /// Prepares the link; [`Cluster::run`] starts its thread once the process is assembled.
-    pub fn new(settings: &Settings, url: &str) -> Arc<Self> {
+    /// `Err` names what is wrong with `--redis-ca-file`.
+    pub fn new(settings: &Settings, url: &str) -> Result<Arc<Self>, String> {
         let c = &settings.config;
         let instance: Arc<str> = match &c.instance_id {
             Some(id) => id.as_str().into(),
@@ -150,15 +151,26 @@ impl Cluster {
         let refresh = (grace / 3).clamp(Duration::from_millis(50), Duration::from_secs(60));
         let (commands, command_rx) = async_channel::bounded(COMMANDS);
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded(INBOUND)).unzip();
+        let ca = match &c.redis_ca_file {
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| format!("--redis-ca-file {}: {e}", path.display()))?;
+                if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+                    return Err(format!("--redis-ca-file {}: no PEM certificate in it", path.display()));
+                }
+                Some(pem)
+            }
+            None => None,
+        };
         let options = link::Options {
             url: url.to_string(),
+            ca,
             prefix: c.redis_prefix.clone(),
             instance: instance.clone(),
             session_ttl: grace + 2 * refresh + Duration::from_secs(1),
             lease_ttl: Duration::from_secs(c.lease_ttl),
         };
         let (owned_tx, owned) = tokio::sync::watch::channel(Owned::default());
-        Arc::new(Self {
+        Ok(Arc::new(Self {
             instance,
             stats: Arc::default(),
             commands,
@@ -166,7 +178,7 @@ impl Cluster {
             refresh,
             link: Mutex::new(Some((options, command_rx, senders, owned_tx))),
             owned,
-        })
+        }))
     }
 
     /// Starts the Redis thread; `status` is told when the link is up (`None`) or down (why),

@@ -62,6 +62,7 @@ const CONFIG_ENV: &[&str] = &[
     "REDIS_PREFIX",
     "INSTANCE_ID",
     "LEASE_TTL",
+    "REDIS_CA_FILE",
     "TLS_CERT",
     "TLS_KEY",
     "PRIMARY_ADMIN_SECRET",

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 pub struct Redis {
     pub port: u16,
     child: Option<Child>,
+    /// Extra `redis-server` flags (a password, TLS).
+    extra: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -17,7 +19,13 @@ fn free_port() -> u16 {
 
 impl Redis {
     pub fn start() -> Redis {
-        let mut r = Redis { port: free_port(), child: None };
+        Self::start_with(&[])
+    }
+
+    /// With extra `redis-server` flags (e.g. `--requirepass`).
+    pub fn start_with(extra: &[&str]) -> Redis {
+        let extra = extra.iter().map(|a| a.to_string()).collect();
+        let mut r = Redis { port: free_port(), child: None, extra };
         r.up();
         r
     }
@@ -30,6 +38,7 @@ impl Redis {
     pub fn up(&mut self) {
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -37,7 +46,8 @@ impl Redis {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if self.command("PING").is_some_and(|r| r.starts_with("+PONG")) {
+            // Any answer will do: with a password a plain PING is refused.
+            if self.command("PING").is_some_and(|r| r.starts_with('+') || r.starts_with('-')) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
