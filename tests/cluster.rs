@@ -288,3 +288,87 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     let _ = socat.kill();
     let _ = socat.wait();
 }
+
+#[test]
+fn behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instance_and_keeps_its_session() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let lb = common::lb::Balancer::start(&[a.port, b.port]);
+    // Every REST call through the balancer: round-robin, no stickiness.
+    let agent = common::new_agent();
+    let call = |method: &str, path: &str, headers: &[(&str, &str)], body: Option<Value>| {
+        let mut req = agent.request(method, &format!("{}{path}", lb.base()));
+        for (k, v) in headers {
+            req = req.set(k, v);
+        }
+        let res = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match res {
+            Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
+            Err(e) => panic!("{method} {path} through the balancer: {e}"),
+        }
+    };
+    let (status, body) = call("POST", "/session", &[], None);
+    assert_eq!(status, 200, "{body}");
+    let session = common::parse_json(&body)["sessionId"].as_str().unwrap().to_string();
+    let request = json!({"sessionId": session, "type": "telemetry", "deviceId": "pump"});
+    assert_eq!(call("PUT", "/grants", &[ADMIN], Some(request.clone())).0, 204);
+    assert_eq!(call("PUT", "/subscription", &[], Some(request.clone())).0, 204);
+    let client = common::sio::socketio_at(&lb.base(), &[&session], "websocket", true, &[]);
+    assert!(client.wait_for("connect", WAIT).is_some(), "connects through the balancer");
+    // Which instance holds the socket? Kill that one; data comes from the other.
+    let sockets = |s: &Server| s.metric("hubcast_sockets{transport=\"socketio_websocket\"}").unwrap_or(0.0);
+    let (mut holder, survivor, survivor_id) = if sockets(&a) > 0.0 { (a, b, "b") } else { (b, a, "a") };
+    wait_watched_elsewhere(&survivor, survivor_id, 1.0);
+    survivor.ingest(json!({"deviceId": "pump", "body": {"n": 1}}));
+    let first = client.wait_for("data", WAIT).expect("data before the failover");
+    assert_eq!(first["data"]["telemetry"], json!({"n": 1}));
+    holder.signal(libc::SIGKILL);
+    holder.wait_exit(WAIT);
+    assert!(client.wait_for("disconnect", WAIT).is_some(), "the client sees its instance go");
+    assert!(client.wait_for("connect", WAIT).is_some(), "and reconnects through the balancer to the other one");
+    // Same session, loaded from Redis on the survivor, which ingests the device itself.
+    survivor.ingest(json!({"deviceId": "pump", "body": {"n": 2}}));
+    let next = client.wait_for("data", WAIT).expect("data after the failover, with the old session");
+    assert_eq!(next["data"]["telemetry"], json!({"n": 2}));
+    assert_eq!(survivor.metric("hubcast_sockets{transport=\"socketio_websocket\"}"), Some(1.0), "{survivor_id} holds it now");
+}
+
+#[test]
+fn live_data_between_instances_resumes_by_itself_after_redis_restarts() {
+    let mut redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = a.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "tank"});
+    a.grant(&session, request.clone());
+    assert_eq!(a.subscribe(&session, request).0, 204);
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    a.ingest(json!({"deviceId": "tank", "body": {"level": 1}}));
+    assert_eq!(ws.next_json(WAIT).expect("before the restart")["telemetry"], json!({"level": 1}));
+    // Redis restarts empty (no persistence): both instances see it go and come back, B
+    // announces again what it watches, and A publishes to it again; nothing crashes.
+    redis.down();
+    for (s, id) in [(&a, "a"), (&b, "b")] {
+        let series = format!("hubcast_redis_connected{{instance=\"{id}\"}}");
+        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == 0.0), Some(0.0), "{id} sees Redis go");
+    }
+    wait_watched_elsewhere(&a, "a", 1.0);
+    redis.up();
+    for (s, id) in [(&a, "a"), (&b, "b")] {
+        let series = format!("hubcast_redis_connected{{instance=\"{id}\"}}");
+        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == 1.0), Some(1.0), "{id} reconnects by itself");
+    }
+    let watching = redis.command("SMEMBERS t:watching:b").unwrap_or_default();
+    assert!(watching.contains("tank"), "B announced its watch again: {watching}");
+    a.ingest(json!({"deviceId": "tank", "body": {"level": 2}}));
+    assert_eq!(ws.next_json(WAIT).expect("after the restart, on the same socket")["telemetry"], json!({"level": 2}));
+    assert!(a.metric("hubcast_redis_reconnects_total{instance=\"a\"}").unwrap_or(0.0) >= 1.0);
+    a.assert_alive();
+    b.assert_alive();
+}

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 pub mod process;
+pub mod lb;
 pub mod redis;
 pub mod rawws;
 pub mod sio;

@@ -36,34 +36,39 @@ impl Server {
     /// Like [`Server::socketio`], with extra environment variables for node (e.g.
     /// `NODE_EXTRA_CA_CERTS` to trust a test CA over `https://`).
     pub fn socketio_env(&self, sessions: &[&str], transports: &str, reconnect: bool, env: &[(&str, &str)]) -> SioClient {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js/sio-client.mjs");
-        let mut child = Command::new("node")
-            .arg(script)
-            .arg(&self.base)
-            .arg(sessions.join(","))
-            .arg(transports)
-            .env("SIO_RECONNECT", if reconnect { "1" } else { "0" })
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("node is installed (scripts/test.sh installs it) and tests/js has node_modules");
-        let stdout = child.stdout.take().unwrap();
-        let stdin = child.stdin.take();
-        let (tx, events) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                    if tx.send(v).is_err() {
-                        break;
-                    }
+        socketio_at(&self.base, sessions, transports, reconnect, env)
+    }
+}
+
+/// The Socket.IO client against any base URL (a load balancer in front of several servers).
+pub fn socketio_at(base: &str, sessions: &[&str], transports: &str, reconnect: bool, env: &[(&str, &str)]) -> SioClient {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/js/sio-client.mjs");
+    let mut child = Command::new("node")
+        .arg(script)
+        .arg(base)
+        .arg(sessions.join(","))
+        .arg(transports)
+        .env("SIO_RECONNECT", if reconnect { "1" } else { "0" })
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("node is installed (scripts/test.sh installs it) and tests/js has node_modules");
+    let stdout = child.stdout.take().unwrap();
+    let stdin = child.stdin.take();
+    let (tx, events) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if tx.send(v).is_err() {
+                    break;
                 }
             }
-        });
-        SioClient { child, stdin, events }
-    }
+        }
+    });
+    SioClient { child, stdin, events }
 }
 
 impl SioClient {
