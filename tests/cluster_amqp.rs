@@ -92,6 +92,18 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
     }
     all.sort();
     assert_eq!(all, PARTITIONS.iter().map(|p| p.to_string()).collect::<Vec<_>>());
+    // /metrics says the same, one series per partition read.
+    let owned: f64 = PARTITIONS
+        .iter()
+        .map(|p| {
+            [(&a, "a"), (&b, "b"), (&c, "c")]
+                .iter()
+                .filter_map(|(s, id)| s.metric(&format!("hubcast_redis_partition_owned{{instance=\"{id}\",partition=\"{p}\"}}")))
+                .sum::<f64>()
+        })
+        .inspect(|n| assert_eq!(*n, 1.0, "each partition is owned once in /metrics"))
+        .sum();
+    assert_eq!(owned, PARTITIONS.len() as f64);
     // A live client on C subscribed to every device: it gets each event once, whoever reads it.
     let session = c.new_session();
     for p in 0..PARTITIONS.len() {
@@ -100,6 +112,24 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
         assert_eq!(c.subscribe(&session, request).0, 204);
     }
     let mut live = c.live(&session);
+    // And the real socket.io-client on B, with a session of its own opened on C.
+    let sio_session = c.new_session();
+    for p in 0..PARTITIONS.len() {
+        let request = json!({"type": "telemetry", "deviceId": device(p)});
+        c.grant(&sio_session, request.clone());
+        assert_eq!(c.subscribe(&sio_session, request).0, 204);
+    }
+    let sio = b.socketio(&[&sio_session], "websocket");
+    assert!(sio.wait_for("connect", WAIT).is_some());
+    // B and C watch every device; every instance knows the others do before data flows.
+    for (s, id) in [(&b, "b"), (&c, "c")] {
+        let series = format!("hubcast_redis_watched_devices{{instance=\"{id}\"}}");
+        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64), "{id}");
+    }
+    for (s, id) in [(&a, "a"), (&b, "b"), (&c, "c")] {
+        let series = format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}");
+        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64), "{id}");
+    }
     publish_round(&hub, 1);
     wait_last_values(&b, 1);
     // kill -9 of an instance that holds partitions: the others take them over.
@@ -135,6 +165,23 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
         distinct.dedup();
         assert_eq!(distinct, vec![1, 2, 3], "{}: every event, in order: {s:?}", device(p));
     }
+    let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
+    while seen.iter().any(|s| s.last() != Some(&3)) {
+        let e = sio.wait_for("data", WAIT).unwrap_or_else(|| panic!("every round reaches the Socket.IO client on B; got {seen:?}"));
+        if let (Some(dev), Some(n)) = (e["data"]["deviceId"].as_str(), e["data"]["telemetry"]["n"].as_i64()) {
+            seen[dev.trim_start_matches("dev-").parse::<usize>().unwrap()].push(n);
+        }
+    }
+    for (p, s) in seen.iter().enumerate() {
+        let mut distinct = s.clone();
+        distinct.dedup();
+        assert_eq!(distinct, vec![1, 2, 3], "{} on B: every event, in order: {s:?}", device(p));
+    }
+    let replayed: f64 = [(&b, "b"), (&c, "c"), (&d, "d")]
+        .iter()
+        .map(|(s, id)| s.metric(&format!("hubcast_redis_partition_replayed_events_total{{instance=\"{id}\"}}")).expect("counted"))
+        .sum();
+    eprintln!("events replayed after the kill -9 takeover: {replayed}");
     eprintln!("failover after kill -9 with --lease-ttl 2: {failover:?}");
 }
 

@@ -135,6 +135,10 @@ pub struct FleetArgs {
     /// HTTP fleet: batches in flight per connection (pipelined, answers read in order); 1 waits for each answer.
     #[arg(long, default_value_t = 1)]
     pub pipeline: usize,
+    /// HTTP fleet: post to this hubcast instead of --target (another instance on the same
+    /// Redis: every message then crosses to the clients' instance; docs/benchmarks/redis-*.sh).
+    #[arg(long, value_name = "URL")]
+    pub fleet_target: Option<String>,
 }
 
 impl FleetArgs {

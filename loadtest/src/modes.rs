@@ -28,6 +28,8 @@ use crate::ws::Transport;
 pub struct Setup {
     pub target: Target,
     pub endpoint: Option<amqp::Endpoint>,
+    /// `--fleet-target`: where the HTTP fleet posts (default: the target).
+    pub fleet_addr: Option<std::net::SocketAddr>,
 }
 
 /// Opens the hubcast of `global` (spawning it if asked); with an AMQP fleet, starts the
@@ -53,14 +55,18 @@ pub async fn open(global: &Global, fleet: Option<&FleetArgs>) -> io::Result<Setu
     let target = tokio::task::spawn_blocking(move || Target::open(&spec, &more)).await.map_err(io::Error::other)??;
     let within = if endpoint.is_some() { Duration::from_secs(60) } else { Duration::from_secs(20) };
     target.wait_ready(within).await?;
-    Ok(Setup { target, endpoint })
+    let fleet_addr = match fleet.and_then(|f| f.fleet_target.as_deref()) {
+        Some(url) => Some(crate::target::loopback_addr(url)?),
+        None => None,
+    };
+    Ok(Setup { target, endpoint, fleet_addr })
 }
 
 /// Starts the fleet of `plan` (its senders wait for `stats.run()`).
 fn start_fleet(setup: &Setup, plan: &FleetPlan, stats: &Arc<FleetStats>, tasks: &mut JoinSet<()>) {
     match &setup.endpoint {
         Some(e) => e.set_run(stats.clone(), plan.rate),
-        None => fleet::http::start(setup.target.addr, &setup.target.admin_key, plan, stats.clone(), tasks),
+        None => fleet::http::start(setup.fleet_addr.unwrap_or(setup.target.addr), &setup.target.admin_key, plan, stats.clone(), tasks),
     }
 }
 
@@ -460,6 +466,7 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
         amqp_port: 0,
         prefetch: 2000,
         pipeline: 1,
+        fleet_target: None,
     };
 
     eprintln!("hubcast-load all: ingest over POST /ingest");

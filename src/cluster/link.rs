@@ -497,6 +497,8 @@ impl Link {
         let checkpoint_key = |p: &str| format!("{checkpoints}:{p}");
         let holders = self.key("holder", &stream_key);
         let holder_key = |p: &str| format!("{holders}:{p}");
+        let handed = self.key("handed", &stream_key);
+        let handed_key = |p: &str| format!("{handed}:{p}");
         let me = self.o.instance.clone();
         let ttl = self.o.lease_ttl.as_millis() as u64;
         let before = self.leased.clone();
@@ -519,6 +521,7 @@ impl Link {
         let marks = if stream.marks { Some(self.applied_marks().await) } else { None };
         let mut pipe = redis::pipe();
         let mut written = Vec::new();
+        let mut handed_any = false;
         for p in self.leased.keys() {
             let seq = match &marks {
                 Some(marks) => marks.get(format!("{}{p}", stream.key).as_str()).copied(),
@@ -528,8 +531,14 @@ impl Link {
                 pipe.cmd("SET").arg(checkpoint_key(p)).arg(seq).ignore();
                 written.push((p.clone(), seq));
             }
+            // What was handed to the cores, past the checkpoint: a new holder after a crash
+            // counts the events between the two as applied twice.
+            if let Some(handed) = positions.get(p) {
+                pipe.cmd("SET").arg(handed_key(p)).arg(*handed).ignore();
+                handed_any = true;
+            }
         }
-        if !written.is_empty() {
+        if !written.is_empty() || handed_any {
             within("checkpoint", pipe.query_async::<()>(conn)).await?;
             self.checkpointed.extend(written);
         }
@@ -561,9 +570,15 @@ impl Link {
                 let mut pipe = redis::pipe();
                 pipe.cmd("GET").arg(checkpoint_key(&p));
                 pipe.cmd("SET").arg(holder_key(&p)).arg(&*me).arg("GET");
-                let (checkpoint, holder): (Option<i64>, Option<String>) = within("GET checkpoint", pipe.query_async(conn)).await?;
+                pipe.cmd("GET").arg(handed_key(&p));
+                let (checkpoint, holder, handed): (Option<i64>, Option<String>, Option<i64>) =
+                    within("GET checkpoint", pipe.query_async(conn)).await?;
                 if holder.as_deref().is_some_and(|h| h != &*me) {
                     self.stats.takeovers.fetch_add(1, Ordering::Relaxed);
+                    // Sequence numbers are contiguous per partition: the previous holder had
+                    // handed over this many events past the checkpoint it left.
+                    let replayed = handed.zip(checkpoint).map_or(0, |(h, c)| (h - c).max(0) as u64);
+                    self.stats.replayed.fetch_add(replayed, Ordering::Relaxed);
                 }
                 if let Some(seq) = checkpoint {
                     self.checkpointed.insert(p.clone(), seq);

@@ -101,6 +101,7 @@ pub struct Stats {
     pub watched_elsewhere: AtomicU64,
     pub leases: AtomicU64,
     pub takeovers: AtomicU64,
+    pub replayed: AtomicU64,
 }
 
 /// The partitions of the event stream this instance holds a lease on, each with the
@@ -236,7 +237,17 @@ impl Cluster {
         let s = &self.stats;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let label = format!("{{instance=\"{}\"}}", self.instance);
-        vec![
+        let owned: Vec<(String, String, String, u64)> = self
+            .owned
+            .borrow()
+            .partitions
+            .keys()
+            .map(|p| {
+                let labels = format!("{{instance=\"{}\",partition=\"{p}\"}}", self.instance);
+                ("hubcast_redis_partition_owned".to_string(), "1 for each event stream partition this instance reads (holds the lease on).".to_string(), labels, 1)
+            })
+            .collect();
+        owned.into_iter().chain(vec![
             ("hubcast_redis_connected".into(), "1 while the link to Redis is up.".into(), label.clone(), get(&s.connected)),
             ("hubcast_redis_instances".into(), "Live hubcast instances seen on Redis, this one included.".into(), label.clone(), get(&s.instances)),
             ("hubcast_redis_watched_devices".into(), "Devices this instance receives from the others (a socket here subscribes).".into(), label.clone(), get(&s.watched_here)),
@@ -247,8 +258,10 @@ impl Cluster {
             ("hubcast_redis_undecodable_total".into(), "Payloads from Redis that did not decode (skipped).".into(), label.clone(), get(&s.undecodable)),
             ("hubcast_redis_partition_leases".into(), "Event stream partitions this instance holds a lease on (and reads).".into(), label.clone(), get(&s.leases)),
             ("hubcast_redis_partition_takeovers_total".into(), "Partition leases taken that another instance held before (it left, died, or gave it up to balance); events after its last checkpoint may be applied twice.".into(), label.clone(), get(&s.takeovers)),
+            ("hubcast_redis_partition_replayed_events_total".into(), "Events read again after taking a partition over: the previous holder had handed them to its cores past its last checkpoint (at its last heartbeat; at most a heartbeat more).".into(), label.clone(), get(&s.replayed)),
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label, get(&s.reconnects)),
-        ]
+        ])
+        .collect()
     }
 }
 
