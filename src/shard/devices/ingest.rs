@@ -1,0 +1,211 @@
+//! A device message applied to its device: last values, twin, connection state (with the
+//! ordering rules: stale twin versions and connection sequence numbers are dropped), and what
+//! it changed as a [`Publication`].
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::Value;
+
+use super::*;
+use super::twin::twin_version;
+
+impl DeviceTable {
+    /// Applies one device message and pushes what it changed to the device's subscribers.
+    pub fn ingest_and_publish(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
+        let arrived = msg.arrived;
+        if let Some(mut publication) = self.ingest(msg, now) {
+            publication.arrived = arrived;
+            let device = publication.device.clone();
+            self.publish(&device, publication, now, out);
+        }
+    }
+
+    /// Applies one device message to the owning shard; returns what subscribers should get
+    /// (`None` when the device has no subscriber or nothing changed).
+    pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
+        let IngestMessage { device_id, source, properties, body, enqueued_at, .. } = msg;
+        self.dirty.device(&device_id);
+        let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
+        // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
+        let header_time = property("iothub-creation-time-utc")
+            .and_then(parse_iso)
+            .or_else(|| property("iothub-app-iothub-creation-time-utc").and_then(parse_iso))
+            .or(enqueued_at)
+            .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
+        match source {
+            SourceKind::Telemetry => {
+                // The whole body goes to d2cMessages subscribers, whatever it holds.
+                let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
+                let message = wants_message.then(|| crate::ingest::message_json(&body));
+                let parsed = match crate::ingest::parse_telemetry_checked(&body, &self.settings) {
+                    Ok(parsed) => parsed,
+                    Err(fault) => {
+                        FAULTS.record(fault, Some(&device_id), "telemetry body");
+                        let at = header_time.unwrap_or_else(now_millis);
+                        let device = Arc::from(&*device_id);
+                        return message.map(|message| Publication { device, at, message: Some(message), ..Default::default() });
+                    }
+                };
+                let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
+                let connection_ttl = self.timing.connection_ttl;
+                let device = self.devices.entry_ref(&*device_id).or_default();
+                let subscribed = subscribed_any(device);
+                let mut publication = Publication { at, message, ..Default::default() };
+                if subscribed {
+                    publication.device = Arc::from(&*device_id);
+                }
+                for (key, json) in parsed.values {
+                    if subscribed {
+                        publication.telemetry.push((Box::from(&*key), json.clone()));
+                    }
+                    // Keys repeat message after message: allocate one only the first time.
+                    match device.telemetry.get_mut(&*key) {
+                        Some(last) => *last = LastValue { json, at },
+                        None => {
+                            device.telemetry.insert(Box::from(key), LastValue { json, at });
+                        }
+                    }
+                }
+                let connected = match parsed.connection_state {
+                    Some(state) => Some(state),
+                    None if self.settings.custom_connection_state_key.is_empty()
+                        && self.settings.connection_state_on_telemetry =>
+                    {
+                        Some(true)
+                    }
+                    None => None,
+                };
+                if let Some(connected) = connected {
+                    let sequence = device.connection.as_mut().and_then(|c| c.sequence.take());
+                    device.connection = Some(ConnectionState { connected, at, sequence });
+                    publication.connection = Some(connected);
+                }
+                device.last_seen = Some(now);
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                return subscribed.then_some(publication);
+            }
+            SourceKind::TwinChange => {
+                let doc = match serde_json::from_slice::<Value>(&body) {
+                    Ok(doc @ Value::Object(_)) => doc,
+                    Ok(_) => {
+                        FAULTS.record(Fault::NotObject, Some(&device_id), "twin change body");
+                        return None;
+                    }
+                    Err(_) => {
+                        FAULTS.record(Fault::NotJson, Some(&device_id), "twin change body");
+                        return None;
+                    }
+                };
+                let at = header_time.unwrap_or_else(now_millis);
+                let replace = property("opType") == Some("replaceTwin");
+                let hub = self.hub_twins.is_some();
+                let device = self.devices.entry_ref(&*device_id).or_default();
+                // Twin versions only grow: an event not newer than the cached twin arrived late.
+                if let (Some(new), Some(cached)) = (twin_version(&doc), device.twin.as_ref().and_then(|t| twin_version(&t.doc))) {
+                    if new <= cached {
+                        tracing::debug!(device = &*device_id, new, cached, "stale twin change dropped");
+                        return None;
+                    }
+                }
+                // With a hub, a change alone is never taken for the twin: it waits for the
+                // whole twin to be read (behind the changes already waiting, to keep order).
+                if hub && !replace && (device.twin.is_none() || device.twin_pending.is_some()) {
+                    if device.twin_pending.is_none() && !device.wants(|a| a.subs.device_twin) {
+                        // Nobody to push to; a later read asks the hub anyway.
+                        self.prune(&device_id); // the entry made above, if it holds nothing
+                        return None;
+                    }
+                    let pending = device.twin_pending.get_or_insert_with(|| {
+                        self.twin_fetches.push(device_id.clone());
+                        Box::default()
+                    });
+                    pending.hold(doc, at);
+                    return None;
+                }
+                if replace {
+                    // A whole twin: the changes waiting for one are older and included.
+                    device.twin_pending = None;
+                }
+                match (replace, device.twin.as_mut()) {
+                    (true, _) | (_, None) => device.twin = Some(Twin { doc, at }),
+                    (_, Some(twin)) => {
+                        merge_patch(&mut twin.doc, doc);
+                        twin.at = at;
+                    }
+                }
+                if device.wants(|a| a.subs.device_twin) {
+                    let twin = device.twin.as_ref().map(|t| t.doc.to_string());
+                    return Some(Publication { device: Arc::from(&*device_id), at, twin, ..Default::default() });
+                }
+            }
+            SourceKind::ConnectionState => {
+                if !self.settings.custom_connection_state_key.is_empty() {
+                    return None; // the body key is the only source of truth then (reference §9)
+                }
+                let connected = match property("opType") {
+                    Some("deviceConnected") => true,
+                    Some("deviceDisconnected") => false,
+                    other => {
+                        tracing::debug!(device = &*device_id, op = ?other, "unknown connection event");
+                        return None;
+                    }
+                };
+                let sequence: Option<Box<str>> = serde_json::from_slice::<Value>(&body)
+                    .ok()
+                    .and_then(|v| v.get("sequenceNumber").and_then(Value::as_str).map(Into::into));
+                let at = header_time.unwrap_or_else(now_millis);
+                let device = self.devices.entry_ref(&*device_id).or_default();
+                if let (Some(new), Some(old)) =
+                    (sequence.as_deref(), device.connection.as_ref().and_then(|c| c.sequence.as_deref()))
+                {
+                    if sequence_order(new, old).is_le() {
+                        tracing::debug!(device = &*device_id, new, old, "stale connection event dropped");
+                        return None;
+                    }
+                }
+                device.connection = Some(ConnectionState { connected, at, sequence });
+                device.last_seen = Some(now);
+                let connection_ttl = self.timing.connection_ttl;
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                if device.wants(|a| a.subs.connection_state) {
+                    return Some(Publication { device: Arc::from(&*device_id), at, connection: Some(connected), ..Default::default() });
+                }
+            }
+            SourceKind::Lifecycle => {
+                if property("opType") == Some("deleteDeviceIdentity") {
+                    if let Some(d) = self.devices.get_mut(&*device_id) {
+                        d.telemetry = HashMap::new();
+                        d.twin = None;
+                        d.hub_twin_read = None;
+                        d.twin_pending = None;
+                        d.connection = None;
+                    }
+                    self.prune(&device_id);
+                }
+            }
+        }
+        None
+    }
+
+    pub(super) fn arm_offline_check(
+        due: &mut BinaryHeap<Reverse<(Instant, Box<str>)>>,
+        ttl: Option<Duration>,
+        device_id: &str,
+        device: &mut Device,
+        now: Instant,
+    ) {
+        if let (Some(ttl), Some(c)) = (ttl, &device.connection) {
+            if c.connected && !device.offline_check_armed {
+                device.offline_check_armed = true;
+                due.push(Reverse((now + ttl, device_id.into())));
+            }
+        }
+    }
+}
+
+/// IoT Hub sequence numbers are hex strings (usually fixed-width): compare them as numbers.
+pub(super) fn sequence_order(a: &str, b: &str) -> std::cmp::Ordering {
+    let (a, b) = (a.trim_start_matches('0'), b.trim_start_matches('0'));
+    a.len().cmp(&b.len()).then_with(|| a.to_ascii_uppercase().cmp(&b.to_ascii_uppercase()))
+}
