@@ -256,6 +256,14 @@ pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String
     let mut r = Reader { bytes: payload, at: 0 };
     while r.at < payload.len() {
         let tag = r.u8()?;
+        out(decode_one(&mut r, tag)?);
+    }
+    Ok(())
+}
+
+/// One record whose tag has been read.
+fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
+    {
         let record = match tag {
             TAG_DEVICE => {
                 let id = r.str()?.into();
@@ -311,9 +319,112 @@ pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String
             TAG_END => Record::End,
             t => return Err(format!("unknown record tag {t}")),
         };
-        out(record);
+        Ok(record)
+    }
+}
+
+/// Start-up: reads a frame's records straight into `into` (`None`: only checks that the
+/// whole frame decodes, allocating nothing for device records). A device record updates the
+/// device already loaded in place (keys, key map and entry kept; only changed values are
+/// allocated), so replaying a log over a snapshot builds no second device.
+fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), String> {
+    let mut r = Reader { bytes: payload, at: 0 };
+    while r.at < payload.len() {
+        let tag = r.u8()?;
+        if tag != TAG_DEVICE {
+            let record = decode_one(&mut r, tag)?;
+            if let Some(into) = into.as_deref_mut() {
+                into.apply(record);
+            }
+            continue;
+        }
+        let id = r.str()?;
+        let n = r.u32()? as usize;
+        match into.as_deref_mut() {
+            None => {
+                for _ in 0..n {
+                    r.str()?;
+                    r.str()?;
+                    r.i64()?;
+                }
+                if r.bool()? {
+                    r.str()?;
+                    r.i64()?;
+                }
+                if r.bool()? {
+                    r.bool()?;
+                    r.i64()?;
+                    if r.bool()? {
+                        r.str()?;
+                    }
+                }
+            }
+            Some(into) => {
+                use crate::shard::devices::{ConnectionState, LastValue, Twin};
+                let device = into.devices.entry_ref(id).or_default();
+                let telemetry = &mut device.telemetry;
+                // A record holds the device's whole telemetry: other keys go.
+                let start = r.at;
+                let mut same_keys = telemetry.len() == n;
+                for _ in 0..n {
+                    let (k, v, at) = (r.str()?, r.str()?, r.i64()?);
+                    match telemetry.get_mut(k) {
+                        Some(last) => {
+                            last.json = Arc::from(v);
+                            last.at = at;
+                        }
+                        None => {
+                            same_keys = false;
+                            telemetry.insert(k.into(), LastValue { json: Arc::from(v), at });
+                        }
+                    }
+                }
+                if !same_keys && telemetry.len() != n {
+                    let mut keep = Reader { bytes: payload, at: start };
+                    let mut keys = hashbrown::HashSet::with_capacity(n);
+                    for _ in 0..n {
+                        keys.insert(keep.str()?);
+                        keep.str()?;
+                        keep.i64()?;
+                    }
+                    telemetry.retain(|k, _| keys.contains(&**k));
+                }
+                device.twin = if r.bool()? {
+                    let doc = r.str()?;
+                    let at = r.i64()?;
+                    serde_json::from_str(doc).ok().map(|doc| Twin { doc, at })
+                } else {
+                    None
+                };
+                device.connection = if r.bool()? {
+                    let connected = r.bool()?;
+                    let at = r.i64()?;
+                    let sequence = if r.bool()? { Some(r.str()?.into()) } else { None };
+                    Some(ConnectionState { connected, at, sequence })
+                } else {
+                    None
+                };
+            }
+        }
     }
     Ok(())
+}
+
+/// [`read_frames`] for start-up: each frame is checked whole first, then applied to `into`
+/// in place ([`walk`]): a frame is taken whole or not at all.
+pub fn read_frames_into(bytes: &[u8], into: &mut super::Loaded) -> (Tail, bool) {
+    let mut ended = false;
+    let tail = frames(bytes, &mut |payload| {
+        walk(payload, None)?;
+        ended |= is_end_only(payload);
+        walk(payload, Some(into)).map_err(|e| format!("undecodable after checking: {e}"))
+    });
+    (tail, ended)
+}
+
+/// A frame that is just the end mark of a snapshot.
+fn is_end_only(payload: &[u8]) -> bool {
+    payload == [TAG_END]
 }
 
 /// How reading a file ended.
@@ -328,6 +439,18 @@ pub enum Tail {
 /// Reads the frames of a file's bytes (header already checked), handing over each record.
 /// Stops at the first bad frame: what comes before it is kept, nothing after it is trusted.
 pub fn read_frames(bytes: &[u8], out: &mut impl FnMut(Record)) -> Tail {
+    frames(bytes, &mut |payload| {
+        // Decode into a scratch list first, so a frame is taken whole or not at all.
+        let mut records = Vec::new();
+        decode(payload, &mut |r| records.push(r))?;
+        records.into_iter().for_each(&mut *out);
+        Ok(())
+    })
+}
+
+/// Walks the frames of a file's bytes, checking each one's length and CRC before handing its
+/// payload over; stops at the first bad frame (or the first payload `each` refuses).
+fn frames(bytes: &[u8], each: &mut impl FnMut(&[u8]) -> Result<(), String>) -> Tail {
     let mut at = HEADER_LEN;
     while at < bytes.len() {
         if bytes.len() - at < 8 {
@@ -344,13 +467,77 @@ pub fn read_frames(bytes: &[u8], out: &mut impl FnMut(Record)) -> Tail {
         if crc32fast::hash(payload) != crc {
             return Tail::Bad { offset: at, why: "checksum mismatch".into() };
         }
-        // Decode into a scratch list first, so a frame is taken whole or not at all.
-        let mut records = Vec::new();
-        if let Err(e) = decode(payload, &mut |r| records.push(r)) {
+        if let Err(e) = each(payload) {
             return Tail::Bad { offset: at, why: format!("undecodable frame: {e}") };
         }
-        records.into_iter().for_each(&mut *out);
         at += 8 + len;
     }
     Tail::Clean
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
+
+    fn device(values: &[(&str, &str, i64)], twin: Option<&str>, connected: Option<bool>) -> Device {
+        let mut d = Device::default();
+        for (k, v, at) in values {
+            d.telemetry.insert((*k).into(), LastValue { json: Arc::from(*v), at: *at });
+        }
+        d.twin = twin.map(|t| Twin { doc: serde_json::from_str(t).unwrap(), at: 5 });
+        d.connection = connected.map(|c| ConnectionState { connected: c, at: 6, sequence: Some("01".into()) });
+        d
+    }
+
+    fn file(frames: &[Vec<Change<'_>>]) -> Vec<u8> {
+        let mut bytes = header(KIND_LOG).to_vec();
+        for changes in frames {
+            let at = begin_frame(&mut bytes);
+            for c in changes {
+                let c = match c {
+                    Change::Device { id, device } => Change::Device { id, device: *device },
+                    Change::Access { device, session, access } => Change::Access { device, session: *session, access: *access },
+                    other => panic!("not used here: {:?}", std::mem::discriminant(other)),
+                };
+                encode(&mut bytes, c);
+            }
+            end_frame(&mut bytes, at);
+        }
+        bytes
+    }
+
+    /// The in-place start-up path ends in the same state as applying every record whole.
+    #[test]
+    fn replaying_in_place_equals_applying_records_whole() {
+        let first = device(&[("a", "1", 1), ("b", "2", 1)], Some(r#"{"x":1}"#), Some(true));
+        let changed = device(&[("a", "3", 2)], None, Some(false));
+        let same_keys = device(&[("a", "4", 3), ("c", "5", 3)], Some(r#"{"y":2}"#), None);
+        let other = device(&[("k", "\"v\"", 1)], None, None);
+        let bytes = file(&[
+            vec![Change::Device { id: "d1", device: Some(&first) }, Change::Device { id: "d2", device: Some(&other) }],
+            vec![Change::Device { id: "d1", device: Some(&changed) }],
+            vec![Change::Device { id: "d1", device: Some(&same_keys) }, Change::Device { id: "d2", device: None }],
+        ]);
+        let mut whole = super::super::Loaded::default();
+        assert_eq!(read_frames(&bytes, &mut |r| whole.apply(r)), Tail::Clean);
+        let mut in_place = super::super::Loaded::default();
+        assert_eq!(read_frames_into(&bytes, &mut in_place), (Tail::Clean, false));
+        let view = |l: &super::super::Loaded| {
+            let mut v: Vec<_> = l.devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        assert_eq!(view(&in_place), view(&whole));
+        let d1 = &in_place.devices["d1"];
+        assert_eq!(d1.telemetry.len(), 2, "keys the last record does not hold are gone");
+        assert!(d1.connection.is_none() && d1.twin.is_some());
+        // A frame cut in the middle: nothing of it is applied.
+        let cut = &bytes[..bytes.len() - 3];
+        let mut partial = super::super::Loaded::default();
+        let (tail, _) = read_frames_into(cut, &mut partial);
+        assert!(matches!(tail, Tail::Bad { .. }));
+        assert_eq!(&*partial.devices["d1"].telemetry["a"].json, "3", "the cut frame left d1 as the frame before made it");
+        assert!(partial.devices.contains_key("d2"));
+    }
 }

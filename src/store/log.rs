@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::format::{self, Change, Record, Tail, KIND_LOG, KIND_SNAPSHOT};
+use super::format::{self, Change, Tail, KIND_LOG, KIND_SNAPSHOT};
 use super::{Loaded, Opened, StateStore};
 use crate::ids::{core_of_device, core_of_session};
 
@@ -172,13 +172,7 @@ fn write_manifest(dir: &Path, epoch: u64, cores: usize) -> Result<(), String> {
 fn load_file(path: &Path, kind: u8, into: &mut Loaded) -> Result<(), String> {
     let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     format::check_header(&bytes, kind).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut ended = false;
-    let tail = format::read_frames(&bytes, &mut |r| {
-        if r == Record::End {
-            ended = true;
-        }
-        into.apply(r)
-    });
+    let (tail, ended) = format::read_frames_into(&bytes, into);
     if let Tail::Bad { offset, why } = tail {
         tracing::error!(
             file = %path.display(),
