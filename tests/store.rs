@@ -275,3 +275,23 @@ fn sigterm_syncs_the_durable_state_before_exiting() {
     let server = start_in(&dir, &[]);
     assert_eq!(admin_get(&server, "/lastValue/bye/v").0, 200);
 }
+
+/// A relative `--data-dir` (the default is `./hubcast-data`) with a snapshot in it: the
+/// snapshot's path must not be joined to the directory twice. Re-sharding writes snapshots.
+#[test]
+fn a_relative_data_dir_with_a_snapshot_restarts() {
+    let cwd = TempDir::new();
+    std::fs::create_dir_all(&cwd.0).unwrap();
+    let start = |cores: &str| Server::start_wrapped(&["env", "-C", cwd.path()], &["--data-dir", "state", "--cores", cores]);
+    let server = start("2");
+    server.ingest(json!([{"deviceId": "rel", "body": {"v": 7}}]));
+    drop(server);
+    // 2 → 1 core: the state is re-sharded into a snapshot; the next start reads it.
+    drop(start("1"));
+    let snapshots = std::fs::read_dir(cwd.0.join("state")).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".snap")).count();
+    assert!(snapshots >= 1, "re-sharding wrote a snapshot");
+    let server = start("1");
+    let (status, body) = admin_get(&server, "/lastValue/rel/v");
+    assert_eq!((status, &body["data"]["v"]), (200, &json!(7)), "{body}");
+    std::fs::remove_dir_all(&cwd.0).ok();
+}

@@ -410,12 +410,16 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
     Ok(())
 }
 
-/// [`read_frames`] for start-up: each frame is checked whole first, then applied to `into`
-/// in place ([`walk`]): a frame is taken whole or not at all.
-pub fn read_frames_into(bytes: &[u8], into: &mut super::Loaded) -> (Tail, bool) {
+/// [`read_frames`] for start-up: each frame is applied to `into` in place ([`walk`]). A log
+/// frame is checked whole first, so it is taken whole or not at all; a snapshot is written
+/// whole (temporary file, sync, rename) and every frame's checksum is verified, so its frames
+/// are applied without the extra pass (`atomic_file`).
+pub fn read_frames_into(bytes: &[u8], into: &mut super::Loaded, atomic_file: bool) -> (Tail, bool) {
     let mut ended = false;
     let tail = frames(bytes, &mut |payload| {
-        walk(payload, None)?;
+        if !atomic_file {
+            walk(payload, None)?;
+        }
         ended |= is_end_only(payload);
         walk(payload, Some(into)).map_err(|e| format!("undecodable after checking: {e}"))
     });
@@ -522,7 +526,7 @@ mod tests {
         let mut whole = super::super::Loaded::default();
         assert_eq!(read_frames(&bytes, &mut |r| whole.apply(r)), Tail::Clean);
         let mut in_place = super::super::Loaded::default();
-        assert_eq!(read_frames_into(&bytes, &mut in_place), (Tail::Clean, false));
+        assert_eq!(read_frames_into(&bytes, &mut in_place, false), (Tail::Clean, false));
         let view = |l: &super::super::Loaded| {
             let mut v: Vec<_> = l.devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
             v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -535,7 +539,7 @@ mod tests {
         // A frame cut in the middle: nothing of it is applied.
         let cut = &bytes[..bytes.len() - 3];
         let mut partial = super::super::Loaded::default();
-        let (tail, _) = read_frames_into(cut, &mut partial);
+        let (tail, _) = read_frames_into(cut, &mut partial, false);
         assert!(matches!(tail, Tail::Bad { .. }));
         assert_eq!(&*partial.devices["d1"].telemetry["a"].json, "3", "the cut frame left d1 as the frame before made it");
         assert!(partial.devices.contains_key("d2"));

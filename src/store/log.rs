@@ -172,7 +172,7 @@ fn write_manifest(dir: &Path, epoch: u64, cores: usize) -> Result<(), String> {
 fn load_file(path: &Path, kind: u8, into: &mut Loaded) -> Result<(), String> {
     let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     format::check_header(&bytes, kind).map_err(|e| format!("{}: {e}", path.display()))?;
-    let (tail, ended) = format::read_frames_into(&bytes, into);
+    let (tail, ended) = format::read_frames_into(&bytes, into, kind == KIND_SNAPSHOT);
     if let Tail::Bad { offset, why } = tail {
         tracing::error!(
             file = %path.display(),
@@ -194,7 +194,8 @@ fn load_core(dir: &Path, files: &[(usize, u64, String, PathBuf)], core: usize) -
     let mut loaded = Loaded::default();
     let mut top = 0;
     if let Some(g) = snap {
-        load_file(&dir.join(file_name_of(&mine, g, "snap")), KIND_SNAPSHOT, &mut loaded)?;
+        // The listed path already includes the directory (joining it again breaks a relative one).
+        load_file(&file_name_of(&mine, g, "snap"), KIND_SNAPSHOT, &mut loaded)?;
         top = g;
     }
     let mut logs: Vec<_> = mine.iter().filter(|f| f.2 == "log" && snap.is_none_or(|s| f.1 >= s)).collect();
