@@ -19,6 +19,8 @@ pub const ROUTES: [&str; 21] = [
 
 pub const SOURCES: [&str; 4] = ["Telemetry", "twinChangeEvents", "deviceConnectionStateEvents", "deviceLifecycleEvents"];
 pub const TRANSPORTS: [&str; 3] = ["websocket", "socketio_websocket", "socketio_polling"];
+/// Index of `socketio_polling` in [`TRANSPORTS`]: no WebSocket writer of its own.
+const POLLING: usize = 2;
 
 #[derive(Default)]
 pub struct Histogram {
@@ -100,6 +102,11 @@ pub struct CoreMetrics {
     pub socket_read_pauses: Cell<u64>,
     /// Ingest→socket delivery latency, by transport.
     pub deliveries: [Histogram; TRANSPORTS.len()],
+    /// Writes made by WebSocket writer tasks, by transport (polling is not counted: its
+    /// answers go through the HTTP writer).
+    pub socket_writes: [Cell<u64>; TRANSPORTS.len()],
+    /// WebSocket frames those writes carried (data and control), by transport.
+    pub socket_frames_written: [Cell<u64>; TRANSPORTS.len()],
 }
 
 impl CoreMetrics {
@@ -130,6 +137,11 @@ impl CoreMetrics {
     pub fn socket_read_paused(&self) {
         bump(&self.socket_read_pauses, 1);
     }
+    /// One successful WebSocket write that carried `frames` frames.
+    pub fn socket_written(&self, transport: usize, frames: u64) {
+        bump(&self.socket_writes[transport], 1);
+        bump(&self.socket_frames_written[transport], frames);
+    }
     /// Envelopes just written to a socket (or handed to a poll's answer), by their arrivals.
     pub fn delivered(&self, transport: usize, arrivals: impl IntoIterator<Item = Arrival>) {
         for a in arrivals {
@@ -150,6 +162,8 @@ impl CoreMetrics {
             http_pipeline_pauses: self.http_pipeline_pauses.get(),
             socket_read_pauses: self.socket_read_pauses.get(),
             deliveries: self.deliveries.iter().map(Histogram::snapshot).collect(),
+            socket_writes: self.socket_writes.iter().map(get).collect(),
+            socket_frames_written: self.socket_frames_written.iter().map(get).collect(),
         }
     }
 }
@@ -188,6 +202,8 @@ pub struct Snapshot {
     pub http_pipeline_pauses: u64,
     pub socket_read_pauses: u64,
     pub deliveries: Vec<HistogramSnapshot>,
+    pub socket_writes: Vec<u64>,
+    pub socket_frames_written: Vec<u64>,
 }
 
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
@@ -246,6 +262,17 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     for (i, t) in TRANSPORTS.iter().enumerate() {
         let total: u64 = cores.iter().map(|c| c.messages_out[i]).sum();
         let _ = writeln!(out, "hubcast_messages_out_total{{transport=\"{t}\"}} {total}");
+    }
+    // Frames per write (the coalescing the writers achieve) is the ratio of these two.
+    family(&mut out, "hubcast_socket_writes_total", "counter", "Socket writes made by WebSocket writer tasks, by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate().filter(|(i, _)| *i != POLLING) {
+        let total: u64 = cores.iter().map(|c| c.socket_writes[i]).sum();
+        let _ = writeln!(out, "hubcast_socket_writes_total{{transport=\"{t}\"}} {total}");
+    }
+    family(&mut out, "hubcast_socket_frames_written_total", "counter", "WebSocket frames (data and control) carried by those writes, by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate().filter(|(i, _)| *i != POLLING) {
+        let total: u64 = cores.iter().map(|c| c.socket_frames_written[i]).sum();
+        let _ = writeln!(out, "hubcast_socket_frames_written_total{{transport=\"{t}\"}} {total}");
     }
     family(&mut out, "hubcast_sockets", "gauge", "Open live-data sockets, by transport.");
     for (i, t) in TRANSPORTS.iter().enumerate() {

@@ -61,3 +61,30 @@ fn metrics_count_what_happened_on_every_core() {
     }
     drop(live);
 }
+
+/// Frames per write: every frame a WebSocket writer sends is counted with the write that
+/// carried it, so `frames_written / writes` is the coalescing the writers achieve.
+#[test]
+fn socket_writes_and_frames_written_are_counted() {
+    const N: usize = 200;
+    let server = Server::start(&[]);
+    let session = server.new_session();
+    server.grant(&session, json!({"type": "telemetry", "deviceId": "w-1"}));
+    let (status, _) = server.subscribe(&session, json!({"type": "telemetry", "deviceId": "w-1"}));
+    assert_eq!(status, 204);
+    let mut live = server.live(&session);
+    // Below the soft queue limit (256): nothing is conflated, all N arrive.
+    let batch: Vec<_> = (0..N).map(|i| json!({"deviceId": "w-1", "body": {"v": i}})).collect();
+    server.ingest(json!(batch));
+    for i in 0..N {
+        let frame = live.next_json(Duration::from_secs(5)).unwrap_or_else(|| panic!("frame {i} of {N}"));
+        assert_eq!(frame["telemetry"]["v"], i);
+    }
+    let frames_series = "hubcast_socket_frames_written_total{transport=\"websocket\"}";
+    let frames = server.wait_for_metric(frames_series, Duration::from_secs(5), |v| v >= N as f64).unwrap();
+    assert!(frames >= N as f64, "{frames} frames written for {N} messages");
+    let writes = server.metric("hubcast_socket_writes_total{transport=\"websocket\"}").unwrap();
+    assert!(writes >= 1.0 && writes <= frames, "{writes} writes for {frames} frames");
+    assert_eq!(server.metric("hubcast_socket_writes_total{transport=\"socketio_websocket\"}"), Some(0.0));
+    drop(live);
+}

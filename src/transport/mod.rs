@@ -399,6 +399,8 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
         metrics.messages_out(conn.transport(), envelopes as u64);
         buf.clear();
+        // Every item is one frame (the close adds its own, and the DISCONNECT before it).
+        let mut frames = drained.items.len() as u64;
         for item in &drained.items {
             match (&conn.kind, item) {
                 (SocketKind::Plain, Out::Envelope(frame)) => frame::write_text(&mut buf, &[frame.as_bytes()]),
@@ -414,13 +416,16 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
             if reason.server_disconnect && conn.attached.get() && matches!(conn.kind, SocketKind::SocketIo { .. }) {
                 // Socket.IO DISCONNECT: the client reports "io server disconnect".
                 frame::write_text(&mut buf, &[b"41"]);
+                frames += 1;
             }
             frame::write_close(&mut buf, reason.code, &reason.text);
+            frames += 1;
         }
         if !buf.is_empty() {
             match monoio::time::timeout(WRITE_STALL_LIMIT, write.write_all(std::mem::take(&mut buf))).await {
                 Ok((Ok(_), b)) => {
                     buf = b;
+                    metrics.socket_written(conn.transport(), frames);
                     metrics.delivered(conn.transport(), drained.arrived());
                 }
                 Ok((Err(_), _)) | Err(_) => {
