@@ -146,6 +146,21 @@ pub fn write_text(out: &mut Vec<u8>, parts: &[&[u8]]) {
     write_frame(out, OpCode::Data(Data::Text), parts);
 }
 
+/// Appends one text frame holding the JSON array `[e1,e2,…]` of `elements` (each already
+/// JSON); `payload_len` is its length (the elements, one separator or bracket each, and the
+/// closing bracket). Returns 1, the frames written.
+pub fn write_text_array(out: &mut Vec<u8>, elements: &[&[u8]], payload_len: usize) -> u64 {
+    debug_assert_eq!(payload_len, elements.iter().map(|e| e.len() + 1).sum::<usize>() + 1);
+    header(OpCode::Data(Data::Text)).format(payload_len as u64, out).expect("writing to a Vec cannot fail");
+    out.reserve(payload_len);
+    for (i, e) in elements.iter().enumerate() {
+        out.push(if i == 0 { b'[' } else { b',' });
+        out.extend_from_slice(e);
+    }
+    out.push(b']');
+    1
+}
+
 pub fn write_close(out: &mut Vec<u8>, code: u16, reason: &str) {
     let reason = &reason.as_bytes()[..reason.len().min(120)];
     write_frame(out, OpCode::Control(Control::Close), &[&code.to_be_bytes(), reason]);

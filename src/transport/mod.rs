@@ -6,6 +6,12 @@
 //! to `core_of_session` over the mesh. There it gets an [`Outlet`] attached to the session;
 //! the device cores' deliveries land in it, and one writer task drains it in coalesced
 //! writes. A reader task handles client frames; a pinger keeps the connection honest.
+//!
+//! A plain WebSocket opened with `batch=1` gets the envelopes queued at write time packed
+//! into JSON-array text frames (`[env1,env2,…]`, each frame's payload at most
+//! [`BATCH_FRAME_BYTES`] unless one envelope alone is bigger); see [`encode`]. The queue, its
+//! bounds and conflation are the same either way: batching only changes how the writer frames
+//! what it drains.
 
 pub mod frame;
 pub mod socketio;
@@ -62,11 +68,17 @@ async fn waited<F: std::future::Future>(fut: F) -> (F::Output, bool) {
 
 pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Payload bound of one batched frame (`/ws?batch=1`): envelopes are added to the array
+/// while the payload (brackets and commas included) stays within it; the next one starts a
+/// new frame. An envelope bigger than this goes alone, in an array of one.
+pub const BATCH_FRAME_BYTES: usize = 64 * 1024;
+
 /// Which protocol a WebSocket speaks.
 #[derive(Debug, Clone)]
 pub enum SocketKind {
-    /// `/ws`: one JSON text frame per envelope.
-    Plain,
+    /// `/ws`: one JSON text frame per envelope, or with `batch` (`/ws?batch=1`) one JSON array
+    /// of the envelopes queued at write time per frame.
+    Plain { batch: bool },
     /// `/socket.io/?EIO=4&transport=websocket`; `upgrade_sid` when upgrading a polling session.
     SocketIo { upgrade_sid: Option<String> },
 }
@@ -114,7 +126,16 @@ pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
     }
     let path = head.uri.path().trim_end_matches('/');
     let kind = match path {
-        "/ws" => SocketKind::Plain,
+        "/ws" => match query_param(head, "batch").as_deref() {
+            None | Some("0") => SocketKind::Plain { batch: false },
+            Some("1") => SocketKind::Plain { batch: true },
+            Some(_) => {
+                return Err(Response::error(
+                    400,
+                    "batch must be 1 (several envelopes per frame, as a JSON array) or 0 (one envelope per frame)",
+                ))
+            }
+        },
         "/socket.io" => {
             if query_param(head, "EIO").as_deref() != Some("4") {
                 return Err(Response::error(400, "unsupported Engine.IO protocol version (EIO=4 required)"));
@@ -211,7 +232,7 @@ impl Conn {
     /// Index into `metrics::TRANSPORTS`.
     fn transport(&self) -> usize {
         match self.kind {
-            SocketKind::Plain => 0,
+            SocketKind::Plain { .. } => 0,
             SocketKind::SocketIo { .. } => 1,
         }
     }
@@ -272,7 +293,7 @@ async fn run(
         libc::shutdown(fd, libc::SHUT_RDWR);
     })));
     let greeting_ok = match &kind {
-        SocketKind::Plain => {
+        SocketKind::Plain { .. } => {
             if conn.attach() {
                 true
             } else {
@@ -399,19 +420,7 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
         metrics.messages_out(conn.transport(), envelopes as u64);
         buf.clear();
-        // Every item is one frame (the close adds its own, and the DISCONNECT before it).
-        let mut frames = drained.items.len() as u64;
-        for item in &drained.items {
-            match (&conn.kind, item) {
-                (SocketKind::Plain, Out::Envelope(frame)) => frame::write_text(&mut buf, &[frame.as_bytes()]),
-                (SocketKind::SocketIo { .. }, Out::Envelope(frame)) => {
-                    frame::write_text(&mut buf, &[socketio::EVENT_PREFIX, frame.as_bytes(), b"]"])
-                }
-                (_, Out::Packet(p)) => frame::write_text(&mut buf, &[p.as_bytes()]),
-                (_, Out::Ping) => frame::write_ping(&mut buf),
-                (_, Out::Pong(payload)) => frame::write_pong(&mut buf, payload),
-            }
-        }
+        let mut frames = encode(&conn.kind, &drained.items, &mut buf);
         if let Some(reason) = &drained.closing {
             if reason.server_disconnect && conn.attached.get() && matches!(conn.kind, SocketKind::SocketIo { .. }) {
                 // Socket.IO DISCONNECT: the client reports "io server disconnect".
@@ -445,6 +454,55 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
     }
 }
 
+/// Appends the frames for `items` to `buf`, in order; returns how many frames.
+///
+/// One frame per item, except on a batching plain socket (`/ws?batch=1`), where each run of
+/// envelopes becomes JSON-array frames of at most [`BATCH_FRAME_BYTES`] payload (a bigger
+/// envelope alone). A control frame (ping, pong) between envelopes ends the array before it,
+/// so frames leave in queue order.
+fn encode(kind: &SocketKind, items: &[Out], buf: &mut Vec<u8>) -> u64 {
+    let batch = matches!(kind, SocketKind::Plain { batch: true });
+    let mut frames = 0;
+    // The batch being gathered: its envelopes and its payload length so far.
+    let mut run: Vec<&[u8]> = Vec::new();
+    let mut run_len = 0;
+    for item in items {
+        match (kind, item) {
+            (SocketKind::Plain { .. }, Out::Envelope(e)) if batch => {
+                let added = e.len() + 1; // the envelope and its `[` or `,`
+                if !run.is_empty() && run_len + added + 1 > BATCH_FRAME_BYTES {
+                    frames += frame::write_text_array(buf, &run, run_len + 1);
+                    run.clear();
+                    run_len = 0;
+                }
+                run.push(e.as_bytes());
+                run_len += added;
+                continue;
+            }
+            _ if !run.is_empty() => {
+                frames += frame::write_text_array(buf, &run, run_len + 1);
+                run.clear();
+                run_len = 0;
+            }
+            _ => {}
+        }
+        frames += 1;
+        match (kind, item) {
+            (SocketKind::Plain { .. }, Out::Envelope(e)) => frame::write_text(buf, &[e.as_bytes()]),
+            (SocketKind::SocketIo { .. }, Out::Envelope(e)) => {
+                frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), b"]"])
+            }
+            (_, Out::Packet(p)) => frame::write_text(buf, &[p.as_bytes()]),
+            (_, Out::Ping) => frame::write_ping(buf),
+            (_, Out::Pong(payload)) => frame::write_pong(buf, payload),
+        }
+    }
+    if !run.is_empty() {
+        frames += frame::write_text_array(buf, &run, run_len + 1);
+    }
+    frames
+}
+
 /// Pings the client `pingInterval` after its last answer (as Engine.IO does); closes the
 /// socket when an answer takes longer than `pingTimeout`.
 async fn pinger(conn: Rc<Conn>) {
@@ -461,7 +519,7 @@ async fn pinger(conn: Rc<Conn>) {
             return;
         }
         conn.outlet.push(match conn.kind {
-            SocketKind::Plain => Out::Ping,
+            SocketKind::Plain { .. } => Out::Ping,
             SocketKind::SocketIo { .. } => Out::Packet("2".into()),
         });
         if !answered_in_time(&conn.last_heard, &conn.outlet, timeout).await {
@@ -482,4 +540,75 @@ pub async fn answered_in_time(last_heard: &Cell<Instant>, outlet: &Outlet, timeo
         }
     }
     last_heard.get() >= sent
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Cursor;
+    use std::sync::Arc;
+
+    use tungstenite::protocol::frame::coding::{Control, OpCode};
+    use tungstenite::protocol::frame::FrameHeader;
+
+    use super::*;
+
+    /// The server frames in `buf`: opcode and payload.
+    fn frames(buf: &[u8]) -> Vec<(OpCode, String)> {
+        let mut out = Vec::new();
+        let mut pos = 0;
+        while pos < buf.len() {
+            let mut cursor = Cursor::new(&buf[pos..]);
+            let (header, len) = FrameHeader::parse(&mut cursor).unwrap().expect("a whole frame");
+            let start = pos + cursor.position() as usize;
+            out.push((header.opcode, String::from_utf8(buf[start..start + len as usize].to_vec()).unwrap()));
+            pos = start + len as usize;
+        }
+        out
+    }
+
+    fn env(body: &str) -> Out {
+        Out::Envelope(Arc::from(format!("{{\"v\":\"{body}\"}}")))
+    }
+
+    #[test]
+    fn a_batching_socket_gets_runs_of_envelopes_as_arrays_in_queue_order() {
+        let items = [env("a"), env("b"), env("c"), Out::Ping, env("d"), Out::Pong(b"p".to_vec()), env("e")];
+        let mut buf = Vec::new();
+        let n = encode(&SocketKind::Plain { batch: true }, &items, &mut buf);
+        let got = frames(&buf);
+        assert_eq!(n as usize, got.len());
+        let texts: Vec<&str> = got.iter().map(|(_, p)| p.as_str()).collect();
+        assert_eq!(texts, [r#"[{"v":"a"},{"v":"b"},{"v":"c"}]"#, "", r#"[{"v":"d"}]"#, "p", r#"[{"v":"e"}]"#]);
+        assert_eq!(got[1].0, OpCode::Control(Control::Ping));
+    }
+
+    #[test]
+    fn batched_frames_stay_within_the_bound_and_a_bigger_envelope_goes_alone() {
+        let (small, big) = ("x".repeat(30_000), "y".repeat(BATCH_FRAME_BYTES + 10));
+        let items = [env(&small), env(&small), env(&small), env(&big), env(&small), env(&small)];
+        let mut buf = Vec::new();
+        let n = encode(&SocketKind::Plain { batch: true }, &items, &mut buf);
+        let got = frames(&buf);
+        let sizes: Vec<usize> = got
+            .iter()
+            .map(|(_, p)| serde_json::from_str::<Vec<serde_json::Value>>(p).expect("a JSON array").len())
+            .collect();
+        assert_eq!(sizes, [2, 1, 1, 2]);
+        assert_eq!(n, 4);
+        for (i, (_, p)) in got.iter().enumerate() {
+            assert!(p.len() <= BATCH_FRAME_BYTES || i == 2, "frame {i}: {} bytes", p.len());
+        }
+    }
+
+    #[test]
+    fn without_batch_every_envelope_is_its_own_frame() {
+        let items = [env("a"), env("b"), Out::Ping];
+        for kind in [SocketKind::Plain { batch: false }, SocketKind::SocketIo { upgrade_sid: None }] {
+            let mut buf = Vec::new();
+            assert_eq!(encode(&kind, &items, &mut buf), 3);
+            let got = frames(&buf);
+            assert_eq!(got.len(), 3);
+            assert!(got[0].1.ends_with(r#"{"v":"a"}"#) || got[0].1.ends_with(r#"{"v":"a"}]"#), "{}", got[0].1);
+        }
+    }
 }

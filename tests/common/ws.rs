@@ -17,14 +17,25 @@ pub struct Live {
 
 /// Opens a WebSocket to `base` (`http://host:port`) at `path_and_query`.
 pub fn connect(base: &str, path_and_query: &str) -> Live {
-    {
-        let addr = base.trim_start_matches("http://").to_string();
-        let stream = TcpStream::connect(&addr).expect("connect");
-        stream.set_nodelay(true).ok();
-        let url = format!("ws://{addr}{path_and_query}");
-        let (ws, response) = tungstenite::client(url.as_str(), stream).expect("websocket handshake");
-        assert_eq!(response.status().as_u16(), 101);
-        Live { ws, closed: None }
+    try_connect(base, path_and_query).unwrap_or_else(|(status, body)| panic!("websocket handshake: {status} {body}"))
+}
+
+/// Like [`connect`]; a refused upgrade gives its HTTP status and body.
+pub fn try_connect(base: &str, path_and_query: &str) -> Result<Live, (u16, String)> {
+    let addr = base.trim_start_matches("http://").to_string();
+    let stream = TcpStream::connect(&addr).expect("connect");
+    stream.set_nodelay(true).ok();
+    let url = format!("ws://{addr}{path_and_query}");
+    match tungstenite::client(url.as_str(), stream) {
+        Ok((ws, response)) => {
+            assert_eq!(response.status().as_u16(), 101);
+            Ok(Live { ws, closed: None })
+        }
+        Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(response))) => {
+            let body = response.body().as_deref().map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default();
+            Err((response.status().as_u16(), body))
+        }
+        Err(e) => panic!("websocket handshake: {e}"),
     }
 }
 
