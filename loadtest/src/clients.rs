@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use crate::fleet::{device_id, now_micros};
 use crate::hist::Striped;
 use crate::http::{request_bytes, HttpConn, Response};
-use crate::ws::{sent_at, Transport, WsClient, OP_CLOSE, OP_PING, OP_PONG, OP_TEXT};
+use crate::ws::{batched, sent_at, Transport, WsClient, OP_CLOSE, OP_PING, OP_PONG, OP_TEXT};
 
 /// Sends every request over `conns` keep-alive connections; answers in request order.
 pub async fn run_requests(addr: SocketAddr, requests: Vec<Vec<u8>>, conns: usize) -> io::Result<Vec<Response>> {
@@ -239,9 +239,26 @@ async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: 
         let mut measuring = None;
         let read = ws
             .read_frames(|op, payload| match op {
+                OP_TEXT if transport == Transport::WsBatch => {
+                    let timing = *measuring.get_or_insert_with(|| stats.measuring.load(Ordering::Relaxed));
+                    if timing && now == 0 {
+                        now = now_micros();
+                    }
+                    let mut timed = 0;
+                    let n = batched(payload, |t| {
+                        if timing {
+                            latencies.push(now.saturating_sub(t));
+                            timed += 1;
+                        }
+                    });
+                    count += n;
+                    if timing {
+                        untimed += n.saturating_sub(timed);
+                    }
+                }
                 OP_TEXT => {
                     let data = match transport {
-                        Transport::Ws => true,
+                        Transport::Ws | Transport::WsBatch => true,
                         Transport::Socketio => {
                             if payload == b"2" {
                                 replies.push((OP_TEXT, b"3".to_vec()));

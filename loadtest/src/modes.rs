@@ -252,6 +252,16 @@ async fn fanout_step(global: &Global, setup: &Setup, plan: &FleetPlan, live: &Ar
     row.put("delivered_msg_s", delivered);
     row.put("server_out_msg_s", (out(&b) - out(&a)) / secs);
     row.put("conflated", b.metrics.sum("hubcast_conflated_total") - a.metrics.sum("hubcast_conflated_total"));
+    // How hubcast's writers packed what they sent: WebSocket frames per socket write, and
+    // envelopes per frame (above 1 only for batched clients; pings count as frames too).
+    let delta = |name: &str| b.metrics.sum(name) - a.metrics.sum(name);
+    let (writes, frames) = (delta("hubcast_socket_writes_total"), delta("hubcast_socket_frames_written_total"));
+    row.put("frames_per_write", if writes > 0.0 { frames / writes } else { 0.0 });
+    row.put("msgs_per_frame", if frames > 0.0 { (out(&b) - out(&a)) / frames } else { 0.0 });
+    // The client side's cost: harness CPU time per message it received.
+    if let Some(cpu) = row.get("harness_cpu").and_then(|v| v.as_f64()) {
+        row.put("harness_us_per_msg", if delivered > 0.0 { cpu * 1e6 / delivered } else { 0.0 });
+    }
     let ms = |us: u64| us as f64 / 1000.0;
     row.put("p50_ms", ms(latency.quantile(0.50)));
     row.put("p99_ms", ms(latency.quantile(0.99)));
@@ -505,6 +515,8 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
     let ws_half = fanout(&g, &fan(Transport::Ws, vec![half_rate])).await?;
     eprintln!("hubcast-load all: fan-out over Socket.IO");
     let sio = fanout(&g, &fan(Transport::Socketio, ramp.clone())).await?;
+    eprintln!("hubcast-load all: fan-out over WebSocket with batched frames (/ws?batch=1)");
+    let ws_batch = fanout(&g, &fan(Transport::WsBatch, ramp.clone())).await?;
     eprintln!("hubcast-load all: fan-out over WebSocket, 1 core");
     let ws1 = fanout(&with_cores(1), &fan(Transport::Ws, ramp.clone())).await?;
     eprintln!("hubcast-load all: REST");
@@ -529,6 +541,16 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
     line(&format!("fan-out delivered msg/s (ws, {cores} cores)"), fan2, ">= 1,000,000", Some(fan2 >= 1_000_000.0));
     let sio_best = best_step(&sio).0;
     line(&format!("fan-out delivered msg/s (socket.io, {cores} cores)"), sio_best, "-", None);
+    let batch_best = best_step(&ws_batch).0;
+    line(&format!("fan-out delivered msg/s (ws-batch, {cores} cores)"), batch_best, "-", None);
+    // The client's cost per message at each ramp's best step: batched frames vs one per frame.
+    for (name, r) in [("ws", &ws), ("ws-batch", &ws_batch)] {
+        let us = best_row(r)
+            .and_then(|row| row.iter().find(|(k, _)| k == "harness_us_per_msg"))
+            .and_then(|(_, v)| v.as_f64())
+            .unwrap_or(0.0);
+        line(&format!("harness CPU µs per delivered msg ({name})"), us, "-", None);
+    }
     let p99 = ws_half.last("p99_ms").unwrap_or(f64::NAN);
     line("p99 latency ms at half saturation", p99, "<= 5", Some(p99 <= 5.0));
     let fan1 = best_step(&ws1).0;
@@ -543,8 +565,15 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
     let at50k = idle_r.last("rss_at_50k_mb").unwrap_or(0.0);
     line("RSS MB extrapolated to 50,000", at50k, "<= 1,024", Some(at50k <= 1024.0));
 
-    out.extend([ws, ws_half, sio, ws1, rest_r, idle_r, summary]);
+    out.extend([ws, ws_half, sio, ws_batch, ws1, rest_r, idle_r, summary]);
     Ok(out)
+}
+
+/// The step of a ramp that delivered the most.
+fn best_row(r: &Results) -> Option<&[(String, serde_json::Value)]> {
+    let get = |row: &[(String, serde_json::Value)], k: &str| row.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.as_f64());
+    let delivered = |row: &[(String, serde_json::Value)]| get(row, "delivered_msg_s").unwrap_or(0.0);
+    r.rows.iter().map(Vec::as_slice).max_by(|a, b| delivered(a).total_cmp(&delivered(b)))
 }
 
 /// (largest delivered msg/s of a ramp, the ingest rate of that step).

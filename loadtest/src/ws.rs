@@ -24,6 +24,11 @@ pub const OP_PONG: u8 = 0xA;
 pub enum Transport {
     /// Plain WebSocket at `/ws?sessionId=…`: one text frame per envelope.
     Ws,
+    /// Plain WebSocket with batched frames, `/ws?sessionId=…&batch=1`: each text frame is a
+    /// JSON array of the envelopes hubcast had queued for the socket when it wrote.
+    #[value(name = "ws-batch")]
+    #[serde(rename = "ws-batch")]
+    WsBatch,
     /// Socket.IO v4 over WebSocket at `/socket.io/?EIO=4&transport=websocket&sessionId=…`.
     Socketio,
 }
@@ -32,6 +37,7 @@ impl Transport {
     pub fn path(self, session: &str) -> String {
         match self {
             Transport::Ws => format!("/ws?sessionId={session}"),
+            Transport::WsBatch => format!("/ws?sessionId={session}&batch=1"),
             Transport::Socketio => format!("/socket.io/?EIO=4&transport=websocket&sessionId={session}"),
         }
     }
@@ -39,6 +45,7 @@ impl Transport {
     pub fn name(self) -> &'static str {
         match self {
             Transport::Ws => "ws",
+            Transport::WsBatch => "ws-batch",
             Transport::Socketio => "socketio",
         }
     }
@@ -246,10 +253,27 @@ impl WsClient {
     }
 }
 
+const SENT_AT: &[u8] = b"\"sentAt\":";
+
 /// The `sentAt` number (µs) in a message, if any.
 pub fn sent_at(payload: &[u8]) -> Option<u64> {
-    const KEY: &[u8] = b"\"sentAt\":";
-    let at = memchr::memmem::find(payload, KEY)? + KEY.len();
+    let at = memchr::memmem::find(payload, SENT_AT)? + SENT_AT.len();
+    number_at(payload, at)
+}
+
+/// A batched frame (`[env1,env2,…]`): how many envelopes it holds (each begins with
+/// `{"deviceId":`, which the fleet's telemetry never contains) and each `sentAt` in it.
+pub fn batched(payload: &[u8], mut sent: impl FnMut(u64)) -> u64 {
+    for at in memchr::memmem::find_iter(payload, SENT_AT) {
+        if let Some(t) = number_at(payload, at + SENT_AT.len()) {
+            sent(t);
+        }
+    }
+    memchr::memmem::find_iter(payload, b"{\"deviceId\":").count() as u64
+}
+
+/// The unsigned integer at `at` (spaces before it skipped), if any.
+fn number_at(payload: &[u8], at: usize) -> Option<u64> {
     let mut v: u64 = 0;
     let mut digits = 0;
     for &b in payload[at..].iter().skip_while(|b| **b == b' ') {
@@ -290,5 +314,13 @@ mod tests {
         let m = br#"42["data",{"deviceId":"d","timestamp":"x","telemetry":{"sentAt":1732300000123456,"seq":3}}]"#;
         assert_eq!(sent_at(m), Some(1_732_300_000_123_456));
         assert_eq!(sent_at(b"{\"telemetry\":{\"t\":1}}"), None);
+    }
+
+    #[test]
+    fn a_batched_frame_gives_its_envelope_count_and_every_sent_at() {
+        let m = br#"[{"deviceId":"a","timestamp":"x","telemetry":{"sentAt":5,"seq":1}},{"deviceId":"b","timestamp":"x","telemetry":{"t":1}},{"deviceId":"c","timestamp":"x","telemetry":{"sentAt": 7}}]"#;
+        let mut sent = Vec::new();
+        assert_eq!(batched(m, |t| sent.push(t)), 3);
+        assert_eq!(sent, [5, 7]);
     }
 }

@@ -1,5 +1,5 @@
 //! Smoke run of the harness, so that it cannot rot: `hubcast-load all` at a tiny scale
-//! against the real hubcast binary of this workspace (both fleets, both socket transports,
+//! against the real hubcast binary of this workspace (both fleets, every socket transport,
 //! REST, idle sockets), checking that every part measured something and nothing failed.
 //!
 //! The hubcast binary is the one cargo built next to this test (`target/<profile>/hubcast`);
@@ -71,6 +71,12 @@ fn the_whole_suite_runs_at_a_tiny_scale_and_measures_every_part() {
             assert_eq!(row["socket_closes"], 0, "{row}");
             assert_eq!(row["fleet_errors"], 0, "{row}");
         }
+    }
+    let batched = rows(&doc, "fanout (ws-batch");
+    assert!(!batched.is_empty(), "the batched-frame client ran");
+    for row in rows(&doc, "fanout (") {
+        assert!(row["frames_per_write"].as_f64().unwrap() >= 1.0, "writes are counted: {row}");
+        assert!(row["msgs_per_frame"].as_f64().unwrap() > 0.0, "{row}");
     }
     for row in rows(&doc, "rest") {
         assert!(row["req_s"].as_f64().unwrap() > 0.0, "{row}");
