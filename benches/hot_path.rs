@@ -85,10 +85,11 @@ fn fan_out(c: &mut Criterion) {
         for s in 0..subscribers {
             let session = SessionId(s as u128 + 1);
             let grant = Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None };
-            t.apply(DeviceOp::Grant { device: "d".into(), session, grant });
+            t.apply(hubcast::shard::ask(|done| DeviceOp::Grant { device: "d".into(), session, grant, done }).0);
             // Half subscribe to every key, half to one key: both paths of the decision.
             let key = (s % 2 == 1).then(|| "temperature".into());
-            t.apply(DeviceOp::Subscribe { device: "d".into(), session, sub: Subscription { kind: DataKind::Telemetry, key } });
+            let sub = Subscription { kind: DataKind::Telemetry, key };
+            t.apply(hubcast::shard::ask(|permitted| DeviceOp::Subscribe { device: "d".into(), session, sub, permitted }).0);
         }
         g.throughput(Throughput::Elements(subscribers));
         g.bench_function(format!("decide_per_message_{subscribers}_subscribers"), |b| {

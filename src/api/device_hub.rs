@@ -10,12 +10,12 @@ use std::rc::Rc;
 
 use serde_json::{json, Map, Value};
 
-use super::auth::{admin_key_matches, no_such_session, parse_session};
+use super::auth::{admin_key_matches, parse_session};
 use crate::http::{Request, Response};
 use crate::model::{as_object, device_id, optional_key, Checked, Grant, GrantKind, Rejection};
 use crate::hub::{method_budget, HubCall, HubClient};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+use crate::shard::{ask, DeviceOp, Viewer};
 
 /// IoT Hub's limit on a direct method payload (request and response): 128 KB.
 pub const MAX_METHOD_PAYLOAD_BYTES: usize = 128 * 1024;
@@ -97,11 +97,10 @@ async fn authorize(core: &Rc<Core>, req: &Request, device: &str, grant: Grant) -
         .header("sessionid")
         .ok_or_else(|| Rejection::new(401, "Provide either a Shared-Access-Key or a sessionId header"))?;
     let session = parse_session(raw)?;
-    let op = DeviceOp::CheckGrant { device: device.into(), session, grant };
-    match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: false, ops: vec![op] }).await? {
-        Some(SessionReply::Scoped(Some(replies))) if replies.first() == Some(&DeviceReply::Permitted(true)) => Ok(()),
-        Some(SessionReply::Scoped(Some(_))) => Err(Rejection::new(403, "Forbidden: missing grant")),
-        _ => Err(no_such_session()),
+    let asked = ask(|permitted| DeviceOp::CheckGrant { device: device.into(), session, grant, permitted });
+    match super::on_device(core, Viewer::Session(session), asked).await? {
+        true => Ok(()),
+        false => Err(Rejection::new(403, "Forbidden: missing grant")),
     }
 }
 
@@ -144,9 +143,9 @@ pub async fn desired_properties(core: &Rc<Core>, req: &Request) -> Checked<Respo
     let answer = hub.call(HubCall::PatchDesired { device: device.clone(), patch }, hub.timeout()).await?;
     // The hub answers with the whole updated twin: keep it (cached, or as the base of pushes).
     if answer.body.is_object() {
-        let target = core.device_core(&device);
-        let op = DeviceOp::StoreHubTwin { device: device.into_boxed_str(), doc: answer.body.clone() };
-        core.device_ops(target, vec![op]).await;
+        let (op, _served) = ask(|reply| DeviceOp::StoreHubTwin { device: device.into_boxed_str(), doc: answer.body.clone(), reply });
+        let target = core.device_core(op.device());
+        core.device_ops(target, vec![op]);
     }
     let body = json!({ "status": answer.status, "payload": answer.body });
     Ok(Response::json(200, body.to_string()))

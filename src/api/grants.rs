@@ -2,11 +2,11 @@
 
 use std::rc::Rc;
 
-use super::auth::{no_such_session, parse_session, require_admin};
+use super::auth::{parse_session, require_admin};
 use crate::http::{Request, Response};
 use crate::model::{Checked, GrantRequest, Rejection};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, SessionOp, SessionReply};
+use crate::shard::{ask, DeviceOp};
 
 pub async fn change(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response> {
     require_admin(&core.settings, req)?;
@@ -18,13 +18,14 @@ pub async fn change(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Respon
     }
     let session = parse_session(&request.session)?;
     let device = request.device.into_boxed_str();
-    let op = if add {
-        DeviceOp::Grant { device, session, grant: request.grant }
+    let grant = request.grant;
+    let (op, done) = if add {
+        ask(|done| DeviceOp::Grant { device, session, grant, done })
     } else {
-        DeviceOp::Revoke { device, session, grant: request.grant }
+        ask(|done| DeviceOp::Revoke { device, session, grant, done })
     };
-    match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: add, ops: vec![op] }).await? {
-        Some(SessionReply::Scoped(Some(_))) => Ok(Response::no_content()),
-        _ => Err(no_such_session()),
-    }
+    super::scoped(core, session, add, vec![op]).await?;
+    // Answered once the change is in force on the device's core.
+    done.await.map_err(|_| super::stopping())?;
+    Ok(Response::no_content())
 }

@@ -10,44 +10,35 @@
 
 use std::rc::Rc;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use super::auth::{no_such_session, viewer};
-use super::path_device;
+use super::auth::viewer;
+use super::{on_device, path_device};
+use crate::cluster::ReadKind;
 use crate::config::MAX_KEY_LEN;
 use crate::http::{Request, Response};
 use crate::hub::HubCall;
 use crate::model::{Checked, Rejection};
+use crate::push::record;
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply, TwinCacheTtl, Viewer};
+use crate::shard::{ask, Denial, DeviceOp, TwinCacheTtl, Viewer};
 use crate::timefmt::{iso, now_millis};
 
-/// Runs a read on the device's core, through the session's core when a session is reading.
-async fn read(core: &Rc<Core>, viewer: Viewer, op: DeviceOp) -> Checked<String> {
-    match run(core, viewer, op).await? {
-        DeviceReply::Body(body) => body,
-        _ => Err(Rejection::new(503, "the core owning this device did not answer")),
+const NO_TELEMETRY: &str = "No last telemetry found";
+const NO_TWIN: &str = "No last devicetwin found";
+const NO_CONNECTION: &str = "No device found";
+
+/// A refused read as an HTTP error: 403 naming what was read, or 404 with `not_found`.
+fn refused(denial: Denial, what: &str, not_found: &str) -> Rejection {
+    match denial {
+        Denial::Forbidden => Rejection::new(403, format!("Forbidden to read {what}: missing grant")),
+        Denial::NotFound => Rejection::new(404, not_found),
     }
 }
 
-/// Like [`read`], for the reads that may answer [`DeviceReply::Miss`].
-async fn run(core: &Rc<Core>, viewer: Viewer, op: DeviceOp) -> Checked<DeviceReply> {
-    let reply = match viewer {
-        Viewer::Admin => {
-            let target = core.device_core(op.device());
-            core.device_ops(target, vec![op]).await.pop()
-        }
-        Viewer::Session(session) => {
-            match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: false, ops: vec![op] }).await? {
-                Some(SessionReply::Scoped(Some(mut replies))) => replies.pop(),
-                _ => return Err(no_such_session()),
-            }
-        }
-    };
-    match reply {
-        Some(reply @ (DeviceReply::Body(_) | DeviceReply::Miss)) => Ok(reply),
-        _ => Err(Rejection::new(503, "the core owning this device did not answer")),
-    }
+/// What nothing here answered: with several instances, the freshest holder elsewhere.
+async fn elsewhere(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind, what: &str, not_found: &str) -> Checked<String> {
+    crate::cluster::read_elsewhere(core, viewer, device, kind).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))
 }
 
 /// A hub 404 (unknown device) becomes our 404 with `message`; other hub errors pass unchanged.
@@ -55,80 +46,97 @@ fn hub_not_found(message: &str) -> impl Fn(Rejection) -> Rejection + '_ {
     move |r| if r.status == 404 { Rejection::new(404, format!("{message} ({})", r.message)) } else { r }
 }
 
-fn record(device: &str, data: &Value) -> String {
-    json!({ "deviceId": device, "data": data, "timestamp": iso(now_millis()) }).to_string()
+/// A hub answer served as it is, timestamped now.
+fn hub_record(device: &str, data: &Value) -> String {
+    record::record(device, &data.to_string(), &iso(now_millis()))
 }
 
 pub async fn read_telemetry(core: &Rc<Core>, req: &Request, device: &str, key: Option<&str>) -> Checked<Response> {
-    let viewer = viewer(&core.settings, req, "last value of device")?;
+    const WHAT: &str = "last value of device";
+    let viewer = viewer(&core.settings, req, WHAT)?;
     let device: Box<str> = path_device(device)?.into();
     if key.is_some_and(|k| k.len() > MAX_KEY_LEN) {
         return Err(Rejection::bad_request(format!("telemetryKey is longer than {MAX_KEY_LEN} bytes")));
     }
-    let kind = crate::cluster::ReadKind::Telemetry(key.map(Into::into));
-    let local = read(core, viewer, DeviceOp::ReadTelemetry { device: device.clone(), key: key.map(Into::into), viewer }).await;
-    let body = crate::cluster::or_elsewhere(core, local, viewer, &device, kind).await?;
+    let key: Option<Box<str>> = key.map(Into::into);
+    let asked = ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key: key.clone(), viewer, reply });
+    let body = match on_device(core, viewer, asked).await? {
+        Ok(view) => record::telemetry(&device, &view),
+        Err(Denial::NotFound) => elsewhere(core, viewer, &device, ReadKind::Telemetry(key), WHAT, NO_TELEMETRY).await?,
+        Err(denial) => return Err(refused(denial, WHAT, NO_TELEMETRY)),
+    };
     Ok(Response::json(200, body))
 }
 
 pub async fn delete_telemetry(core: &Rc<Core>, req: &Request, device: &str) -> Checked<Response> {
-    let viewer = viewer(&core.settings, req, "last value of device")?;
-    let device = path_device(device)?.into();
-    read(core, viewer, DeviceOp::DeleteTelemetry { device, viewer }).await?;
+    const WHAT: &str = "last value of device";
+    let viewer = viewer(&core.settings, req, WHAT)?;
+    let device: Box<str> = path_device(device)?.into();
+    on_device(core, viewer, ask(|reply| DeviceOp::DeleteTelemetry { device, viewer, reply }))
+        .await?
+        .map_err(|denial| refused(denial, WHAT, NO_TELEMETRY))?;
     Ok(Response::no_content())
 }
 
 pub async fn read_twin(core: &Rc<Core>, req: &Request, device: &str) -> Checked<Response> {
-    let viewer = viewer(&core.settings, req, "device twin")?;
+    const WHAT: &str = "device twin";
+    let viewer = viewer(&core.settings, req, WHAT)?;
     let device: Box<str> = path_device(device)?.into();
     let Some(hub) = core.shared.hub.as_ref() else {
         // No IoT Hub: the twin known from twin change events (here or on another instance).
-        let local = read(core, viewer, DeviceOp::ReadTwin { device: device.clone(), viewer }).await;
-        let body = crate::cluster::or_elsewhere(core, local, viewer, &device, crate::cluster::ReadKind::Twin).await?;
+        let asked = ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
+        let body = match on_device(core, viewer, asked).await? {
+            Ok(view) => record::twin(&device, &view),
+            Err(Denial::NotFound) => elsewhere(core, viewer, &device, ReadKind::Twin, WHAT, NO_TWIN).await?,
+            Err(denial) => return Err(refused(denial, WHAT, NO_TWIN)),
+        };
         return Ok(Response::json(200, body));
     };
     let ttl = core.settings.twin_cache_ttl();
     // The cache (and, for a session, the grant) lives on the device's core; the admin key
     // without a cache has nothing to look up there.
     if ttl != TwinCacheTtl::Off || viewer != Viewer::Admin {
-        if let DeviceReply::Body(body) = run(core, viewer, DeviceOp::ReadHubTwin { device: device.clone(), viewer, ttl }).await? {
-            return Ok(Response::json(200, body?));
+        let asked = ask(|reply| DeviceOp::ReadHubTwin { device: device.clone(), viewer, ttl, reply });
+        if let Some(view) = on_device(core, viewer, asked).await?.map_err(|denial| refused(denial, WHAT, NO_TWIN))? {
+            return Ok(Response::json(200, record::twin(&device, &view)));
         }
     }
     let answer = hub
         .call(HubCall::GetTwin { device: device.to_string() }, hub.timeout())
         .await
-        .map_err(hub_not_found("No last devicetwin found"))?;
+        .map_err(hub_not_found(NO_TWIN))?;
     // Without a cache, a session's read is still kept on the device's core, as the whole twin
     // that later changes are merged into for pushes (the admin key subscribes to nothing).
     if (ttl == TwinCacheTtl::Off && viewer == Viewer::Admin) || !answer.body.is_object() {
-        return Ok(Response::json(200, record(&device, &answer.body)));
+        return Ok(Response::json(200, hub_record(&device, &answer.body)));
     }
-    let target = core.device_core(&device);
-    match core.device_ops(target, vec![DeviceOp::StoreHubTwin { device: device.clone(), doc: answer.body }]).await.pop() {
-        Some(DeviceReply::Body(body)) => Ok(Response::json(200, body?)),
-        _ => Err(Rejection::new(503, "the core owning this device did not answer")),
-    }
+    let asked = ask(|reply| DeviceOp::StoreHubTwin { device: device.clone(), doc: answer.body, reply });
+    let view = core.ask_device(asked).await.ok_or_else(super::stopping)?;
+    Ok(Response::json(200, record::twin(&device, &view)))
 }
 
 pub async fn read_connection_state(core: &Rc<Core>, req: &Request, device: &str) -> Checked<Response> {
-    let viewer = viewer(&core.settings, req, "connection state")?;
+    const WHAT: &str = "connection state";
+    let viewer = viewer(&core.settings, req, WHAT)?;
     let device: Box<str> = path_device(device)?.into();
+    let asked = ask(|reply| DeviceOp::ReadConnectionState { device: device.clone(), viewer, reply });
+    let cached = on_device(core, viewer, asked).await?;
     // With customConnectionStateKey the hub is not consulted (ux4iot 4.1.0).
     let hub = core.shared.hub.as_ref().filter(|_| core.settings.config.custom_connection_state_key.is_empty());
-    let Some(hub) = hub else {
-        let local = read(core, viewer, DeviceOp::ReadConnectionState { device: device.clone(), viewer }).await;
-        let kind = crate::cluster::ReadKind::ConnectionState;
-        return Ok(Response::json(200, crate::cluster::or_elsewhere(core, local, viewer, &device, kind).await?));
+    let hub = match (cached, hub) {
+        (Ok(view), _) => return Ok(Response::json(200, record::connection(&device, &view))),
+        (Err(Denial::NotFound), Some(hub)) => hub,
+        (Err(Denial::NotFound), None) => {
+            let body = elsewhere(core, viewer, &device, ReadKind::ConnectionState, WHAT, NO_CONNECTION).await?;
+            return Ok(Response::json(200, body));
+        }
+        (Err(denial), _) => return Err(refused(denial, WHAT, NO_CONNECTION)),
     };
-    if let DeviceReply::Body(body) = run(core, viewer, DeviceOp::ReadConnectionStateOrMiss { device: device.clone(), viewer }).await? {
-        return Ok(Response::json(200, body?));
-    }
     // Nothing cached: the hub's view (not cached: the event stream stays the source of the cache).
     let answer = hub
         .call(HubCall::GetTwin { device: device.to_string() }, hub.timeout())
         .await
-        .map_err(hub_not_found("No device found"))?;
+        .map_err(hub_not_found(NO_CONNECTION))?;
     let connected = match answer.body.get("connectionState").and_then(Value::as_str) {
         Some(state) if state.eq_ignore_ascii_case("Connected") => true,
         Some(state) if state.eq_ignore_ascii_case("Disconnected") => false,
@@ -136,5 +144,5 @@ pub async fn read_connection_state(core: &Rc<Core>, req: &Request, device: &str)
             return Err(Rejection::new(502, format!("IoT Hub twin has no usable connectionState ({other:?})")));
         }
     };
-    Ok(Response::json(200, record(&device, &Value::Bool(connected))))
+    Ok(Response::json(200, hub_record(&device, &Value::Bool(connected))))
 }

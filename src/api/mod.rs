@@ -131,6 +131,38 @@ fn preflight() -> Response {
         .with_header("access-control-max-age", "86400")
 }
 
+/// Runs one device operation for `viewer` and waits for its typed answer: with the admin key
+/// on the device's core at once; for a session through the session's core (404 when there is
+/// no such session; with several instances the session is loaded from Redis first).
+pub(crate) async fn on_device<T>(
+    core: &Rc<Core>,
+    viewer: crate::shard::Viewer,
+    (op, answer): (crate::shard::DeviceOp, futures_channel::oneshot::Receiver<T>),
+) -> Checked<T> {
+    match viewer {
+        crate::shard::Viewer::Admin => core.ask_device((op, answer)).await.ok_or_else(stopping),
+        crate::shard::Viewer::Session(session) => {
+            scoped(core, session, false, vec![op]).await?;
+            answer.await.map_err(|_| stopping())
+        }
+    }
+}
+
+/// Sends `ops` through the session's core (which keeps the session alive, and with
+/// `register_devices` remembers their devices); 404 when there is no such session.
+pub(crate) async fn scoped(core: &Rc<Core>, session: crate::ids::SessionId, register_devices: bool, ops: Vec<crate::shard::DeviceOp>) -> Checked<()> {
+    let op = crate::shard::SessionOp::Scoped { session, register_devices, ops };
+    match crate::cluster::session_op(core, session, op).await? {
+        Some(crate::shard::SessionReply::Scoped(true)) => Ok(()),
+        _ => Err(auth::no_such_session()),
+    }
+}
+
+/// A device operation that was never answered: its core stopped (a graceful shutdown).
+pub(crate) fn stopping() -> crate::model::Rejection {
+    crate::model::Rejection::new(503, "shutting down: try again (another node)")
+}
+
 pub async fn handle(core: &Rc<Core>, req: Request) -> Response {
     let started = std::time::Instant::now();
     let (label, response) = route_and_run(core, req).await;

@@ -9,34 +9,40 @@ use std::rc::Rc;
 
 use serde_json::Value;
 
-use super::auth::{no_such_session, parse_session};
+use super::auth::parse_session;
+use futures_channel::oneshot::Receiver;
 use crate::http::{Request, Response};
 use crate::ids::SessionId;
 use crate::model::{Checked, Rejection, SubscriptionRequest};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+use crate::shard::{ask, DeviceOp};
 
-fn op(session: SessionId, r: SubscriptionRequest, add: bool) -> DeviceOp {
+fn op(session: SessionId, r: SubscriptionRequest, add: bool) -> (DeviceOp, Receiver<bool>) {
     let device = r.device.into_boxed_str();
+    let sub = r.subscription;
     if add {
-        DeviceOp::Subscribe { device, session, sub: r.subscription }
+        ask(|permitted| DeviceOp::Subscribe { device, session, sub, permitted })
     } else {
-        DeviceOp::Unsubscribe { device, session, sub: r.subscription }
+        ask(|permitted| DeviceOp::Unsubscribe { device, session, sub, permitted })
     }
 }
 
-async fn run(core: &Rc<Core>, session: SessionId, ops: Vec<DeviceOp>) -> Checked<Vec<DeviceReply>> {
-    match crate::cluster::session_op(core, session, SessionOp::Scoped { session, register_devices: false, ops }).await? {
-        Some(SessionReply::Scoped(Some(replies))) => Ok(replies),
-        _ => Err(no_such_session()),
+/// Runs the session's subscription changes; whether each was permitted, in order.
+async fn run(core: &Rc<Core>, session: SessionId, asked: Vec<(DeviceOp, Receiver<bool>)>) -> Checked<Vec<bool>> {
+    let (ops, answers): (Vec<DeviceOp>, Vec<Receiver<bool>>) = asked.into_iter().unzip();
+    super::scoped(core, session, false, ops).await?;
+    let mut permitted = Vec::with_capacity(answers.len());
+    for answer in answers {
+        permitted.push(answer.await.map_err(|_| super::stopping())?);
     }
+    Ok(permitted)
 }
 
 pub async fn single(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response> {
     let request = SubscriptionRequest::parse(&req.json()?, req.header("sessionid"))?;
     let session = parse_session(&request.session)?;
     match run(core, session, vec![op(session, request, add)]).await?.first() {
-        Some(DeviceReply::Permitted(true)) => Ok(Response::no_content()),
+        Some(true) => Ok(Response::no_content()),
         _ => Err(Rejection::new(403, "subscription request not granted")),
     }
 }
@@ -81,10 +87,9 @@ pub async fn bulk(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response
     }
     let mut applied = vec![false; elements.len()];
     for (session, members) in groups {
-        let (positions, ops): (Vec<usize>, Vec<DeviceOp>) =
-            members.into_iter().map(|(i, r)| (i, op(session, r, add))).unzip();
-        for (i, reply) in positions.into_iter().zip(run(core, session, ops).await?) {
-            applied[i] = reply == DeviceReply::Permitted(true);
+        let (positions, asked): (Vec<usize>, Vec<_>) = members.into_iter().map(|(i, r)| (i, op(session, r, add))).unzip();
+        for (i, permitted) in positions.into_iter().zip(run(core, session, asked).await?) {
+            applied[i] = permitted;
         }
     }
     let echoed: Vec<Value> = elements.into_iter().zip(applied).filter(|(_, ok)| *ok).map(|(e, _)| e).collect();

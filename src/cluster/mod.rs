@@ -42,7 +42,8 @@ use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
 use crate::runtime::relay::{CorePlugin, Relay};
 use crate::runtime::Core;
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply, Viewer};
+use crate::push::record;
+use crate::shard::{ask, DeviceOp, SessionOp, SessionReply, Viewer};
 pub use wire::ReadKind;
 pub use wire::SharedOp;
 
@@ -386,17 +387,24 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 let _ = reply.send(core.applied.borrow().iter().map(|(k, v)| (k.clone(), *v)).collect());
             }
             Inbound::Read { device, kind, reply } => {
+                // On this, the device's core: read as the admin, rendered as one node would.
                 let newest = core.devices.borrow().newest(&device);
-                let op = match kind {
-                    wire::ReadKind::Telemetry(key) => DeviceOp::ReadTelemetry { device, key, viewer: Viewer::Admin },
-                    wire::ReadKind::Twin => DeviceOp::ReadTwin { device, viewer: Viewer::Admin },
-                    wire::ReadKind::ConnectionState => DeviceOp::ReadConnectionState { device, viewer: Viewer::Admin },
+                let viewer = Viewer::Admin;
+                let body = match kind {
+                    wire::ReadKind::Telemetry(key) => {
+                        let asked = ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key, viewer, reply });
+                        core.ask_device(asked).await.and_then(Result::ok).map(|v| record::telemetry(&device, &v))
+                    }
+                    wire::ReadKind::Twin => {
+                        let asked = ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
+                        core.ask_device(asked).await.and_then(Result::ok).map(|v| record::twin(&device, &v))
+                    }
+                    wire::ReadKind::ConnectionState => {
+                        let asked = ask(|reply| DeviceOp::ReadConnectionState { device: device.clone(), viewer, reply });
+                        core.ask_device(asked).await.and_then(Result::ok).map(|v| record::connection(&device, &v))
+                    }
                 };
-                let found = match (newest, core.device_ops(core.index, vec![op]).await.pop()) {
-                    (Some(newest), Some(DeviceReply::Body(Ok(body)))) => Some((newest, body)),
-                    _ => None,
-                };
-                let _ = reply.send(found);
+                let _ = reply.send(newest.zip(body));
             }
             Inbound::RemoteWatch(changes) => {
                 // Counted here, once the core publishes accordingly (the metric tests wait on).
@@ -429,8 +437,12 @@ async fn apply_remote(core: &Rc<Core>, op: SharedOp) {
             }
         }
         SharedOp::Access { session, device, access } => {
-            let ops = vec![DeviceOp::SetAccess { device, session, access }];
-            core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
+            // Waits until it is in force (the link's ordering barrier); a session this
+            // instance holds no copy of drops it unanswered.
+            let (op, done) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
+            if let Some(SessionReply::Scoped(true)) = core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops: vec![op] }).await {
+                let _ = done.await;
+            }
         }
     }
 }
@@ -459,7 +471,7 @@ pub fn of(core: &Core) -> Option<&Arc<Cluster>> {
 /// check answers).
 pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool> {
     let Some(cluster) = of(core) else { return Ok(true) };
-    if let Some(SessionReply::Scoped(Some(_))) =
+    if let Some(SessionReply::Scoped(true)) =
         core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops: Vec::new() }).await
     {
         return Ok(true);
@@ -472,15 +484,20 @@ pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool
         // Created meanwhile by a concurrent request: fill it all the same (idempotent).
         _ => {}
     }
-    let ops: Vec<DeviceOp> = accesses
+    let (ops, done): (Vec<DeviceOp>, Vec<_>) = accesses
         .into_iter()
         .filter_map(|op| match op {
-            SharedOp::Access { session, device, access } => Some(DeviceOp::SetAccess { device, session, access }),
+            SharedOp::Access { session, device, access } => {
+                Some(ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) }))
+            }
             _ => None,
         })
-        .collect();
+        .unzip();
     if !ops.is_empty() {
         core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
+        for done in done {
+            let _ = done.await;
+        }
     }
     tracing::debug!(session = %session, "session loaded from Redis");
     Ok(true)
@@ -516,26 +533,31 @@ pub async fn session_op(core: &Rc<Core>, session: SessionId, op: SessionOp) -> C
         }
         SessionOp::Scoped { session, register_devices, ops } => {
             if !ensure_session(core, session).await? {
-                return Ok(Some(SessionReply::Scoped(None)));
+                return Ok(Some(SessionReply::Scoped(false)));
             }
-            // Changes are followed by a read of the access they leave, which is replicated.
+            // A change is followed by a read of the access it leaves (same core, in order),
+            // which is written to Redis and published before the caller is answered.
             let changed: Vec<Box<str>> = ops
                 .iter()
                 .filter(|op| matches!(op, DeviceOp::Grant { .. } | DeviceOp::Revoke { .. } | DeviceOp::Subscribe { .. } | DeviceOp::Unsubscribe { .. }))
                 .map(|op| op.device().into())
                 .collect();
-            let asked = ops.len();
             let mut ops = ops;
-            ops.extend(changed.iter().map(|device| DeviceOp::ReadAccess { device: device.clone(), session }));
-            let reply = core.session_op(session, SessionOp::Scoped { session, register_devices, ops }).await;
-            let Some(SessionReply::Scoped(Some(mut replies))) = reply else { return Ok(reply) };
-            let reads = replies.split_off(asked.min(replies.len()));
-            for (device, read) in changed.into_iter().zip(reads) {
-                if let DeviceReply::Access(access) = read {
-                    cluster.save(SharedOp::Access { session, device, access }).await?;
-                }
+            let mut reads = Vec::with_capacity(changed.len());
+            for device in changed {
+                let (op, read) = ask(|reply| DeviceOp::ReadAccess { device: device.clone(), session, reply });
+                ops.push(op);
+                reads.push((device, read));
             }
-            Ok(Some(SessionReply::Scoped(Some(replies))))
+            let reply = core.session_op(session, SessionOp::Scoped { session, register_devices, ops }).await;
+            if !matches!(reply, Some(SessionReply::Scoped(true))) {
+                return Ok(reply);
+            }
+            for (device, read) in reads {
+                let Ok(access) = read.await else { continue };
+                cluster.save(SharedOp::Access { session, device, access }).await?;
+            }
+            Ok(reply)
         }
         other => Ok(core.session_op(session, other).await),
     }
@@ -544,29 +566,25 @@ pub async fn session_op(core: &Rc<Core>, session: SessionId, op: SessionOp) -> C
 /// A read that found nothing here (404): with Redis, the instances that hold the device are
 /// asked (the freshest answer wins), so reads answer the same on every instance. The grant
 /// was checked here; an all-keys telemetry read keeps only the keys the session's grants
-/// cover. Without Redis, or when no instance holds the device, the local answer stands.
-pub async fn or_elsewhere(core: &Rc<Core>, local: Checked<String>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<String> {
-    let Some(cluster) = of(core) else { return local };
-    match &local {
-        Err(r) if r.status == 404 => {}
-        _ => return local,
-    }
+/// cover. `None` without Redis, or when no instance holds the device.
+pub async fn read_elsewhere(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<Option<String>> {
+    let Some(cluster) = of(core) else { return Ok(None) };
     let found = cluster.call(|reply| Command::Read { device: device.into(), kind: kind.clone(), reply }).await.map_err(unavailable)?;
-    let Some(body) = found else { return local };
+    let Some(body) = found else { return Ok(None) };
     match (viewer, kind) {
         (Viewer::Session(session), ReadKind::Telemetry(None)) => {
-            let target = core.device_core(device);
-            let reply = core.device_ops(target, vec![DeviceOp::ReadAccess { device: device.into(), session }]).await.pop();
-            let Some(DeviceReply::Access(Some((grants, _)))) = reply else { return local };
-            let mut record: serde_json::Value = serde_json::from_str(&body).map_err(|_| Rejection::new(502, "an instance answered a read with invalid JSON"))?;
+            let asked = ask(|reply| DeviceOp::ReadAccess { device: device.into(), session, reply });
+            let Some(Some((grants, _))) = core.ask_device(asked).await else { return Ok(None) };
+            let mut record: serde_json::Value =
+                serde_json::from_str(&body).map_err(|_| Rejection::new(502, "an instance answered a read with invalid JSON"))?;
             if let Some(data) = record.get_mut("data").and_then(serde_json::Value::as_object_mut) {
                 data.retain(|k, _| grants.telemetry.contains_key(k));
                 if data.is_empty() {
-                    return local;
+                    return Ok(None);
                 }
             }
-            Ok(record.to_string())
+            Ok(Some(record.to_string()))
         }
-        _ => Ok(body),
+        _ => Ok(Some(body)),
     }
 }

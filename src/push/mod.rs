@@ -8,6 +8,7 @@
 
 pub mod envelope;
 pub mod outlet;
+pub mod record;
 
 use std::sync::Arc;
 

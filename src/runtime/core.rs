@@ -17,7 +17,7 @@ use crate::push::Delivery;
 use crate::shard::devices::PushTiming;
 use crate::runtime::mesh::{await_reply, CoreMsg, Inbox, Mesh};
 use crate::runtime::routing::{core_of_device, core_of_session};
-use crate::shard::{DeviceOp, DeviceReply, DeviceTable, SessionOp, SessionReply, SessionTable};
+use crate::shard::{DeviceOp, DeviceTable, SessionOp, SessionReply, SessionTable};
 use crate::Shared;
 
 /// A slot of the connection budget held by an Engine.IO polling session.
@@ -116,46 +116,46 @@ impl Core {
         core_of_session(session, self.cores())
     }
 
-    /// Runs device operations (all owned by core `target`) and returns their replies in order.
-    pub async fn device_ops(self: &Rc<Self>, target: usize, ops: Vec<DeviceOp>) -> Vec<DeviceReply> {
-        if target == self.index {
-            let replies = {
-                let mut devices = self.devices.borrow_mut();
-                ops.into_iter().map(|op| devices.apply(op)).collect()
-            };
-            self.persist(None);
-            self.arm_clock();
-            self.relay_watch();
-            return replies;
+    /// Sends device operations (all owned by core `target`) to that core, in order; each one
+    /// with a reply answers its own caller there.
+    pub fn device_ops(self: &Rc<Self>, target: usize, ops: Vec<DeviceOp>) {
+        if target != self.index {
+            self.mesh.post(target, CoreMsg::Devices { ops });
+            return;
         }
-        let (tx, rx) = oneshot::channel();
-        self.mesh.post(target, CoreMsg::Devices { ops, reply: Some(tx) });
-        await_reply(rx).await.unwrap_or_default()
+        {
+            let mut devices = self.devices.borrow_mut();
+            for op in ops {
+                devices.apply(op);
+            }
+        }
+        self.persist(None);
+        self.arm_clock();
+        self.relay_watch();
     }
 
-    /// Runs device operations for devices on any core, concurrently per core, replies in order.
-    pub async fn device_ops_anywhere(self: &Rc<Self>, ops: Vec<DeviceOp>) -> Vec<DeviceReply> {
-        let n = ops.len();
-        let mut per_core: Vec<(Vec<usize>, Vec<DeviceOp>)> = (0..self.cores()).map(|_| Default::default()).collect();
-        for (i, op) in ops.into_iter().enumerate() {
-            let c = self.device_core(op.device());
-            per_core[c].0.push(i);
-            per_core[c].1.push(op);
+    /// Sends device operations to their devices' cores (in order per core).
+    pub fn device_ops_anywhere(self: &Rc<Self>, ops: Vec<DeviceOp>) {
+        if self.cores() == 1 {
+            return self.device_ops(0, ops);
         }
-        let mut pending = Vec::new();
-        for (core, (slots, ops)) in per_core.into_iter().enumerate() {
+        let mut per_core: Vec<Vec<DeviceOp>> = (0..self.cores()).map(|_| Vec::new()).collect();
+        for op in ops {
+            per_core[self.device_core(op.device())].push(op);
+        }
+        for (core, ops) in per_core.into_iter().enumerate() {
             if !ops.is_empty() {
-                let me = self.clone();
-                pending.push((slots, monoio::spawn(async move { me.device_ops(core, ops).await })));
+                self.device_ops(core, ops);
             }
         }
-        let mut replies: Vec<Option<DeviceReply>> = (0..n).map(|_| None).collect();
-        for (slots, handle) in pending {
-            for (slot, reply) in slots.into_iter().zip(handle.await) {
-                replies[slot] = Some(reply);
-            }
-        }
-        replies.into_iter().map(|r| r.unwrap_or(DeviceReply::Done)).collect()
+    }
+
+    /// Sends one device operation to its device's core and waits for its typed answer;
+    /// `None` only when the core has stopped (shutdown).
+    pub async fn ask_device<T>(self: &Rc<Self>, (op, answer): (DeviceOp, oneshot::Receiver<T>)) -> Option<T> {
+        let target = self.device_core(op.device());
+        self.device_ops(target, vec![op]);
+        answer.await.ok()
     }
 
     /// Runs a session operation on the session's core.
@@ -183,16 +183,15 @@ impl Core {
         self.arm_clock();
         match reply {
             Ok(reply) => reply,
-            Err((ops, asked)) => {
-                let mut replies = self.device_ops_anywhere(ops).await;
-                replies.truncate(asked);
-                SessionReply::Scoped(Some(replies))
+            Err(ops) => {
+                self.device_ops_anywhere(ops);
+                SessionReply::Scoped(true)
             }
         }
     }
 
     /// The session-table part of a session operation; `Err(ops)`: run these device steps.
-    fn run_session_op_inner(self: &Rc<Self>, op: SessionOp, now: Instant) -> Result<SessionReply, (Vec<DeviceOp>, usize)> {
+    fn run_session_op_inner(self: &Rc<Self>, op: SessionOp, now: Instant) -> Result<SessionReply, Vec<DeviceOp>> {
         Ok(match op {
             SessionOp::Create(id) => {
                 if self.sessions.borrow_mut().create(id, now) {
@@ -220,14 +219,12 @@ impl Core {
                 SessionReply::Deleted(any)
             }
             SessionOp::Scoped { session, register_devices, mut ops } => {
-                let asked = ops.len();
                 {
                     let mut sessions = self.sessions.borrow_mut();
                     let Some(record) = sessions.touch(session, now) else {
-                        return Ok(SessionReply::Scoped(None));
+                        return Ok(SessionReply::Scoped(false));
                     };
-                    // Scale-out: a session with a socket here watches what it subscribes to
-                    // (the replies to these extra steps are dropped in `run_session_op`).
+                    // Scale-out: a session with a socket here watches what it subscribes to.
                     if !record.sockets.is_empty() && self.relay.borrow().is_some() {
                         let present: Vec<DeviceOp> = ops
                             .iter()
@@ -249,7 +246,7 @@ impl Core {
                         }
                     }
                 }
-                return Err((ops, asked));
+                return Err(ops);
             }
         })
     }
@@ -268,10 +265,7 @@ impl Core {
         if ops.is_empty() {
             return;
         }
-        let me = self.clone();
-        monoio::spawn(async move {
-            me.device_ops_anywhere(ops).await;
-        });
+        self.device_ops_anywhere(ops);
     }
 
     /// Applies device messages owned by this core and pushes what they changed.
@@ -417,10 +411,7 @@ impl Core {
             return;
         }
         let ops = devices.into_iter().map(|device| DeviceOp::Presence { device, session, here }).collect();
-        let me = self.clone();
-        monoio::spawn(async move {
-            me.device_ops_anywhere(ops).await;
-        });
+        self.device_ops_anywhere(ops);
     }
 
     /// Whether the session exists (on the session's core), keeping it alive.
@@ -504,18 +495,7 @@ impl Core {
                             }
                         }
                     }
-                    CoreMsg::Devices { ops, reply } => {
-                        let replies: Vec<DeviceReply> = {
-                            let mut devices = self.devices.borrow_mut();
-                            ops.into_iter().map(|op| devices.apply(op)).collect()
-                        };
-                        self.persist(None);
-                        self.arm_clock();
-                        self.relay_watch();
-                        if let Some(reply) = reply {
-                            let _ = reply.send(replies);
-                        }
-                    }
+                    CoreMsg::Devices { ops } => self.device_ops(self.index, ops),
                     CoreMsg::Session { op, reply } => {
                         let me = self.clone();
                         monoio::spawn(async move {

@@ -48,7 +48,7 @@ use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
 use crate::push::envelope::merge_telemetry;
 use crate::push::{Delivery, FrameKind};
-use crate::shard::{DeviceOp, DeviceReply, SessionOp, SessionReply};
+use crate::shard::{DeviceOp, SessionOp, SessionReply};
 
 /// Where the answer to a cross-core request goes.
 pub type Reply<T> = oneshot::Sender<T>;
@@ -57,8 +57,8 @@ pub type Reply<T> = oneshot::Sender<T>;
 pub enum CoreMsg {
     /// Device messages for devices this core owns; `done` is answered once they are applied.
     Ingest { batch: Vec<IngestMessage>, done: Option<Reply<()>> },
-    /// Operations on devices this core owns, answered in order.
-    Devices { ops: Vec<DeviceOp>, reply: Option<Reply<Vec<DeviceReply>>> },
+    /// Operations on devices this core owns, applied in order; each answers its own caller.
+    Devices { ops: Vec<DeviceOp> },
     /// An operation on a session this core owns.
     Session { op: SessionOp, reply: Reply<SessionReply> },
     /// This core's metrics snapshot, for `GET /metrics`.

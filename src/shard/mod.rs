@@ -9,7 +9,7 @@ pub mod listing;
 pub mod sessions;
 
 use crate::ids::SessionId;
-use crate::model::{Grant, Rejection, Subscription};
+use crate::model::{Grant, Subscription};
 pub use access::{Grants, Subscriptions};
 
 pub use devices::DeviceTable;
@@ -23,38 +23,77 @@ pub enum Viewer {
     Session(SessionId),
 }
 
-/// An operation on one device, run on the device's core.
+/// The answer channel a request carries: each operation answers its own caller, with its
+/// own type, so no caller ever has to guess what came back.
+pub type Reply<T> = futures_channel::oneshot::Sender<T>;
+
+/// Why a read is refused, typed: the REST layer turns it into a status and a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denial {
+    /// The session holds no grant covering the read.
+    Forbidden,
+    /// Nothing is known.
+    NotFound,
+}
+
+/// A read's answer: the data, or why not.
+pub type Read<T> = Result<T, Denial>;
+
+/// Last telemetry as read from a device (the REST layer renders it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TelemetryView {
+    /// One key: its value (JSON text) and time.
+    One { key: Box<str>, json: std::sync::Arc<str>, at: crate::timefmt::Millis },
+    /// Every key the viewer may see, each with its value and time.
+    All(Vec<(Box<str>, std::sync::Arc<str>, crate::timefmt::Millis)>),
+}
+
+/// A twin as read from a device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TwinView {
+    pub doc: serde_json::Value,
+    pub at: crate::timefmt::Millis,
+}
+
+/// A connection state as read from a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionView {
+    pub connected: bool,
+    pub at: crate::timefmt::Millis,
+}
+
+/// An operation on one device, run on the device's core; those with a reply answer it there.
 #[derive(Debug)]
 pub enum DeviceOp {
-    Grant { device: Box<str>, session: SessionId, grant: Grant },
-    Revoke { device: Box<str>, session: SessionId, grant: Grant },
-    Subscribe { device: Box<str>, session: SessionId, sub: Subscription },
-    Unsubscribe { device: Box<str>, session: SessionId, sub: Subscription },
+    Grant { device: Box<str>, session: SessionId, grant: Grant, done: Reply<()> },
+    Revoke { device: Box<str>, session: SessionId, grant: Grant, done: Reply<()> },
+    /// Whether a grant permitted it.
+    Subscribe { device: Box<str>, session: SessionId, sub: Subscription, permitted: Reply<bool> },
+    Unsubscribe { device: Box<str>, session: SessionId, sub: Subscription, permitted: Reply<bool> },
     /// Last telemetry: one key, or all keys (`key: None`).
-    ReadTelemetry { device: Box<str>, key: Option<Box<str>>, viewer: Viewer },
-    DeleteTelemetry { device: Box<str>, viewer: Viewer },
-    ReadTwin { device: Box<str>, viewer: Viewer },
-    ReadConnectionState { device: Box<str>, viewer: Viewer },
+    ReadTelemetry { device: Box<str>, key: Option<Box<str>>, viewer: Viewer, reply: Reply<Read<TelemetryView>> },
+    DeleteTelemetry { device: Box<str>, viewer: Viewer, reply: Reply<Read<()>> },
+    /// The twin known from the event stream (a session needs a `deviceTwin` grant).
+    ReadTwin { device: Box<str>, viewer: Viewer, reply: Reply<Read<TwinView>> },
+    /// The cached connection state (`NotFound`: none known; with an IoT Hub, ask it).
+    ReadConnectionState { device: Box<str>, viewer: Viewer, reply: Reply<Read<ConnectionView>> },
     /// Whether the session holds a grant covering `grant` (direct methods, desired properties).
-    CheckGrant { device: Box<str>, session: SessionId, grant: Grant },
+    CheckGrant { device: Box<str>, session: SessionId, grant: Grant, permitted: Reply<bool> },
     /// The session is gone: drop its grants and subscriptions on this device.
     ForgetSession { device: Box<str>, session: SessionId },
-    /// IoT Hub configured: the cached twin if a hub read is fresh per `ttl`, else `Miss`
-    /// (the viewer's grant is checked first).
-    ReadHubTwin { device: Box<str>, viewer: Viewer, ttl: TwinCacheTtl },
-    /// A twin read from (or returned by) the IoT Hub: cache it; replies with the record served.
-    StoreHubTwin { device: Box<str>, doc: serde_json::Value },
-    /// The cached connection state, or `Miss` when none is known (grant checked first).
-    ReadConnectionStateOrMiss { device: Box<str>, viewer: Viewer },
+    /// IoT Hub configured: the cached twin if a hub read is fresh per `ttl`, `None` when the
+    /// hub must be asked (the viewer's grant is checked first).
+    ReadHubTwin { device: Box<str>, viewer: Viewer, ttl: TwinCacheTtl, reply: Reply<Read<Option<TwinView>>> },
+    /// A twin read from (or returned by) the IoT Hub: cache it; answers with the twin served.
+    StoreHubTwin { device: Box<str>, doc: serde_json::Value, reply: Reply<TwinView> },
     /// Scale-out (src/cluster): the session's whole access here, as an instance decided it.
-    SetAccess { device: Box<str>, session: SessionId, access: Option<(Grants, Subscriptions)> },
-    /// Scale-out: the session's access here, replicated after a change ([`DeviceReply::Access`]).
-    ReadAccess { device: Box<str>, session: SessionId },
+    SetAccess { device: Box<str>, session: SessionId, access: Option<(Grants, Subscriptions)>, done: Option<Reply<()>> },
+    /// Scale-out: the session's access here (`None`: nothing), replicated after a change.
+    ReadAccess { device: Box<str>, session: SessionId, reply: Reply<Option<(Grants, Subscriptions)>> },
     /// Scale-out: whether the session has a live socket on this instance, so that this
     /// instance watches the devices it subscribes to ([`DeviceTable::take_watch_changes`]).
     Presence { device: Box<str>, session: SessionId, here: bool },
 }
-
 
 impl DeviceOp {
     pub fn device(&self) -> &str {
@@ -71,7 +110,6 @@ impl DeviceOp {
             | DeviceOp::ForgetSession { device, .. }
             | DeviceOp::ReadHubTwin { device, .. }
             | DeviceOp::StoreHubTwin { device, .. }
-            | DeviceOp::ReadConnectionStateOrMiss { device, .. }
             | DeviceOp::SetAccess { device, .. }
             | DeviceOp::ReadAccess { device, .. }
             | DeviceOp::Presence { device, .. } => device,
@@ -79,17 +117,11 @@ impl DeviceOp {
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
-pub enum DeviceReply {
-    Done,
-    /// Subscribe/unsubscribe/check: whether a grant permitted it.
-    Permitted(bool),
-    /// A read: the JSON response body, or why not.
-    Body(Result<String, Rejection>),
-    /// A read the cache cannot answer (permitted, but nothing fresh): ask the IoT Hub.
-    Miss,
-    /// [`DeviceOp::ReadAccess`]: the session's grants and subscriptions (`None`: nothing).
-    Access(Option<(Grants, Subscriptions)>),
+/// Builds a request with a fresh reply channel: `ask(|reply| DeviceOp::ReadTwin { .., reply })`
+/// gives the operation to send and the receiver of its typed answer.
+pub fn ask<T>(make: impl FnOnce(Reply<T>) -> DeviceOp) -> (DeviceOp, futures_channel::oneshot::Receiver<T>) {
+    let (tx, rx) = futures_channel::oneshot::channel();
+    (make(tx), rx)
 }
 
 /// An operation on one session, run on the session's core.
@@ -100,7 +132,8 @@ pub enum SessionOp {
     /// Delete every session this core owns.
     DeleteAll,
     /// Check the session exists and keep it alive; remember the devices of `ops` when
-    /// `register_devices` (grants), then run `ops` on their devices' cores.
+    /// `register_devices` (grants), then send `ops` to their devices' cores (each answers its
+    /// own caller; without the session they are dropped unanswered).
     Scoped { session: SessionId, register_devices: bool, ops: Vec<DeviceOp> },
     /// One page of this core's devices (the console's `GET /devices`; see `listing`).
     ListDevices(listing::PageRequest),
@@ -112,7 +145,7 @@ pub enum SessionReply {
     /// This core holds its share of `maxSessions` already.
     Full,
     Deleted(bool),
-    /// `None`: no such session.
-    Scoped(Option<Vec<DeviceReply>>),
+    /// Whether the session exists (its operations were sent on).
+    Scoped(bool),
     Devices(listing::Page),
 }

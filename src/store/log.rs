@@ -188,7 +188,7 @@ fn load_file(path: &Path, kind: u8, into: &mut Loaded) -> Result<(), String> {
 
 /// Every file of one core of one epoch, loaded in order. Returns the state and the highest
 /// generation seen.
-fn load_core(dir: &Path, files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64), String> {
+fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64), String> {
     let mine: Vec<_> = files.iter().filter(|f| f.0 == core).collect();
     let snap = mine.iter().filter(|f| f.2 == "snap").map(|f| f.1).max();
     let mut loaded = Loaded::default();
@@ -309,7 +309,7 @@ pub fn open(dir: &Path, cores: usize, fsync_interval: Duration) -> Result<Opened
     let results: Vec<Result<(Loaded, u64), String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..old_cores).map(|c| s.spawn({
             let files = &files;
-            move || load_core(dir, files, c)
+            move || load_core(files, c)
         })).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a loader thread panicked".into()))).collect()
     });

@@ -25,7 +25,7 @@ use crate::model::{Grant, Rejection};
 use crate::push::envelope::EnvelopeBuilder;
 use crate::push::{Delivery, FrameKind};
 use crate::shard::access::Access;
-use crate::shard::{DeviceOp, DeviceReply, TwinCacheTtl, Viewer};
+use crate::shard::{ConnectionView, Denial, DeviceOp, Read, TelemetryView, TwinCacheTtl, TwinView, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 // Durable-state hooks (what changed, restore at start): kept apart from the data path.
@@ -153,27 +153,6 @@ pub struct DeviceTable {
     pub dirty: Dirty,
     /// Scale-out: devices whose `watched_here` changed, for the relay (`None`: one instance).
     watch_changes: Option<Vec<(Box<str>, bool)>>,
-}
-
-/// Appends `s` as a JSON string literal.
-fn push_json_str(out: &mut String, s: &str) {
-    out.push_str(&serde_json::to_string(s).expect("strings always serialise"));
-}
-
-fn record(device: &str, data: &str, timestamp: &str) -> String {
-    let mut out = String::with_capacity(device.len() + data.len() + timestamp.len() + 40);
-    out.push_str("{\"deviceId\":");
-    push_json_str(&mut out, device);
-    out.push_str(",\"data\":");
-    out.push_str(data);
-    out.push_str(",\"timestamp\":");
-    push_json_str(&mut out, timestamp);
-    out.push('}');
-    out
-}
-
-fn forbidden() -> Rejection {
-    Rejection::new(403, "Forbidden to read last value of device: missing grant")
 }
 
 impl DeviceTable {
@@ -309,7 +288,9 @@ impl DeviceTable {
         }
     }
 
-    pub fn apply(&mut self, op: DeviceOp) -> DeviceReply {
+    /// Runs one operation; an operation with a reply answers it (a caller that has gone
+    /// away is no concern of the shard).
+    pub fn apply(&mut self, op: DeviceOp) {
         self.dirty.op(&op);
         let watch = match (&op, self.watch_changes.is_some()) {
             (
@@ -323,51 +304,49 @@ impl DeviceTable {
             ) => Some(device.clone()),
             _ => None,
         };
-        let reply = self.apply_op(op);
+        self.apply_op(op);
         if let Some(device) = watch {
             self.note_watch(&device);
         }
-        reply
     }
 
-    fn apply_op(&mut self, op: DeviceOp) -> DeviceReply {
+    fn apply_op(&mut self, op: DeviceOp) {
         match op {
-            DeviceOp::Grant { device, session, grant } => {
+            DeviceOp::Grant { device, session, grant, done } => {
                 self.access_mut(&device, session).add_grant(&grant);
-                DeviceReply::Done
+                let _ = done.send(());
             }
-            DeviceOp::Revoke { device, session, grant } => {
+            DeviceOp::Revoke { device, session, grant, done } => {
                 if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
                     a.revoke(&grant);
                 }
                 self.prune(&device);
-                DeviceReply::Done
+                let _ = done.send(());
             }
-            DeviceOp::Subscribe { device, session, sub } => {
-                let permitted = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
+            DeviceOp::Subscribe { device, session, sub, permitted } => {
+                let ok = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
                     Some(a) => a.subscribe(&sub),
                     None => false,
                 };
-                DeviceReply::Permitted(permitted)
+                let _ = permitted.send(ok);
             }
-            DeviceOp::Unsubscribe { device, session, sub } => {
-                let permitted = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
+            DeviceOp::Unsubscribe { device, session, sub, permitted } => {
+                let ok = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
                     Some(a) => a.unsubscribe(&sub),
                     None => false,
                 };
-                DeviceReply::Permitted(permitted)
+                let _ = permitted.send(ok);
             }
-            DeviceOp::CheckGrant { device, session, grant } => {
-                DeviceReply::Permitted(self.access(&device, session).is_some_and(|a| a.holds(&grant)))
+            DeviceOp::CheckGrant { device, session, grant, permitted } => {
+                let _ = permitted.send(self.access(&device, session).is_some_and(|a| a.holds(&grant)));
             }
             DeviceOp::ForgetSession { device, session } => {
                 if let Some(d) = self.devices.get_mut(&*device) {
                     d.access.remove(&session);
                 }
                 self.prune(&device);
-                DeviceReply::Done
             }
-            DeviceOp::SetAccess { device, session, access } => {
+            DeviceOp::SetAccess { device, session, access, done } => {
                 match access {
                     Some((grants, subs)) => {
                         let a = self.access_mut(&device, session);
@@ -381,74 +360,76 @@ impl DeviceTable {
                     }
                 }
                 self.prune(&device);
-                DeviceReply::Done
+                if let Some(done) = done {
+                    let _ = done.send(());
+                }
             }
-            DeviceOp::ReadAccess { device, session } => DeviceReply::Access(
-                self.access(&device, session).filter(|a| !a.is_empty()).map(|a| (a.grants.clone(), a.subs.clone())),
-            ),
+            DeviceOp::ReadAccess { device, session, reply } => {
+                let access = self.access(&device, session).filter(|a| !a.is_empty()).map(|a| (a.grants.clone(), a.subs.clone()));
+                let _ = reply.send(access);
+            }
             DeviceOp::Presence { device, session, here } => {
                 if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
                     a.here = here;
                 }
-                DeviceReply::Done
             }
-            DeviceOp::ReadTelemetry { device, key, viewer } => {
-                DeviceReply::Body(self.read_telemetry(&device, key.as_deref(), viewer))
+            DeviceOp::ReadTelemetry { device, key, viewer, reply } => {
+                let _ = reply.send(self.read_telemetry(&device, key.as_deref(), viewer));
             }
-            DeviceOp::DeleteTelemetry { device, viewer } => {
-                if let Viewer::Session(s) = viewer {
-                    if !self.access(&device, s).is_some_and(|a| a.grants.telemetry.all) {
-                        return DeviceReply::Body(Err(forbidden()));
-                    }
-                }
-                match self.devices.get_mut(&*device) {
-                    Some(d) if !d.telemetry.is_empty() => {
-                        d.telemetry = HashMap::new();
-                        self.prune(&device);
-                        DeviceReply::Body(Ok(String::new()))
-                    }
-                    _ => DeviceReply::Body(Err(Rejection::new(404, "No last telemetry found"))),
-                }
+            DeviceOp::DeleteTelemetry { device, viewer, reply } => {
+                let _ = reply.send(self.delete_telemetry(&device, viewer));
             }
-            DeviceOp::ReadTwin { device, viewer } => {
-                if let Viewer::Session(s) = viewer {
-                    if !self.access(&device, s).is_some_and(|a| a.grants.device_twin) {
-                        return DeviceReply::Body(Err(Rejection::new(403, "Forbidden to read device twin: missing grant")));
-                    }
-                }
-                DeviceReply::Body(match self.devices.get(&*device).and_then(|d| d.twin.as_ref()) {
-                    Some(t) => Ok(record(&device, &t.doc.to_string(), &iso(t.at))),
-                    None => Err(Rejection::new(404, "No last devicetwin found")),
-                })
+            DeviceOp::ReadTwin { device, viewer, reply } => {
+                let _ = reply.send(self.read_twin(&device, viewer));
             }
-            DeviceOp::ReadConnectionState { device, viewer } => {
-                if let Viewer::Session(s) = viewer {
-                    if !self.access(&device, s).is_some_and(|a| a.grants.connection_state) {
-                        return DeviceReply::Body(Err(Rejection::new(
-                            403,
-                            "Forbidden to read connection state: missing grant",
-                        )));
-                    }
-                }
-                DeviceReply::Body(match self.devices.get(&*device).and_then(|d| d.connection.as_ref()) {
-                    Some(c) => Ok(record(&device, if c.connected { "true" } else { "false" }, &iso(c.at))),
-                    None => Err(Rejection::new(404, "No device found")),
-                })
+            DeviceOp::ReadConnectionState { device, viewer, reply } => {
+                let _ = reply.send(self.read_connection_state(&device, viewer));
             }
-            DeviceOp::ReadHubTwin { device, viewer, ttl } => self.read_hub_twin(&device, viewer, ttl),
-            DeviceOp::StoreHubTwin { device, doc } => DeviceReply::Body(Ok(self.store_hub_twin(&device, doc))),
-            DeviceOp::ReadConnectionStateOrMiss { device, viewer } => {
-                match self.apply(DeviceOp::ReadConnectionState { device, viewer }) {
-                    DeviceReply::Body(Err(r)) if r.status == 404 => DeviceReply::Miss,
-                    other => other,
-                }
+            DeviceOp::ReadHubTwin { device, viewer, ttl, reply } => {
+                let _ = reply.send(self.read_hub_twin(&device, viewer, ttl));
+            }
+            DeviceOp::StoreHubTwin { device, doc, reply } => {
+                let _ = reply.send(self.store_hub_twin(&device, doc));
             }
         }
     }
 
+    /// Whether `viewer` may read what `granted` says of its access here.
+    fn permits(&self, device: &str, viewer: Viewer, granted: impl Fn(&Access) -> bool) -> Read<()> {
+        match viewer {
+            Viewer::Admin => Ok(()),
+            Viewer::Session(s) if self.access(device, s).is_some_and(granted) => Ok(()),
+            Viewer::Session(_) => Err(Denial::Forbidden),
+        }
+    }
+
+    fn delete_telemetry(&mut self, device: &str, viewer: Viewer) -> Read<()> {
+        self.permits(device, viewer, |a| a.grants.telemetry.all)?;
+        match self.devices.get_mut(device) {
+            Some(d) if !d.telemetry.is_empty() => {
+                d.telemetry = HashMap::new();
+                self.prune(device);
+                Ok(())
+            }
+            _ => Err(Denial::NotFound),
+        }
+    }
+
+    fn read_twin(&self, device: &str, viewer: Viewer) -> Read<TwinView> {
+        self.permits(device, viewer, |a| a.grants.device_twin)?;
+        let t = self.devices.get(device).and_then(|d| d.twin.as_ref()).ok_or(Denial::NotFound)?;
+        Ok(TwinView { doc: t.doc.clone(), at: t.at })
+    }
+
+    fn read_connection_state(&self, device: &str, viewer: Viewer) -> Read<ConnectionView> {
+        self.permits(device, viewer, |a| a.grants.connection_state)?;
+        let c = self.devices.get(device).and_then(|d| d.connection.as_ref()).ok_or(Denial::NotFound)?;
+        Ok(ConnectionView { connected: c.connected, at: c.at })
+    }
+
     /// `GET /lastValue`: a session sees the keys its grants cover; with only per-key grants an
     /// all-keys read returns just those keys (403 without any telemetry grant).
-    fn read_telemetry(&self, device: &str, key: Option<&str>, viewer: Viewer) -> Result<String, Rejection> {
+    fn read_telemetry(&self, device: &str, key: Option<&str>, viewer: Viewer) -> Read<TelemetryView> {
         let d = self.devices.get(device);
         let grants = match viewer {
             Viewer::Admin => None,
@@ -457,41 +438,27 @@ impl DeviceTable {
                 match (g, key) {
                     (Some(g), Some(k)) if g.contains_key(k) => Some(g),
                     (Some(g), None) if !g.is_empty() => Some(g),
-                    _ => return Err(forbidden()),
+                    _ => return Err(Denial::Forbidden),
                 }
             }
         };
-        let not_found = || Rejection::new(404, "No last telemetry found");
-        let d = d.ok_or_else(not_found)?;
+        let d = d.ok_or(Denial::NotFound)?;
         match key {
             Some(k) => {
-                let v = d.telemetry.get(k).ok_or_else(not_found)?;
-                let mut data = String::with_capacity(k.len() + v.json.len() + 4);
-                data.push('{');
-                push_json_str(&mut data, k);
-                data.push(':');
-                data.push_str(&v.json);
-                data.push('}');
-                Ok(record(device, &data, &iso(v.at)))
+                let v = d.telemetry.get(k).ok_or(Denial::NotFound)?;
+                Ok(TelemetryView::One { key: k.into(), json: v.json.clone(), at: v.at })
             }
             None => {
-                let mut data = String::from("{");
-                for (k, v) in d.telemetry.iter().filter(|(k, _)| grants.is_none_or(|g| g.contains_key(k))) {
-                    if data.len() > 1 {
-                        data.push(',');
-                    }
-                    push_json_str(&mut data, k);
-                    data.push_str(":{\"value\":");
-                    data.push_str(&v.json);
-                    data.push_str(",\"timestamp\":\"");
-                    data.push_str(&iso(v.at));
-                    data.push_str("\"}");
+                let values: Vec<_> = d
+                    .telemetry
+                    .iter()
+                    .filter(|(k, _)| grants.is_none_or(|g| g.contains_key(k)))
+                    .map(|(k, v)| (k.clone(), v.json.clone(), v.at))
+                    .collect();
+                if values.is_empty() {
+                    return Err(Denial::NotFound);
                 }
-                if data.len() == 1 {
-                    return Err(not_found());
-                }
-                data.push('}');
-                Ok(record(device, &data, ""))
+                Ok(TelemetryView::All(values))
             }
         }
     }
@@ -506,6 +473,13 @@ impl DeviceTable {
 mod tests {
     use super::ingest::sequence_order;
     use super::*;
+
+    /// Applies one operation and returns its typed answer.
+    fn answer<T>(table: &mut DeviceTable, make: impl FnOnce(crate::shard::Reply<T>) -> DeviceOp) -> T {
+        let (op, mut rx) = crate::shard::ask(make);
+        table.apply(op);
+        rx.try_recv().expect("answered").expect("answered at once")
+    }
     use serde_json::json;
 
     #[test]
@@ -538,18 +512,18 @@ mod tests {
             connection_state_on_telemetry: true,
         };
         let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None });
-        let read = |t: &mut DeviceTable, ttl| t.apply(DeviceOp::ReadHubTwin { device: "d".into(), viewer: Viewer::Admin, ttl });
-        assert_eq!(read(&mut table, TwinCacheTtl::Forever), DeviceReply::Miss);
-        table.apply(DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 5, "a": 1}) });
-        assert_eq!(read(&mut table, TwinCacheTtl::Off), DeviceReply::Miss);
-        let DeviceReply::Body(Ok(body)) = read(&mut table, TwinCacheTtl::Forever) else { panic!("cached") };
-        assert!(body.contains(r#""a":1"#), "{body}");
+        let read = |t: &mut DeviceTable, ttl| answer(t, |reply| DeviceOp::ReadHubTwin { device: "d".into(), viewer: Viewer::Admin, ttl, reply });
+        assert_eq!(read(&mut table, TwinCacheTtl::Forever), Ok(None));
+        answer(&mut table, |reply| DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 5, "a": 1}), reply });
+        assert_eq!(read(&mut table, TwinCacheTtl::Off), Ok(None));
+        let Ok(Some(cached)) = read(&mut table, TwinCacheTtl::Forever) else { panic!("cached") };
+        assert_eq!(cached.doc["a"], json!(1));
         // An older hub read does not replace a newer cached twin.
-        let reply = table.apply(DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 4, "a": 0}) });
-        assert!(matches!(&reply, DeviceReply::Body(Ok(b)) if b.contains(r#""a":1"#)), "{reply:?}");
+        let served = answer(&mut table, |reply| DeviceOp::StoreHubTwin { device: "d".into(), doc: json!({"version": 4, "a": 0}), reply });
+        assert_eq!(served.doc["a"], json!(1), "{served:?}");
         let short = TwinCacheTtl::For(std::time::Duration::from_millis(1));
         std::thread::sleep(std::time::Duration::from_millis(5));
-        assert_eq!(read(&mut table, short), DeviceReply::Miss);
+        assert_eq!(read(&mut table, short), Ok(None));
     }
 
     /// More changes than a device may hold while its whole twin is read: they are dropped and
@@ -568,9 +542,9 @@ mod tests {
             .with_hub_twins(TwinCacheTtl::Off);
         let session = SessionId(7);
         let grant = Grant { kind: GrantKind::Data(DataKind::DeviceTwin), key: None };
-        table.apply(DeviceOp::Grant { device: "d".into(), session, grant });
+        answer(&mut table, |done| DeviceOp::Grant { device: "d".into(), session, grant, done });
         let sub = Subscription { kind: DataKind::DeviceTwin, key: None };
-        assert_eq!(table.apply(DeviceOp::Subscribe { device: "d".into(), session, sub }), DeviceReply::Permitted(true));
+        assert!(answer(&mut table, |permitted| DeviceOp::Subscribe { device: "d".into(), session, sub, permitted }));
         let now = Instant::now();
         let change = |version: usize| IngestMessage {
             device_id: "d".into(),

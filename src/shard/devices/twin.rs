@@ -12,36 +12,28 @@ impl DeviceTable {
     /// IoT Hub configured: serve the twin only when it rests on a hub read that `ttl` still
     /// counts as fresh. A twin known only from change events may be partial (an `updateTwin`
     /// carries just the change), so it is never served in place of a hub read.
-    pub(super) fn read_hub_twin(&self, device: &str, viewer: Viewer, ttl: TwinCacheTtl) -> DeviceReply {
-        if let Viewer::Session(s) = viewer {
-            if !self.access(device, s).is_some_and(|a| a.grants.device_twin) {
-                return DeviceReply::Body(Err(Rejection::new(403, "Forbidden to read device twin: missing grant")));
-            }
-        }
-        let Some(d) = self.devices.get(device) else { return DeviceReply::Miss };
-        let (Some(twin), Some(read)) = (d.twin.as_ref(), d.hub_twin_read) else { return DeviceReply::Miss };
+    pub(super) fn read_hub_twin(&self, device: &str, viewer: Viewer, ttl: TwinCacheTtl) -> Read<Option<TwinView>> {
+        self.permits(device, viewer, |a| a.grants.device_twin)?;
+        let Some(d) = self.devices.get(device) else { return Ok(None) };
+        let (Some(twin), Some(read)) = (d.twin.as_ref(), d.hub_twin_read) else { return Ok(None) };
         let fresh = match ttl {
             TwinCacheTtl::Off => false,
             TwinCacheTtl::Forever => true,
             TwinCacheTtl::For(ttl) => read.elapsed() < ttl,
         };
-        if fresh {
-            DeviceReply::Body(Ok(record(device, &twin.doc.to_string(), &iso(twin.at))))
-        } else {
-            DeviceReply::Miss
-        }
+        Ok(fresh.then(|| TwinView { doc: twin.doc.clone(), at: twin.at }))
     }
 
-    /// Caches a twin from the hub and returns the record to serve. When the cached twin (a
+    /// Caches a twin from the hub and returns the twin to serve. When the cached twin (a
     /// previous hub read or `replaceTwin`, plus change events) has a higher `version`, the
     /// events were newer than this read: the cached document is kept, its read time renewed.
     /// Without a twin cache (`-1`) the twin is kept only while a session may be pushed it, as
-    /// the base later changes merge into, and the record served is the hub's own answer.
-    pub(super) fn store_hub_twin(&mut self, device: &str, doc: Value) -> String {
+    /// the base later changes merge into, and the twin served is the hub's own answer.
+    pub(super) fn store_hub_twin(&mut self, device: &str, doc: Value) -> TwinView {
         let now = now_millis();
         let d = self.devices.entry_ref(device).or_default();
         if self.hub_twins == Some(TwinCacheTtl::Off) {
-            let served = record(device, &doc.to_string(), &iso(now));
+            let served = TwinView { doc: doc.clone(), at: now };
             if d.twin_watched() {
                 Self::keep_whole_twin(d, doc, now);
             }
@@ -50,7 +42,7 @@ impl DeviceTable {
         }
         Self::keep_whole_twin(d, doc, now);
         let twin = d.twin.as_ref().expect("kept above");
-        record(device, &twin.doc.to_string(), &iso(twin.at))
+        TwinView { doc: twin.doc.clone(), at: twin.at }
     }
 
     /// Takes a whole twin read from the hub, unless the one kept is newer.
