@@ -372,3 +372,32 @@ fn live_data_between_instances_resumes_by_itself_after_redis_restarts() {
     a.assert_alive();
     b.assert_alive();
 }
+
+/// Read-your-writes across instances: B answers a grant once it is in Redis; A decides a
+/// subscription on Redis's copy, and reads the session again before refusing a read, so a
+/// change published but not yet applied on A neither refuses nor (written back) erases it.
+#[test]
+fn a_grant_given_on_one_instance_holds_at_once_on_another() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    a.ingest(json!({"deviceId": "meter", "body": {"kwh": 3}}));
+    for round in 0..30 {
+        let session = a.new_session();
+        // A holds a copy first (a call there), so it does not simply load the new state.
+        let (status, _) = a.subscribe(&session, json!({"type": "telemetry", "deviceId": "meter"}));
+        assert_eq!(status, 403, "round {round}: not granted yet");
+        b.grant(&session, json!({"type": "telemetry", "deviceId": "meter"}));
+        let (status, body) = a.subscribe(&session, json!({"type": "telemetry", "deviceId": "meter"}));
+        assert_eq!(status, 204, "round {round}: the grant given on B holds on A at once: {body}");
+        let (status, body, _) = a.call("GET", "/lastValue/meter/kwh", &[("sessionId", &session)], None);
+        assert_eq!(status, 200, "round {round}: {body}");
+        assert!(
+            redis.command(&format!("HGETALL t:session:{session}")).is_some_and(|r| r.contains("a:meter")),
+            "round {round}: the grant is still in Redis"
+        );
+        b.revoke(&session, json!({"type": "telemetry", "deviceId": "meter"}));
+        let (status, _, _) = b.call("GET", "/lastValue/meter/kwh", &[("sessionId", &session)], None);
+        assert_eq!(status, 403, "round {round}: revoked on B");
+    }
+}

@@ -97,10 +97,16 @@ async fn authorize(core: &Rc<Core>, req: &Request, device: &str, grant: Grant) -
         .header("sessionid")
         .ok_or_else(|| Rejection::new(401, "Provide either a Shared-Access-Key or a sessionId header"))?;
     let session = parse_session(raw)?;
-    let asked = ask(|permitted| DeviceOp::CheckGrant { device: device.into(), session, grant, permitted });
-    match super::on_device(core, Viewer::Session(session), asked).await? {
-        true => Ok(()),
-        false => Err(Rejection::new(403, "Forbidden: missing grant")),
+    let check = || ask(|permitted| DeviceOp::CheckGrant { device: device.into(), session, grant: grant.clone(), permitted });
+    let mut permitted = super::on_device(core, Viewer::Session(session), check()).await?;
+    // Several instances: a grant just given on another one may not have reached this copy.
+    if !permitted && crate::cluster::refresh_session(core, session).await? {
+        permitted = super::on_device(core, Viewer::Session(session), check()).await?;
+    }
+    if permitted {
+        Ok(())
+    } else {
+        Err(Rejection::new(403, "Forbidden: missing grant"))
     }
 }
 

@@ -21,7 +21,8 @@ use crate::hub::HubCall;
 use crate::model::{Checked, Rejection};
 use crate::push::record;
 use crate::runtime::Core;
-use crate::shard::{ask, Denial, DeviceOp, TwinCacheTtl, Viewer};
+use crate::shard::{ask, Denial, DeviceOp, Read, TwinCacheTtl, Viewer};
+use futures_channel::oneshot::Receiver;
 use crate::timefmt::{iso, now_millis};
 
 const NO_TELEMETRY: &str = "No last telemetry found";
@@ -34,6 +35,18 @@ fn refused(denial: Denial, what: &str, not_found: &str) -> Rejection {
         Denial::Forbidden => Rejection::new(403, format!("Forbidden to read {what}: missing grant")),
         Denial::NotFound => Rejection::new(404, not_found),
     }
+}
+
+/// [`on_device`] for a read; a session refused here is read again from Redis once (several
+/// instances: a grant just given on another instance may not have reached this copy).
+async fn read<T>(core: &Rc<Core>, viewer: Viewer, mut make: impl FnMut() -> (DeviceOp, Receiver<Read<T>>)) -> Checked<Read<T>> {
+    let answer = on_device(core, viewer, make()).await?;
+    if let (Err(Denial::Forbidden), Viewer::Session(session)) = (&answer, viewer) {
+        if crate::cluster::refresh_session(core, session).await? {
+            return on_device(core, viewer, make()).await;
+        }
+    }
+    Ok(answer)
 }
 
 /// What nothing here answered: with several instances, the freshest holder elsewhere.
@@ -59,8 +72,8 @@ pub async fn read_telemetry(core: &Rc<Core>, req: &Request, device: &str, key: O
         return Err(Rejection::bad_request(format!("telemetryKey is longer than {MAX_KEY_LEN} bytes")));
     }
     let key: Option<Box<str>> = key.map(Into::into);
-    let asked = ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key: key.clone(), viewer, reply });
-    let body = match on_device(core, viewer, asked).await? {
+    let asked = || ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key: key.clone(), viewer, reply });
+    let body = match read(core, viewer, asked).await? {
         Ok(view) => record::telemetry(&device, &view),
         Err(Denial::NotFound) => elsewhere(core, viewer, &device, ReadKind::Telemetry(key), WHAT, NO_TELEMETRY).await?,
         Err(denial) => return Err(refused(denial, WHAT, NO_TELEMETRY)),
@@ -72,7 +85,7 @@ pub async fn delete_telemetry(core: &Rc<Core>, req: &Request, device: &str) -> C
     const WHAT: &str = "last value of device";
     let viewer = viewer(&core.settings, req, WHAT)?;
     let device: Box<str> = path_device(device)?.into();
-    on_device(core, viewer, ask(|reply| DeviceOp::DeleteTelemetry { device, viewer, reply }))
+    read(core, viewer, || ask(|reply| DeviceOp::DeleteTelemetry { device: device.clone(), viewer, reply }))
         .await?
         .map_err(|denial| refused(denial, WHAT, NO_TELEMETRY))?;
     Ok(Response::no_content())
@@ -84,8 +97,8 @@ pub async fn read_twin(core: &Rc<Core>, req: &Request, device: &str) -> Checked<
     let device: Box<str> = path_device(device)?.into();
     let Some(hub) = core.shared.hub.as_ref() else {
         // No IoT Hub: the twin known from twin change events (here or on another instance).
-        let asked = ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
-        let body = match on_device(core, viewer, asked).await? {
+        let asked = || ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
+        let body = match read(core, viewer, asked).await? {
             Ok(view) => record::twin(&device, &view),
             Err(Denial::NotFound) => elsewhere(core, viewer, &device, ReadKind::Twin, WHAT, NO_TWIN).await?,
             Err(denial) => return Err(refused(denial, WHAT, NO_TWIN)),
@@ -96,8 +109,8 @@ pub async fn read_twin(core: &Rc<Core>, req: &Request, device: &str) -> Checked<
     // The cache (and, for a session, the grant) lives on the device's core; the admin key
     // without a cache has nothing to look up there.
     if ttl != TwinCacheTtl::Off || viewer != Viewer::Admin {
-        let asked = ask(|reply| DeviceOp::ReadHubTwin { device: device.clone(), viewer, ttl, reply });
-        if let Some(view) = on_device(core, viewer, asked).await?.map_err(|denial| refused(denial, WHAT, NO_TWIN))? {
+        let asked = || ask(|reply| DeviceOp::ReadHubTwin { device: device.clone(), viewer, ttl, reply });
+        if let Some(view) = read(core, viewer, asked).await?.map_err(|denial| refused(denial, WHAT, NO_TWIN))? {
             return Ok(Response::json(200, record::twin(&device, &view)));
         }
     }
@@ -119,8 +132,8 @@ pub async fn read_connection_state(core: &Rc<Core>, req: &Request, device: &str)
     const WHAT: &str = "connection state";
     let viewer = viewer(&core.settings, req, WHAT)?;
     let device: Box<str> = path_device(device)?.into();
-    let asked = ask(|reply| DeviceOp::ReadConnectionState { device: device.clone(), viewer, reply });
-    let cached = on_device(core, viewer, asked).await?;
+    let asked = || ask(|reply| DeviceOp::ReadConnectionState { device: device.clone(), viewer, reply });
+    let cached = read(core, viewer, asked).await?;
     // With customConnectionStateKey the hub is not consulted (ux4iot 4.1.0).
     let hub = core.shared.hub.as_ref().filter(|_| core.settings.config.custom_connection_state_key.is_empty());
     let hub = match (cached, hub) {

@@ -41,6 +41,7 @@ async fn run(core: &Rc<Core>, session: SessionId, asked: Vec<(DeviceOp, Receiver
 pub async fn single(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response> {
     let request = SubscriptionRequest::parse(&req.json()?, req.header("sessionid"))?;
     let session = parse_session(&request.session)?;
+    // With several instances the permission is decided on Redis's copy of the session.
     match run(core, session, vec![op(session, request, add)]).await?.first() {
         Some(true) => Ok(Response::no_content()),
         _ => Err(Rejection::new(403, "subscription request not granted")),

@@ -215,6 +215,9 @@ impl Link {
             Command::Load { reply, .. } => {
                 let _ = reply.send(Err(format!("not connected ({reason})")));
             }
+            Command::Mutate { reply, .. } => {
+                let _ = reply.send(Err(format!("not connected ({reason})")));
+            }
             Command::Publish(items) => {
                 self.stats.dropped.fetch_add(items.len() as u64, Ordering::Relaxed);
             }
@@ -603,6 +606,14 @@ impl Link {
                     return Err(reason);
                 }
             }
+            Command::Mutate { session, device, change, reply } => {
+                let result = self.mutate(session, &device, &change, conn).await;
+                let failed = result.as_ref().err().cloned();
+                let _ = reply.send(result);
+                if let Some(reason) = failed {
+                    return Err(reason);
+                }
+            }
             Command::Load { session, reply } => {
                 let key = self.session_key(session);
                 let result: Result<std::collections::HashMap<Vec<u8>, Vec<u8>>, Failed> =
@@ -705,6 +716,57 @@ impl Link {
             }
         }
         Ok(())
+    }
+
+    /// Read-modify-write of one session's access on one device, optimistic (WATCH): the
+    /// change is computed on what Redis holds, written with its publication in one
+    /// transaction, and tried again if another instance changed the session meanwhile.
+    async fn mutate(
+        &self,
+        session: SessionId,
+        device: &str,
+        change: &super::AccessChange,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<Option<(Option<(crate::shard::Grants, crate::shard::Subscriptions)>, bool)>, Failed> {
+        let key = self.session_key(session);
+        let field = format!("a:{device}");
+        let ttl = self.o.session_ttl.as_millis() as u64;
+        for _ in 0..32 {
+            within("WATCH", redis::cmd("WATCH").arg(&key).query_async::<()>(conn)).await?;
+            let mut pipe = redis::pipe();
+            pipe.cmd("EXISTS").arg(&key).cmd("HGET").arg(&key).arg(&field);
+            let (exists, stored): (bool, Option<Vec<u8>>) = within("HGET access", pipe.query_async(conn)).await?;
+            if !exists {
+                within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
+                return Ok(None);
+            }
+            let mut access = crate::shard::access::Access::default();
+            if let Some((_, _, Some((grants, subs)))) = stored.as_deref().and_then(wire::decode_access) {
+                access.grants = grants;
+                access.subs = subs;
+            }
+            let permitted = change.apply(&mut access);
+            let now = (!access.is_empty()).then(|| (access.grants.clone(), access.subs.clone()));
+            if !permitted {
+                within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
+                return Ok(Some((now, false)));
+            }
+            let op = SharedOp::Access { session, device: device.into(), access: now.clone() };
+            let mut tx = redis::pipe();
+            tx.atomic();
+            match &now {
+                Some(a) => tx.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, session, Some(a))).ignore(),
+                None => tx.cmd("HDEL").arg(&key).arg(&field).ignore(),
+            };
+            tx.cmd("PEXPIRE").arg(&key).arg(ttl);
+            tx.cmd("PUBLISH").arg(self.channel("ops")).arg(wire::encode_op(&self.o.instance, &op)).ignore();
+            // EXEC answers nil when the session changed since WATCH: read it again.
+            let done: Option<(i64,)> = within("EXEC access", tx.query_async(conn)).await?;
+            if done.is_some() {
+                return Ok(Some((now, true)));
+            }
+        }
+        Err("a session changed on other instances faster than this one could write it (32 tries)".into())
     }
 
     async fn save(&self, op: &SharedOp, conn: &mut MultiplexedConnection) -> Result<bool, Failed> {

@@ -43,7 +43,7 @@ use crate::model::{Checked, Rejection};
 use crate::runtime::relay::{CorePlugin, Relay};
 use crate::runtime::Core;
 use crate::push::record;
-use crate::shard::{ask, DeviceOp, SessionOp, SessionReply, Viewer};
+use crate::shard::{ask, DeviceOp, Grants, SessionOp, SessionReply, Subscriptions, Viewer};
 pub use wire::ReadKind;
 pub use wire::SharedOp;
 
@@ -58,6 +58,11 @@ const OUTBOX_BYTES: usize = 4 << 20;
 pub(crate) enum Command {
     /// Write a change to Redis and publish it; answers whether a deleted session existed.
     Save { op: SharedOp, reply: oneshot::Sender<Result<bool, String>> },
+    /// Change a session's access on a device in Redis, computed on Redis's own copy (the
+    /// source of truth) in a WATCH/MULTI transaction with its publication: the new access,
+    /// and whether the change was permitted (a subscription needs a covering grant). `None`:
+    /// no such session in Redis.
+    Mutate { session: SessionId, device: Box<str>, change: AccessChange, reply: oneshot::Sender<Result<Option<(Option<(Grants, Subscriptions)>, bool)>, String>> },
     /// Read a session from Redis: its access per device, `None` if there is no such session.
     Load { session: SessionId, reply: oneshot::Sender<Result<Option<Vec<SharedOp>>, String>> },
     /// Device messages to publish, each on its device's channel (payloads of [`wire`]).
@@ -86,6 +91,33 @@ pub(crate) enum Inbound {
     Applied(oneshot::Sender<Vec<(Box<str>, i64)>>),
     /// Another instance's read of a device of this core: the body and how new the data is.
     Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Option<(i64, String)>> },
+}
+
+/// A change to one session's access on one device (see [`Command::Mutate`]).
+#[derive(Debug, Clone)]
+pub enum AccessChange {
+    Grant(crate::model::Grant),
+    Revoke(crate::model::Grant),
+    Subscribe(crate::model::Subscription),
+    Unsubscribe(crate::model::Subscription),
+}
+
+impl AccessChange {
+    /// Applies the change; whether it was permitted.
+    pub fn apply(&self, access: &mut crate::shard::access::Access) -> bool {
+        match self {
+            AccessChange::Grant(g) => {
+                access.add_grant(g);
+                true
+            }
+            AccessChange::Revoke(g) => {
+                access.revoke(g);
+                true
+            }
+            AccessChange::Subscribe(s) => access.subscribe(s),
+            AccessChange::Unsubscribe(s) => access.unsubscribe(s),
+        }
+    }
 }
 
 /// Counters of the link, read by `GET /metrics`.
@@ -503,6 +535,40 @@ pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool
     Ok(true)
 }
 
+/// How a change's caller is answered once the change is in force here.
+enum Answer {
+    Done(crate::shard::Reply<()>),
+    Permitted(crate::shard::Reply<bool>, bool),
+}
+
+/// A permission was refused here: with Redis, this instance's copy of the session may lag a
+/// change another instance has just made (it answered after writing Redis; the published
+/// change is on its way). Reads the session again from Redis and applies it; true when the
+/// caller should try once more. Without Redis: false.
+pub async fn refresh_session(core: &Rc<Core>, session: SessionId) -> Checked<bool> {
+    let Some(cluster) = of(core) else { return Ok(false) };
+    let Some(accesses) = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)? else {
+        return Ok(false);
+    };
+    let (ops, done): (Vec<DeviceOp>, Vec<_>) = accesses
+        .into_iter()
+        .filter_map(|op| match op {
+            SharedOp::Access { session, device, access } => {
+                Some(ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) }))
+            }
+            _ => None,
+        })
+        .unzip();
+    if ops.is_empty() {
+        return Ok(false);
+    }
+    core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
+    for done in done {
+        let _ = done.await;
+    }
+    Ok(true)
+}
+
 /// A session operation from the REST API: with Redis, the session is loaded first when this
 /// instance has no copy, and every change is written to Redis and published before the
 /// client is answered. Without Redis this is `core.session_op`.
@@ -535,27 +601,49 @@ pub async fn session_op(core: &Rc<Core>, session: SessionId, op: SessionOp) -> C
             if !ensure_session(core, session).await? {
                 return Ok(Some(SessionReply::Scoped(false)));
             }
-            // A change is followed by a read of the access it leaves (same core, in order),
-            // which is written to Redis and published before the caller is answered.
-            let changed: Vec<Box<str>> = ops
-                .iter()
-                .filter(|op| matches!(op, DeviceOp::Grant { .. } | DeviceOp::Revoke { .. } | DeviceOp::Subscribe { .. } | DeviceOp::Unsubscribe { .. }))
-                .map(|op| op.device().into())
-                .collect();
-            let mut ops = ops;
-            let mut reads = Vec::with_capacity(changed.len());
-            for device in changed {
-                let (op, read) = ask(|reply| DeviceOp::ReadAccess { device: device.clone(), session, reply });
-                ops.push(op);
-                reads.push((device, read));
+            // A change is computed on Redis's copy of the session's access (written and
+            // published in one transaction), then that access replaces the copy here; its
+            // caller is answered once it is in force here. Other operations run as they are.
+            let mut local = Vec::with_capacity(ops.len());
+            let mut answers: Vec<(Answer, futures_channel::oneshot::Receiver<()>)> = Vec::new();
+            for op in ops {
+                let (device, change, answer) = match op {
+                    DeviceOp::Grant { device, grant, done, .. } => (device, AccessChange::Grant(grant), Answer::Done(done)),
+                    DeviceOp::Revoke { device, grant, done, .. } => (device, AccessChange::Revoke(grant), Answer::Done(done)),
+                    DeviceOp::Subscribe { device, sub, permitted, .. } => (device, AccessChange::Subscribe(sub), Answer::Permitted(permitted, false)),
+                    DeviceOp::Unsubscribe { device, sub, permitted, .. } => (device, AccessChange::Unsubscribe(sub), Answer::Permitted(permitted, false)),
+                    other => {
+                        local.push(other);
+                        continue;
+                    }
+                };
+                let mutated = cluster
+                    .call(|reply| Command::Mutate { session, device: device.clone(), change, reply })
+                    .await
+                    .map_err(unavailable)?;
+                let Some((access, permitted)) = mutated else {
+                    // Deleted meanwhile (on another instance): as one node would answer.
+                    return Ok(Some(SessionReply::Scoped(false)));
+                };
+                let answer = match answer {
+                    Answer::Permitted(tx, _) => Answer::Permitted(tx, permitted),
+                    done => done,
+                };
+                let (op, applied) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
+                local.push(op);
+                answers.push((answer, applied));
             }
-            let reply = core.session_op(session, SessionOp::Scoped { session, register_devices, ops }).await;
-            if !matches!(reply, Some(SessionReply::Scoped(true))) {
-                return Ok(reply);
-            }
-            for (device, read) in reads {
-                let Ok(access) = read.await else { continue };
-                cluster.save(SharedOp::Access { session, device, access }).await?;
+            let reply = core.session_op(session, SessionOp::Scoped { session, register_devices, ops: local }).await;
+            for (answer, applied) in answers {
+                let _ = applied.await;
+                match answer {
+                    Answer::Done(tx) => {
+                        let _ = tx.send(());
+                    }
+                    Answer::Permitted(tx, permitted) => {
+                        let _ = tx.send(permitted);
+                    }
+                }
             }
             Ok(reply)
         }
