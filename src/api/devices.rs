@@ -15,7 +15,7 @@ use crate::http::{Request, Response};
 use crate::model::{Checked, Rejection};
 use crate::runtime::Core;
 use crate::shard::listing::{Page, PageRequest, MAX_LIMIT};
-use crate::shard::{SessionOp, SessionReply};
+use crate::shard::{ask_session, SessionOp};
 use crate::timefmt::iso;
 
 const DEFAULT_LIMIT: usize = 50;
@@ -46,19 +46,17 @@ fn parse(req: &Request) -> Checked<PageRequest> {
 pub async fn list(core: &Rc<Core>, req: &Request) -> Checked<Response> {
     require_admin(&core.settings, req)?;
     let request = parse(req)?;
-    let handles: Vec<_> = (0..core.cores())
+    // Every core at once, then every page.
+    let answers: Vec<_> = (0..core.cores())
         .map(|target| {
-            let core = core.clone();
-            let request = request.clone();
-            monoio::spawn(async move { core.session_op_on(target, SessionOp::ListDevices(request)).await })
+            let (op, page) = ask_session(|page| SessionOp::ListDevices { request: request.clone(), page });
+            core.session_op_on(target, op);
+            page
         })
         .collect();
-    let mut pages = Vec::with_capacity(handles.len());
-    for h in handles {
-        match h.await {
-            Some(SessionReply::Devices(page)) => pages.push(page),
-            _ => return Err(Rejection::new(503, "a core did not answer the device listing")),
-        }
+    let mut pages = Vec::with_capacity(answers.len());
+    for page in answers {
+        pages.push(page.await.map_err(|_| super::stopping())?);
     }
     Ok(Response::json(200, render(pages, request.limit)))
 }

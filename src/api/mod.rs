@@ -151,10 +151,9 @@ pub(crate) async fn on_device<T>(
 /// Sends `ops` through the session's core (which keeps the session alive, and with
 /// `register_devices` remembers their devices); 404 when there is no such session.
 pub(crate) async fn scoped(core: &Rc<Core>, session: crate::ids::SessionId, register_devices: bool, ops: Vec<crate::shard::DeviceOp>) -> Checked<()> {
-    let op = crate::shard::SessionOp::Scoped { session, register_devices, ops };
-    match crate::cluster::session_op(core, session, op).await? {
-        Some(crate::shard::SessionReply::Scoped(true)) => Ok(()),
-        _ => Err(auth::no_such_session()),
+    match crate::cluster::scoped(core, session, register_devices, ops).await? {
+        true => Ok(()),
+        false => Err(auth::no_such_session()),
     }
 }
 

@@ -43,7 +43,7 @@ use crate::model::{Checked, Rejection};
 use crate::runtime::relay::{CorePlugin, Relay};
 use crate::runtime::Core;
 use crate::push::record;
-use crate::shard::{ask, DeviceOp, Grants, SessionOp, SessionReply, Subscriptions, Viewer};
+use crate::shard::{ask, ask_session, DeviceOp, Grants, SessionOp, Subscriptions, Viewer};
 pub use wire::ReadKind;
 pub use wire::SharedOp;
 
@@ -461,22 +461,53 @@ async fn apply_remote(core: &Rc<Core>, op: SharedOp) {
     match op {
         SharedOp::Create(_) => {}
         SharedOp::Delete(id) => {
-            core.session_op(id, SessionOp::Delete(id)).await;
+            local_delete(core, id).await;
         }
         SharedOp::DeleteAll => {
-            for target in 0..core.cores() {
-                core.session_op_on(target, SessionOp::DeleteAll).await;
-            }
+            local_delete_all(core).await;
         }
         SharedOp::Access { session, device, access } => {
             // Waits until it is in force (the link's ordering barrier); a session this
             // instance holds no copy of drops it unanswered.
             let (op, done) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
-            if let Some(SessionReply::Scoped(true)) = core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops: vec![op] }).await {
+            if local_scoped(core, session, true, vec![op]).await {
                 let _ = done.await;
             }
         }
     }
+}
+
+/// The session table of this instance, without Redis: create on the session's core.
+async fn local_create(core: &Rc<Core>, id: SessionId) -> bool {
+    let target = core.session_core(id);
+    core.ask_session(target, ask_session(|created| SessionOp::Create { id, created })).await.unwrap_or(false)
+}
+
+async fn local_delete(core: &Rc<Core>, id: SessionId) -> bool {
+    let target = core.session_core(id);
+    core.ask_session(target, ask_session(|found| SessionOp::Delete { id, found })).await.unwrap_or(false)
+}
+
+/// Every core at once, then every answer.
+async fn local_delete_all(core: &Rc<Core>) -> bool {
+    let answers: Vec<_> = (0..core.cores())
+        .map(|target| {
+            let (op, answer) = ask_session(|any| SessionOp::DeleteAll { any });
+            core.session_op_on(target, op);
+            answer
+        })
+        .collect();
+    let mut any = false;
+    for answer in answers {
+        any |= answer.await.unwrap_or(false);
+    }
+    any
+}
+
+async fn local_scoped(core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> bool {
+    let target = core.session_core(session);
+    let asked = ask_session(|found| SessionOp::Scoped { session, register_devices, ops, found });
+    core.ask_session(target, asked).await.unwrap_or(false)
 }
 
 /// Keeps the Redis keys of this core's sessions alive.
@@ -503,19 +534,23 @@ pub fn of(core: &Core) -> Option<&Arc<Cluster>> {
 /// check answers).
 pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool> {
     let Some(cluster) = of(core) else { return Ok(true) };
-    if let Some(SessionReply::Scoped(true)) =
-        core.session_op(session, SessionOp::Scoped { session, register_devices: false, ops: Vec::new() }).await
-    {
+    if local_scoped(core, session, false, Vec::new()).await {
         return Ok(true);
     }
     let loaded = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)?;
     let Some(accesses) = loaded else { return Ok(false) };
-    match core.session_op(session, SessionOp::Create(session)).await {
-        Some(SessionReply::Created) => {}
-        Some(SessionReply::Full) => return Err(Rejection::new(503, "session limit reached (maxSessions)")),
-        // Created meanwhile by a concurrent request: fill it all the same (idempotent).
-        _ => {}
+    // `false` is a session created meanwhile by a concurrent request, or the process at
+    // maxSessions; the fill below tells them apart.
+    local_create(core, session).await;
+    if !install(core, session, accesses).await {
+        return Err(Rejection::new(503, "session limit reached (maxSessions)"));
     }
+    tracing::debug!(session = %session, "session loaded from Redis");
+    Ok(true)
+}
+
+/// Takes a session's accesses as Redis holds them into the copy here; false without a copy.
+async fn install(core: &Rc<Core>, session: SessionId, accesses: Vec<SharedOp>) -> bool {
     let (ops, done): (Vec<DeviceOp>, Vec<_>) = accesses
         .into_iter()
         .filter_map(|op| match op {
@@ -525,14 +560,13 @@ pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool
             _ => None,
         })
         .unzip();
-    if !ops.is_empty() {
-        core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
-        for done in done {
-            let _ = done.await;
-        }
+    if !local_scoped(core, session, true, ops).await {
+        return false;
     }
-    tracing::debug!(session = %session, "session loaded from Redis");
-    Ok(true)
+    for done in done {
+        let _ = done.await;
+    }
+    true
 }
 
 /// How a change's caller is answered once the change is in force here.
@@ -550,105 +584,95 @@ pub async fn refresh_session(core: &Rc<Core>, session: SessionId) -> Checked<boo
     let Some(accesses) = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)? else {
         return Ok(false);
     };
-    let (ops, done): (Vec<DeviceOp>, Vec<_>) = accesses
-        .into_iter()
-        .filter_map(|op| match op {
-            SharedOp::Access { session, device, access } => {
-                Some(ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) }))
-            }
-            _ => None,
-        })
-        .unzip();
-    if ops.is_empty() {
+    if accesses.is_empty() {
         return Ok(false);
     }
-    core.session_op(session, SessionOp::Scoped { session, register_devices: true, ops }).await;
-    for done in done {
-        let _ = done.await;
+    Ok(install(core, session, accesses).await)
+}
+
+/// `POST /session`: with Redis the new session is written there too (a failure undoes it
+/// here and answers 503). `false`: `maxSessions` reached.
+pub async fn create_session(core: &Rc<Core>, id: SessionId) -> Checked<bool> {
+    if !local_create(core, id).await {
+        return Ok(false);
+    }
+    if let Some(cluster) = of(core) {
+        if let Err(e) = cluster.save(SharedOp::Create(id)).await {
+            local_delete(core, id).await;
+            return Err(e);
+        }
     }
     Ok(true)
 }
 
-/// A session operation from the REST API: with Redis, the session is loaded first when this
-/// instance has no copy, and every change is written to Redis and published before the
-/// client is answered. Without Redis this is `core.session_op`.
-pub async fn session_op(core: &Rc<Core>, session: SessionId, op: SessionOp) -> Checked<Option<SessionReply>> {
-    let Some(cluster) = of(core).cloned() else { return Ok(core.session_op(session, op).await) };
-    match op {
-        SessionOp::Create(id) => {
-            let reply = core.session_op(id, SessionOp::Create(id)).await;
-            if matches!(reply, Some(SessionReply::Created)) {
-                if let Err(e) = cluster.save(SharedOp::Create(id)).await {
-                    core.session_op(id, SessionOp::Delete(id)).await;
-                    return Err(e);
-                }
-            }
-            Ok(reply)
-        }
-        SessionOp::Delete(id) => {
-            let existed = cluster.save(SharedOp::Delete(id)).await?;
-            let reply = core.session_op(id, SessionOp::Delete(id)).await;
-            Ok(Some(SessionReply::Deleted(existed || matches!(reply, Some(SessionReply::Deleted(true))))))
-        }
-        SessionOp::DeleteAll => {
-            cluster.save(SharedOp::DeleteAll).await?;
-            for target in 0..core.cores() {
-                core.session_op_on(target, SessionOp::DeleteAll).await;
-            }
-            Ok(Some(SessionReply::Deleted(true)))
-        }
-        SessionOp::Scoped { session, register_devices, ops } => {
-            if !ensure_session(core, session).await? {
-                return Ok(Some(SessionReply::Scoped(false)));
-            }
-            // A change is computed on Redis's copy of the session's access (written and
-            // published in one transaction), then that access replaces the copy here; its
-            // caller is answered once it is in force here. Other operations run as they are.
-            let mut local = Vec::with_capacity(ops.len());
-            let mut answers: Vec<(Answer, futures_channel::oneshot::Receiver<()>)> = Vec::new();
-            for op in ops {
-                let (device, change, answer) = match op {
-                    DeviceOp::Grant { device, grant, done, .. } => (device, AccessChange::Grant(grant), Answer::Done(done)),
-                    DeviceOp::Revoke { device, grant, done, .. } => (device, AccessChange::Revoke(grant), Answer::Done(done)),
-                    DeviceOp::Subscribe { device, sub, permitted, .. } => (device, AccessChange::Subscribe(sub), Answer::Permitted(permitted, false)),
-                    DeviceOp::Unsubscribe { device, sub, permitted, .. } => (device, AccessChange::Unsubscribe(sub), Answer::Permitted(permitted, false)),
-                    other => {
-                        local.push(other);
-                        continue;
-                    }
-                };
-                let mutated = cluster
-                    .call(|reply| Command::Mutate { session, device: device.clone(), change, reply })
-                    .await
-                    .map_err(unavailable)?;
-                let Some((access, permitted)) = mutated else {
-                    // Deleted meanwhile (on another instance): as one node would answer.
-                    return Ok(Some(SessionReply::Scoped(false)));
-                };
-                let answer = match answer {
-                    Answer::Permitted(tx, _) => Answer::Permitted(tx, permitted),
-                    done => done,
-                };
-                let (op, applied) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
-                local.push(op);
-                answers.push((answer, applied));
-            }
-            let reply = core.session_op(session, SessionOp::Scoped { session, register_devices, ops: local }).await;
-            for (answer, applied) in answers {
-                let _ = applied.await;
-                match answer {
-                    Answer::Done(tx) => {
-                        let _ = tx.send(());
-                    }
-                    Answer::Permitted(tx, permitted) => {
-                        let _ = tx.send(permitted);
-                    }
-                }
-            }
-            Ok(reply)
-        }
-        other => Ok(core.session_op(session, other).await),
+/// `DELETE /sessions/:id`: gone from Redis (published: every instance closes its sockets) and
+/// from here; whether it existed anywhere.
+pub async fn delete_session(core: &Rc<Core>, id: SessionId) -> Checked<bool> {
+    let existed = match of(core) {
+        Some(cluster) => cluster.save(SharedOp::Delete(id)).await?,
+        None => false,
+    };
+    Ok(local_delete(core, id).await || existed)
+}
+
+/// `DELETE /sessions`: every session, on every instance.
+pub async fn delete_all(core: &Rc<Core>) -> Checked<()> {
+    if let Some(cluster) = of(core) {
+        cluster.save(SharedOp::DeleteAll).await?;
     }
+    local_delete_all(core).await;
+    Ok(())
+}
+
+/// A session-scoped batch from the REST API (false: no such session). With Redis, the
+/// session is loaded first when this instance has no copy, and every change (grant, revoke,
+/// subscribe, unsubscribe) is computed on Redis's copy of the session's access, written and
+/// published in one transaction, then taken into the copy here before its caller is answered.
+pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Checked<bool> {
+    let Some(cluster) = of(core).cloned() else { return Ok(local_scoped(core, session, register_devices, ops).await) };
+    if !ensure_session(core, session).await? {
+        return Ok(false);
+    }
+    let mut local = Vec::with_capacity(ops.len());
+    let mut answers: Vec<(Answer, futures_channel::oneshot::Receiver<()>)> = Vec::new();
+    for op in ops {
+        let (device, change, answer) = match op {
+            DeviceOp::Grant { device, grant, done, .. } => (device, AccessChange::Grant(grant), Answer::Done(done)),
+            DeviceOp::Revoke { device, grant, done, .. } => (device, AccessChange::Revoke(grant), Answer::Done(done)),
+            DeviceOp::Subscribe { device, sub, permitted, .. } => (device, AccessChange::Subscribe(sub), Answer::Permitted(permitted, false)),
+            DeviceOp::Unsubscribe { device, sub, permitted, .. } => (device, AccessChange::Unsubscribe(sub), Answer::Permitted(permitted, false)),
+            other => {
+                local.push(other);
+                continue;
+            }
+        };
+        let mutated = cluster
+            .call(|reply| Command::Mutate { session, device: device.clone(), change, reply })
+            .await
+            .map_err(unavailable)?;
+        // `None`: deleted meanwhile (on another instance), as one node would answer.
+        let Some((access, permitted)) = mutated else { return Ok(false) };
+        let answer = match answer {
+            Answer::Permitted(tx, _) => Answer::Permitted(tx, permitted),
+            done => done,
+        };
+        let (op, applied) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
+        local.push(op);
+        answers.push((answer, applied));
+    }
+    let found = local_scoped(core, session, register_devices, local).await;
+    for (answer, applied) in answers {
+        let _ = applied.await;
+        match answer {
+            Answer::Done(tx) => {
+                let _ = tx.send(());
+            }
+            Answer::Permitted(tx, permitted) => {
+                let _ = tx.send(permitted);
+            }
+        }
+    }
+    Ok(found)
 }
 
 /// A read that found nothing here (404): with Redis, the instances that hold the device are

@@ -17,7 +17,7 @@ use crate::push::Delivery;
 use crate::shard::devices::PushTiming;
 use crate::runtime::mesh::{await_reply, CoreMsg, Inbox, Mesh};
 use crate::runtime::routing::{core_of_device, core_of_session};
-use crate::shard::{DeviceOp, DeviceTable, SessionOp, SessionReply, SessionTable};
+use crate::shard::{DeviceOp, DeviceTable, SessionOp, SessionTable};
 use crate::Shared;
 
 /// A slot of the connection budget held by an Engine.IO polling session.
@@ -158,71 +158,68 @@ impl Core {
         answer.await.ok()
     }
 
-    /// Runs a session operation on the session's core.
-    pub async fn session_op(self: &Rc<Self>, session: SessionId, op: SessionOp) -> Option<SessionReply> {
-        let target = self.session_core(session);
-        self.session_op_on(target, op).await
+    /// Sends a session operation to the session's core; it answers its own caller there.
+    pub fn session_op(self: &Rc<Self>, session: SessionId, op: SessionOp) {
+        self.session_op_on(self.session_core(session), op);
     }
 
-    pub async fn session_op_on(self: &Rc<Self>, target: usize, op: SessionOp) -> Option<SessionReply> {
+    /// Sends a session operation to core `target`.
+    pub fn session_op_on(self: &Rc<Self>, target: usize, op: SessionOp) {
         if target == self.index {
-            return Some(self.run_session_op(op).await);
+            self.run_session_op(op);
+        } else {
+            self.mesh.post(target, CoreMsg::Session { op });
         }
-        let (tx, rx) = oneshot::channel();
-        self.mesh.post(target, CoreMsg::Session { op, reply: tx });
-        await_reply(rx).await
+    }
+
+    /// Sends a session operation to core `target` and waits for its typed answer; `None`
+    /// only when that core has stopped (shutdown).
+    pub async fn ask_session<T>(self: &Rc<Self>, target: usize, (op, answer): (SessionOp, oneshot::Receiver<T>)) -> Option<T> {
+        self.session_op_on(target, op);
+        answer.await.ok()
     }
 
     /// Session operations run here, on the session's core; their device steps go out from
     /// here too, so they stay ordered with this session's clean-up messages.
-    async fn run_session_op(self: &Rc<Self>, op: SessionOp) -> SessionReply {
+    fn run_session_op(self: &Rc<Self>, op: SessionOp) {
         let now = Instant::now();
-        let reply = self.run_session_op_inner(op, now);
-        // Session changes are committed before the device steps leave this core.
-        self.persist(None);
-        self.arm_clock();
-        match reply {
-            Ok(reply) => reply,
-            Err(ops) => {
-                self.device_ops_anywhere(ops);
-                SessionReply::Scoped(true)
-            }
-        }
-    }
-
-    /// The session-table part of a session operation; `Err(ops)`: run these device steps.
-    fn run_session_op_inner(self: &Rc<Self>, op: SessionOp, now: Instant) -> Result<SessionReply, Vec<DeviceOp>> {
-        Ok(match op {
-            SessionOp::Create(id) => {
-                if self.sessions.borrow_mut().create(id, now) {
+        match op {
+            SessionOp::Create { id, created } => {
+                let ok = self.sessions.borrow_mut().create(id, now);
+                if ok {
                     tracing::debug!(session = %id, "session opened");
-                    SessionReply::Created
-                } else {
-                    SessionReply::Full
                 }
+                self.committed();
+                let _ = created.send(ok);
             }
-            SessionOp::Delete(id) => {
+            SessionOp::Delete { id, found } => {
                 let record = self.sessions.borrow_mut().remove(id);
-                let found = record.is_some();
+                let existed = record.is_some();
                 if let Some(record) = record {
                     self.end_session(id, record, "session deleted");
                 }
-                SessionReply::Deleted(found)
+                self.committed();
+                let _ = found.send(existed);
             }
-            SessionOp::ListDevices(request) => SessionReply::Devices(crate::shard::listing::page(&self.devices.borrow(), &request)),
-            SessionOp::DeleteAll => {
+            SessionOp::DeleteAll { any } => {
                 let all = self.sessions.borrow_mut().drain();
-                let any = !all.is_empty();
+                let some = !all.is_empty();
                 for (id, record) in all {
                     self.end_session(id, record, "session deleted");
                 }
-                SessionReply::Deleted(any)
+                self.committed();
+                let _ = any.send(some);
             }
-            SessionOp::Scoped { session, register_devices, mut ops } => {
+            SessionOp::ListDevices { request, page } => {
+                let _ = page.send(crate::shard::listing::page(&self.devices.borrow(), &request));
+            }
+            SessionOp::Scoped { session, register_devices, mut ops, found } => {
                 {
                     let mut sessions = self.sessions.borrow_mut();
                     let Some(record) = sessions.touch(session, now) else {
-                        return Ok(SessionReply::Scoped(false));
+                        drop(sessions);
+                        let _ = found.send(false);
+                        return;
                     };
                     // Scale-out: a session with a socket here watches what it subscribes to.
                     if !record.sockets.is_empty() && self.relay.borrow().is_some() {
@@ -246,9 +243,18 @@ impl Core {
                         }
                     }
                 }
-                return Err(ops);
+                // Session changes are committed before the device steps leave this core.
+                self.committed();
+                self.device_ops_anywhere(ops);
+                let _ = found.send(true);
             }
-        })
+        }
+    }
+
+    /// After a session-table change: commit it and re-arm the clock.
+    fn committed(&self) {
+        self.persist(None);
+        self.arm_clock();
     }
 
     /// A session is gone: close its sockets and drop its grants and subscriptions.
@@ -496,12 +502,7 @@ impl Core {
                         }
                     }
                     CoreMsg::Devices { ops } => self.device_ops(self.index, ops),
-                    CoreMsg::Session { op, reply } => {
-                        let me = self.clone();
-                        monoio::spawn(async move {
-                            let _ = reply.send(me.run_session_op(op).await);
-                        });
-                    }
+                    CoreMsg::Session { op } => self.run_session_op(op),
                     CoreMsg::Deliver(deliveries) => self.deliver_local(deliveries),
                     CoreMsg::Metrics(reply) => {
                         let _ = reply.send(self.metrics_snapshot());

@@ -48,7 +48,7 @@ use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
 use crate::push::envelope::merge_telemetry;
 use crate::push::{Delivery, FrameKind};
-use crate::shard::{DeviceOp, SessionOp, SessionReply};
+use crate::shard::{DeviceOp, SessionOp};
 
 /// Where the answer to a cross-core request goes.
 pub type Reply<T> = oneshot::Sender<T>;
@@ -60,7 +60,7 @@ pub enum CoreMsg {
     /// Operations on devices this core owns, applied in order; each answers its own caller.
     Devices { ops: Vec<DeviceOp> },
     /// An operation on a session this core owns.
-    Session { op: SessionOp, reply: Reply<SessionReply> },
+    Session { op: SessionOp },
     /// This core's metrics snapshot, for `GET /metrics`.
     Metrics(Reply<crate::metrics::Snapshot>),
     /// Live data for sessions this core owns (from the devices' cores).

@@ -124,28 +124,25 @@ pub fn ask<T>(make: impl FnOnce(Reply<T>) -> DeviceOp) -> (DeviceOp, futures_cha
     (make(tx), rx)
 }
 
-/// An operation on one session, run on the session's core.
+/// An operation on one session, run on the session's core; each answers its own caller.
 #[derive(Debug)]
 pub enum SessionOp {
-    Create(SessionId),
-    Delete(SessionId),
-    /// Delete every session this core owns.
-    DeleteAll,
-    /// Check the session exists and keep it alive; remember the devices of `ops` when
-    /// `register_devices` (grants), then send `ops` to their devices' cores (each answers its
-    /// own caller; without the session they are dropped unanswered).
-    Scoped { session: SessionId, register_devices: bool, ops: Vec<DeviceOp> },
+    /// Opens a session with this id; `false`: the process holds `maxSessions` already.
+    Create { id: SessionId, created: Reply<bool> },
+    /// Ends a session (its sockets close); whether it existed.
+    Delete { id: SessionId, found: Reply<bool> },
+    /// Ends every session this core owns; whether there was any.
+    DeleteAll { any: Reply<bool> },
+    /// Checks the session exists and keeps it alive; remembers the devices of `ops` when
+    /// `register_devices` (grants), then sends `ops` to their devices' cores (each answers its
+    /// own caller; without the session they are dropped unanswered). Answers whether it exists.
+    Scoped { session: SessionId, register_devices: bool, ops: Vec<DeviceOp>, found: Reply<bool> },
     /// One page of this core's devices (the console's `GET /devices`; see `listing`).
-    ListDevices(listing::PageRequest),
+    ListDevices { request: listing::PageRequest, page: Reply<listing::Page> },
 }
 
-#[derive(Debug)]
-pub enum SessionReply {
-    Created,
-    /// This core holds its share of `maxSessions` already.
-    Full,
-    Deleted(bool),
-    /// Whether the session exists (its operations were sent on).
-    Scoped(bool),
-    Devices(listing::Page),
+/// [`ask`] for session operations.
+pub fn ask_session<T>(make: impl FnOnce(Reply<T>) -> SessionOp) -> (SessionOp, futures_channel::oneshot::Receiver<T>) {
+    let (tx, rx) = futures_channel::oneshot::channel();
+    (make(tx), rx)
 }
