@@ -220,3 +220,68 @@ fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated()
         assert_eq!(s, &vec![1, 2], "{}: each event exactly once across the handover", device(p));
     }
 }
+
+/// The partitions `server` reads, from `GET /status`.
+fn partitions_of(server: &Server) -> Vec<String> {
+    let (status, body, _) = server.call("GET", "/status", &[ADMIN], None);
+    assert_eq!(status, 200, "{body}");
+    let mut partitions: Vec<String> = serde_json::from_value(common::parse_json(&body)["partitions"].clone()).unwrap();
+    partitions.sort();
+    partitions
+}
+
+#[test]
+fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothing_is_lost() {
+    let mut redis = Redis::start();
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    let a = instance(&redis, &hub, "a");
+    let b = instance(&redis, &hub, "b");
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    let (of_a, of_b) = (partitions_of(&a), partitions_of(&b));
+    let session = b.new_session();
+    for p in 0..PARTITIONS.len() {
+        let request = json!({"type": "telemetry", "deviceId": device(p)});
+        b.grant(&session, request.clone());
+        assert_eq!(b.subscribe(&session, request).0, 204);
+    }
+    let mut live = b.live(&session);
+    let watched = "hubcast_redis_watched_elsewhere_devices{instance=\"a\"}";
+    assert_eq!(a.wait_for_metric(watched, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64));
+    publish_round(&hub, 1);
+    wait_last_values(&b, 1);
+    // Redis goes away (SIGKILL: everything it held is gone) while events keep coming; the
+    // instances stop reading once their leases can no longer be renewed.
+    redis.down();
+    publish_round(&hub, 2);
+    for (s, id) in [(&a, "a"), (&b, "b")] {
+        let series = format!("hubcast_redis_partition_leases{{instance=\"{id}\"}}");
+        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == 0.0), Some(0.0), "{id} gives its leases up");
+    }
+    // Redis comes back empty: no lease, no checkpoint. Each instance takes back the partitions
+    // its cores were reading (it knows how far it got), so none is read twice or skipped.
+    redis.up();
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    assert_eq!((partitions_of(&a), partitions_of(&b)), (of_a, of_b), "each instance reads its partitions again");
+    // Round 2 was read by each partition's holder during the outage. B's copies of A's
+    // devices (its client watches them) missed it: they were forgotten when B's link came
+    // back, so B answers from A, as one node would.
+    wait_last_values(&a, 2);
+    wait_last_values(&b, 2);
+    // The live client on B: B's own partitions reached it during the outage; A's cross Redis
+    // again once B's watches are back. Every event at most once and in order, the last round
+    // from every device.
+    let watched_back = a.wait_for_metric(watched, WAIT, |v| v == PARTITIONS.len() as f64);
+    assert_eq!(watched_back, Some(PARTITIONS.len() as f64), "B's watches are known to A again");
+    publish_round(&hub, 3);
+    let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
+    while seen.iter().any(|s| s.last() != Some(&3)) {
+        let frame: Value = live.next_json(WAIT).unwrap_or_else(|| panic!("round 3 reaches the live client; got {seen:?}"));
+        if let (Some(dev), Some(n)) = (frame["deviceId"].as_str(), frame["telemetry"]["n"].as_i64()) {
+            seen[dev.trim_start_matches("dev-").parse::<usize>().unwrap()].push(n);
+        }
+    }
+    for (p, s) in seen.iter().enumerate() {
+        assert_eq!(s.first(), Some(&1), "{}: round 1 arrived live: {s:?}", device(p));
+        assert!(s.windows(2).all(|w| w[0] < w[1]), "{}: no event applied twice, in order: {s:?}", device(p));
+    }
+}

@@ -92,9 +92,11 @@ pub fn start(
             instances: HashSet::new(),
             down_since_logged: false,
             reads: HashMap::new(),
+            echoes: std::collections::VecDeque::new(),
             next_read: 0,
             stream: None,
             leased: std::collections::BTreeMap::new(),
+            lost: HashSet::new(),
             checkpointed: HashMap::new(),
             owned,
             renewed_at: tokio::time::Instant::now(),
@@ -120,12 +122,20 @@ struct Link {
     down_since_logged: bool,
     reads: HashMap<u64, PendingRead>,
     next_read: u64,
+    /// Access changes written here, answered once their own publication comes back on the
+    /// `ops` channel and is applied (see [`Link::on_own_op`]). At most one per command taken
+    /// from the bounded command queue, so bounded by it.
+    echoes: std::collections::VecDeque<PendingEcho>,
     /// The event stream the consumer reads, once it has said.
     stream: Option<super::StreamPlan>,
     /// Partitions leased here → the checkpoint found when the lease was taken.
     leased: std::collections::BTreeMap<String, Option<i64>>,
     /// The last checkpoint written per partition.
     checkpointed: HashMap<String, i64>,
+    /// Partitions whose lease this instance lost without giving it up (a renewal refused, or
+    /// given up while Redis was unreachable): taken again first, so that after a Redis
+    /// restart each instance goes back to the partitions its cores hold positions for.
+    lost: HashSet<String>,
     owned: tokio::sync::watch::Sender<super::Owned>,
     /// When the leases were last renewed: past the TTL without Redis they are given up.
     renewed_at: tokio::time::Instant,
@@ -134,6 +144,14 @@ struct Link {
 }
 
 type Failed = String;
+
+/// An access change written and published, waiting for its publication to come back.
+struct PendingEcho {
+    session: SessionId,
+    device: Box<str>,
+    access: super::AccessOn,
+    reply: futures_channel::oneshot::Sender<Result<super::Mutated, String>>,
+}
 
 async fn within<T>(what: &str, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Failed> {
     match tokio::time::timeout(CALL_DEADLINE, f).await {
@@ -160,6 +178,9 @@ impl Link {
             let reason = match self.connect().await {
                 Ok((mut conn, mut sink, stream)) => {
                     backoff = Duration::from_millis(100);
+                    if self.stats.reconnects.load(Ordering::Relaxed) > 0 {
+                        self.forget_replicas().await;
+                    }
                     (self.status)(None);
                     self.stats.connected.store(1, Ordering::Relaxed);
                     tracing::info!(instance = %self.o.instance, others = self.instances.len(), "connected to Redis");
@@ -167,6 +188,11 @@ impl Link {
                     let reason = self.serve(&mut conn, &mut sink, stream, &commands).await;
                     for (_, read) in self.reads.drain() {
                         let _ = read.reply.send(Err(format!("the link to Redis was lost ({reason})")));
+                    }
+                    // Written, but not seen back: the copy here may miss it until the session
+                    // is read again, so the caller hears that Redis failed.
+                    for echo in self.echoes.drain(..) {
+                        let _ = echo.reply.send(Err(format!("the link to Redis was lost ({reason})")));
                     }
                     self.stats.connected.store(0, Ordering::Relaxed);
                     self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -197,7 +223,7 @@ impl Link {
                     },
                     _ = tokio::time::sleep_until(give_up), if !self.leased.is_empty() => {
                         tracing::warn!(partitions = self.leased.len(), "partition leases not renewed in time (Redis unreachable): reading none until they are taken again");
-                        self.leased.clear();
+                        self.lost.extend(std::mem::take(&mut self.leased).into_keys());
                         self.publish_owned();
                     }
                     _ = tokio::time::sleep_until(until) => break,
@@ -516,6 +542,7 @@ impl Link {
             for p in lost {
                 tracing::warn!(partition = %p, "partition lease lost (taken by another instance)");
                 self.leased.remove(&p);
+                self.lost.insert(p);
             }
         }
         self.renewed_at = tokio::time::Instant::now();
@@ -557,7 +584,9 @@ impl Link {
         if self.leased.len() < share {
             // Start at a place of this instance's own, so instances do not race for one partition.
             let start = crc32fast::hash(me.as_bytes()) as usize % stream.ids.len().max(1);
-            let order: Vec<String> = stream.ids.iter().cycle().skip(start).take(stream.ids.len()).cloned().collect();
+            let mut order: Vec<String> = stream.ids.iter().cycle().skip(start).take(stream.ids.len()).cloned().collect();
+            // Those lost first (stable: otherwise in this instance's own order).
+            order.sort_by_key(|p| !self.lost.contains(p));
             for p in order {
                 if self.leased.len() >= share {
                     break;
@@ -587,6 +616,7 @@ impl Link {
                     self.checkpointed.insert(p.clone(), seq);
                 }
                 tracing::info!(partition = %p, after_sequence_number = ?checkpoint, instances, share, "partition lease taken");
+                self.lost.remove(&p);
                 self.leased.insert(p, checkpoint);
             }
         }
@@ -609,7 +639,13 @@ impl Link {
             Command::Mutate { session, device, change, reply } => {
                 let result = self.mutate(session, &device, &change, conn).await;
                 let failed = result.as_ref().err().cloned();
-                let _ = reply.send(result);
+                match result {
+                    // Written and published: answered when it comes back (on_own_op).
+                    Ok(Some((access, true))) => self.echoes.push_back(PendingEcho { session, device, access, reply }),
+                    other => {
+                        let _ = reply.send(other);
+                    }
+                }
                 if let Some(reason) = failed {
                     return Err(reason);
                 }
@@ -727,7 +763,7 @@ impl Link {
         device: &str,
         change: &super::AccessChange,
         conn: &mut MultiplexedConnection,
-    ) -> Result<Option<(Option<(crate::shard::Grants, crate::shard::Subscriptions)>, bool)>, Failed> {
+    ) -> Result<super::Mutated, Failed> {
         let key = self.session_key(session);
         let field = format!("a:{device}");
         let ttl = self.o.session_ttl.as_millis() as u64;
@@ -856,7 +892,7 @@ impl Link {
                 self.flush_messages(&mut per_core).await;
                 match wire::decode_op(payload) {
                     Some((origin, op)) if origin != &*self.o.instance => self.apply_op(op).await,
-                    Some(_) => {}
+                    Some((_, op)) => self.on_own_op(op).await,
                     None => {
                         self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
                     }
@@ -920,6 +956,33 @@ impl Link {
         for (core, batch) in per_core.iter_mut().enumerate() {
             if !batch.is_empty() {
                 let _ = self.cores[core].send(Inbound::Messages(std::mem::take(batch))).await;
+            }
+        }
+    }
+
+    /// This instance's own access change, back from the `ops` channel: applied here in the
+    /// channel's order like everyone else's, then answered. Redis orders every change of
+    /// every instance on that channel, so a change another instance made earlier (published
+    /// but not yet applied here) can no longer land after this one and undo it.
+    async fn on_own_op(&mut self, op: SharedOp) {
+        let SharedOp::Access { session, device, .. } = &op else { return };
+        let Some(front) = self.echoes.front() else { return };
+        if front.session != *session || front.device != *device {
+            tracing::warn!(session = %session, device = %device, "an access change came back out of order; answering the one waiting");
+        }
+        let Some(echo) = self.echoes.pop_front() else { return };
+        self.apply_op(op).await;
+        let _ = echo.reply.send(Ok(Some((echo.access, true))));
+    }
+
+    /// After an outage, before any message of the new connection is handed over: every
+    /// core forgets the values it learnt from the others (what they published meanwhile
+    /// was lost with the connection).
+    async fn forget_replicas(&self) {
+        for core in &self.cores {
+            let (done, forgotten) = futures_channel::oneshot::channel();
+            if core.send(Inbound::Reconnected(done)).await.is_ok() {
+                let _ = tokio::time::timeout(Duration::from_secs(10), forgotten).await;
             }
         }
     }

@@ -55,6 +55,13 @@ const INBOUND: usize = 256;
 const OUTBOX_MESSAGES: usize = 4096;
 const OUTBOX_BYTES: usize = 4 << 20;
 
+/// A session's whole access on one device (`None`: none).
+pub type AccessOn = Option<(Grants, Subscriptions)>;
+
+/// What a [`Command::Mutate`] did: the access after it and whether it was permitted; `None`
+/// when the session is in Redis no more.
+pub(crate) type Mutated = Option<(AccessOn, bool)>;
+
 pub(crate) enum Command {
     /// Write a change to Redis and publish it; answers whether a deleted session existed.
     Save { op: SharedOp, reply: oneshot::Sender<Result<bool, String>> },
@@ -62,7 +69,7 @@ pub(crate) enum Command {
     /// source of truth) in a WATCH/MULTI transaction with its publication: the new access,
     /// and whether the change was permitted (a subscription needs a covering grant). `None`:
     /// no such session in Redis.
-    Mutate { session: SessionId, device: Box<str>, change: AccessChange, reply: oneshot::Sender<Result<Option<(Option<(Grants, Subscriptions)>, bool)>, String>> },
+    Mutate { session: SessionId, device: Box<str>, change: AccessChange, reply: oneshot::Sender<Result<Mutated, String>> },
     /// Read a session from Redis: its access per device, `None` if there is no such session.
     Load { session: SessionId, reply: oneshot::Sender<Result<Option<Vec<SharedOp>>, String>> },
     /// Device messages to publish, each on its device's channel (payloads of [`wire`]).
@@ -87,6 +94,8 @@ pub(crate) enum Inbound {
     Messages(Vec<IngestMessage>),
     /// Devices of this core that other instances started or stopped watching.
     RemoteWatch(Vec<(Box<str>, bool)>),
+    /// The link to Redis is back after an outage: forget values learnt from the others.
+    Reconnected(oneshot::Sender<()>),
     /// This core's applied marks (source partition → sequence number), for checkpoints.
     Applied(oneshot::Sender<Vec<(Box<str>, i64)>>),
     /// Another instance's read of a device of this core: the body and how new the data is.
@@ -438,6 +447,14 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 };
                 let _ = reply.send(newest.zip(body));
             }
+            Inbound::Reconnected(done) => {
+                let forgotten = core.devices.borrow_mut().forget_replicas();
+                if forgotten > 0 {
+                    core.persist(None);
+                    tracing::info!(core = core.index, devices = forgotten, "values learnt from other instances before the Redis outage forgotten: reads ask their holders again");
+                }
+                let _ = done.send(());
+            }
             Inbound::RemoteWatch(changes) => {
                 // Counted here, once the core publishes accordingly (the metric tests wait on).
                 let mut remote = relay.remote.borrow_mut();
@@ -627,14 +644,17 @@ pub async fn delete_all(core: &Rc<Core>) -> Checked<()> {
 /// A session-scoped batch from the REST API (false: no such session). With Redis, the
 /// session is loaded first when this instance has no copy, and every change (grant, revoke,
 /// subscribe, unsubscribe) is computed on Redis's copy of the session's access, written and
-/// published in one transaction, then taken into the copy here before its caller is answered.
+/// published in one transaction, then taken into the copy here before its caller is answered:
+/// the Redis link applies it when its publication comes back on the `ops` channel, in the
+/// order Redis gave every instance's changes, so an earlier change of another instance can
+/// never be applied here after it and undo it.
 pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Checked<bool> {
     let Some(cluster) = of(core).cloned() else { return Ok(local_scoped(core, session, register_devices, ops).await) };
     if !ensure_session(core, session).await? {
         return Ok(false);
     }
     let mut local = Vec::with_capacity(ops.len());
-    let mut answers: Vec<(Answer, futures_channel::oneshot::Receiver<()>)> = Vec::new();
+    let mut answers: Vec<Answer> = Vec::new();
     for op in ops {
         let (device, change, answer) = match op {
             DeviceOp::Grant { device, grant, done, .. } => (device, AccessChange::Grant(grant), Answer::Done(done)),
@@ -650,19 +670,16 @@ pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool,
             .call(|reply| Command::Mutate { session, device: device.clone(), change, reply })
             .await
             .map_err(unavailable)?;
-        // `None`: deleted meanwhile (on another instance), as one node would answer.
-        let Some((access, permitted)) = mutated else { return Ok(false) };
-        let answer = match answer {
+        // `None`: deleted meanwhile (on another instance), as one node would answer. A change
+        // written is in force here by now (applied by the link); a refused one changed nothing.
+        let Some((_, permitted)) = mutated else { return Ok(false) };
+        answers.push(match answer {
             Answer::Permitted(tx, _) => Answer::Permitted(tx, permitted),
             done => done,
-        };
-        let (op, applied) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
-        local.push(op);
-        answers.push((answer, applied));
+        });
     }
     let found = local_scoped(core, session, register_devices, local).await;
-    for (answer, applied) in answers {
-        let _ = applied.await;
+    for answer in answers {
         match answer {
             Answer::Done(tx) => {
                 let _ = tx.send(());

@@ -79,7 +79,7 @@ pub fn encode_access(device: &str, session: SessionId, access: Option<&(Grants, 
     buf
 }
 
-pub fn decode_access(bytes: &[u8]) -> Option<(Box<str>, SessionId, Option<(Grants, Subscriptions)>)> {
+pub fn decode_access(bytes: &[u8]) -> Option<(Box<str>, SessionId, super::AccessOn)> {
     let mut found = None;
     format::decode(bytes, &mut |record| {
         if let Record::Access(device, session, access) = record {

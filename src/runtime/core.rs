@@ -334,7 +334,11 @@ impl Core {
                 if let Some(relay) = &relay {
                     relay.offer(&msg);
                 }
-                devices.ingest_and_publish(msg, now, &mut deliveries);
+                if local {
+                    devices.ingest_and_publish(msg, now, &mut deliveries);
+                } else {
+                    devices.ingest_replica(msg, now, &mut deliveries);
+                }
             }
         }
         if let Some(relay) = &relay {

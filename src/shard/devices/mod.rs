@@ -153,6 +153,9 @@ pub struct DeviceTable {
     pub dirty: Dirty,
     /// Scale-out: devices whose `watched_here` changed, for the relay (`None`: one instance).
     watch_changes: Option<Vec<(Box<str>, bool)>>,
+    /// Scale-out: devices last updated by another instance's message, with their newest value
+    /// time then ([`Self::forget_replicas`]). At most one entry per device of this core.
+    replicas: HashMap<Box<str>, Millis>,
 }
 
 impl DeviceTable {
@@ -167,7 +170,40 @@ impl DeviceTable {
             twin_fetches: Vec::new(),
             dirty: Dirty::default(),
             watch_changes: None,
+            replicas: HashMap::new(),
         }
+    }
+
+    /// Applies another instance's message of a device (scale-out) and remembers that the
+    /// device's values came from elsewhere.
+    pub fn ingest_replica(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
+        let device = msg.device_id.clone();
+        self.ingest_and_publish(msg, now, out);
+        if let Some(newest) = self.newest(&device) {
+            self.replicas.insert(device, newest);
+        }
+    }
+
+    /// The link to the other instances was lost: what they published meanwhile never came,
+    /// so values learnt from them may be old. Forgets the values (last telemetry, twin,
+    /// connection state) of every device last updated by another instance and by nothing
+    /// newer here since; its grants and subscriptions stay. Reads then ask the device's
+    /// holder again, and its next message refills them. Returns how many were forgotten.
+    pub fn forget_replicas(&mut self) -> usize {
+        let mut forgotten = 0;
+        for (device, then) in std::mem::take(&mut self.replicas) {
+            if self.newest(&device).is_none_or(|now| now > then) {
+                continue;
+            }
+            if let Some(d) = self.devices.get_mut(&device) {
+                d.telemetry.clear();
+                d.twin = None;
+                d.connection = None;
+                self.dirty.device(&device);
+                forgotten += 1;
+            }
+        }
+        forgotten
     }
 
     /// Scale-out: track which devices a session with a socket on this instance subscribes
