@@ -89,8 +89,7 @@ impl ServiceConnection {
             key: require(&p, "sharedaccesskey", "SharedAccessKey")?,
         };
         // IoT Hub signs with the base64-decoded key: a key that does not decode cannot sign.
-        crate::hub::sas::Signer::new(&connection.host_name, &connection.key_name, &connection.key)
-            .map_err(ParseError)?;
+        crate::sas::decode_key(&connection.key).map_err(ParseError)?;
         Ok(connection)
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use hubcast::config::normalise_environment;
 use hubcast::logging::{self, LogLevel};
 use hubcast::status::StatusBoard;
-use hubcast::Shared;
+use hubcast::app::Shared;
 
 /// With `--features mimalloc`: mimalloc instead of glibc's malloc. fe2o3 decodes every AMQP
 /// message into owned maps and strings (a dozen small allocations, freed soon after, some on
@@ -89,15 +89,15 @@ fn main() -> ExitCode {
         }
         None => None,
     };
-    let plugin = cluster.as_ref().map(|(c, _)| c.clone() as Arc<dyn hubcast::runtime::relay::CorePlugin>);
-    let shared = Arc::new(Shared {
-        log,
-        status,
-        hub,
-        external_metrics: Default::default(),
-        cluster: cluster.as_ref().map(|(c, _)| c.clone()),
-        plugin,
-    });
+    // Started beside every core, in this order.
+    let mut plugins: Vec<Arc<dyn hubcast::app::relay::CorePlugin>> = Vec::new();
+    if let Some((c, _)) = &cluster {
+        plugins.push(c.clone());
+    }
+    if settings.config.simulate > 0 {
+        plugins.push(Arc::new(hubcast::simulate::Simulator { devices: settings.config.simulate }));
+    }
+    let shared = Arc::new(Shared { log, status, hub, external_metrics: Default::default(), plugins });
     if let Some((cluster, slot)) = &cluster {
         let (board, slot) = (shared.clone(), *slot);
         let status = move |down: Option<String>| match down {
@@ -130,11 +130,22 @@ fn main() -> ExitCode {
         }
         series
     }));
-    match hubcast::runtime::start(settings.clone(), shared.clone()) {
+    // The network face: every core serves its listener with the HTTP server (WebSocket and
+    // Engine.IO upgrades, the REST API).
+    let wiring = hubcast::app::Wiring {
+        accept: |core, listener| Box::pin(hubcast::http::accept_loop(core, listener)),
+        tls: hubcast::tls::enabled(),
+    };
+    match hubcast::app::start(settings.clone(), shared.clone(), wiring) {
         Ok(running) => {
             let mut amqp = None;
             if let Some((plan, source)) = consumer {
-                match hubcast::amqp::start(plan, shared, source, running.ingress.clone()) {
+                let board = shared.clone();
+                let status: hubcast::amqp::ReportStatus = Arc::new(move |state| match state {
+                    Ok(()) => board.status.source(source).set_connected(),
+                    Err(reason) => board.status.source(source).set_connecting(reason),
+                });
+                match hubcast::amqp::start(plan, status, cluster_metrics.clone(), running.ingress.clone()) {
                     Ok(thread) => amqp = Some(thread),
                     Err(e) => {
                         eprintln!("hubcast: cannot start the event hub consumer: {e}");

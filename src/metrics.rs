@@ -185,7 +185,7 @@ pub struct StateCounts {
     pub mesh_backlog_peak: u64,
     /// Telemetry deliveries conflated in those backlogs.
     pub mesh_conflated: u64,
-    /// Wake-ups of the core's timer task (runtime/clock.rs).
+    /// Wake-ups of the core's timer task (app/clock.rs).
     pub timer_wakeups: u64,
 }
 
@@ -209,7 +209,7 @@ pub struct Snapshot {
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
 pub type ExternalSeries = Vec<(String, String, String, u64)>;
 
-/// The cross-core mesh's bounded queues (runtime/mesh.rs).
+/// The cross-core mesh's bounded queues (app/mesh.rs).
 fn render_mesh(out: &mut String, cores: &[Snapshot]) {
     family(out, "hubcast_mesh_inbox_messages", "gauge", "Items (deliveries, messages, operations) in a core's cross-core inbox.");
     for (core, c) in cores.iter().enumerate() {

@@ -40,6 +40,12 @@ pub fn token(resource: &str, key_name: &str, key: &str, convention: KeyConventio
     Ok(format!("SharedAccessSignature sr={sr}&sig={}&se={expiry}&skn={}", url_encode(&signature), url_encode(key_name)))
 }
 
+/// The bytes of a base64 `SharedAccessKey` (IoT Hub signs with the decoded key): a key that
+/// does not decode cannot sign.
+pub fn decode_key(key: &str) -> Result<Vec<u8>, String> {
+    base64::engine::general_purpose::STANDARD.decode(key.trim()).map_err(|e| format!("SharedAccessKey is not base64 ({e})"))
+}
+
 /// base64(HMAC-SHA256(key, text))
 pub fn sign(key: &[u8], text: &str) -> String {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key);

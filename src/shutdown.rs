@@ -43,7 +43,7 @@ use std::task::{Poll, Waker};
 use std::time::Instant;
 
 use crate::push::outlet::{CloseReason, Outlet};
-use crate::runtime::Core;
+use crate::app::Core;
 
 /// The process's one "stopping" flag, set once by the signal thread.
 pub struct Stopping {
@@ -97,6 +97,9 @@ pub struct CoreDrain {
     sockets: RefCell<hashbrown::HashMap<u64, (Weak<Outlet>, RawFd)>>,
     /// Goodbyes were sent: a socket registered later gets its goodbye at once.
     said_goodbye: Cell<bool>,
+    /// Every Engine.IO polling session on this core (its outlet): a pending long poll is
+    /// answered with what is queued and the close packet.
+    polls: RefCell<hashbrown::HashMap<u64, Weak<Outlet>>>,
 }
 
 /// Held while a request is in hand or a socket lives; the core is drained when none is left.
@@ -136,6 +139,26 @@ impl CoreDrain {
         self.sockets.borrow_mut().insert(outlet.id, (Rc::downgrade(outlet), fd));
         self.busy.set(self.busy.get() + 1);
         Busy { drain: self.clone(), socket: Some(outlet.id) }
+    }
+
+    /// An Engine.IO polling session on this core, until [`CoreDrain::polling_gone`].
+    pub fn polling(&self, outlet: &Rc<Outlet>) {
+        self.polls.borrow_mut().insert(outlet.id, Rc::downgrade(outlet));
+    }
+
+    /// The polling session of outlet `id` left this core.
+    pub fn polling_gone(&self, id: u64) {
+        self.polls.borrow_mut().remove(&id);
+    }
+
+    /// The polling sessions' goodbye: their pending long poll is answered with what is
+    /// queued and the Engine.IO close packet. Returns how many.
+    fn say_goodbye_to_polls(&self) -> usize {
+        let outlets: Vec<Rc<Outlet>> = self.polls.borrow().values().filter_map(Weak::upgrade).collect();
+        for outlet in &outlets {
+            outlet.finish(goodbye());
+        }
+        outlets.len()
     }
 
     /// Asks every WebSocket to close with 1001 after what is already queued; returns how many.
@@ -200,12 +223,8 @@ pub async fn core_task(
     tracing::info!(core = index, "stopped accepting connections");
 
     let websockets = core.drain.say_goodbye();
-    let polls: Vec<_> = core.polling.borrow().values().cloned().collect();
-    for socket in &polls {
-        // A pending long poll is answered with what is queued and the Engine.IO close packet.
-        socket.outlet.finish(goodbye());
-    }
-    tracing::info!(core = index, websockets, polling = polls.len(), "goodbye sent to every socket (close 1001 / Engine.IO close)");
+    let polling = core.drain.say_goodbye_to_polls();
+    tracing::info!(core = index, websockets, polling, "goodbye sent to every socket (close 1001 / Engine.IO close)");
 
     // A client that stops reading must not hold the shutdown until its write-stall limit:
     // after half the shutdown timeout its socket is cut.
@@ -227,7 +246,7 @@ pub async fn core_task(
         let mut applied = 0;
         while let Ok(batch) = ingress.try_recv() {
             applied += batch.messages.len();
-            crate::runtime::ingress::apply(&core, batch);
+            crate::app::ingress::apply(&core, batch);
         }
         if applied > 0 {
             tracing::info!(core = index, messages = applied, "applied the event hub messages still queued");

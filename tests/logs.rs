@@ -41,7 +41,7 @@ fn json_lines_carry_spec_levels_and_follow_the_live_level() {
     let server = Server::start(&["--log-format", "json", "--log-level", "info"]);
     let started = wait_json(&server, |v| v["message"] == "hubcast started");
     assert_eq!(started["level"], "info");
-    assert_eq!(started["target"], "hubcast::runtime");
+    assert_eq!(started["target"], "hubcast::app");
     assert_eq!(started["fields"]["cores"], 2, "numbers stay numbers: {started}");
     assert!(parse_utc_millis(started["time"].as_str().unwrap()).is_some(), "time is ISO 8601: {started}");
 

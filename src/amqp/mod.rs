@@ -34,9 +34,9 @@ use tokio::time::{sleep, timeout, Instant};
 
 use crate::config::Settings;
 use crate::connection_string::EventHubConnection;
-use crate::runtime::Ingress;
+use crate::app::Ingress;
+use crate::cluster::Cluster;
 use crate::timefmt::now_millis;
-use crate::Shared;
 use connect::{Endpoint, IotHubHost, NodeError, NodeLink};
 use map::MapSettings;
 use partition::{End, Positions};
@@ -181,7 +181,7 @@ impl Plan {
                 max_message_bytes: usize::try_from(c.max_message_bytes).unwrap_or(usize::MAX),
             },
             lag_interval: Duration::from_millis(c.amqp_lag_interval_ms),
-            stream_key: crate::runtime::source_prefix(settings),
+            stream_key: crate::app::source_prefix(settings),
         })
     }
 
@@ -197,14 +197,18 @@ pub fn is_queue_address(entity: &str) -> bool {
     entity.starts_with('/')
 }
 
-/// Starts the consumer thread. `source` is its slot on the status board.
-pub fn start(plan: Plan, shared: Arc<Shared>, source: usize, ingress: Ingress) -> std::io::Result<std::thread::JoinHandle<()>> {
+/// Where the consumer reports its link for `GET /status` (its slot on the status board):
+/// `Ok(())` connected, `Err(reason)` not (or no longer) connected.
+pub type ReportStatus = Arc<dyn Fn(Result<(), String>) + Send + Sync>;
+
+/// Starts the consumer thread. `cluster`: scale-out on Redis (partitions are leased).
+pub fn start(plan: Plan, status: ReportStatus, cluster: Option<Arc<Cluster>>, ingress: Ingress) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("hubcast-amqp".into()).spawn(move || {
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(rt) => rt,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the AMQP runtime; no device messages will be read");
-                shared.status.source(source).set_connecting(format!("cannot start the AMQP runtime: {e}"));
+                status(Err(format!("cannot start the AMQP runtime: {e}")));
                 return;
             }
         };
@@ -212,8 +216,8 @@ pub fn start(plan: Plan, shared: Arc<Shared>, source: usize, ingress: Ingress) -
             container_id: format!("hubcast-{}", crate::ids::random_token(8)),
             map: Arc::new(plan.map.clone()),
             plan,
-            shared,
-            source,
+            status,
+            cluster,
             positions: Arc::new(Mutex::new(stored_positions(&ingress))),
             ingress,
         };
@@ -249,8 +253,8 @@ fn retry(reason: impl Into<String>) -> Stop {
 pub struct Supervisor {
     plan: Plan,
     map: Arc<MapSettings>,
-    shared: Arc<Shared>,
-    source: usize,
+    status: ReportStatus,
+    cluster: Option<Arc<Cluster>>,
     ingress: Ingress,
     container_id: String,
     positions: Positions,
@@ -348,7 +352,7 @@ impl Supervisor {
                     let delay = backoff(failures);
                     failures = failures.saturating_add(1);
                     tracing::warn!(reason = %reason, retry_in_ms = delay.as_millis() as u64, "event hub not connected");
-                    self.status().set_connecting(reason);
+                    (self.status)(Err(reason));
                     tokio::select! {
                         _ = sleep(delay) => {}
                         _ = crate::shutdown::STOPPING.wait() => {}
@@ -356,10 +360,6 @@ impl Supervisor {
                 }
             }
         }
-    }
-
-    fn status(&self) -> &crate::status::SourceSlot {
-        self.shared.status.source(self.source)
     }
 
     async fn connect_and_consume(&self) -> Stop {
@@ -477,7 +477,7 @@ impl Supervisor {
                     Ok(ids) => ids,
                     Err(e) => return retry(format!("cannot list partitions: {e}")),
                 };
-                if let Some(cluster) = &self.shared.cluster {
+                if let Some(cluster) = &self.cluster {
                     let (owned, rx) = self.leased_partitions(cluster, &ids).await;
                     ids.retain(|id| owned.partitions.contains_key(id));
                     leases = Some((rx, owned));
@@ -544,7 +544,7 @@ impl Supervisor {
                 }
             }
         }
-        self.status().set_connected();
+        (self.status)(Ok(()));
         STATS.connected.store(1, Ordering::Relaxed);
         STATS.connects.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
@@ -603,7 +603,7 @@ impl Supervisor {
         };
         // Show the loss at once; closing and draining below may take a few seconds.
         if let Stop::Retry { reason, .. } = &stop {
-            self.status().set_connecting(reason.clone());
+            (self.status)(Err(reason.clone()));
         }
         STATS.connected.store(0, Ordering::Relaxed);
         if crate::shutdown::STOPPING.is_stopping() {

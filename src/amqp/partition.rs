@@ -27,7 +27,7 @@ use serde_amqp::descriptor::Descriptor;
 use super::map::{has_offset, position_of, sequence_of, to_ingest, MapSettings, Position};
 use super::StartPosition;
 use crate::ingest::faults::{Fault, FAULTS};
-use crate::runtime::Ingress;
+use crate::app::Ingress;
 
 /// Filter-set key Event Hubs reads the start position from.
 pub const SELECTOR_FILTER: &str = "apache.org:selector-filter:string";
@@ -164,7 +164,7 @@ pub async fn consume(
                         tracing::debug!(partition = %label, device = %msg.device_id, "message without a sequence number: applied unordered");
                     }
                     batch.push(msg);
-                    seqs.push(sequence.unwrap_or(crate::runtime::ingress::NO_SEQUENCE));
+                    seqs.push(sequence.unwrap_or(crate::app::ingress::NO_SEQUENCE));
                 }
                 Err(r) => FAULTS.record(r.fault, r.device.as_deref(), &r.detail),
             }

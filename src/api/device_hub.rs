@@ -14,7 +14,7 @@ use super::auth::{admin_key_matches, parse_session};
 use crate::http::{Request, Response};
 use crate::model::{as_object, device_id, optional_key, Checked, Grant, GrantKind, Rejection};
 use crate::hub::{method_budget, HubCall, HubClient};
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::shard::{ask, DeviceOp, Viewer};
 
 /// IoT Hub's limit on a direct method payload (request and response): 128 KB.

@@ -13,7 +13,7 @@ use super::auth::require_admin;
 use crate::config::MAX_DEVICE_ID_LEN;
 use crate::http::{Request, Response};
 use crate::model::{Checked, Rejection};
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::shard::listing::{Page, PageRequest, MAX_LIMIT};
 use crate::shard::{ask_session, SessionOp};
 use crate::timefmt::iso;

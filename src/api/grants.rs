@@ -5,7 +5,7 @@ use std::rc::Rc;
 use super::auth::{parse_session, require_admin};
 use crate::http::{Request, Response};
 use crate::model::{Checked, GrantRequest, Rejection};
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::shard::{ask, DeviceOp};
 
 pub async fn change(core: &Rc<Core>, req: &Request, add: bool) -> Checked<Response> {

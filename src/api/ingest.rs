@@ -19,7 +19,7 @@ use crate::config::MAX_DEVICE_ID_LEN;
 use crate::http::{Request, Response};
 use crate::ingest::{device_id_in_body, IngestMessage, Properties, SourceKind};
 use crate::model::{Checked, Rejection};
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::timefmt::parse_iso;
 
 /// One message as sent.

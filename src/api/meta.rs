@@ -6,7 +6,7 @@ use super::auth::{admin_key_matches, require_admin};
 use crate::http::{Request, Response};
 use crate::logging::LogLevel;
 use crate::model::{Checked, Rejection};
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::status::Health;
 
 pub fn version() -> Response {

@@ -8,8 +8,8 @@ use futures_channel::oneshot;
 use super::auth::require_admin;
 use crate::http::{Request, Response};
 use crate::model::Checked;
-use crate::runtime::mesh::{await_reply, CoreMsg};
-use crate::runtime::Core;
+use crate::app::mesh::{await_reply, CoreMsg};
+use crate::app::Core;
 
 pub async fn get(core: &Rc<Core>, req: &Request) -> Checked<Response> {
     if !core.settings.config.metrics_open {

@@ -1,7 +1,7 @@
 //! The REST API of SPEC.md: routing, authentication, and one module per resource.
 //!
 //! Handlers validate the request completely before changing anything, then run the change on
-//! the core that owns the data (see `runtime::core`). Every error is `{"errorMessage": …}`.
+//! the core that owns the data (see `app::core`). Every error is `{"errorMessage": …}`.
 
 mod auth;
 mod console;
@@ -22,7 +22,7 @@ use http::Method;
 
 use crate::http::{Request, Response};
 use crate::model::{Checked, Rejection};
-use crate::runtime::Core;
+use crate::app::Core;
 
 pub use auth::admin_key_matches;
 

@@ -6,7 +6,7 @@ use super::auth::require_admin;
 use crate::http::{Request, Response};
 use crate::ids::SessionId;
 use crate::model::{Checked, Rejection};
-use crate::runtime::Core;
+use crate::app::Core;
 
 pub async fn create(core: &Rc<Core>) -> Checked<Response> {
     let id = SessionId::generate();

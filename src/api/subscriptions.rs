@@ -14,7 +14,7 @@ use futures_channel::oneshot::Receiver;
 use crate::http::{Request, Response};
 use crate::ids::SessionId;
 use crate::model::{Checked, Rejection, SubscriptionRequest};
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::shard::{ask, DeviceOp};
 
 fn op(session: SessionId, r: SubscriptionRequest, add: bool) -> (DeviceOp, Receiver<bool>) {

@@ -40,9 +40,9 @@ use crate::config::Settings;
 use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
-use crate::runtime::relay::{CorePlugin, Relay};
-use crate::runtime::Core;
-use crate::push::record;
+use crate::app::relay::{CorePlugin, Relay};
+use crate::app::Core;
+use crate::app::record;
 use crate::shard::{ask, ask_session, DeviceOp, Grants, SessionOp, Subscriptions, Viewer};
 pub use wire::ReadKind;
 pub use wire::SharedOp;
@@ -155,7 +155,7 @@ pub struct Owned {
 
 /// What the event stream consumer tells the link at every connect.
 pub struct StreamPlan {
-    /// Names the stream and consumer group (`runtime::source_prefix`); leases and
+    /// Names the stream and consumer group (`app::source_prefix`); leases and
     /// checkpoints are kept per stream.
     pub key: String,
     /// Every partition of the stream.
@@ -317,9 +317,10 @@ fn unavailable(reason: String) -> Rejection {
     Rejection::new(503, format!("Redis unavailable: {reason}; the change may be applied on this instance only, retry"))
 }
 
-/// Per core: the relay (runtime/relay.rs) and the task applying what other instances send.
+/// Per core: the relay (app/relay.rs) and the task applying what other instances send.
 impl CorePlugin for Cluster {
-    fn start(&self, core: &Rc<Core>) {
+    fn start(self: Arc<Self>, core: &Rc<Core>) {
+        core.ext.set(Here(Some(self.clone())));
         let Some(inbound) = self.inbound.lock().unwrap_or_else(|e| e.into_inner()).get_mut(core.index).and_then(Option::take) else {
             return;
         };
@@ -541,9 +542,14 @@ async fn refresh(core: Rc<Core>, commands: async_channel::Sender<Command>, every
     }
 }
 
+/// The cluster of this process, if any, as a core holds it (set when the cluster starts on
+/// the core, before it serves).
+#[derive(Default)]
+struct Here(Option<Arc<Cluster>>);
+
 /// The cluster of this process, if any.
-pub fn of(core: &Core) -> Option<&Arc<Cluster>> {
-    core.shared.cluster.as_ref()
+pub fn of(core: &Core) -> Option<Arc<Cluster>> {
+    core.ext.get::<Here>().0.clone()
 }
 
 /// Makes sure this instance holds its copy of `session`, loading it from Redis when it does
@@ -649,7 +655,7 @@ pub async fn delete_all(core: &Rc<Core>) -> Checked<()> {
 /// order Redis gave every instance's changes, so an earlier change of another instance can
 /// never be applied here after it and undo it.
 pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Checked<bool> {
-    let Some(cluster) = of(core).cloned() else { return Ok(local_scoped(core, session, register_devices, ops).await) };
+    let Some(cluster) = of(core) else { return Ok(local_scoped(core, session, register_devices, ops).await) };
     if !ensure_session(core, session).await? {
         return Ok(false);
     }

@@ -55,7 +55,7 @@ use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::{TcpListener, TcpStream};
 
 use crate::config::MAX_REQUEST_HEAD_BYTES;
-use crate::runtime::Core;
+use crate::app::Core;
 use crate::shutdown::Busy;
 use crate::tls::{ReadHalf, Stream, WriteHalf};
 use codec::{BodyError, ChunkedDecoder, Framing, HeadError};

@@ -9,8 +9,6 @@
 //! A [`TokenCache`] keeps one token and renews it once less than a quarter of its lifetime is
 //! left, so a request never goes out with a token about to expire.
 
-use base64::engine::general_purpose::STANDARD as BASE64;
-use base64::Engine;
 
 /// Strict URL encoding (the Node SDK's `encodeUriComponentStrict`): all but `A-Z a-z 0-9 - _ . ~`.
 pub use crate::sas::url_encode as encode;
@@ -26,7 +24,7 @@ pub struct Signer {
 impl Signer {
     /// `key` is the base64 `SharedAccessKey` of the connection string.
     pub fn new(resource: &str, key_name: &str, key: &str) -> Result<Self, String> {
-        let key = BASE64.decode(key.trim()).map_err(|e| format!("SharedAccessKey is not base64 ({e})"))?;
+        let key = crate::sas::decode_key(key)?;
         Ok(Self { resource: resource.to_ascii_lowercase(), key_name: key_name.to_string(), key })
     }
 

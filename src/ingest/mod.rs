@@ -7,7 +7,6 @@
 //! device sent (no conversion, so no number is too big or too precise to keep).
 
 pub mod faults;
-pub mod simulate;
 
 use std::borrow::Cow;
 use std::sync::Arc;

@@ -5,10 +5,13 @@
 //! the same content) and posts per-core batches of [`Delivery`]s to the sessions' cores.
 //! There each socket has an [`outlet::Outlet`]: a bounded queue its writer task drains in
 //! coalesced writes.
+//!
+//! It sits below the shard (`scripts/layers.toml`): the shard's fan-out produces deliveries
+//! and its sessions hold outlets; push itself knows nothing of devices, grants or sessions'
+//! state.
 
 pub mod envelope;
 pub mod outlet;
-pub mod record;
 
 use std::sync::Arc;
 

@@ -2,8 +2,11 @@
 //! and the sessions it owns. Only the owning core's thread ever touches a shard.
 //!
 //! The operations other cores may request are the closed set [`DeviceOp`] / [`SessionOp`].
+//! What changed is handed to a durable store as [`change::Change`]s; the store engines
+//! (`src/store`) sit above and name the shard's types, never the other way round.
 
 pub mod access;
+pub mod change;
 pub mod devices;
 pub mod listing;
 pub mod sessions;

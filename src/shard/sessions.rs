@@ -4,7 +4,7 @@
 //! session only updates `last_active`; when its deadline comes up, a session that was active
 //! since is pushed back with its new deadline instead of expiring. A session with an open socket
 //! holds no deadline; detaching its last socket arms one. No periodic full scan, and the core's
-//! clock ([`crate::runtime::clock`]) sleeps until [`SessionTable::next_deadline`].
+//! clock ([`crate::app::clock`]) sleeps until [`SessionTable::next_deadline`].
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -18,7 +18,7 @@ use smallvec::SmallVec;
 
 use crate::ids::SessionId;
 use crate::push::outlet::Outlet;
-use crate::store::Change;
+use crate::shard::change::Change;
 
 pub struct SessionRecord {
     last_active: Instant,

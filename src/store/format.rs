@@ -14,8 +14,7 @@
 use std::sync::Arc;
 
 use crate::ids::SessionId;
-use crate::shard::access::{Access, Grants, KeySet, Subscriptions};
-use crate::shard::devices::Device;
+use crate::shard::access::{Grants, KeySet, Subscriptions};
 
 pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// Bump on any incompatible change, and teach [`check_header`] the old one or refuse it.
@@ -35,17 +34,7 @@ const TAG_SESSION_GONE: u8 = 6;
 const TAG_APPLIED: u8 = 7;
 pub const TAG_END: u8 = 0xFF;
 
-/// One change of durable state, borrowed from the shard that made it.
-pub enum Change<'a> {
-    /// A device's data (last values, twin, connection state); `None`: the device has none.
-    Device { id: &'a str, device: Option<&'a Device> },
-    /// One session's grants and subscriptions on one device; `None`: nothing left.
-    Access { device: &'a str, session: SessionId, access: Option<&'a Access> },
-    /// A session and the devices it has held grants on; `None`: the session is gone.
-    Session { id: SessionId, devices: Option<&'a hashbrown::HashSet<Box<str>>> },
-    /// Every event of the source partition `key` up to sequence number `seq` is applied.
-    Applied { key: &'a str, seq: i64 },
-}
+pub use crate::shard::change::Change;
 
 /// A device's data as read back from disk.
 #[derive(Debug, Clone, Default, PartialEq)]

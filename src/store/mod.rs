@@ -19,11 +19,10 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 
-use crate::ids::SessionId;
 use crate::shard::devices::Device;
-use crate::shard::access::{Grants, Subscriptions};
 
-pub use format::{Change, DeviceData, Record};
+pub use format::{DeviceData, Record};
+pub use crate::shard::change::{Change, Loaded};
 pub use crate::config::DataDir;
 
 /// A core's durable state engine. Called only from the core's own thread.
@@ -47,18 +46,6 @@ pub trait StateStore {
     fn flush(&mut self) -> io::Result<()>;
     /// [`StateStore::flush`], then release the files; later commits are dropped.
     fn close(&mut self) -> io::Result<()>;
-}
-
-/// One core's state as read back at start. Devices are rebuilt as the shard's own [`Device`]s
-/// by the loader threads (one per core, in parallel), so the core adopts the whole map at once
-/// instead of building a second one (start-up with 1,000,000 devices, issue 11).
-#[derive(Default)]
-pub struct Loaded {
-    pub devices: HashMap<Box<str>, Device>,
-    pub access: HashMap<(Box<str>, SessionId), (Grants, Subscriptions)>,
-    pub sessions: HashMap<SessionId, Vec<Box<str>>>,
-    /// Source partition → the highest sequence number this core has applied.
-    pub applied: HashMap<Box<str>, i64>,
 }
 
 impl Loaded {

@@ -28,8 +28,8 @@ use monoio::net::TcpStream;
 use crate::http::{Framed, Request, RequestHead, Response};
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Out, Outlet, QueueLimits};
-use crate::runtime::mesh::CoreMsg;
-use crate::runtime::Core;
+use crate::app::mesh::{CoreMsg, CoreTask};
+use crate::app::Core;
 use crate::tls::{Stream, TlsState, WriteHalf};
 use frame::{FrameReader, Incoming};
 
@@ -197,7 +197,17 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
         // Safety of ownership: the stream is consumed; the fd now belongs to the message.
         let fd = unsafe { OwnedFd::from_raw_fd(tcp.into_raw_fd()) };
         let handshake = response.into_bytes();
-        core.mesh.post(target, CoreMsg::AdoptSocket(MovedSocket { fd, leftover, kind, session, handshake, tls }));
+        core.mesh.post(target, CoreMsg::Task(Box::new(MovedSocket { fd, leftover, kind, session, handshake, tls })));
+    }
+}
+
+impl CoreTask for MovedSocket {
+    fn bytes(&self) -> usize {
+        self.leftover.len() + self.handshake.len() + 128
+    }
+
+    fn run(self: Box<Self>, core: &Rc<Core>) {
+        adopt(core.clone(), *self);
     }
 }
 

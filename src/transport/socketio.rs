@@ -15,7 +15,7 @@ use serde_json::json;
 use super::Conn;
 use crate::ids::{random_token, SessionId};
 use crate::push::outlet::{CloseReason, Out, Outlet};
-use crate::runtime::Core;
+use crate::app::Core;
 
 /// What precedes an envelope in a `data` event (the envelope and `]` follow).
 pub const EVENT_PREFIX: &[u8] = b"42[\"data\",";

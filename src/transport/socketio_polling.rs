@@ -7,7 +7,7 @@
 //! Upgrade: the client opens a WebSocket with the sid and sends `2probe`; we answer `3probe`
 //! and end the pending poll with a noop `6`; on `5` the WebSocket takes over the outlet.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -18,11 +18,11 @@ use serde_json::json;
 
 use super::socketio::{allowed_before_connect, connect_reply, open_packet, parse_client_packet, ClientPacket, MAX_PAYLOAD};
 use super::{limits, Conn, NEXT_SOCKET_ID};
-use crate::http::{Request, Response};
+use crate::http::{ConnectionSlot, Request, Response};
 use crate::ids::{random_token, SessionId};
 use crate::push::outlet::{CloseReason, Out, Outlet};
-use crate::runtime::mesh::{await_reply, CoreMsg};
-use crate::runtime::Core;
+use crate::app::mesh::{await_reply, CoreMsg, CoreTask};
+use crate::app::Core;
 
 /// A polling request forwarded to the core that owns the Engine.IO session.
 #[derive(Debug)]
@@ -30,6 +30,46 @@ pub struct PollRequest {
     pub sid: Option<String>,
     pub session: Option<SessionId>,
     pub post: Option<Bytes>,
+}
+
+impl PollRequest {
+    /// Forwards this request to `core`, which holds its polling session; the answer comes back.
+    async fn forward(self, core: &Rc<Core>, target: usize) -> Response {
+        let (tx, rx) = oneshot::channel();
+        core.mesh.post(target, CoreMsg::Task(Box::new(Forwarded { request: self, reply: tx })));
+        await_reply(rx).await.unwrap_or_else(|| Response::error(503, "core unavailable"))
+    }
+}
+
+/// A polling request on its way to the core that holds its session, with its reply.
+struct Forwarded {
+    request: PollRequest,
+    reply: oneshot::Sender<Response>,
+}
+
+impl CoreTask for Forwarded {
+    fn bytes(&self) -> usize {
+        256
+    }
+
+    fn run(self: Box<Self>, core: &Rc<Core>) {
+        let (core, Forwarded { request, reply }) = (core.clone(), *self);
+        monoio::spawn(async move {
+            let _ = reply.send(serve(core, request).await);
+        });
+    }
+}
+
+/// This core's Engine.IO polling sessions (by sid), kept on the core ([`Core::ext`]).
+#[derive(Default)]
+struct Polling {
+    sessions: RefCell<hashbrown::HashMap<Box<str>, Rc<PollingSocket>>>,
+    /// Sessions here not yet connected to a Socket.IO session (capped).
+    pending: Cell<usize>,
+}
+
+fn polling(core: &Core) -> Rc<Polling> {
+    core.ext.get::<Polling>()
 }
 
 /// One Engine.IO session on the polling transport.
@@ -45,7 +85,7 @@ pub struct PollingSocket {
     /// The DISCONNECT of a server-side close went out; the close packet is next.
     disconnect_sent: Cell<bool>,
     /// Its place in the connection budget, given back when it ends.
-    slot: Cell<Option<crate::runtime::core::BudgetSlot>>,
+    slot: Cell<Option<ConnectionSlot>>,
 }
 
 const RECORD_SEPARATOR: u8 = 0x1e;
@@ -88,9 +128,7 @@ pub async fn http(core: &Rc<Core>, req: &Request) -> Response {
     if target == core.index {
         return serve(core.clone(), request).await;
     }
-    let (tx, rx) = oneshot::channel();
-    core.mesh.post(target, CoreMsg::Poll { request, reply: tx });
-    await_reply(rx).await.unwrap_or_else(|| Response::error(503, "core unavailable"))
+    request.forward(core, target).await
 }
 
 /// Serves a polling request on the core owning the Engine.IO session.
@@ -101,7 +139,7 @@ pub async fn serve(core: Rc<Core>, request: PollRequest) -> Response {
         }
         return handshake(&core, request.session);
     };
-    let Some(socket) = core.polling.borrow().get(sid.as_str()).cloned() else {
+    let Some(socket) = polling(&core).sessions.borrow().get(sid.as_str()).cloned() else {
         return engine_error(1, "Session ID unknown");
     };
     match request.post {
@@ -130,13 +168,14 @@ fn first_poll_deadline(core: &Core) -> Duration {
 
 fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
     let c = &core.settings.config;
-    if core.polling_pending.get() >= max_pending(core) {
+    let registry = polling(core);
+    if registry.pending.get() >= max_pending(core) {
         tracing::warn!(core = core.index, "too many Engine.IO polling handshakes without a CONNECT; refusing one");
         return Response::error(503, "too many pending Engine.IO handshakes; retry later");
     }
     // A polling session holds no TCP connection of its own but costs as much: it takes a
     // slot of the connection budget until it ends.
-    let Some(slot) = core.take_connection_slot() else {
+    let Some(slot) = ConnectionSlot::try_acquire(c.max_connections as usize) else {
         return Response::error(503, "connection limit reached (maxConnections)");
     };
     let sid: Box<str> = format!("{}-{}", core.index, random_token(15)).into();
@@ -151,8 +190,9 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
         disconnect_sent: Cell::new(false),
         slot: Cell::new(Some(slot)),
     });
-    core.polling.borrow_mut().insert(sid.clone(), socket.clone());
-    core.polling_pending.set(core.polling_pending.get() + 1);
+    registry.sessions.borrow_mut().insert(sid.clone(), socket.clone());
+    registry.pending.set(registry.pending.get() + 1);
+    core.drain.polling(&socket.outlet);
     core.metrics.socket_opened(POLLING);
     monoio::spawn(pinger(core.clone(), socket));
     text(open_packet(&sid, &["websocket"], c.ping_interval, c.ping_timeout))
@@ -183,7 +223,8 @@ fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response
                 let was_pending = !socket.attached.get();
                 let (reply, ok) = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio);
                 if was_pending && socket.attached.get() {
-                    core.polling_pending.set(core.polling_pending.get() - 1);
+                    let registry = polling(core);
+                    registry.pending.set(registry.pending.get() - 1);
                 }
                 socket.outlet.push(Out::Packet(format!("4{reply}").into()));
                 if !ok {
@@ -249,7 +290,8 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
 }
 
 fn forget(core: &Rc<Core>, socket: &PollingSocket) {
-    if core.polling.borrow_mut().remove(&socket.sid).is_some() {
+    let removed = polling(core).sessions.borrow_mut().remove(&socket.sid);
+    if removed.is_some() {
         released(core, socket);
     }
     if socket.attached.replace(false) {
@@ -259,15 +301,17 @@ fn forget(core: &Rc<Core>, socket: &PollingSocket) {
     }
 }
 
-/// A polling session left `core.polling`: give back what it held.
+/// A polling session left this core's [`Polling`]: give back what it held.
 fn released(core: &Core, socket: &PollingSocket) {
     if socket.outlet.take_overflow() {
         core.metrics.slow_consumer_closed();
     }
     core.metrics.socket_closed(POLLING);
     drop(socket.slot.take());
+    core.drain.polling_gone(socket.outlet.id);
     if !socket.attached.get() {
-        core.polling_pending.set(core.polling_pending.get() - 1);
+        let registry = polling(core);
+        registry.pending.set(registry.pending.get() - 1);
     }
 }
 
@@ -282,7 +326,7 @@ pub fn close(core: &Rc<Core>, socket: &PollingSocket, reason: CloseReason) {
 async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
     let c = &core.settings.config;
     let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
-    let alive = || core.polling.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
+    let alive = || polling(&core).sessions.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
     // A handshake that is never followed by a poll is abandoned (or a flood): end it soon,
     // within the first ping interval (the ping schedule stays as the client expects it).
     let first_poll = first_poll_deadline(&core).min(interval);
@@ -313,7 +357,7 @@ async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
 
 /// A WebSocket opened with a polling session's sid: it answers the probe; `5` completes.
 pub fn take_over(conn: &Conn, sid: &str) -> bool {
-    let exists = conn.core.polling.borrow().contains_key(sid);
+    let exists = polling(&conn.core).sessions.borrow().contains_key(sid);
     if !exists {
         conn.outlet.close(CloseReason::new(1008, "unknown Engine.IO session id"));
         return false;
@@ -326,7 +370,7 @@ pub fn take_over(conn: &Conn, sid: &str) -> bool {
 pub fn on_probe(conn: &Conn) {
     conn.outlet.push(Out::Packet("3probe".into()));
     if let Some(sid) = conn.upgrading.borrow().as_deref() {
-        if let Some(socket) = conn.core.polling.borrow().get(sid) {
+        if let Some(socket) = polling(&conn.core).sessions.borrow().get(sid) {
             socket.outlet.push(Out::Packet("6".into()));
         }
     }
@@ -335,7 +379,8 @@ pub fn on_probe(conn: &Conn) {
 /// `5` on the upgrading WebSocket: it replaces the polling transport.
 pub fn complete_upgrade(conn: &Conn) {
     let Some(sid) = conn.upgrading.borrow_mut().take() else { return };
-    let Some(socket) = conn.core.polling.borrow_mut().remove(&*sid) else { return };
+    let removed = polling(&conn.core).sessions.borrow_mut().remove(&*sid);
+    let Some(socket) = removed else { return };
     released(&conn.core, &socket);
     // Whatever the polling side still held goes out on the WebSocket, in order.
     let drained = socket.outlet.try_drain();

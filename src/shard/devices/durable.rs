@@ -13,7 +13,7 @@ use super::{Device, DeviceTable};
 use crate::ids::SessionId;
 use crate::shard::access::Access;
 use crate::shard::DeviceOp;
-use crate::store::{Change, Loaded};
+use crate::shard::change::{Change, Loaded};
 
 /// Keys changed since the last commit. Marks nothing while `on` is false (memory only).
 #[derive(Default)]

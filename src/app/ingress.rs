@@ -9,7 +9,7 @@ use std::rc::Rc;
 
 use crate::ingest::IngestMessage;
 use crate::runtime::routing::core_of_device;
-use crate::runtime::Core;
+use crate::app::Core;
 
 /// Batches waiting per core before senders are made to wait.
 pub const QUEUE_BATCHES: usize = 64;

@@ -15,8 +15,8 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use crate::ingest::IngestMessage;
-use crate::runtime::ingress::{Mark, NO_SEQUENCE};
-use crate::runtime::Core;
+use crate::app::ingress::{Mark, NO_SEQUENCE};
+use crate::app::Core;
 use crate::store::{Change, Loaded, StateStore};
 
 impl Core {

@@ -1,7 +1,8 @@
 //! One core: its shard, its view of the mesh, and the helpers that run an operation wherever
 //! its data lives (in place when local, over the mesh otherwise).
 
-use std::cell::{Cell, RefCell};
+use std::any::{Any, TypeId};
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,13 +16,10 @@ use crate::ingest::{IngestMessage, IngestSettings};
 use crate::push::outlet::{CloseReason, Delivered, Outlet};
 use crate::push::Delivery;
 use crate::shard::devices::PushTiming;
-use crate::runtime::mesh::{await_reply, CoreMsg, Inbox, Mesh};
+use crate::app::mesh::{await_reply, CoreMsg, Inbox, Mesh};
 use crate::runtime::routing::{core_of_device, core_of_session};
 use crate::shard::{DeviceOp, DeviceTable, SessionOp, SessionTable};
-use crate::Shared;
-
-/// A slot of the connection budget held by an Engine.IO polling session.
-pub use crate::http::ConnectionSlot as BudgetSlot;
+use crate::app::Shared;
 
 pub struct Core {
     pub index: usize,
@@ -32,21 +30,38 @@ pub struct Core {
     pub sessions: RefCell<SessionTable>,
     pub metrics: crate::metrics::CoreMetrics,
     /// This core's queues, for their depth in metrics.
-    pub queues: RefCell<Option<(Inbox, crate::runtime::ingress::IngressQueue)>>,
-    /// Engine.IO long-polling sessions held here (by sid).
-    pub polling: RefCell<hashbrown::HashMap<Box<str>, Rc<crate::transport::socketio_polling::PollingSocket>>>,
+    pub queues: RefCell<Option<(Inbox, crate::app::ingress::IngressQueue)>>,
     /// Requests in hand and live sockets, for a graceful shutdown ([`crate::shutdown`]).
     pub drain: Rc<crate::shutdown::CoreDrain>,
-    /// Polling sessions here that are not yet connected to a session (capped).
-    pub polling_pending: Cell<usize>,
-    /// This core's durable store (`None`: memory only). See src/runtime/durable.rs.
+    /// This core's durable store (`None`: memory only). See src/app/durable.rs.
     pub store: RefCell<Option<Box<dyn crate::store::StateStore + Send>>>,
     /// Source partition → the highest sequence number this core has applied.
     pub applied: RefCell<hashbrown::HashMap<Box<str>, i64>>,
-    /// This core's timers: one task sleeping until the shard's next deadline (runtime/clock.rs).
-    pub clock: crate::runtime::clock::Clock,
-    /// Scale-out: the link to the other instances (`None`: one instance). runtime/relay.rs.
-    pub relay: RefCell<Option<Rc<dyn crate::runtime::relay::Relay>>>,
+    /// This core's timers: one task sleeping until the shard's next deadline (app/clock.rs).
+    pub clock: crate::app::clock::Clock,
+    /// Scale-out: the link to the other instances (`None`: one instance). app/relay.rs.
+    pub relay: RefCell<Option<Rc<dyn crate::app::relay::Relay>>>,
+    /// This core's state of the layers above the application (the Engine.IO polling
+    /// sessions, the cluster handle), one value per type.
+    pub ext: Extensions,
+}
+
+/// Per-core state of the layers above the application, one value per type: those layers
+/// keep their own state on the core without the application naming their types.
+#[derive(Default)]
+pub struct Extensions(RefCell<hashbrown::HashMap<TypeId, Rc<dyn Any>>>);
+
+impl Extensions {
+    /// This core's `T`, made with `T::default()` on first use.
+    pub fn get<T: Default + 'static>(&self) -> Rc<T> {
+        let any = self.0.borrow_mut().entry(TypeId::of::<T>()).or_insert_with(|| Rc::new(T::default())).clone();
+        any.downcast::<T>().unwrap_or_else(|_| unreachable!("keyed by its type"))
+    }
+
+    /// Sets this core's `T`.
+    pub fn set<T: 'static>(&self, value: T) {
+        self.0.borrow_mut().insert(TypeId::of::<T>(), Rc::new(value));
+    }
 }
 
 impl Core {
@@ -73,8 +88,6 @@ impl Core {
             mesh,
             devices: RefCell::new(devices),
             sessions: RefCell::new(sessions),
-            polling: RefCell::default(),
-            polling_pending: Cell::new(0),
             metrics: Default::default(),
             queues: RefCell::default(),
             settings,
@@ -83,6 +96,7 @@ impl Core {
             applied: RefCell::default(),
             clock: Default::default(),
             relay: RefCell::default(),
+            ext: Extensions::default(),
         })
     }
 
@@ -99,13 +113,6 @@ impl Core {
 
     pub fn cores(&self) -> usize {
         self.settings.cores
-    }
-
-    /// Takes a slot of the connection budget for something that costs a connection without
-    /// being one (an Engine.IO polling session); `None` when the budget is spent. The slot
-    /// goes back when the guard is dropped.
-    pub fn take_connection_slot(self: &Rc<Self>) -> Option<BudgetSlot> {
-        BudgetSlot::try_acquire(self.settings.config.max_connections as usize)
     }
 
     pub fn device_core(&self, device: &str) -> usize {
@@ -511,13 +518,7 @@ impl Core {
                     CoreMsg::Metrics(reply) => {
                         let _ = reply.send(self.metrics_snapshot());
                     }
-                    CoreMsg::AdoptSocket(moved) => crate::transport::adopt(self.clone(), moved),
-                    CoreMsg::Poll { request, reply } => {
-                        let me = self.clone();
-                        monoio::spawn(async move {
-                            let _ = reply.send(crate::transport::socketio_polling::serve(me, request).await);
-                        });
-                    }
+                    CoreMsg::Task(task) => task.run(&self),
                 }
             }
         }

@@ -1,11 +1,14 @@
-//! The seam between a core and the other instances of a deployment (Redis scale-out,
-//! `src/cluster`). The runtime knows only these two traits; without `--redis-url` nothing
-//! implements them and no core pays for them.
+//! The seams between a core and what runs beside it: [`Relay`], the link to the other
+//! instances of a deployment (Redis scale-out, `src/cluster`), and [`CorePlugin`], something
+//! started on every core's own thread (the cluster, the simulated fleet). The application
+//! knows only these two traits; without `--redis-url` nothing implements [`Relay`] and no
+//! core pays for it.
 
 use std::rc::Rc;
+use std::sync::Arc;
 
 use crate::ingest::IngestMessage;
-use crate::runtime::Core;
+use crate::app::Core;
 
 /// A core's link to the other instances, installed by a [`CorePlugin`] at start.
 pub trait Relay {
@@ -19,7 +22,7 @@ pub trait Relay {
     fn watch(&self, changes: Vec<(Box<str>, bool)>);
 }
 
-/// Something that runs beside every core, started on the core's own thread.
+/// Something that runs beside every core, started on the core's own thread before it serves.
 pub trait CorePlugin: Send + Sync {
-    fn start(&self, core: &Rc<Core>);
+    fn start(self: Arc<Self>, core: &Rc<Core>);
 }

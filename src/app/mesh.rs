@@ -65,10 +65,19 @@ pub enum CoreMsg {
     Metrics(Reply<crate::metrics::Snapshot>),
     /// Live data for sessions this core owns (from the devices' cores).
     Deliver(Vec<Delivery>),
-    /// A WebSocket whose handshake was read on another core, moving to its session's core.
-    AdoptSocket(crate::transport::MovedSocket),
-    /// An Engine.IO long-polling request for a polling session this core holds.
-    Poll { request: crate::transport::socketio_polling::PollRequest, reply: Reply<crate::http::Response> },
+    /// Work of the network face for this core: a WebSocket whose handshake was read on
+    /// another core, moving to its session's core; an Engine.IO long-polling request for a
+    /// polling session this core holds (it carries its own reply).
+    Task(Box<dyn CoreTask>),
+}
+
+/// Work a layer above the application (`src/transport`) sends to the core that holds what
+/// it needs; the application runs it without knowing what it is.
+pub trait CoreTask: Send {
+    /// Bytes it is charged for against the mesh bounds (an estimate of what it holds).
+    fn bytes(&self) -> usize;
+    /// Runs on the receiving core, from its inbox task: never blocks (spawns what waits).
+    fn run(self: Box<Self>, core: &Rc<crate::app::Core>);
 }
 
 impl CoreMsg {
@@ -88,7 +97,7 @@ impl CoreMsg {
             CoreMsg::Ingest { batch, .. } => batch.iter().map(|m| m.body.len() + m.device_id.len() + 128).sum(),
             CoreMsg::Deliver(deliveries) => deliveries.iter().map(delivery_bytes).sum(),
             CoreMsg::Devices { ops, .. } => ops.len() * 128,
-            CoreMsg::AdoptSocket(moved) => moved.leftover.len() + moved.handshake.len() + 128,
+            CoreMsg::Task(task) => task.bytes(),
             _ => 256,
         }
     }

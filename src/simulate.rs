@@ -3,15 +3,18 @@
 //! object), reports a twin change now and then, and drops off-line for a few seconds once
 //! in a while (connection events, and silence while off-line).
 //!
-//! It runs on core 0 and feeds the same ingest path as every other source.
+//! It runs on core 0 (a [`CorePlugin`] started beside every core) and feeds the same ingest
+//! path as every other source.
 
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
 
+use crate::app::relay::CorePlugin;
+use crate::app::Core;
 use crate::ingest::{IngestMessage, Properties, SourceKind};
-use crate::runtime::Core;
 use crate::timefmt::now_millis;
 
 const TICK: Duration = Duration::from_millis(100);
@@ -41,6 +44,19 @@ fn message(device: &str, source: SourceKind, op: Option<&str>, body: serde_json:
         body: body.to_string().into_bytes(),
         enqueued_at: Some(now_millis()),
         arrived: Some(crate::metrics::Arrival::now()),
+    }
+}
+
+/// The fleet of `--simulate N` devices, started on core 0.
+pub struct Simulator {
+    pub devices: u32,
+}
+
+impl CorePlugin for Simulator {
+    fn start(self: Arc<Self>, core: &Rc<Core>) {
+        if core.index == 0 && self.devices > 0 {
+            monoio::spawn(run(core.clone(), self.devices));
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use std::rc::Rc;
 use std::task::{Poll, Waker};
 use std::time::Instant;
 
-use crate::runtime::core::Core;
+use crate::app::core::Core;
 
 /// Where a core's timer task sleeps, and how it is woken early.
 #[derive(Default)]

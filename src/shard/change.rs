@@ -1,0 +1,36 @@
+//! What the shard hands a durable store, and what it gets back at start: the vocabulary of
+//! the seam to `src/store` (the engines), kept here so that the shard names only its own
+//! types. The shard marks what changed; after each unit of work its core turns the marks into
+//! [`Change`]s (`DeviceTable::drain_dirty`, `SessionTable::drain_dirty`) and the store
+//! commits them. At start a store reads back one [`Loaded`] per core
+//! (`DeviceTable::restore`, `SessionTable::restore`).
+
+use hashbrown::HashMap;
+
+use crate::ids::SessionId;
+use crate::shard::access::{Access, Grants, Subscriptions};
+use crate::shard::devices::Device;
+
+/// One change of durable state, borrowed from the shard that made it.
+pub enum Change<'a> {
+    /// A device's data (last values, twin, connection state); `None`: the device has none.
+    Device { id: &'a str, device: Option<&'a Device> },
+    /// One session's grants and subscriptions on one device; `None`: nothing left.
+    Access { device: &'a str, session: SessionId, access: Option<&'a Access> },
+    /// A session and the devices it has held grants on; `None`: the session is gone.
+    Session { id: SessionId, devices: Option<&'a hashbrown::HashSet<Box<str>>> },
+    /// Every event of the source partition `key` up to sequence number `seq` is applied.
+    Applied { key: &'a str, seq: i64 },
+}
+
+/// One core's state as read back at start. Devices are rebuilt as the shard's own [`Device`]s
+/// by the loader threads (one per core, in parallel), so the core adopts the whole map at once
+/// instead of building a second one (start-up with 1,000,000 devices, issue 11).
+#[derive(Default)]
+pub struct Loaded {
+    pub devices: HashMap<Box<str>, Device>,
+    pub access: HashMap<(Box<str>, SessionId), (Grants, Subscriptions)>,
+    pub sessions: HashMap<SessionId, Vec<Box<str>>>,
+    /// Source partition → the highest sequence number this core has applied.
+    pub applied: HashMap<Box<str>, i64>,
+}
