@@ -22,8 +22,9 @@
 //!   ([`app::Ingress`]); [`shutdown`]: graceful SIGTERM/SIGINT shutdown of the cores.
 //! - [`cluster`]: several instances on Redis (`--redis-url`): shared sessions and grants,
 //!   live data across instances.
-//! - the network face: [`tls`], [`http`] (HTTP/1.1 connections), [`transport`] (WebSocket,
-//!   Engine.IO), [`api`] (the REST endpoints of SPEC.md).
+//! - the network protocols: [`tls`], [`http`] (HTTP/1.1 connections, handing requests to an
+//!   [`http::Service`]), [`transport`] (WebSocket, Engine.IO); above them [`api`], the REST
+//!   endpoints of SPEC.md ([`api::Rest`]).
 //! - sources: [`amqp`] (the IoT Hub / Event Hubs consumer, fe2o3-amqp on its own tokio
 //!   thread, feeding the cores through [`app::Ingress`]) and [`simulate`] (`--simulate N`).
 //! - main.rs wires them: settings, services, the HTTP accept loop and the plugins started

@@ -26,6 +26,23 @@ use crate::app::Core;
 
 pub use auth::admin_key_matches;
 
+/// The REST API as the HTTP connection loop sees it (`http::accept_loop::<Rest>`).
+pub struct Rest;
+
+impl crate::http::Service for Rest {
+    fn pipelines(req: &Request) -> bool {
+        pipelines(req)
+    }
+
+    async fn begin(core: &Rc<Core>, req: Request) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response>>> {
+        begin_ingest(core, req).await
+    }
+
+    async fn handle(core: &Rc<Core>, req: Request) -> Response {
+        handle(core, req).await
+    }
+}
+
 /// The routes of SPEC.md plus hubcast's own (`POST /ingest`, `/metrics`, `/openapi.json`, …).
 enum Route {
     Version,
@@ -170,7 +187,7 @@ pub async fn handle(core: &Rc<Core>, req: Request) -> Response {
 }
 
 /// Whether `req` is `POST /ingest`: the one request a pipelining connection begins while
-/// earlier answers are pending ([`begin_ingest`]); any other waits for them (`http::serve`).
+/// earlier answers are pending ([`begin_ingest`]); any other waits for them (`http::serve`, through [`Rest`]).
 pub fn pipelines(req: &Request) -> bool {
     req.method == Method::POST && matches!(req.segments().ok().and_then(Route::find), Some(Route::Ingest))
 }

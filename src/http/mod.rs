@@ -63,6 +63,21 @@ pub use codec::RequestHead;
 pub use request::Request;
 pub use response::Response;
 
+/// What the connection loop hands each request to: the REST API (`src/api`), the layer above,
+/// chosen by main.rs (`http::accept_loop::<api::Rest>`). HTTP frames requests and answers
+/// (and recognises upgrades); the service decides what a request means.
+#[allow(async_fn_in_trait)] // one core's tasks: never sent to another thread
+pub trait Service: 'static {
+    /// Whether `req` is begun while earlier answers of its connection are pending
+    /// (`POST /ingest`, through [`Service::begin`]); any other request waits for them.
+    fn pipelines(req: &Request) -> bool;
+    /// Begins a pipelined request now, in the order the connection read it; the returned
+    /// future resolves with its answer.
+    async fn begin(core: &Rc<Core>, req: Request) -> Pin<Box<dyn Future<Output = Response>>>;
+    /// Answers a request.
+    async fn handle(core: &Rc<Core>, req: Request) -> Response;
+}
+
 /// Most bytes asked of one read.
 const READ_CHUNK: usize = 8 * 1024;
 /// Lingering close: how long, and how many bytes, are read and dropped after an early error.
@@ -463,7 +478,7 @@ enum WriterEnd {
 
 /// The reader: reads requests in order, begins `POST /ingest` at once and runs any other
 /// request once every earlier answer is written, and queues the answers for the writer.
-async fn read_requests(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, idle: Duration) -> ReaderEnd {
+async fn read_requests<S: Service>(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, idle: Duration) -> ReaderEnd {
     let limit = core.settings.config.max_body_bytes;
     loop {
         if pipe.full() {
@@ -522,8 +537,8 @@ async fn read_requests(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, id
             headers: head.headers,
             body,
         };
-        let answer = if crate::api::pipelines(&request) {
-            let applied = crate::api::begin_ingest(core, request).await;
+        let answer = if S::pipelines(&request) {
+            let applied = S::begin(core, request).await;
             Pending::Applying(Box::pin(async move {
                 Answer { response: applied.await, keep_alive, head_only, unread_input: false }
             }))
@@ -531,7 +546,7 @@ async fn read_requests(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, id
             // Read-your-writes: every earlier answer is written (so its change is applied)
             // before this request runs.
             pipe.reader_waits(|p| p.unanswered.get() == 0).await;
-            let response = crate::api::handle(core, request).await;
+            let response = S::handle(core, request).await;
             Pending::Ready(Answer { response, keep_alive, head_only, unread_input: false })
         };
         pipe.push(Entry::Answer { answer, body_bytes, in_hand });
@@ -609,7 +624,7 @@ async fn write_answers(core: &Rc<Core>, write: &mut WriteHalf, pipe: &Pipeline, 
 
 /// Serves one client connection (plain or TLS) until it closes, errs or idles out: its
 /// reader and writer run together until one ends (module docs).
-pub async fn serve(core: Rc<Core>, stream: Stream) {
+pub async fn serve<S: Service>(core: Rc<Core>, stream: Stream) {
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
     let mut framed = Framed::new(read);
@@ -617,7 +632,7 @@ pub async fn serve(core: Rc<Core>, stream: Stream) {
     let pipe = Pipeline::new();
     let (reader_end, writer_end) = {
         let mut reader = pin!(async {
-            let end = read_requests(&core, &mut framed, &pipe, idle).await;
+            let end = read_requests::<S>(&core, &mut framed, &pipe, idle).await;
             pipe.finish_reading();
             end
         });
@@ -660,8 +675,9 @@ pub async fn serve(core: Rc<Core>, stream: Stream) {
     }
 }
 
-/// Accepts connections on this core's listener, within the process-wide limit.
-pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
+/// Accepts connections on this core's listener, within the process-wide limit; `S` answers
+/// their requests.
+pub async fn accept_loop<S: Service>(core: Rc<Core>, listener: Rc<TcpListener>) {
     let cap = core.settings.config.max_connections as usize;
     loop {
         match listener.accept().await {
@@ -674,7 +690,7 @@ pub async fn accept_loop(core: Rc<Core>, listener: Rc<TcpListener>) {
                 let core = core.clone();
                 monoio::spawn(async move {
                     if let Some(stream) = handshake(&core, stream).await {
-                        serve(core, stream).await;
+                        serve::<S>(core, stream).await;
                     }
                     drop(slot);
                 });
