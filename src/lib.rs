@@ -16,9 +16,10 @@
 //!   grants and subscriptions) and sessions; pure and synchronous.
 //! - [`store`]: durable state engines behind the `StateStore` seam.
 //! - [`runtime`]: generic thread-per-core — one monoio runtime per core, io drivers,
-//!   SO_REUSEPORT listeners, the routing function ([`runtime::routing`]).
-//! - [`app`]: the per-core application the runtime runs — [`app::Core`], the cross-core
-//!   [`app::mesh`] (the one message enum), clock, store, the door for outside sources
+//!   SO_REUSEPORT listeners, the cross-core [`runtime::mesh`] (generic over the message
+//!   type), the routing function ([`runtime::routing`]).
+//! - [`app`]: the per-core application the runtime runs — [`app::Core`], the one enum of
+//!   cross-core messages ([`app::mesh::CoreMsg`]), clock, store, the door for outside sources
 //!   ([`app::Ingress`]); [`shutdown`]: graceful SIGTERM/SIGINT shutdown of the cores.
 //! - [`cluster`]: several instances on Redis (`--redis-url`): shared sessions and grants,
 //!   live data across instances.

@@ -209,7 +209,7 @@ pub struct Snapshot {
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
 pub type ExternalSeries = Vec<(String, String, String, u64)>;
 
-/// The cross-core mesh's bounded queues (app/mesh.rs).
+/// The cross-core mesh's bounded queues (runtime/mesh.rs).
 fn render_mesh(out: &mut String, cores: &[Snapshot]) {
     family(out, "hubcast_mesh_inbox_messages", "gauge", "Items (deliveries, messages, operations) in a core's cross-core inbox.");
     for (core, c) in cores.iter().enumerate() {

@@ -1,6 +1,6 @@
 //! The per-core application: what each core of the runtime runs. A [`Core`] owns its shard
-//! (devices, sessions), its view of the cross-core [`mesh`] (the one enum of cross-core
-//! messages), its clock, its durable store and its door for outside sources ([`ingress`]).
+//! (devices, sessions), its view of the cross-core mesh (the one enum of cross-core
+//! messages, [`mesh::CoreMsg`]), its clock, its durable store and its door for outside sources ([`ingress`]).
 //!
 //! Below it: the shard (pure state), push (envelopes, outlets), the store engines and the
 //! generic runtime (threads, io drivers, listeners, routing). Above it, and plugged in at
