@@ -37,8 +37,11 @@ fi
 # Output is also kept in a log so the closing line can add up every runner's count.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace --lib --bins --tests -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$log"
+# --no-fail-fast: a failing test binary does not hide the results of the others.
+status=0
+cargo test --workspace --lib --bins --tests --no-fail-fast -- --test-threads="${TEST_THREADS:-4}" 2>&1 | tee "$log" || status=$?
 # Benchmarks in test mode: each one runs once, so they cannot rot.
-cargo test --workspace --benches 2>&1 | tee -a "$log"
+cargo test --workspace --benches 2>&1 | tee -a "$log" || status=$?
 # One closing line over all test binaries: "N passed, N failed".
 awk '/^test result:/ { passed += $4; failed += $6 } END { printf "%d passed, %d failed\n", passed, failed }' "$log"
+exit "$status"
