@@ -54,7 +54,7 @@ struct Result {
 }
 
 fn log_engine(dir: &Path, ids: &[String], batch: usize, rounds: usize) -> Result {
-    let mut opened = hubcast::store::log::open(dir, 1, Duration::from_secs(1)).expect("open");
+    let mut opened = hubcast::store::log::open(dir, 1, hubcast::store::Options::new(Duration::from_secs(1))).expect("open");
     let mut store = opened.stores.pop().expect("one core");
     let started = Instant::now();
     let (mut commits, mut writes) = (0, 0);
@@ -76,7 +76,7 @@ fn log_engine(dir: &Path, ids: &[String], batch: usize, rounds: usize) -> Result
     drop(opened);
     let bytes = du(dir);
     let started = Instant::now();
-    let opened = hubcast::store::log::open(dir, 1, Duration::from_secs(1)).expect("reopen");
+    let opened = hubcast::store::log::open(dir, 1, hubcast::store::Options::new(Duration::from_secs(1))).expect("reopen");
     let read = started.elapsed();
     let read_back = opened.loaded.iter().map(|l| l.devices.len()).sum();
     Result { engine: "log+snapshots (hubcast)", write, commits, writes, bytes, read, read_back }

@@ -317,6 +317,18 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(0..=60_000))]
     pub fsync_interval: u64,
 
+    /// Bytes a core's store log grows to (and past twice its last snapshot) before the core
+    /// writes a snapshot of its state, which replaces the log: bounds the log a start replays.
+    #[arg(long = "snapshot-log-bytes", env = "SNAPSHOT_LOG_BYTES", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub snapshot_log_bytes: u64,
+
+    /// Devices a core writes into a snapshot per turn of its event loop before it serves
+    /// what waits (bounds the pause a snapshot adds to live delivery).
+    #[arg(long = "snapshot-slice-devices", env = "SNAPSHOT_SLICE_DEVICES", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub snapshot_slice_devices: u64,
+
     /// Redis (6 or newer, or Valkey) shared by several hubcast instances behind one load
     /// balancer: `redis://[:PASSWORD@]HOST[:PORT][/DB]`, `rediss://` for TLS. Unset: one instance.
     #[arg(long = "redis-url", env = "REDIS_URL", value_parser = parse_redis_url)]

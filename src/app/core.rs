@@ -35,6 +35,8 @@ pub struct Core {
     pub drain: Rc<crate::shutdown::CoreDrain>,
     /// This core's durable store (`None`: memory only). See src/app/durable.rs.
     pub store: RefCell<Option<Box<dyn crate::store::StateStore + Send>>>,
+    /// A snapshot being written a slice at a time (app/durable.rs).
+    pub snapshot: crate::app::durable::SnapshotRun,
     /// Source partition → the highest sequence number this core has applied.
     pub applied: RefCell<hashbrown::HashMap<Box<str>, i64>>,
     /// This core's timers: one task sleeping until the shard's next deadline (app/clock.rs).
@@ -93,6 +95,7 @@ impl Core {
             settings,
             drain: Rc::default(),
             store: RefCell::default(),
+            snapshot: Default::default(),
             applied: RefCell::default(),
             clock: Default::default(),
             relay: RefCell::default(),

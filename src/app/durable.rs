@@ -10,18 +10,65 @@
 //! partition's highest sequence number; the core applies the messages above its own mark,
 //! raises the mark, and commits the state and the mark together. At start the partition
 //! resumes at the lowest mark over the cores, and every core skips what it applied already.
+//!
+//! **Snapshots without a long pause.** When the store asks for a snapshot, the commit that
+//! noticed it marks the snapshot point ([`StateStore::begin_snapshot`]: later commits go to a
+//! new log) and wakes this core's snapshot task, which writes `--snapshot-slice-devices`
+//! devices per turn and yields between turns, so messages, requests and deliveries are served
+//! while a large shard is written. A device changed after its slice was written is written
+//! again by its commit, in the log after the snapshot point; records are whole states, so
+//! replaying that log over the snapshot gives the latest state, each change once. Sessions
+//! and source positions are written in the last slice, so the snapshot's marks cover every
+//! state in it. The longest slice is `hubcast_store_snapshot_longest_slice_microseconds`.
 
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
 use std::rc::Rc;
-use std::time::Instant;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
 
 use crate::ingest::IngestMessage;
 use crate::app::ingress::{Mark, NO_SEQUENCE};
 use crate::app::Core;
+use crate::shard::devices::SnapshotWalk;
 use crate::store::{Change, Loaded, StateStore};
+
+/// A core's snapshot being written a slice at a time ([`Core::write_snapshots`]).
+#[derive(Default)]
+pub struct SnapshotRun {
+    /// A snapshot point was taken; the walk starts at the task's next turn.
+    begun: Cell<Option<Instant>>,
+    walk: RefCell<Option<SnapshotWalk>>,
+    slices: Cell<u64>,
+    longest: Cell<Duration>,
+    /// Commits made while the snapshot was written (they land in the log after its point).
+    commits: Cell<u64>,
+    waker: Cell<Option<Waker>>,
+}
+
+impl SnapshotRun {
+    fn running(&self) -> bool {
+        self.begun.get().is_some()
+    }
+}
+
+/// Lets every other ready task of the core run once (and the driver poll for I/O).
+async fn yield_now() {
+    let mut yielded = false;
+    poll_fn(|cx| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await
+}
 
 impl Core {
     /// Gives the core its store and the state read back for it (before it serves anything).
-    pub fn attach_store(&self, store: Box<dyn StateStore + Send>, mut loaded: Loaded) {
+    pub fn attach_store(self: &Rc<Self>, store: Box<dyn StateStore + Send>, mut loaded: Loaded) {
         let now = Instant::now();
         {
             let mut devices = self.devices.borrow_mut();
@@ -35,6 +82,7 @@ impl Core {
         }
         *self.applied.borrow_mut() = loaded.applied.drain().collect();
         *self.store.borrow_mut() = Some(store);
+        monoio::spawn(self.clone().write_snapshots());
         tracing::debug!(core = self.index, ms = now.elapsed().as_millis() as u64, "stored state restored");
     }
 
@@ -49,23 +97,88 @@ impl Core {
             put(Change::Applied { key, seq });
         }
         store.commit();
-        if store.snapshot_due() {
-            self.snapshot(store.as_mut());
+        let run = &self.snapshot;
+        if run.running() {
+            run.commits.set(run.commits.get() + 1);
+        } else if store.snapshot_due() {
+            // The snapshot point: what is committed from here on goes to a new log.
+            store.begin_snapshot();
+            run.begun.set(Some(Instant::now()));
+            if let Some(waker) = run.waker.take() {
+                waker.wake();
+            }
         }
     }
 
-    /// Writes the whole shard as a snapshot (encoded here, written by a helper thread).
-    fn snapshot(&self, store: &mut dyn StateStore) {
-        let started = Instant::now();
-        store.begin_snapshot();
-        let mut put = |c: Change<'_>| store.put_snapshot(c);
-        self.devices.borrow().for_each_state(&mut put);
-        self.sessions.borrow().for_each_state(&mut put);
-        for (key, seq) in self.applied.borrow().iter() {
-            put(Change::Applied { key, seq: *seq });
+    /// This core's snapshot task: sleeps until a snapshot point is taken ([`Core::persist`]),
+    /// then writes the shard a slice per turn (see the module docs).
+    async fn write_snapshots(self: Rc<Self>) {
+        loop {
+            poll_fn(|cx| {
+                if self.snapshot.running() {
+                    return Poll::Ready(());
+                }
+                self.snapshot.waker.set(Some(cx.waker().clone()));
+                Poll::Pending
+            })
+            .await;
+            while !self.snapshot_slice() {
+                yield_now().await;
+            }
         }
-        store.end_snapshot();
-        tracing::debug!(core = self.index, ms = started.elapsed().as_millis() as u64, "store snapshot encoded");
+    }
+
+    /// Writes the next slice of the snapshot being built; returns whether it is done (or
+    /// abandoned: the store was closed meanwhile).
+    fn snapshot_slice(&self) -> bool {
+        let started = Instant::now();
+        let run = &self.snapshot;
+        let mut store = self.store.borrow_mut();
+        let mut walk = run.walk.borrow_mut();
+        let Some(store) = store.as_mut() else {
+            *walk = None;
+            run.begun.set(None);
+            return true;
+        };
+        let done = match walk.as_mut() {
+            // The first turn only notes which devices to write.
+            None => {
+                let w = self.devices.borrow().snapshot_walk();
+                store.snapshot_devices(w.remaining());
+                *walk = Some(w);
+                false
+            }
+            Some(w) => {
+                let mut put = |c: Change<'_>| store.put_snapshot(c);
+                let max = self.settings.config.snapshot_slice_devices as usize;
+                let done = self.devices.borrow().snapshot_slice(w, max, &mut put);
+                if done {
+                    self.sessions.borrow().for_each_state(&mut put);
+                    for (key, seq) in self.applied.borrow().iter() {
+                        put(Change::Applied { key, seq: *seq });
+                    }
+                    store.end_snapshot();
+                }
+                done
+            }
+        };
+        let took = started.elapsed();
+        run.slices.set(run.slices.get() + 1);
+        run.longest.set(run.longest.get().max(took));
+        crate::store::log::STATS.snapshot_slice(took);
+        if done {
+            let begun = run.begun.take().map_or(Duration::ZERO, |b| b.elapsed());
+            tracing::debug!(
+                core = self.index,
+                ms = begun.as_millis() as u64,
+                slices = run.slices.take(),
+                longest_slice_us = run.longest.take().as_micros() as u64,
+                commits_during = run.commits.take(),
+                "store snapshot encoded"
+            );
+            *walk = None;
+        }
+        done
     }
 
     /// Applies a batch of one source partition exactly once (see the module docs).

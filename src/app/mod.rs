@@ -93,8 +93,11 @@ fn open_store(settings: &Settings, ingress: Ingress) -> io::Result<(Ingress, Vec
         tracing::info!("memory only (--data-dir none): nothing is kept across a restart");
         return Ok((ingress, (0..settings.cores).map(|_| None).collect()));
     };
-    let fsync = std::time::Duration::from_millis(settings.config.fsync_interval);
-    let opened = crate::store::open(dir, settings.cores, fsync).map_err(io::Error::other)?;
+    let options = crate::store::Options {
+        fsync_interval: std::time::Duration::from_millis(settings.config.fsync_interval),
+        snapshot_log_bytes: settings.config.snapshot_log_bytes,
+    };
+    let opened = crate::store::open(dir, settings.cores, options).map_err(io::Error::other)?;
     let prefix = source_prefix(settings);
     let resume = opened
         .resume_positions()

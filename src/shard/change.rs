@@ -33,4 +33,10 @@ pub struct Loaded {
     pub sessions: HashMap<SessionId, Vec<Box<str>>>,
     /// Source partition → the highest sequence number this core has applied.
     pub applied: HashMap<Box<str>, i64>,
+    /// When the devices were read back: a device with a connection state counts as heard from
+    /// then (its connection-state TTL starts again).
+    pub heard: Option<std::time::Instant>,
+    /// Connected devices read back, for the core to arm their off-line checks (a device may be
+    /// listed while a later record disconnected it: the checks are checked when due).
+    pub connected: Vec<Box<str>>,
 }

@@ -1,7 +1,9 @@
 //! The on-disk format of the embedded store: versioned files of CRC-checked frames.
 //!
-//! A file starts with a 16-byte header: the magic `HUBCASTS`, the format version (u32 LE)
-//! and its kind (log or snapshot). Then frames: `len: u32 LE`, `crc32(payload): u32 LE`,
+//! A file starts with a 16-byte header: the magic `HUBCASTS`, the format version (u32 LE),
+//! its kind (log or snapshot) and, in a snapshot, its device count (u24 LE, saturating; 0 when
+//! unknown): a hint that lets the reader size its table once instead of growing it (readers
+//! that predate the hint ignore these bytes, so the format version is unchanged). Then frames: `len: u32 LE`, `crc32(payload): u32 LE`,
 //! `payload`. One frame is one atomic commit: after a crash a frame is either whole (its CRC
 //! matches) or it is the torn tail, which is dropped. A payload is a sequence of records,
 //! each a tag byte and little-endian fields (strings as `u32` length + UTF-8 bytes).
@@ -63,6 +65,17 @@ pub fn header(kind: u8) -> [u8; HEADER_LEN] {
     h[8..12].copy_from_slice(&VERSION.to_le_bytes());
     h[12] = kind;
     h
+}
+
+/// Writes a snapshot's device count into its header (see the module docs).
+pub fn set_device_hint(header: &mut [u8], devices: usize) {
+    let n = devices.min(0xFF_FFFF) as u32;
+    header[13..16].copy_from_slice(&n.to_le_bytes()[..3]);
+}
+
+/// The device count a snapshot's header announces (0: unknown).
+pub fn device_hint(header: &[u8]) -> usize {
+    header.get(13..16).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], 0]) as usize)
 }
 
 /// Checks a file header; the error names what is wrong (refused by name, never guessed at).
@@ -396,6 +409,11 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
                 } else {
                     None
                 };
+                // Heard from at start: a connected device gets its off-line check, armed by
+                // the core from this list (ids copied here, where they are in cache).
+                if device.heard_at_start(*into.heard.get_or_insert_with(std::time::Instant::now)) {
+                    into.connected.push(id.into());
+                }
             }
         }
     }
@@ -407,6 +425,11 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
 /// whole (temporary file, sync, rename) and every frame's checksum is verified, so its frames
 /// are applied without the extra pass (`atomic_file`).
 pub fn read_frames_into(bytes: &[u8], into: &mut super::Loaded, atomic_file: bool) -> (Tail, bool) {
+    if atomic_file {
+        // One table of the right size (a device record takes more than 16 bytes).
+        let hint = device_hint(bytes).min(bytes.len() / 16);
+        into.devices.reserve(hint.saturating_sub(into.devices.len()));
+    }
     let mut ended = false;
     let tail = frames(bytes, &mut |payload| {
         if !atomic_file {

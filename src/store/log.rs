@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::format::{self, Change, Tail, KIND_LOG, KIND_SNAPSHOT};
-use super::{Loaded, Opened, StateStore};
+use super::{Loaded, Opened, Options, StateStore};
 use crate::ids::{core_of_device, core_of_session};
 
 /// Logs smaller than this are never compacted.
@@ -47,6 +47,8 @@ pub static STATS: StoreStats = StoreStats {
     synced_commits: AtomicU64::new(0),
     write_errors: AtomicU64::new(0),
     snapshots: AtomicU64::new(0),
+    snapshot_slices: AtomicU64::new(0),
+    snapshot_longest_slice_us: AtomicU64::new(0),
 };
 
 pub struct StoreStats {
@@ -57,9 +59,18 @@ pub struct StoreStats {
     pub synced_commits: AtomicU64,
     pub write_errors: AtomicU64,
     pub snapshots: AtomicU64,
+    /// Turns of a core spent writing a snapshot, and the longest one (µs).
+    pub snapshot_slices: AtomicU64,
+    pub snapshot_longest_slice_us: AtomicU64,
 }
 
 impl StoreStats {
+    /// A core spent `took` in one turn of writing a snapshot.
+    pub fn snapshot_slice(&self, took: Duration) {
+        self.snapshot_slices.fetch_add(1, Ordering::Relaxed);
+        self.snapshot_longest_slice_us.fetch_max(took.as_micros() as u64, Ordering::Relaxed);
+    }
+
     pub fn series(&self) -> crate::metrics::ExternalSeries {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         [
@@ -68,6 +79,12 @@ impl StoreStats {
             ("hubcast_store_synced_commits", "Commits known to be on disk (synced after them).", get(&self.synced_commits)),
             ("hubcast_store_write_errors_total", "Failed writes or syncs of the store.", get(&self.write_errors)),
             ("hubcast_store_snapshots_total", "Store snapshots written.", get(&self.snapshots)),
+            ("hubcast_store_snapshot_slices_total", "Turns of a core spent writing a snapshot (a slice of its devices each).", get(&self.snapshot_slices)),
+            (
+                "hubcast_store_snapshot_longest_slice_microseconds",
+                "Longest time a core spent in one turn of writing a snapshot (the pause it added to its other work).",
+                get(&self.snapshot_longest_slice_us),
+            ),
         ]
         .into_iter()
         .map(|(name, help, v)| (name.to_string(), help.to_string(), String::new(), v))
@@ -217,6 +234,11 @@ fn reshard(old: Vec<Loaded>, cores: usize) -> Vec<Loaded> {
     let marks = super::resume_positions(&old);
     let mut out: Vec<Loaded> = (0..cores).map(|_| Loaded::default()).collect();
     for l in old {
+        for id in l.connected {
+            let o = &mut out[core_of_device(&id, cores)];
+            o.heard = o.heard.or(l.heard);
+            o.connected.push(id);
+        }
         for (id, d) in l.devices {
             out[core_of_device(&id, cores)].devices.insert(id, d);
         }
@@ -236,6 +258,7 @@ fn reshard(old: Vec<Loaded>, cores: usize) -> Vec<Loaded> {
 /// Writes `loaded` as the snapshot `path` (tmp, sync, rename).
 fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
     let mut buf = Vec::from(format::header(KIND_SNAPSHOT));
+    format::set_device_hint(&mut buf, loaded.devices.len());
     let mut frame = format::begin_frame(&mut buf);
     let split = |buf: &mut Vec<u8>, frame: &mut usize| {
         if buf.len() - *frame > (4 << 20) {
@@ -281,7 +304,8 @@ fn write_file_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Opens the data dir (see the module docs).
-pub fn open(dir: &Path, cores: usize, fsync_interval: Duration) -> Result<Opened, String> {
+pub fn open(dir: &Path, cores: usize, options: Options) -> Result<Opened, String> {
+    let fsync_interval = options.fsync_interval;
     fs::create_dir_all(dir).map_err(|e| format!("cannot create data dir {}: {e}", dir.display()))?;
     let lock = Arc::new(lock_dir(dir)?);
     let manifest = read_manifest(dir)?;
@@ -357,8 +381,9 @@ pub fn open(dir: &Path, cores: usize, fsync_interval: Duration) -> Result<Opened
             .filter_map(|f| fs::metadata(&f.3).ok().map(|m| m.len()))
             .max()
             .unwrap_or(0);
-        let store = LogStore::create(dir, epoch, core, gen + 1, slots[core].clone(), lock.clone(), fsync_interval, snapshot_size)
+        let mut store = LogStore::create(dir, epoch, core, gen + 1, slots[core].clone(), lock.clone(), fsync_interval, snapshot_size)
             .map_err(|e| format!("data dir {}: cannot start a log: {e}", dir.display()))?;
+        store.snapshot_min_log = options.snapshot_log_bytes;
         stores.push(Box::new(store));
     }
     if !fsync_interval.is_zero() {
@@ -419,6 +444,8 @@ pub struct LogStore {
     #[cfg(test)]
     tear_next: Option<usize>,
     snapshot_size: u64,
+    /// Logs smaller than this are never compacted (`--snapshot-log-bytes`).
+    snapshot_min_log: u64,
     snapshot: Option<(Vec<u8>, usize, u64)>,
     snapshot_running: Arc<AtomicBool>,
     slot: Arc<SyncSlot>,
@@ -452,6 +479,7 @@ impl LogStore {
             #[cfg(test)]
             tear_next: None,
             snapshot_size,
+            snapshot_min_log: SNAPSHOT_MIN_LOG,
             snapshot: None,
             snapshot_running: Arc::new(AtomicBool::new(false)),
             slot,
@@ -549,7 +577,7 @@ impl StateStore for LogStore {
     fn snapshot_due(&self) -> bool {
         self.snapshot.is_none()
             && !self.snapshot_running.load(Ordering::Acquire)
-            && self.log_bytes > SNAPSHOT_MIN_LOG.max(self.snapshot_size.saturating_mul(2))
+            && self.log_bytes > self.snapshot_min_log.max(self.snapshot_size.saturating_mul(2))
     }
 
     fn begin_snapshot(&mut self) {
@@ -581,6 +609,12 @@ impl StateStore for LogStore {
         }
     }
 
+    fn snapshot_devices(&mut self, devices: usize) {
+        if let Some((buf, _, _)) = self.snapshot.as_mut() {
+            format::set_device_hint(buf, devices);
+        }
+    }
+
     fn end_snapshot(&mut self) {
         let Some((mut buf, frame, gen)) = self.snapshot.take() else { return };
         format::end_frame(&mut buf, frame);
@@ -591,9 +625,16 @@ impl StateStore for LogStore {
         let running = self.snapshot_running.clone();
         running.store(true, Ordering::Release);
         let (dir, epoch, core) = (self.dir.clone(), self.epoch, self.core);
+        // The log since the snapshot point holds what changed while the snapshot was built:
+        // it must be on disk before the snapshot replaces anything (see `end_snapshot`'s docs).
+        let log = self.file.as_ref().and_then(|f| f.try_clone().ok());
         let spawned = std::thread::Builder::new().name(format!("hubcast-snapshot-{core}")).spawn(move || {
             let path = dir.join(file_name(epoch, core, gen, "snap"));
-            match write_file_synced(&path, &buf) {
+            let written = match log.as_ref().map(File::sync_data) {
+                Some(Err(e)) => Err(e),
+                _ => write_file_synced(&path, &buf),
+            };
+            match written {
                 Ok(()) => {
                     STATS.snapshots.fetch_add(1, Ordering::Relaxed);
                     // Everything older than this snapshot is replaced by it.
@@ -619,6 +660,10 @@ impl StateStore for LogStore {
         }
     }
 
+    fn abort_snapshot(&mut self) {
+        self.snapshot = None;
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         self.commit();
         if let Some(f) = self.file.as_ref() {
@@ -630,6 +675,7 @@ impl StateStore for LogStore {
     }
 
     fn close(&mut self) -> io::Result<()> {
+        self.abort_snapshot();
         let r = self.flush();
         self.file = None;
         *self.slot.file.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -659,7 +705,7 @@ mod tests {
     }
 
     fn write_some(dir: &Path, cores: usize) {
-        let mut opened = open(dir, cores, Duration::from_millis(50)).unwrap();
+        let mut opened = open(dir, cores, Options::new(Duration::from_millis(50))).unwrap();
         for (i, store) in opened.stores.iter_mut().enumerate() {
             for n in 0..3 {
                 let id = format!("dev-{i}-{n}");
@@ -696,7 +742,7 @@ mod tests {
     fn what_is_committed_comes_back() {
         let dir = temp_dir("roundtrip");
         write_some(&dir, 2);
-        let o = open(&dir, 2, Duration::from_millis(50)).unwrap();
+        let o = open(&dir, 2, Options::new(Duration::from_millis(50))).unwrap();
         let devices = all_devices(&o);
         assert_eq!(devices.len(), 6, "{devices:?}");
         assert_eq!(&*devices[2].1.telemetry[0].1, "2");
@@ -725,7 +771,7 @@ mod tests {
         store.put(Change::Device { id: "after", device: Some(&device(3.0, "03")) });
         store.commit();
         drop(store);
-        let o = open(&dir, 1, Duration::ZERO).unwrap();
+        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
         let ids: Vec<Box<str>> = all_devices(&o).into_iter().map(|(k, _)| k).collect();
         assert_eq!(ids, vec![Box::<str>::from("after"), "before".into()]);
         drop(o);
@@ -735,11 +781,11 @@ mod tests {
     #[test]
     fn a_second_owner_is_refused() {
         let dir = temp_dir("lock");
-        let first = open(&dir, 1, Duration::ZERO).unwrap();
-        let err = open(&dir, 1, Duration::ZERO).err().expect("refused");
+        let first = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
         assert!(err.contains("in use by another hubcast"), "{err}");
         drop(first);
-        assert!(open(&dir, 1, Duration::ZERO).is_ok(), "free again once the owner is gone");
+        assert!(open(&dir, 1, Options::new(Duration::ZERO)).is_ok(), "free again once the owner is gone");
         let _ = fs::remove_dir_all(&dir);
     }
 
@@ -759,7 +805,7 @@ mod tests {
         let log = log_files(&dir).pop().unwrap();
         let len = fs::metadata(&log).unwrap().len();
         OpenOptions::new().write(true).open(&log).unwrap().set_len(len - 3).unwrap();
-        let o = open(&dir, 1, Duration::ZERO).unwrap();
+        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
         // The last commit (dev-x gone) is cut off: dev-x is back, everything before it is there.
         let devices = all_devices(&o);
         assert_eq!(devices.len(), 4, "{devices:?}");
@@ -777,7 +823,7 @@ mod tests {
         let first_len = u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
         bytes[16 + 8 + first_len + 8 + 2] ^= 0x55;
         fs::write(&log, bytes).unwrap();
-        let o = open(&dir, 1, Duration::ZERO).unwrap();
+        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
         let devices = all_devices(&o);
         assert_eq!(devices.len(), 1, "only the first commit is trusted: {devices:?}");
         let _ = fs::remove_dir_all(&dir);
@@ -791,7 +837,7 @@ mod tests {
         let mut bytes = fs::read(&log).unwrap();
         bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
         fs::write(&log, bytes).unwrap();
-        let err = open(&dir, 1, Duration::ZERO).err().expect("refused");
+        let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
         assert!(err.contains("store format version 7") && err.contains("version 1"), "{err}");
         let _ = fs::remove_dir_all(&dir);
     }
@@ -800,7 +846,7 @@ mod tests {
     fn a_changed_core_count_reshards() {
         let dir = temp_dir("reshard");
         write_some(&dir, 2);
-        let o = open(&dir, 3, Duration::ZERO).unwrap();
+        let o = open(&dir, 3, Options::new(Duration::ZERO)).unwrap();
         assert_eq!(o.loaded.len(), 3);
         for (c, l) in o.loaded.iter().enumerate() {
             for id in l.devices.keys() {
@@ -811,10 +857,10 @@ mod tests {
         let before = all_devices(&o);
         assert_eq!(before.len(), 6);
         drop(o);
-        let again = open(&dir, 3, Duration::ZERO).unwrap();
+        let again = open(&dir, 3, Options::new(Duration::ZERO)).unwrap();
         assert_eq!(all_devices(&again), before, "the re-sharded state is what the next start finds");
         drop(again);
-        let back = open(&dir, 1, Duration::ZERO).unwrap();
+        let back = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
         assert_eq!(all_devices(&back), before);
         let _ = fs::remove_dir_all(&dir);
     }
@@ -823,7 +869,7 @@ mod tests {
     fn snapshots_replace_the_logs() {
         let dir = temp_dir("snapshot");
         write_some(&dir, 1);
-        let mut o = open(&dir, 1, Duration::ZERO).unwrap();
+        let mut o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
         let state = o.loaded.pop().unwrap();
         let store = &mut o.stores[0];
         store.begin_snapshot();
@@ -845,7 +891,7 @@ mod tests {
         }
         o.stores[0].close().unwrap();
         drop(o);
-        let again = open(&dir, 1, Duration::ZERO).unwrap();
+        let again = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
         let devices = all_devices(&again);
         assert_eq!(devices.len(), 4, "{devices:?}");
         assert!(!devices.iter().any(|(k, _)| &**k == "dev-x"));

@@ -40,8 +40,17 @@ pub trait StateStore {
     fn begin_snapshot(&mut self);
     /// Adds one piece of the whole state to the snapshot being built.
     fn put_snapshot(&mut self, change: Change<'_>);
+    /// How many devices the snapshot being built holds (a hint for the reader's table size).
+    fn snapshot_devices(&mut self, _devices: usize) {}
     /// The snapshot holds the whole state: write it out (off the core) and drop what it replaces.
+    /// A snapshot may be built over many turns of the core (src/app/durable.rs), its
+    /// pieces read at different times: every change committed after
+    /// [`StateStore::begin_snapshot`] is in the log after it, and replaying those whole-state
+    /// records over the snapshot gives the latest state. So the engine makes that log durable
+    /// before the snapshot replaces anything.
     fn end_snapshot(&mut self);
+    /// Drops the snapshot being built (shutdown while one is built): nothing is replaced.
+    fn abort_snapshot(&mut self);
     /// Writes out everything committed and waits until it is on disk (fsync). For shutdown.
     fn flush(&mut self) -> io::Result<()>;
     /// [`StateStore::flush`], then release the files; later commits are dropped.
@@ -53,7 +62,11 @@ impl Loaded {
     pub fn apply(&mut self, record: Record) {
         match record {
             Record::Device(id, Some(d)) => {
-                self.devices.insert(id, device_from_owned(d));
+                let mut device = device_from_owned(d);
+                if device.heard_at_start(*self.heard.get_or_insert_with(std::time::Instant::now)) {
+                    self.connected.push(id.clone());
+                }
+                self.devices.insert(id, device);
             }
             Record::Device(id, None) => {
                 self.devices.remove(&id);
@@ -145,7 +158,23 @@ pub fn resume_positions(loaded: &[Loaded]) -> HashMap<Box<str>, i64> {
     out
 }
 
+/// How the store writes (`--fsync-interval`, `--snapshot-log-bytes`).
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// Between syncs of the logs to disk (zero: every commit).
+    pub fsync_interval: Duration,
+    /// A core writes a snapshot once its log has grown past this and past twice its last
+    /// snapshot ([`log::SNAPSHOT_MIN_LOG`] by default).
+    pub snapshot_log_bytes: u64,
+}
+
+impl Options {
+    pub fn new(fsync_interval: Duration) -> Self {
+        Self { fsync_interval, snapshot_log_bytes: log::SNAPSHOT_MIN_LOG }
+    }
+}
+
 /// Opens `dir` for `cores` cores: takes the lock, loads, re-shards if needed.
-pub fn open(dir: &Path, cores: usize, fsync_interval: Duration) -> Result<Opened, String> {
-    log::open(dir, cores, fsync_interval)
+pub fn open(dir: &Path, cores: usize, options: Options) -> Result<Opened, String> {
+    log::open(dir, cores, options)
 }

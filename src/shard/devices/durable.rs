@@ -7,6 +7,8 @@
 
 use std::time::Instant;
 
+use std::cmp::Reverse;
+
 use hashbrown::HashSet;
 
 use super::{Device, DeviceTable};
@@ -58,6 +60,21 @@ impl Dirty {
     }
 }
 
+/// The devices a snapshot still has to write ([`DeviceTable::snapshot_walk`]).
+pub struct SnapshotWalk {
+    /// Every id, back to back; `ends[i]` is where the i-th ends.
+    ids: Vec<u8>,
+    ends: Vec<usize>,
+    next: usize,
+}
+
+impl SnapshotWalk {
+    /// Devices not written yet.
+    pub fn remaining(&self) -> usize {
+        self.ends.len() - self.next
+    }
+}
+
 fn data_of(d: &Device) -> Option<&Device> {
     d.has_data().then_some(d)
 }
@@ -94,8 +111,45 @@ impl DeviceTable {
         }
     }
 
-    /// Restores devices and access entries read back at start. A connected device counts as
-    /// heard from now (its connection-state TTL starts again).
+    /// Starts a snapshot taken a slice at a time ([`Self::snapshot_slice`]): notes the id of
+    /// every device now (one copy of the ids in one buffer, no per-device allocation).
+    pub fn snapshot_walk(&self) -> SnapshotWalk {
+        let mut walk = SnapshotWalk { ids: Vec::new(), ends: Vec::with_capacity(self.devices.len()), next: 0 };
+        walk.ids.reserve(self.devices.keys().map(|k| k.len()).sum());
+        for id in self.devices.keys() {
+            walk.ids.extend_from_slice(id.as_bytes());
+            walk.ends.push(walk.ids.len());
+        }
+        walk
+    }
+
+    /// Hands the state of the walk's next `max` devices (as they are now) to `put`, like
+    /// [`Self::for_each_state`]; a device gone since the walk began is skipped, one added since
+    /// is not in the walk (its records are in the log after the snapshot point). Returns
+    /// whether the walk is done.
+    pub fn snapshot_slice(&self, walk: &mut SnapshotWalk, max: usize, put: &mut dyn FnMut(Change<'_>)) -> bool {
+        let end = (walk.next + max).min(walk.ends.len());
+        for i in walk.next..end {
+            let start = if i == 0 { 0 } else { walk.ends[i - 1] };
+            // The bytes were copied from `&str` keys: valid UTF-8.
+            let Ok(id) = std::str::from_utf8(&walk.ids[start..walk.ends[i]]) else { continue };
+            let Some((id, d)) = self.devices.get_key_value(id) else { continue };
+            if d.has_data() {
+                put(Change::Device { id, device: Some(d) });
+            }
+            for (session, a) in &d.access {
+                if !a.is_empty() {
+                    put(Change::Access { device: id, session: *session, access: Some(a) });
+                }
+            }
+        }
+        walk.next = end;
+        end == walk.ends.len()
+    }
+
+    /// Restores devices and access entries read back at start. A device with a connection
+    /// state counts as heard from when it was read back (`loaded.heard`): the loader marked it
+    /// and listed the connected ones, whose off-line checks are armed here at once.
     pub fn restore(&mut self, loaded: &mut Loaded, now: Instant) {
         if self.devices.is_empty() {
             // At start: adopt the loader's map whole (no second map, no rehash).
@@ -103,11 +157,14 @@ impl DeviceTable {
         } else {
             self.devices.extend(loaded.devices.drain());
         }
-        let ttl = self.timing.connection_ttl;
-        for (id, device) in self.devices.iter_mut() {
-            if device.connection.is_some() && device.last_seen.is_none() {
-                device.last_seen = Some(now);
-                Self::arm_offline_check(&mut self.offline_due, ttl, id, device, now);
+        let connected = std::mem::take(&mut loaded.connected);
+        if let Some(ttl) = self.timing.connection_ttl {
+            let due = loaded.heard.unwrap_or(now) + ttl;
+            if self.offline_due.is_empty() {
+                // One heapify (all due at once) instead of a push per device.
+                self.offline_due = connected.into_iter().map(|id| Reverse((due, id))).collect::<Vec<_>>().into();
+            } else {
+                self.offline_due.extend(connected.into_iter().map(|id| Reverse((due, id))));
             }
         }
         for ((device, session), (grants, subs)) in loaded.access.drain() {

@@ -30,7 +30,7 @@ use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 // Durable-state hooks (what changed, restore at start): kept apart from the data path.
 mod durable;
-pub use durable::Dirty;
+pub use durable::{Dirty, SnapshotWalk};
 mod fanout;
 mod ingest;
 mod twin;
@@ -123,6 +123,18 @@ impl Device {
     /// Whether any session's subscriptions satisfy `test`.
     fn wants(&self, test: impl Fn(&Access) -> bool) -> bool {
         self.access.values().any(test)
+    }
+
+    /// A device read back at start counts as heard from `now` (when it has a connection
+    /// state); returns whether it needs an off-line check (connected, none noted yet).
+    pub fn heard_at_start(&mut self, now: Instant) -> bool {
+        let Some(c) = &self.connection else { return false };
+        self.last_seen.get_or_insert(now);
+        if c.connected && !self.offline_check_armed {
+            self.offline_check_armed = true;
+            return true;
+        }
+        false
     }
 
     fn has_data(&self) -> bool {
