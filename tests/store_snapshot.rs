@@ -150,3 +150,37 @@ fn a_snapshot_taken_while_messages_stream_loses_and_doubles_nothing() {
     }
     assert_eq!(seen, DEVICES, "no device more or less");
 }
+
+/// Start-up arms the connection-state TTL of every connected device read back (the loader lists
+/// them; the core arms them at once): silent after a restart, it goes offline after the TTL,
+/// and one that was disconnected stays as it was.
+#[test]
+fn a_connected_device_read_back_at_start_goes_offline_after_the_ttl() {
+    let dir = TempDir::new();
+    let server = Server::start(&["--data-dir", dir.path()]);
+    server.ingest(json!([
+        {"deviceId": "on", "source": "deviceConnectionStateEvents", "properties": {"opType": "deviceConnected"},
+         "body": {"sequenceNumber": "01"}},
+        {"deviceId": "off", "source": "deviceConnectionStateEvents", "properties": {"opType": "deviceDisconnected"},
+         "body": {"sequenceNumber": "01"}}
+    ]));
+    let session = server.new_session();
+    for device in ["on", "off"] {
+        let sub = json!({"type": "connectionState", "deviceId": device});
+        server.grant(&session, sub.clone());
+        let (status, body) = server.subscribe(&session, sub);
+        assert_eq!(status, 204, "{body}");
+    }
+    drop(server); // kill -9
+
+    let server = Server::start(&["--data-dir", dir.path(), "--connection-state-cache-ttl-ms", "300"]);
+    let mut live = server.live(&session);
+    let (_, state) = server.call_json("GET", "/connectionState/on", &[ADMIN], None);
+    assert_eq!(state["data"], json!(true), "read back connected");
+    let offline = live.next_json(Duration::from_secs(10)).expect("offline after the TTL");
+    assert_eq!((&offline["deviceId"], &offline["connectionState"]), (&json!("on"), &json!(false)), "{offline}");
+    let (_, state) = server.call_json("GET", "/connectionState/on", &[ADMIN], None);
+    assert_eq!(state["data"], json!(false));
+    let (_, state) = server.call_json("GET", "/connectionState/off", &[ADMIN], None);
+    assert_eq!(state["data"], json!(false), "a disconnected device is left as it was");
+}

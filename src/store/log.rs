@@ -10,10 +10,12 @@
 //! a crash of the process (`kill -9`); the `hubcast-store-sync` thread `fdatasync`s every
 //! core's log every `--fsync-interval` ms, so a power loss costs at most that much.
 //!
-//! **Snapshots** replace the logs when they have grown past [`SNAPSHOT_MIN_LOG`] and twice the
-//! last snapshot. The core starts a new log, encodes its state into memory (the one pause it
-//! takes) and a helper thread writes `…snap.tmp`, syncs it, renames it and deletes the older
-//! files. A crash at any step leaves either the old snapshot and logs or the new ones.
+//! **Snapshots** replace the logs when they have grown past `--snapshot-log-bytes`
+//! ([`SNAPSHOT_MIN_LOG`]) and twice the last snapshot. The core starts a new log, encodes its
+//! state into memory a slice per turn (src/runtime/durable.rs), then a helper thread syncs the
+//! new log (it holds what changed while the slices were written), writes `…snap.tmp`, syncs it,
+//! renames it and deletes the older files. A crash at any step leaves either the old snapshot
+//! and logs or the new ones.
 //!
 //! **Recovery.** A frame that is cut off or whose checksum fails ends the reading of that file:
 //! what comes before it is kept, the rest is logged and left out; writing always goes on in a

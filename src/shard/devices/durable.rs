@@ -5,7 +5,7 @@
 //! that changed many times in one burst is written once. Engine-agnostic: the shard never
 //! sees which store runs.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use std::cmp::Reverse;
 
@@ -161,8 +161,12 @@ impl DeviceTable {
         if let Some(ttl) = self.timing.connection_ttl {
             let due = loaded.heard.unwrap_or(now) + ttl;
             if self.offline_due.is_empty() {
-                // One heapify (all due at once) instead of a push per device.
-                self.offline_due = connected.into_iter().map(|id| Reverse((due, id))).collect::<Vec<_>>().into();
+                // One heapify instead of a push per device. Dues a nanosecond apart, ascending:
+                // the list is a heap already and no comparison reaches the ids (a tie would
+                // compare them, reading a million strings scattered in memory).
+                let entries: Vec<_> =
+                    connected.into_iter().enumerate().map(|(i, id)| Reverse((due + Duration::from_nanos(i as u64), id))).collect();
+                self.offline_due = entries.into();
             } else {
                 self.offline_due.extend(connected.into_iter().map(|id| Reverse((due, id))));
             }
