@@ -341,86 +341,206 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
             continue;
         }
         let id = r.str()?;
-        let n = r.u32()? as usize;
         match into.as_deref_mut() {
-            None => {
-                for _ in 0..n {
-                    r.str()?;
-                    r.str()?;
-                    r.i64()?;
-                }
-                if r.bool()? {
-                    r.str()?;
-                    r.i64()?;
-                }
-                if r.bool()? {
-                    r.bool()?;
-                    r.i64()?;
-                    if r.bool()? {
-                        r.str()?;
-                    }
-                }
-            }
-            Some(into) => {
-                use crate::shard::devices::{ConnectionState, LastValue, Twin};
-                let device = into.devices.entry_ref(id).or_default();
-                let telemetry = &mut device.telemetry;
-                // A record holds the device's whole telemetry: other keys go.
-                let start = r.at;
-                let mut same_keys = telemetry.len() == n;
-                for _ in 0..n {
-                    let (k, v, at) = (r.str()?, r.str()?, r.i64()?);
-                    match telemetry.get_mut(k) {
-                        Some(last) => {
-                            // An unchanged value keeps its allocation (measured: faster).
-                            if *last.json != *v {
-                                last.json = Arc::from(v);
-                            }
-                            last.at = at;
-                        }
-                        None => {
-                            same_keys = false;
-                            telemetry.insert(k.into(), LastValue { json: Arc::from(v), at });
-                        }
-                    }
-                }
-                if !same_keys && telemetry.len() != n {
-                    let mut keep = Reader { bytes: payload, at: start };
-                    let mut keys = hashbrown::HashSet::with_capacity(n);
-                    for _ in 0..n {
-                        keys.insert(keep.str()?);
-                        keep.str()?;
-                        keep.i64()?;
-                    }
-                    telemetry.retain(|k, _| keys.contains(&**k));
-                }
-                device.twin = if r.bool()? {
-                    let doc = r.str()?;
-                    let at = r.i64()?;
-                    serde_json::from_str(doc).ok().map(|doc| Twin { doc, at })
-                } else {
-                    None
-                };
-                device.connection = if r.bool()? {
-                    let connected = r.bool()?;
-                    let at = r.i64()?;
-                    let sequence = if r.bool()? { Some(r.str()?.into()) } else { None };
-                    Some(ConnectionState { connected, at, sequence })
-                } else {
-                    None
-                };
-                // Heard from at start: a connected device gets its off-line check, armed by
-                // the core from this list (ids copied here, where they are in cache).
-                if device.heard_at_start(*into.heard.get_or_insert_with(std::time::Instant::now)) {
-                    into.connected.push(id.into());
-                }
-            }
+            None => skip_device(&mut r)?,
+            Some(into) => fill_device(&mut r, payload, into, id)?,
         }
     }
     Ok(())
 }
 
-/// [`read_frames`] for start-up: each frame is applied to `into` in place ([`walk`]). A log
+/// Reads the rest of a device record (after its id) into the device `id` of `into`, in place:
+/// keys, key map and entry kept, only changed values allocated.
+fn fill_device(r: &mut Reader<'_>, payload: &[u8], into: &mut super::Loaded, id: &str) -> Result<(), String> {
+    use crate::shard::devices::{ConnectionState, LastValue, Twin};
+    let n = r.u32()? as usize;
+    let device = into.devices.entry_ref(id).or_default();
+    let telemetry = &mut device.telemetry;
+    // A record holds the device's whole telemetry: other keys go.
+    let start = r.at;
+    let mut same_keys = telemetry.len() == n;
+    for _ in 0..n {
+        let (k, v, at) = (r.str()?, r.str()?, r.i64()?);
+        match telemetry.get_mut(k) {
+            Some(last) => {
+                // An unchanged value keeps its allocation (measured: faster).
+                if *last.json != *v {
+                    last.json = Arc::from(v);
+                }
+                last.at = at;
+            }
+            None => {
+                same_keys = false;
+                telemetry.insert(k.into(), LastValue { json: Arc::from(v), at });
+            }
+        }
+    }
+    if !same_keys && telemetry.len() != n {
+        let mut keep = Reader { bytes: payload, at: start };
+        let mut keys = hashbrown::HashSet::with_capacity(n);
+        for _ in 0..n {
+            keys.insert(keep.str()?);
+            keep.str()?;
+            keep.i64()?;
+        }
+        telemetry.retain(|k, _| keys.contains(&**k));
+    }
+    device.twin = if r.bool()? {
+        let doc = r.str()?;
+        let at = r.i64()?;
+        serde_json::from_str(doc).ok().map(|doc| Twin { doc, at })
+    } else {
+        None
+    };
+    device.connection = if r.bool()? {
+        let connected = r.bool()?;
+        let at = r.i64()?;
+        let sequence = if r.bool()? { Some(r.str()?.into()) } else { None };
+        Some(ConnectionState { connected, at, sequence })
+    } else {
+        None
+    };
+    // Heard from at start: a connected device gets its off-line check, armed by the core
+    // from this list (ids copied here, where they are in cache).
+    if device.heard_at_start(*into.heard.get_or_insert_with(std::time::Instant::now)) {
+        into.connected.push(id.into());
+    }
+    Ok(())
+}
+
+/// Skips the rest of a device record (after its id), checking that it decodes.
+fn skip_device(r: &mut Reader<'_>) -> Result<(), String> {
+    let n = r.u32()?;
+    for _ in 0..n {
+        r.str()?;
+        r.str()?;
+        r.i64()?;
+    }
+    if r.bool()? {
+        r.str()?;
+        r.i64()?;
+    }
+    if r.bool()? {
+        r.bool()?;
+        r.i64()?;
+        if r.bool()? {
+            r.str()?;
+        }
+    }
+    Ok(())
+}
+
+/// Start-up, newest record first: the logs are read from the newest record back, then the
+/// snapshot, and a record whose key (device, access entry, session) already has a newer one
+/// is skipped after one lookup. Records are whole states, so this gives what replaying every
+/// record in order gives, but builds each device once: a device written many times in the
+/// logs, or in the logs and the snapshot, costs one lookup per older record instead of an
+/// update (measured: docs/BENCHMARKS.md, "Durable state").
+#[derive(Default)]
+pub struct NewestFirst {
+    /// Devices whose newest record says they are gone.
+    gone: hashbrown::HashSet<Box<str>>,
+    /// Access entries and sessions whose newest record has been taken (present or gone).
+    access: hashbrown::HashSet<(Box<str>, SessionId)>,
+    sessions: hashbrown::HashSet<SessionId>,
+}
+
+impl NewestFirst {
+    /// One log file (header checked), newest record first. Its frames are checked whole
+    /// first: the valid part (up to the first bad frame) is applied, the rest is reported.
+    pub fn apply_log(&mut self, bytes: &[u8], into: &mut super::Loaded) -> Tail {
+        // (record start, its frame's end) of every record of the valid frames.
+        let mut records: Vec<(usize, usize)> = Vec::new();
+        let mut at = HEADER_LEN;
+        let tail = frames(bytes, &mut |payload| {
+            let base = payload.as_ptr() as usize - bytes.as_ptr() as usize;
+            at = base + payload.len();
+            let first = records.len();
+            let mut r = Reader { bytes: payload, at: 0 };
+            let checked = (|| {
+                while r.at < payload.len() {
+                    records.push((base + r.at, at));
+                    let tag = r.u8()?;
+                    if tag == TAG_DEVICE {
+                        r.str()?;
+                        skip_device(&mut r)?;
+                    } else {
+                        decode_one(&mut r, tag)?;
+                    }
+                }
+                Ok(())
+            })();
+            if checked.is_err() {
+                records.truncate(first);
+            }
+            checked
+        });
+        for &(start, end) in records.iter().rev() {
+            let mut r = Reader { bytes: &bytes[..end], at: start };
+            if let Err(e) = self.apply_one(&mut r, into) {
+                // Checked above: cannot happen; never trust what follows.
+                return Tail::Bad { offset: start, why: format!("undecodable after checking: {e}") };
+            }
+        }
+        tail
+    }
+
+    /// The snapshot (header checked), after the logs: each key once, taken unless a log had a
+    /// newer record of it. Its frames are applied as read (the file is written whole and
+    /// every frame's checksum is verified). Returns how it ended and whether its end mark
+    /// was found.
+    pub fn apply_snapshot(&mut self, bytes: &[u8], into: &mut super::Loaded) -> (Tail, bool) {
+        let hint = device_hint(bytes).min(bytes.len() / 16);
+        into.devices.reserve(hint.saturating_sub(into.devices.len()));
+        let mut ended = false;
+        let tail = frames(bytes, &mut |payload| {
+            ended |= is_end_only(payload);
+            let mut r = Reader { bytes: payload, at: 0 };
+            while r.at < payload.len() {
+                self.apply_one(&mut r, into)?;
+            }
+            Ok(())
+        });
+        (tail, ended)
+    }
+
+    /// Applies the record at `r` unless its key has a newer record already.
+    fn apply_one(&mut self, r: &mut Reader<'_>, into: &mut super::Loaded) -> Result<(), String> {
+        let tag = r.u8()?;
+        if tag == TAG_DEVICE {
+            let id = r.str()?;
+            if into.devices.contains_key(id) || self.gone.contains(id) {
+                return skip_device(r);
+            }
+            return fill_device(r, r.bytes, into, id);
+        }
+        match decode_one(r, tag)? {
+            Record::Device(id, None) => {
+                if !into.devices.contains_key(&id) {
+                    self.gone.insert(id);
+                }
+            }
+            Record::Access(device, session, access) => {
+                if self.access.insert((device.clone(), session)) {
+                    if let Some(a) = access {
+                        into.access.insert((device, session), a);
+                    }
+                }
+            }
+            Record::Session(id, devices) => {
+                if self.sessions.insert(id) {
+                    if let Some(d) = devices {
+                        into.sessions.insert(id, d);
+                    }
+                }
+            }
+            other => into.apply(other),
+        }
+        Ok(())
+    }
+}
+
+/// [`read_frames`] for start-up/// [`read_frames`] for start-up: each frame is applied to `into` in place ([`walk`]). A log
 /// frame is checked whole first, so it is taken whole or not at all; a snapshot is written
 /// whole (temporary file, sync, rename) and every frame's checksum is verified, so its frames
 /// are applied without the extra pass (`atomic_file`).
@@ -558,5 +678,69 @@ mod tests {
         assert!(matches!(tail, Tail::Bad { .. }));
         assert_eq!(&*partial.devices["d1"].telemetry["a"].json, "3", "the cut frame left d1 as the frame before made it");
         assert!(partial.devices.contains_key("d2"));
+    }
+
+    /// Newest record first (start-up) ends in the state that applying every record in order
+    /// gives: across a snapshot and two logs, with devices changed, gone and back, access
+    /// entries and sessions; a damaged log frame leaves out exactly that frame and the rest of
+    /// its file.
+    #[test]
+    fn newest_first_equals_applying_every_record_in_order() {
+        use crate::shard::access::Access;
+        let a1 = device(&[("a", "1", 1), ("b", "2", 1)], Some(r#"{"x":1}"#), Some(true));
+        let a2 = device(&[("a", "3", 2)], None, Some(false));
+        let b1 = device(&[("k", "\"v\"", 1)], None, None);
+        let c1 = device(&[("c", "5", 3)], None, Some(true));
+        let mut grant = Access::default();
+        grant.grants.device_twin = true;
+        let mut snapshot = header(KIND_SNAPSHOT).to_vec();
+        set_device_hint(&mut snapshot, 3);
+        let frame = begin_frame(&mut snapshot);
+        for (id, d) in [("a", &a1), ("b", &b1), ("c", &c1)] {
+            encode(&mut snapshot, Change::Device { id, device: Some(d) });
+        }
+        encode(&mut snapshot, Change::Access { device: "a", session: SessionId(1), access: Some(&grant) });
+        encode(&mut snapshot, Change::Access { device: "b", session: SessionId(2), access: Some(&grant) });
+        let set: hashbrown::HashSet<Box<str>> = ["a".into()].into_iter().collect();
+        encode(&mut snapshot, Change::Session { id: SessionId(1), devices: Some(&set) });
+        encode(&mut snapshot, Change::Applied { key: "p", seq: 5 });
+        end_frame(&mut snapshot, frame);
+        let end = begin_frame(&mut snapshot);
+        snapshot.push(TAG_END);
+        end_frame(&mut snapshot, end);
+        let log1 = file(&[
+            vec![Change::Device { id: "a", device: Some(&a2) }, Change::Device { id: "b", device: None }],
+            vec![Change::Access { device: "a", session: SessionId(1), access: None }],
+        ]);
+        let mut log2 = file(&[
+            vec![Change::Device { id: "b", device: Some(&b1) }, Change::Device { id: "c", device: None }],
+            vec![Change::Device { id: "a", device: Some(&a1) }],
+        ]);
+        // In order: snapshot, log 1, log 2 (its last frame damaged: left out).
+        let n = log2.len();
+        log2[n - 2] ^= 0x10;
+        let mut whole = super::super::Loaded::default();
+        assert_eq!(read_frames(&snapshot, &mut |r| whole.apply(r)), Tail::Clean);
+        assert_eq!(read_frames(&log1, &mut |r| whole.apply(r)), Tail::Clean);
+        assert!(matches!(read_frames(&log2, &mut |r| whole.apply(r)), Tail::Bad { .. }));
+        let mut newest = super::super::Loaded::default();
+        let mut nf = NewestFirst::default();
+        assert!(matches!(nf.apply_log(&log2, &mut newest), Tail::Bad { .. }));
+        assert_eq!(nf.apply_log(&log1, &mut newest), Tail::Clean);
+        assert_eq!(nf.apply_snapshot(&snapshot, &mut newest), (Tail::Clean, true));
+        let view = |l: &super::super::Loaded| {
+            let mut v: Vec<_> = l.devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut access: Vec<_> = l.access.keys().cloned().collect();
+            access.sort();
+            let mut sessions: Vec<_> = l.sessions.keys().copied().collect();
+            sessions.sort();
+            (v, access, sessions, l.applied.get("p").copied())
+        };
+        assert_eq!(view(&newest), view(&whole));
+        assert_eq!(&*newest.devices["a"].telemetry["a"].json, "3", "log 1's a, not the damaged frame's");
+        assert!(newest.devices.contains_key("b") && !newest.devices.contains_key("c"));
+        assert_eq!(newest.access.len(), 1, "a's entry is gone, b's kept");
+        assert!(newest.connected.is_empty(), "no device read back is connected (c, the connected one, is gone)");
     }
 }

@@ -187,41 +187,61 @@ fn write_manifest(dir: &Path, epoch: u64, cores: usize) -> Result<(), String> {
     write().map_err(|e| format!("data dir {}: cannot write the manifest: {e}", dir.display()))
 }
 
-/// Reads one file into `into`; a bad frame is logged and ends the file (what is valid is kept).
-fn load_file(path: &Path, kind: u8, into: &mut Loaded) -> Result<(), String> {
+/// Reads one store file whole and checks its header.
+fn read_file(path: &Path, kind: u8) -> Result<Vec<u8>, String> {
     let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     format::check_header(&bytes, kind).map_err(|e| format!("{}: {e}", path.display()))?;
-    let (tail, ended) = format::read_frames_into(&bytes, into, kind == KIND_SNAPSHOT);
+    Ok(bytes)
+}
+
+/// Logs a file's damage: what precedes it is loaded, the rest is left out.
+fn report_tail(path: &Path, len: usize, tail: Tail) {
     if let Tail::Bad { offset, why } = tail {
         tracing::error!(
             file = %path.display(),
             offset,
-            dropped_bytes = bytes.len() - offset,
+            dropped_bytes = len - offset,
             "store file damaged ({why}): what precedes the damage is loaded, the rest is left out"
         );
-    } else if kind == KIND_SNAPSHOT && !ended {
-        tracing::error!(file = %path.display(), "snapshot has no end mark: loaded what it holds");
     }
-    Ok(())
 }
 
-/// Every file of one core of one epoch, loaded in order. Returns the state and the highest
-/// generation seen.
+/// Every file of one core of one epoch: the logs newest first, then the snapshot
+/// ([`format::NewestFirst`]: each key's newest record wins, each device is built once).
+/// Returns the state and the highest generation seen.
 fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64), String> {
     let mine: Vec<_> = files.iter().filter(|f| f.0 == core).collect();
     let snap = mine.iter().filter(|f| f.2 == "snap").map(|f| f.1).max();
     let mut loaded = Loaded::default();
-    let mut top = 0;
-    if let Some(g) = snap {
-        // The listed path already includes the directory (joining it again breaks a relative one).
-        load_file(&file_name_of(&mine, g, "snap"), KIND_SNAPSHOT, &mut loaded)?;
-        top = g;
-    }
+    let mut top = snap.unwrap_or(0);
     let mut logs: Vec<_> = mine.iter().filter(|f| f.2 == "log" && snap.is_none_or(|s| f.1 >= s)).collect();
     logs.sort_by_key(|f| f.1);
-    for f in logs {
-        load_file(&f.3, KIND_LOG, &mut loaded)?;
+    // The listed path already includes the directory (joining it again breaks a relative one).
+    let snapshot = match snap {
+        Some(g) => {
+            let path = file_name_of(&mine, g, "snap");
+            let bytes = read_file(&path, KIND_SNAPSHOT)?;
+            // Sized once, before the logs add to it.
+            let hint = format::device_hint(&bytes).min(bytes.len() / 16);
+            loaded.devices.reserve(hint);
+            Some((path, bytes))
+        }
+        None => None,
+    };
+    let mut newest = format::NewestFirst::default();
+    for f in logs.iter().rev() {
+        let bytes = read_file(&f.3, KIND_LOG)?;
+        let tail = newest.apply_log(&bytes, &mut loaded);
+        report_tail(&f.3, bytes.len(), tail);
         top = top.max(f.1);
+    }
+    if let Some((path, bytes)) = snapshot {
+        let (tail, ended) = newest.apply_snapshot(&bytes, &mut loaded);
+        let clean = tail == Tail::Clean;
+        report_tail(&path, bytes.len(), tail);
+        if clean && !ended {
+            tracing::error!(file = %path.display(), "snapshot has no end mark: loaded what it holds");
+        }
     }
     Ok((loaded, top))
 }
