@@ -347,6 +347,12 @@ pub fn open(dir: &Path, cores: usize, options: Options) -> Result<Opened, String
             let _ = fs::remove_file(entry.path());
             continue;
         }
+        // A log holding only its header has no commit (each start begins a log): gone, so
+        // restarts do not pile up empty files until the next snapshot.
+        if ext == "log" && entry.metadata().is_ok_and(|m| m.len() == format::HEADER_LEN as u64) {
+            let _ = fs::remove_file(entry.path());
+            continue;
+        }
         if ext == "log" || ext == "snap" {
             files.push((core, gen, ext.to_string(), entry.path()));
         }
@@ -918,6 +924,19 @@ mod tests {
         assert_eq!(devices.len(), 4, "{devices:?}");
         assert!(!devices.iter().any(|(k, _)| &**k == "dev-x"));
         assert_eq!(again.resume_positions().get("p0"), Some(&2));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn restarts_do_not_pile_up_empty_logs() {
+        let dir = temp_dir("empty-logs");
+        write_some(&dir, 1);
+        for _ in 0..3 {
+            drop(open(&dir, 1, Options::new(Duration::ZERO)).unwrap());
+        }
+        let logs = fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".log")).count();
+        assert_eq!(logs, 2, "the log with commits and the one the last start began");
+        assert_eq!(all_devices(&open(&dir, 1, Options::new(Duration::ZERO)).unwrap()).len(), 3);
         let _ = fs::remove_dir_all(&dir);
     }
 }
