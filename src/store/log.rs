@@ -642,7 +642,7 @@ impl StateStore for LogStore {
             format::set_device_hint(buf, devices);
             // Room for the whole snapshot at once (pages are touched only as it is written):
             // growing a 60 MB buffer by doubling copied it inside a slice (measured: 185 ms).
-            let estimate = (self.snapshot_size as usize).max(devices.saturating_mul(160)).min(4 << 30);
+            let estimate = (self.snapshot_size as usize).max(devices.saturating_mul(160)).min(1 << 30);
             buf.reserve(estimate.saturating_sub(buf.len()));
         }
     }
