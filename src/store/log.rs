@@ -12,7 +12,7 @@
 //!
 //! **Snapshots** replace the logs when they have grown past `--snapshot-log-bytes`
 //! ([`SNAPSHOT_MIN_LOG`]) and twice the last snapshot. The core starts a new log, encodes its
-//! state into memory a slice per turn (src/runtime/durable.rs), then a helper thread syncs the
+//! state into memory a slice per turn (src/app/durable.rs), then a helper thread syncs the
 //! new log (it holds what changed while the slices were written), writes `…snap.tmp`, syncs it,
 //! renames it and deletes the older files. A crash at any step leaves either the old snapshot
 //! and logs or the new ones.
