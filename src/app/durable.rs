@@ -19,7 +19,8 @@
 //! again by its commit, in the log after the snapshot point; records are whole states, so
 //! replaying that log over the snapshot gives the latest state, each change once. Sessions
 //! and source positions are written in the last slice, so the snapshot's marks cover every
-//! state in it. The longest slice is `hubcast_store_snapshot_longest_slice_microseconds`.
+//! state in it. The longest slice is in the "store snapshot encoded" log line (`longest_slice_us`);
+//! `hubcast_store_snapshot_slow_slices_total` counts slices over 10 ms.
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
