@@ -9,6 +9,10 @@
 //! the core calls [`Core::arm_clock`] after every change that may add one, which wakes the task
 //! only when the new earliest deadline is earlier than the one it sleeps until. Everything is
 //! on one thread (monoio tasks are `!Send`), so the wake-up is a plain `Cell<Option<Waker>>`.
+//!
+//! The same [`Clock`] drives the core's socket timers (pings, ping answers, silent clients,
+//! stalled writes: src/transport/timers.rs), one more task per core with its own deadline
+//! heap; its wake-ups count in `hubcast_core_timer_wakeups_total` with this task's.
 
 use std::cell::Cell;
 use std::future::{poll_fn, Future};
@@ -44,7 +48,7 @@ impl Clock {
     }
 
     /// Sleeps until `until` (forever when `None`) or until [`Clock::arm`] asks for earlier.
-    async fn sleep(&self, until: Option<Instant>) {
+    pub async fn sleep(&self, until: Option<Instant>) {
         self.armed.set(until);
         self.nudged.set(false);
         let mut timer = until.map(|t| Box::pin(monoio::time::sleep_until(t.into())));

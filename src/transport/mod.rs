@@ -5,7 +5,9 @@
 //! core accepted the connection, the socket (fd plus any bytes read past the request) moves
 //! to `core_of_session` over the mesh. There it gets an [`Outlet`] attached to the session;
 //! the device cores' deliveries land in it, and one writer task drains it in coalesced
-//! writes. A reader task handles client frames; a pinger keeps the connection honest.
+//! writes. A reader task handles client frames. Its timers (pings and their answers, a silent
+//! client, a stalled write) are entries on the core's socket timers ([`timers`]): two tasks
+//! per socket, and no runtime timer armed per socket, read or write.
 //!
 //! A plain WebSocket opened with `batch=1` gets the envelopes queued at write time packed
 //! into JSON-array text frames (`[env1,env2,…]`, each frame's payload at most
@@ -16,6 +18,7 @@
 pub mod frame;
 pub mod socketio;
 pub mod socketio_polling;
+pub mod timers;
 
 use std::cell::Cell;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
@@ -33,11 +36,13 @@ use crate::app::Core;
 use crate::tls::{Stream, TlsState, WriteHalf};
 use frame::{FrameReader, Incoming};
 
-/// Initial read buffer of a socket.
-const READ_CHUNK: usize = 1024;
-
-/// A write that makes no progress for this long means a stalled client: the socket is dropped.
-const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
+/// The read buffer of a socket that is idle or reads little: it is what the kernel holds
+/// while the read waits (on io_uring the buffer is lent for the read's whole life), so it stays
+/// small; clients mostly send pongs and small packets. A read that fills it doubles it (up to
+/// [`READ_CHUNK_MAX`]) for a burst; a read that uses less than a quarter of a grown buffer
+/// brings it back to this size.
+const READ_CHUNK: usize = 128;
+const READ_CHUNK_MAX: usize = 16 * 1024;
 
 /// Bytes a socket's reader may handle without once waiting for a read before it lets the
 /// core's other tasks and its I/O driver run. With the epoll driver a read on a socket that
@@ -235,6 +240,8 @@ pub struct Conn {
     pub last_heard: Cell<Instant>,
     /// The Engine.IO sid of the polling session this WebSocket is taking over.
     pub upgrading: std::cell::RefCell<Option<Box<str>>>,
+    /// Its ping, answer, silence and write deadlines, on the core's socket timers.
+    pub timed: timers::Timed,
     fd: RawFd,
 }
 
@@ -289,6 +296,7 @@ async fn run(
         attached: Cell::new(false),
         last_heard: Cell::new(Instant::now()),
         upgrading: Default::default(),
+        timed: timers::Timed::new(Instant::now()),
         fd,
     });
     conn.core.metrics.socket_opened(conn.transport());
@@ -302,33 +310,32 @@ async fn run(
     conn.outlet.set_hangup(Some(Box::new(move || unsafe {
         libc::shutdown(fd, libc::SHUT_RDWR);
     })));
-    let greeting_ok = match &kind {
+    // A greeting that fails closes the socket (its close frame is then the only write).
+    match &kind {
         SocketKind::Plain { .. } => {
-            if conn.attach() {
-                true
-            } else {
+            if !conn.attach() {
                 conn.outlet.close(CloseReason::new(1008, "unknown or expired session"));
-                false
             }
         }
-        SocketKind::SocketIo { upgrade_sid } => socketio::greet_websocket(&conn, upgrade_sid.as_deref()),
-    };
-    monoio::spawn(writer(conn.clone(), write, handshake));
-    if greeting_ok {
-        monoio::spawn(pinger(conn.clone()));
+        SocketKind::SocketIo { upgrade_sid } => {
+            socketio::greet_websocket(&conn, upgrade_sid.as_deref());
+        }
     }
+    // Pings, silence and write stalls: on the core's socket timers (timers.rs), no task of
+    // its own. A closing socket is never pinged; only its close write is watched.
+    timers::register_websocket(&conn);
+    monoio::spawn(writer(conn.clone(), write, handshake));
 
-    let c = &conn.core.settings.config;
-    let read_deadline = Duration::from_millis(c.ping_interval + c.ping_timeout) + Duration::from_secs(5);
+    let interval = Duration::from_millis(conn.core.settings.config.ping_interval);
     let mut parser = FrameReader::default();
+    // Bytes read and not yet parsed (a partial frame); freed once empty, so an idle socket
+    // holds nothing here.
     let mut pending = leftover;
-    // Small: an idle socket keeps this buffer in the kernel's hands for as long as it waits,
-    // and clients only send pongs and small packets (it grows for a bigger burst).
     let mut chunk = Vec::with_capacity(READ_CHUNK);
-    let mut incoming = Vec::new();
     // Bytes handled since this task last waited or paused (see READ_BUDGET).
     let mut budget = 0;
     'read: loop {
+        let mut incoming = Vec::new();
         match parser.parse(&mut pending, &mut incoming) {
             Ok(used) => {
                 pending.drain(..used);
@@ -338,8 +345,15 @@ async fn run(
                 break;
             }
         }
-        for message in incoming.drain(..) {
-            conn.last_heard.set(Instant::now());
+        if pending.is_empty() {
+            pending = Vec::new();
+        }
+        if !incoming.is_empty() {
+            let now = Instant::now();
+            conn.last_heard.set(now);
+            conn.timed.heard(now, interval);
+        }
+        for message in incoming {
             match message {
                 Incoming::Close => {
                     conn.outlet.close(CloseReason::new(1000, "closing"));
@@ -365,14 +379,9 @@ async fn run(
             monoio::time::sleep(READ_PAUSE).await;
         }
         chunk.clear();
-        // Abandoning the read on timeout is safe: the connection is dropped with it.
-        let ((result, buf), waited) = match monoio::time::timeout(read_deadline, waited(read.read(chunk))).await {
-            Ok(r) => r,
-            Err(_) => {
-                conn.outlet.close(CloseReason::new(1001, "no traffic from the client"));
-                break;
-            }
-        };
+        // No timeout here: a silent client is closed by the socket timers (ping timeout,
+        // silence), which shut the socket down and so end this read.
+        let ((result, buf), waited) = waited(read.read(chunk)).await;
         chunk = buf;
         if waited {
             budget = 0;
@@ -382,13 +391,12 @@ async fn run(
             Ok(n) => {
                 budget += n;
                 pending.extend_from_slice(&chunk[..n]);
-                if n == chunk.capacity() && chunk.capacity() < 16 * READ_CHUNK {
+                if n == chunk.capacity() && chunk.capacity() < READ_CHUNK_MAX {
                     chunk.reserve(chunk.capacity());
+                } else if n < chunk.capacity() / 4 && chunk.capacity() > READ_CHUNK {
+                    chunk = Vec::with_capacity(READ_CHUNK);
                 }
             }
-        }
-        if pending.is_empty() && pending.capacity() > 4 * READ_CHUNK {
-            pending = Vec::new();
         }
     }
     if !conn.outlet.is_closing() {
@@ -409,6 +417,10 @@ async fn run(
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
 async fn writer(conn: Rc<Conn>, write: WriteHalf, handshake: Vec<u8>) {
     write_all_queued(&conn, write, handshake).await;
+    timers::write_ends(&conn);
+    // The writer ends last (it shuts the socket down, which ends the reader): the socket's
+    // timers end with it.
+    timers::unregister(&conn.core, &conn.timed);
     conn.outlet.set_hangup(None);
     if conn.outlet.take_overflow() {
         conn.core.metrics.slow_consumer_closed();
@@ -416,13 +428,16 @@ async fn writer(conn: Rc<Conn>, write: WriteHalf, handshake: Vec<u8>) {
 }
 
 async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<u8>) {
+    timers::write_begins(conn);
     let (result, _) = write.write_all(handshake).await;
+    timers::write_ends(conn);
     if result.is_err() {
         conn.outlet.close(CloseReason::new(1001, "write failed"));
         conn.shutdown();
         return;
     }
-    // Grows to the largest burst written; released again after a big one.
+    // Reused while the queue keeps refilling; released whenever the socket goes idle (nothing
+    // queued after a write), so an idle socket holds no write buffer.
     let mut buf: Vec<u8> = Vec::new();
     loop {
         let drained = conn.outlet.drain().await;
@@ -441,13 +456,18 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
             frames += 1;
         }
         if !buf.is_empty() {
-            match monoio::time::timeout(WRITE_STALL_LIMIT, write.write_all(std::mem::take(&mut buf))).await {
-                Ok((Ok(_), b)) => {
+            // The stall limit is watched by the core's socket timers (timers.rs): a write only
+            // records when it began.
+            timers::write_begins(conn);
+            let (result, b) = write.write_all(std::mem::take(&mut buf)).await;
+            timers::write_ends(conn);
+            match result {
+                Ok(_) => {
                     buf = b;
                     metrics.socket_written(conn.transport(), frames);
                     metrics.delivered(conn.transport(), drained.arrived());
                 }
-                Ok((Err(_), _)) | Err(_) => {
+                Err(_) => {
                     conn.outlet.close(CloseReason::new(1001, "write failed or stalled"));
                     conn.shutdown();
                     return;
@@ -458,7 +478,7 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
             conn.shutdown();
             return;
         }
-        if buf.capacity() > 256 * 1024 {
+        if buf.capacity() > 256 * 1024 || conn.outlet.backlog().0 == 0 {
             buf = Vec::new();
         }
     }
@@ -511,45 +531,6 @@ fn encode(kind: &SocketKind, items: &[Out], buf: &mut Vec<u8>) -> u64 {
         frames += frame::write_text_array(buf, &run, run_len + 1);
     }
     frames
-}
-
-/// Pings the client `pingInterval` after its last answer (as Engine.IO does); closes the
-/// socket when an answer takes longer than `pingTimeout`.
-async fn pinger(conn: Rc<Conn>) {
-    let c = &conn.core.settings.config;
-    let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
-    loop {
-        monoio::time::sleep(interval).await;
-        if conn.outlet.is_closing() {
-            return;
-        }
-        if !conn.attached.get() && conn.upgrading.borrow().is_none() {
-            // A Socket.IO socket gets one ping interval to send its CONNECT.
-            conn.outlet.close(CloseReason::new(1008, "no Socket.IO CONNECT in time"));
-            return;
-        }
-        conn.outlet.push(match conn.kind {
-            SocketKind::Plain { .. } => Out::Ping,
-            SocketKind::SocketIo { .. } => Out::Packet("2".into()),
-        });
-        if !answered_in_time(&conn.last_heard, &conn.outlet, timeout).await {
-            conn.outlet.close(CloseReason::new(1001, "ping timeout"));
-            return;
-        }
-    }
-}
-
-/// Waits until something is heard after now, up to `timeout`.
-pub async fn answered_in_time(last_heard: &Cell<Instant>, outlet: &Outlet, timeout: Duration) -> bool {
-    let sent = Instant::now();
-    let step = (timeout / 8).clamp(Duration::from_millis(10), Duration::from_millis(250));
-    while sent.elapsed() < timeout {
-        monoio::time::sleep(step).await;
-        if last_heard.get() >= sent || outlet.is_closing() {
-            return true;
-        }
-    }
-    last_heard.get() >= sent
 }
 
 #[cfg(test)]

@@ -86,6 +86,8 @@ pub struct PollingSocket {
     disconnect_sent: Cell<bool>,
     /// Its place in the connection budget, given back when it ends.
     slot: Cell<Option<ConnectionSlot>>,
+    /// Its first-poll and ping deadlines, on the core's socket timers.
+    pub timed: super::timers::Timed,
 }
 
 const RECORD_SEPARATOR: u8 = 0x1e;
@@ -161,9 +163,11 @@ pub fn max_pending(core: &Core) -> usize {
     (core.settings.config.max_connections as usize / core.cores() / 4).clamp(1, 1024)
 }
 
-/// How long after its handshake a polling session may go without its first poll.
-fn first_poll_deadline(core: &Core) -> Duration {
-    Duration::from_millis(core.settings.config.ping_timeout).min(Duration::from_secs(10))
+/// How long after its handshake a polling session may go without its first poll: a
+/// handshake never followed by a poll is abandoned (or a flood), so it ends within the first
+/// ping interval (the ping schedule stays as the client expects it).
+pub fn first_poll_wait(interval: Duration, timeout: Duration) -> Duration {
+    timeout.min(Duration::from_secs(10)).min(interval)
 }
 
 fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
@@ -189,12 +193,13 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
         polled: Cell::new(false),
         disconnect_sent: Cell::new(false),
         slot: Cell::new(Some(slot)),
+        timed: super::timers::Timed::new(Instant::now()),
     });
     registry.sessions.borrow_mut().insert(sid.clone(), socket.clone());
     registry.pending.set(registry.pending.get() + 1);
     core.drain.polling(&socket.outlet);
     core.metrics.socket_opened(POLLING);
-    monoio::spawn(pinger(core.clone(), socket));
+    super::timers::register_polling(core, &socket);
     text(open_packet(&sid, &["websocket"], c.ping_interval, c.ping_timeout))
 }
 
@@ -203,7 +208,9 @@ fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response
         close(core, socket, CloseReason::new(1009, "payload too large"));
         return engine_error(3, "Bad request");
     }
-    socket.last_heard.set(Instant::now());
+    let now = Instant::now();
+    socket.last_heard.set(now);
+    socket.timed.heard(now, Duration::from_millis(core.settings.config.ping_interval));
     for packet in body.split(|b| *b == RECORD_SEPARATOR) {
         let Some(packet) = std::str::from_utf8(packet).ok().and_then(parse_client_packet) else {
             close(core, socket, CloseReason::new(1002, "not an Engine.IO packet"));
@@ -323,36 +330,38 @@ pub fn close(core: &Rc<Core>, socket: &PollingSocket, reason: CloseReason) {
     }
 }
 
-async fn pinger(core: Rc<Core>, socket: Rc<PollingSocket>) {
-    let c = &core.settings.config;
-    let (interval, timeout) = (Duration::from_millis(c.ping_interval), Duration::from_millis(c.ping_timeout));
-    let alive = || polling(&core).sessions.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
-    // A handshake that is never followed by a poll is abandoned (or a flood): end it soon,
-    // within the first ping interval (the ping schedule stays as the client expects it).
-    let first_poll = first_poll_deadline(&core).min(interval);
-    monoio::time::sleep(first_poll).await;
-    if !socket.polled.get() && alive() {
-        close(&core, &socket, CloseReason::new(1008, "no poll after the handshake"));
-        forget(&core, &socket);
-        return;
-    }
-    let mut wait = interval - first_poll;
-    loop {
-        monoio::time::sleep(std::mem::replace(&mut wait, interval)).await;
-        if !alive() {
-            // Closed while no poll was pending (e.g. session deleted): nobody will collect it.
-            if !socket.poll_active.get() {
-                forget(&core, &socket);
-            }
-            return;
+/// A polling session's deadline came (on the core's socket timers): end it when it was
+/// never polled, went away, or left a ping unanswered for `timeout`; otherwise ping it
+/// `interval` after its last answer. The next deadline; `None` when it is over.
+pub fn liveness(core: &Rc<Core>, socket: &Rc<PollingSocket>, timeout: Duration, now: Instant) -> Option<Instant> {
+    let alive = polling(core).sessions.borrow().contains_key(&socket.sid) && !socket.outlet.is_closing();
+    if !alive {
+        // Closed while no poll was pending (e.g. session deleted): nobody will collect it.
+        if !socket.poll_active.get() {
+            forget(core, socket);
         }
-        socket.outlet.push(Out::Packet("2".into()));
-        if !super::answered_in_time(&socket.last_heard, &socket.outlet, timeout).await && alive() {
-            close(&core, &socket, CloseReason::new(1001, "ping timeout"));
-            forget(&core, &socket);
-            return;
-        }
+        return None;
     }
+    if !socket.polled.get() {
+        close(core, socket, CloseReason::new(1008, "no poll after the handshake"));
+        forget(core, socket);
+        return None;
+    }
+    let timed = &socket.timed;
+    if let Some(sent) = timed.ping_sent() {
+        if now.duration_since(sent) >= timeout {
+            close(core, socket, CloseReason::new(1001, "ping timeout"));
+            forget(core, socket);
+            return None;
+        }
+        return Some(sent + timeout);
+    }
+    if now < timed.next_ping() {
+        return Some(timed.next_ping());
+    }
+    socket.outlet.push(Out::Packet("2".into()));
+    timed.pinged(now);
+    Some(now + timeout)
 }
 
 /// A WebSocket opened with a polling session's sid: it answers the probe; `5` completes.
