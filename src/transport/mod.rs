@@ -326,7 +326,6 @@ async fn run(
     timers::register_websocket(&conn);
     monoio::spawn(writer(conn.clone(), write, handshake));
 
-    let interval = Duration::from_millis(conn.core.settings.config.ping_interval);
     let mut parser = FrameReader::default();
     // Bytes read and not yet parsed (a partial frame); freed once empty, so an idle socket
     // holds nothing here.
@@ -351,7 +350,7 @@ async fn run(
         if !incoming.is_empty() {
             let now = Instant::now();
             conn.last_heard.set(now);
-            conn.timed.heard(now, interval);
+            timers::heard(&conn.core, &conn.timed, now);
         }
         for message in incoming {
             match message {

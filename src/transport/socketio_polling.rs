@@ -210,7 +210,7 @@ fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response
     }
     let now = Instant::now();
     socket.last_heard.set(now);
-    socket.timed.heard(now, Duration::from_millis(core.settings.config.ping_interval));
+    super::timers::heard(core, &socket.timed, now);
     for packet in body.split(|b| *b == RECORD_SEPARATOR) {
         let Some(packet) = std::str::from_utf8(packet).ok().and_then(parse_client_packet) else {
             close(core, socket, CloseReason::new(1002, "not an Engine.IO packet"));

@@ -76,14 +76,6 @@ impl Timed {
         }
     }
 
-    /// Something arrived from the client at `now`: an unanswered ping is answered, and the
-    /// next one is due `interval` later.
-    pub fn heard(&self, now: Instant, interval: Duration) {
-        if self.ping_sent.take().is_some() {
-            self.next_ping.set(now + interval);
-        }
-    }
-
     /// The unanswered ping's instant.
     pub fn ping_sent(&self) -> Option<Instant> {
         self.ping_sent.get()
@@ -376,6 +368,22 @@ pub fn register_polling(core: &Rc<Core>, socket: &Rc<PollingSocket>) {
 /// Ends a socket's timers (its entries are skipped when they come up).
 pub fn unregister(core: &Rc<Core>, timed: &Timed) {
     timers(core).unregister(timed);
+}
+
+/// Something arrived from the client at `now`: an unanswered ping is answered, and the next
+/// one is due one interval later. Nothing else is done unless that is before the answer's
+/// deadline (only when `pingTimeout > pingInterval`): then the liveness entry moves earlier.
+pub fn heard(core: &Rc<Core>, timed: &Timed, now: Instant) {
+    if timed.ping_sent.take().is_none() {
+        return;
+    }
+    let timers = timers(core);
+    let next = now + timers.interval;
+    timed.next_ping.set(next);
+    let index = timed.slot.get();
+    if index != u32::MAX && timed.due.get().is_some_and(|due| timers.round(next) < due) {
+        timers.arm_liveness(index, next);
+    }
 }
 
 /// A write of this socket begins: it must complete within [`WRITE_STALL_LIMIT`].
