@@ -37,7 +37,7 @@ fn next_ping(live: &mut ws::Live, timeout: Duration) -> bool {
 }
 
 #[test]
-fn an_idle_core_with_throttling_on_and_a_session_open_does_not_tick() {
+fn an_idle_core_with_throttling_on_and_a_session_open_wakes_only_for_its_pings() {
     let server = Server::start(&["--cores", "2", "--throttling-interval", "300", "--ping-interval", "100", "--ping-timeout", "5000"]);
     let session = server.new_session();
     let sub = json!({"deviceId": "dev-1", "type": "telemetry", "telemetryKey": null});
@@ -49,13 +49,16 @@ fn an_idle_core_with_throttling_on_and_a_session_open_does_not_tick() {
     server.ingest(json!({"deviceId": "dev-1", "body": {"t": 1}}));
     assert_eq!(live.next_json(WAIT).expect("the leading message")["telemetry"], json!({"t": 1}));
 
-    // The window: ten server pings. A 5 ms tick would wake both cores ~200 times in it.
+    // The window: ten server pings. A 5 ms tick would wake both cores ~200 times in it. The
+    // pings themselves run on the core's socket timers (src/transport/timers.rs): one wake-up
+    // sends a ping, and the answer (tungstenite pongs at once) moves the next ping earlier
+    // than the answer's 5 s deadline, at most one more; nothing else wakes between pings.
     let before = wakeups(&server);
     for n in 0..10 {
         assert!(next_ping(&mut live, WAIT), "ping {n} arrives");
     }
     let idle = wakeups(&server) - before;
-    assert!(idle <= 2.0, "{idle} timer wake-ups over ten ping intervals of an idle hubcast");
+    assert!((9.0..=22.0).contains(&idle), "{idle} timer wake-ups over ten pings of an idle hubcast");
 
     // The counter is live, and a sleeping clock is woken for an earlier deadline: two messages
     // within the interval hold the second back until a trailing flush, which needs the timer.
