@@ -139,14 +139,18 @@ impl State {
         } else {
             Vec::new()
         };
-        self.arrivals.clear();
         (self.take_all(), arrivals)
     }
 
+    /// Takes the queue's own buffer (no copy when it is contiguous, and the holes are
+    /// filtered out in place), so an emptied queue holds no memory: an idle socket's outlet
+    /// costs only its struct.
     fn take_all(&mut self) -> Vec<Out> {
-        self.arrivals.clear();
-        let items = self.queue.drain(..).flatten().collect();
-        self.slots.clear();
+        self.arrivals = VecDeque::new();
+        let items = Vec::from(std::mem::take(&mut self.queue)).into_iter().flatten().collect();
+        if self.slots.capacity() > 0 {
+            self.slots = HashMap::new();
+        }
         self.live = 0;
         self.bytes = 0;
         items
