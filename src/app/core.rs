@@ -40,7 +40,7 @@ pub struct Core {
     /// Source partition → the highest sequence number this core has applied.
     pub applied: RefCell<hashbrown::HashMap<Box<str>, i64>>,
     /// This core's timers: one task sleeping until the shard's next deadline (app/clock.rs).
-    pub clock: crate::app::clock::Clock,
+    pub clock: crate::runtime::clock::Clock,
     /// Scale-out: the link to the other instances (`None`: one instance). app/relay.rs.
     pub relay: RefCell<Option<Rc<dyn crate::app::relay::Relay>>>,
     /// This core's state of the layers above the application (the Engine.IO polling

@@ -2,7 +2,7 @@
 //! (io_uring, epoll where the kernel refuses io_uring) with its own SO_REUSEPORT listener on
 //! the one port, the cross-core [`mesh`] (bounded inboxes, batching, back-pressure; generic
 //! over the message type), and the routing function that names the core owning a key
-//! ([`routing`]).
+//! ([`routing`]), and the deadline [`clock`] a timer task sleeps on.
 //!
 //! It knows nothing of HTTP, sockets or devices: each core runs the [`CoreMain`] the
 //! application hands it (`src/app` builds one per core: its shard, its inbox, its tasks).
@@ -10,6 +10,7 @@
 //! [`bind`] (raise the open-file limit, claim the port, one listener per core), then [`run`]
 //! (one thread per core; returns once every core said it serves).
 
+pub mod clock;
 pub mod mesh;
 pub mod routing;
 

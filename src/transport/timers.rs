@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use super::socketio_polling::{self, PollingSocket};
 use super::{Conn, SocketKind};
 use crate::push::outlet::{CloseReason, Out};
-use crate::app::clock::Clock;
+use crate::runtime::clock::Clock;
 use crate::app::Core;
 
 /// A write that makes no progress for this long means a stalled client: the socket is dropped.
