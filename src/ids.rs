@@ -59,6 +59,18 @@ pub fn stable_hash<T: Hash + ?Sized>(value: &T) -> u64 {
     foldhash::fast::FixedState::with_seed(0x6875_6263_6173_7421).hash_one(value)
 }
 
+/// Core owning a device: its ingest, last values, grants and subscriber list. The one place
+/// that decides which core owns a key (Seastar's `shard_of`), with [`core_of_session`]; here in
+/// the base layer because the store re-shards with it too.
+pub fn core_of_device(device_id: &str, cores: usize) -> usize {
+    (stable_hash(device_id) % cores as u64) as usize
+}
+
+/// Core owning a session record (existence, activity, sockets).
+pub fn core_of_session(session: SessionId, cores: usize) -> usize {
+    (stable_hash(&session.0) % cores as u64) as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,16 +87,4 @@ mod tests {
         assert_eq!(SessionId::parse("short"), None);
         assert_eq!(SessionId::parse("!!!!!!!!!!!!!!!!!!!!!!"), None);
     }
-}
-
-/// Core owning a device: its ingest, last values, grants and subscriber list. The one place
-/// that decides which core owns a key (Seastar's `shard_of`), with [`core_of_session`]; here in
-/// the base layer because the store re-shards with it too.
-pub fn core_of_device(device_id: &str, cores: usize) -> usize {
-    (stable_hash(device_id) % cores as u64) as usize
-}
-
-/// Core owning a session record (existence, activity, sockets).
-pub fn core_of_session(session: SessionId, cores: usize) -> usize {
-    (stable_hash(&session.0) % cores as u64) as usize
 }
