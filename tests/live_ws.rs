@@ -62,6 +62,46 @@ fn a_message_without_subscribed_keys_sends_nothing() {
     assert_eq!(first["telemetry"], json!({"temperature": 1}), "telemetry is never empty: {first}");
 }
 
+/// Sessions whose key filters select the same keys of a message share one envelope; each
+/// still gets exactly its own selection (a key filter that selects every key of the message
+/// gets the whole message's envelope).
+#[test]
+fn several_sessions_with_different_key_filters_each_get_their_own_keys() {
+    let server = Server::start(&["--cores", "2"]);
+    let device = "dev-keys";
+    let sets: [&[&str]; 5] = [&["a"], &["b"], &["a"], &["a", "c"], &["a", "b", "c"]];
+    let mut lives = Vec::new();
+    for keys in sets {
+        let subs: Vec<Value> = keys.iter().map(|k| telemetry_sub(Some(k))).collect();
+        let session = subscribed(&server, device, &subs);
+        lives.push(server.live(&session));
+    }
+    let wildcard = subscribed(&server, device, &[telemetry_sub(None)]);
+    let mut all = server.live(&wildcard);
+    server.ingest(json!({"deviceId": device, "body": {"a": 1, "b": "two", "c": [3]}}));
+    let expected = [json!({"a": 1}), json!({"b": "two"}), json!({"a": 1}), json!({"a": 1, "c": [3]}), json!({"a": 1, "b": "two", "c": [3]})];
+    for (live, want) in lives.iter_mut().zip(expected) {
+        let frame = live.next_json(WAIT).expect("a telemetry frame");
+        assert_eq!(frame["telemetry"], want, "{frame}");
+    }
+    assert_eq!(all.next_json(WAIT).expect("a telemetry frame")["telemetry"], json!({"a": 1, "b": "two", "c": [3]}));
+    // A message with only some of the keys: a filter that selected everything of the first
+    // message now selects part of this one.
+    server.ingest(json!({"deviceId": device, "body": {"b": false, "c": null}}));
+    let expected = [None, Some(json!({"b": false})), None, Some(json!({"c": null})), Some(json!({"b": false, "c": null}))];
+    for (i, (live, want)) in lives.iter_mut().zip(expected).enumerate() {
+        let Some(want) = want else { continue };
+        let frame = live.next_json(WAIT).expect("a telemetry frame");
+        assert_eq!(frame["telemetry"], want, "session {i}: {frame}");
+    }
+    // The sessions that wanted none of these keys got nothing: their next frame is the sentinel's.
+    server.ingest(json!({"deviceId": device, "body": {"a": "sentinel"}}));
+    for i in [0, 2] {
+        let frame = lives[i].next_json(WAIT).expect("the sentinel");
+        assert_eq!(frame["telemetry"], json!({"a": "sentinel"}), "session {i}: {frame}");
+    }
+}
+
 #[test]
 fn wildcard_subscription_gets_every_key() {
     let server = Server::start(&[]);

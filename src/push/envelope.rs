@@ -9,6 +9,18 @@ use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+/// Appends `s` as a JSON string: as it is between quotes when nothing in it needs escaping
+/// (telemetry keys, device ids and timestamps almost always), through serde_json otherwise.
+fn push_json_str(out: &mut String, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(s).expect("strings serialise"));
+    }
+}
+
 /// Builds the envelopes of one device message; the shared prefix is written once.
 pub struct EnvelopeBuilder {
     prefix: String,
@@ -18,9 +30,9 @@ impl EnvelopeBuilder {
     pub fn new(device: &str, timestamp: &str) -> Self {
         let mut prefix = String::with_capacity(device.len() + timestamp.len() + 32);
         prefix.push_str("{\"deviceId\":");
-        prefix.push_str(&serde_json::to_string(device).expect("strings serialise"));
+        push_json_str(&mut prefix, device);
         prefix.push_str(",\"timestamp\":");
-        prefix.push_str(&serde_json::to_string(timestamp).expect("strings serialise"));
+        push_json_str(&mut prefix, timestamp);
         Self { prefix }
     }
 
@@ -44,7 +56,7 @@ impl EnvelopeBuilder {
                 if i > 0 {
                     out.push(',');
                 }
-                out.push_str(&serde_json::to_string(k).expect("strings serialise"));
+                push_json_str(out, k);
                 out.push(':');
                 out.push_str(v);
             }
@@ -124,6 +136,15 @@ impl<'de: 'a, 'a> Deserialize<'de> for Pairs<'a> {
 mod tests {
     use super::*;
     use serde_json::{json, Value};
+
+    #[test]
+    fn strings_are_written_as_serde_json_writes_them() {
+        for s in ["temperature", "", "a b", "quote\"d", "back\\slash", "tab\there", "nl\n", "\u{1}", "é ✓ 🙂", "\u{7f}"] {
+            let mut out = String::new();
+            push_json_str(&mut out, s);
+            assert_eq!(out, serde_json::to_string(s).unwrap(), "{s:?}");
+        }
+    }
 
     #[test]
     fn envelopes_are_json_with_exactly_one_discriminator() {

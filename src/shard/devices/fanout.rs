@@ -1,5 +1,6 @@
 //! Who gets what of a publication: grant and subscription filters, throttling (trailing
-//! merge per session and device), the connection-state TTL; one envelope per kind, shared.
+//! merge per session and device), the connection-state TTL; one envelope per kind, shared,
+//! and one per distinct selection of keys for key-filtered subscriptions.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,6 +17,11 @@ impl DeviceTable {
         let envelope = EnvelopeBuilder::new(device_id, &timestamp);
         // Built on first use, shared by every session that gets the same content.
         let mut all_telemetry: Option<Arc<str>> = None;
+        // Key-filtered telemetry, one envelope per distinct selection of this message's keys
+        // (a bit per key; messages of more than 64 keys build one per session).
+        let mut filtered: SmallVec<[(u64, Arc<str>); 4]> = SmallVec::new();
+        let maskable = p.telemetry.len() <= 64;
+        let whole = if p.telemetry.len() >= 64 { u64::MAX } else { (1u64 << p.telemetry.len()) - 1 };
         let mut connection: Option<Arc<str>> = None;
         let mut twin: Option<Arc<str>> = None;
         let mut message: Option<Arc<str>> = None;
@@ -59,6 +65,33 @@ impl DeviceTable {
                             .get_or_insert_with(|| envelope.telemetry(p.telemetry.iter().map(|(k, v)| (&**k, &**v))))
                             .clone();
                         send(FrameKind::Telemetry, frame);
+                    }
+                    None if maskable => {
+                        let mask = p
+                            .telemetry
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, (k, _))| subs.telemetry.contains_key(k))
+                            .fold(0u64, |m, (i, _)| m | 1 << i);
+                        if mask == 0 {
+                            // None of the keys it wants.
+                        } else if mask == whole {
+                            let frame = all_telemetry
+                                .get_or_insert_with(|| envelope.telemetry(p.telemetry.iter().map(|(k, v)| (&**k, &**v))))
+                                .clone();
+                            send(FrameKind::Telemetry, frame);
+                        } else {
+                            let frame = match filtered.iter().find(|(m, _)| *m == mask) {
+                                Some((_, frame)) => frame.clone(),
+                                None => {
+                                    let values = p.telemetry.iter().enumerate().filter(|(i, _)| mask & (1 << i) != 0);
+                                    let frame = envelope.telemetry(values.map(|(_, (k, v))| (&**k, &**v)));
+                                    filtered.push((mask, frame.clone()));
+                                    frame
+                                }
+                            };
+                            send(FrameKind::Telemetry, frame);
+                        }
                     }
                     None => {
                         let values = p.telemetry.iter().filter(|(k, _)| subs.telemetry.contains_key(k));
