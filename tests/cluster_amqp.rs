@@ -259,7 +259,13 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     }
     // Redis comes back empty: no lease, no checkpoint. Each instance takes back the partitions
     // its cores were reading (it knows how far it got), so none is read twice or skipped.
+    // A comes back late (stopped while B reconnects): B, alone at first, takes back only its
+    // own and leaves A's for A.
+    a.signal(libc::SIGSTOP);
     redis.up();
+    let b_leases = "hubcast_redis_partition_leases{instance=\"b\"}";
+    assert!(b.wait_for_metric(b_leases, WAIT, |v| v >= of_b.len() as f64).is_some(), "B takes its partitions back");
+    a.signal(libc::SIGCONT);
     wait_balanced(&[(&a, "a"), (&b, "b")]);
     assert_eq!((partitions_of(&a), partitions_of(&b)), (of_a, of_b), "each instance reads its partitions again");
     // Round 2 was read by each partition's holder during the outage. B's copies of A's

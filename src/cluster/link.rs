@@ -30,6 +30,9 @@ use crate::runtime::routing::{core_of_device, core_of_session};
 const RENEW: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end";
 /// Gives a lease up only if this instance holds it.
 const RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+/// The longest wait between two attempts to reach Redis.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
 /// The longest one Redis call may take before the link is considered lost.
 const CALL_DEADLINE: Duration = Duration::from_secs(5);
 /// Commands per pipeline when many keys are touched at once.
@@ -97,6 +100,9 @@ pub fn start(
             stream: None,
             leased: std::collections::BTreeMap::new(),
             lost: HashSet::new(),
+            taken_order: HashMap::new(),
+            next_take: 0,
+            settle_until: None,
             checkpointed: HashMap::new(),
             owned,
             renewed_at: tokio::time::Instant::now(),
@@ -136,6 +142,15 @@ struct Link {
     /// given up while Redis was unreachable): taken again first, so that after a Redis
     /// restart each instance goes back to the partitions its cores hold positions for.
     lost: HashSet<String>,
+    /// When each held partition was taken (a counter): to balance, the most recently taken
+    /// is given up first, so an instance keeps the partitions it read longest.
+    taken_order: HashMap<String, u64>,
+    next_take: u64,
+    /// After a reconnect, until this instant only partitions in `lost` are taken: the other
+    /// instances cut off by the same outage come back within it (their back-off is at most
+    /// [`MAX_BACKOFF`]) and take back their own, instead of finding them taken by whoever
+    /// reconnected first.
+    settle_until: Option<tokio::time::Instant>,
     owned: tokio::sync::watch::Sender<super::Owned>,
     /// When the leases were last renewed: past the TTL without Redis they are given up.
     renewed_at: tokio::time::Instant,
@@ -180,6 +195,7 @@ impl Link {
                     backoff = Duration::from_millis(100);
                     if self.stats.reconnects.load(Ordering::Relaxed) > 0 {
                         self.forget_replicas().await;
+                        self.settle_until = Some(tokio::time::Instant::now() + self.o.lease_ttl + MAX_BACKOFF);
                     }
                     (self.status)(None);
                     self.stats.connected.store(1, Ordering::Relaxed);
@@ -223,13 +239,14 @@ impl Link {
                     },
                     _ = tokio::time::sleep_until(give_up), if !self.leased.is_empty() => {
                         tracing::warn!(partitions = self.leased.len(), "partition leases not renewed in time (Redis unreachable): reading none until they are taken again");
-                        self.lost.extend(std::mem::take(&mut self.leased).into_keys());
+                        // What was lost before is someone else's by now: only these are ours.
+                        self.lost = std::mem::take(&mut self.leased).into_keys().collect();
                         self.publish_owned();
                     }
                     _ = tokio::time::sleep_until(until) => break,
                 }
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
+            backoff = (backoff * 2).min(MAX_BACKOFF);
         }
     }
 
@@ -576,7 +593,10 @@ impl Link {
         let instances = self.instances.len() + 1;
         let share = stream.ids.len().div_ceil(instances);
         while self.leased.len() > share {
-            let Some((p, _)) = self.leased.pop_last() else { break };
+            let newest = self.leased.keys().max_by_key(|p| self.taken_order.get(*p).copied().unwrap_or(0)).cloned();
+            let Some(p) = newest else { break };
+            self.leased.remove(&p);
+            self.taken_order.remove(&p);
             let release = redis::cmd("EVAL").arg(RELEASE).arg(1).arg(lease_key(&p)).arg(&*me).to_owned();
             within("release lease", release.query_async::<i64>(conn)).await?;
             tracing::info!(partition = %p, instances, share, "partition lease given up to balance the instances");
@@ -585,8 +605,14 @@ impl Link {
             // Start at a place of this instance's own, so instances do not race for one partition.
             let start = crc32fast::hash(me.as_bytes()) as usize % stream.ids.len().max(1);
             let mut order: Vec<String> = stream.ids.iter().cycle().skip(start).take(stream.ids.len()).cloned().collect();
-            // Those lost first (stable: otherwise in this instance's own order).
+            // Those lost first (stable: otherwise in this instance's own order); only those
+            // while the instances settle after a Redis outage.
             order.sort_by_key(|p| !self.lost.contains(p));
+            if self.settle_until.is_some_and(|t| tokio::time::Instant::now() < t) {
+                order.retain(|p| self.lost.contains(p));
+            } else {
+                self.settle_until = None;
+            }
             for p in order {
                 if self.leased.len() >= share {
                     break;
@@ -617,6 +643,8 @@ impl Link {
                 }
                 tracing::info!(partition = %p, after_sequence_number = ?checkpoint, instances, share, "partition lease taken");
                 self.lost.remove(&p);
+                self.next_take += 1;
+                self.taken_order.insert(p.clone(), self.next_take);
                 self.leased.insert(p, checkpoint);
             }
         }
