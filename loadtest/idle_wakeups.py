@@ -3,7 +3,8 @@
 
 Starts BINARY (2 cores, throttling on), opens one session with SOCKETS plain WebSockets on it,
 lets it settle, then counts voluntary_ctxt_switches over /proc/<pid>/task/*/status across
-SECONDS of idleness (no ingest, no requests). Prints one line: binary, sockets, wake-ups/s.
+SECONDS of idleness (no ingest, no requests). Prints one line: binary, sockets, wake-ups/s,
+and the pings the clients answered per second in the same window.
 With PING_MS, hubcast pings every PING_MS (`--ping-interval`) and the clients answer every
 ping with a pong (a thread reading all sockets), so the window holds pings; without it, the
 default 25 s interval keeps pings out of the window.
@@ -11,8 +12,9 @@ Usage: idle_wakeups.py BINARY [SOCKETS=1] [SECONDS=10] [PING_MS]
 """
 import base64, json, os, selectors, socket, subprocess, sys, tempfile, threading, time, urllib.request
 
-def answer_pings(conns, stop):
-    """Reads every socket; answers each server ping (opcode 9) with a masked pong."""
+def answer_pings(conns, stop, answered):
+    """Reads every socket; answers each server ping (opcode 9) with a masked pong, counted in
+    answered[0]."""
     sel = selectors.DefaultSelector()
     bufs = {}
     for c in conns:
@@ -39,6 +41,7 @@ def answer_pings(conns, stop):
                     c.setblocking(True)
                     c.sendall(bytes([0x8A, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
                     c.setblocking(False)
+                    answered[0] += 1
             bufs[c] = buf
 
 def free_port():
@@ -84,15 +87,17 @@ def main():
             assert head.startswith(b"HTTP/1.1 101"), head[:80]
             conns.append(c)
         stop = threading.Event()
-        reader = threading.Thread(target=answer_pings, args=(conns, stop), daemon=True)
+        answered = [0]
+        reader = threading.Thread(target=answer_pings, args=(conns, stop, answered), daemon=True)
         reader.start()
         time.sleep(1.0)  # settle: the handshakes' own wake-ups are over
-        before = switches(proc.pid)
+        before, pings_before = switches(proc.pid), answered[0]
         time.sleep(seconds)
-        after = switches(proc.pid)
+        after, pings_after = switches(proc.pid), answered[0]
         stop.set()
         ping_note = f"\tping={sys.argv[4]}ms" if ping else ""
-        print(f"{os.path.basename(binary)}\tsockets={sockets}{ping_note}\t{(after - before) / seconds:.1f} wake-ups/s")
+        print(f"{os.path.basename(binary)}\tsockets={sockets}{ping_note}\t{(after - before) / seconds:.1f} wake-ups/s\t"
+              f"{(pings_after - pings_before) / seconds:.1f} pings answered/s")
     finally:
         proc.terminate()
         proc.wait()
