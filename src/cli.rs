@@ -63,6 +63,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "socket_queue_hard_limit",
             "socket_queue_soft_bytes",
             "socket_queue_hard_bytes",
+            "socket_linger_us",
         ],
     ),
     ("Limits", &["max_body_bytes", "max_connections", "max_sessions", "mesh_inbox_messages", "mesh_inbox_bytes"]),

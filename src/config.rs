@@ -201,6 +201,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(2048..=1 << 40))]
     pub socket_queue_hard_bytes: u64,
 
+    /// Microseconds a busy socket's write may be held back so it carries more frames, only
+    /// while its core is saturated (src/push/linger.rs); `0`: never held.
+    #[arg(long = "socket-linger-us", env = "SOCKET_LINGER_US", default_value_t = 500,
+          value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub socket_linger_us: u64,
+
     /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
     /// senders keep a backlog, conflate telemetry and slow their sources down.
     #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,

@@ -187,6 +187,8 @@ pub struct StateCounts {
     pub mesh_conflated: u64,
     /// Wake-ups of the core's timer task (app/clock.rs).
     pub timer_wakeups: u64,
+    /// Socket writes held back under load (push/linger.rs).
+    pub socket_writes_held: u64,
 }
 
 /// A core's metrics, sent to the core answering the scrape.
@@ -274,6 +276,8 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
         let total: u64 = cores.iter().map(|c| c.socket_frames_written[i]).sum();
         let _ = writeln!(out, "hubcast_socket_frames_written_total{{transport=\"{t}\"}} {total}");
     }
+    family(&mut out, "hubcast_socket_writes_held_total", "counter", "WebSocket writes held back a bounded moment while their core was saturated, so they carry more frames (--socket-linger-us).");
+    let _ = writeln!(out, "hubcast_socket_writes_held_total {}", cores.iter().map(|c| c.state.socket_writes_held).sum::<u64>());
     family(&mut out, "hubcast_sockets", "gauge", "Open live-data sockets, by transport.");
     for (i, t) in TRANSPORTS.iter().enumerate() {
         let total: u64 = cores.iter().map(|c| c.sockets_open[i]).sum();

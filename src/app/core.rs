@@ -46,6 +46,8 @@ pub struct Core {
     /// This core's state of the layers above the application (the Engine.IO polling
     /// sessions, the cluster handle), one value per type.
     pub ext: Extensions,
+    /// Socket writes held back under load (src/push/linger.rs), released by one timer.
+    pub linger: Rc<crate::push::linger::Linger>,
 }
 
 /// Per-core state of the layers above the application, one value per type: those layers
@@ -79,6 +81,7 @@ impl Core {
             throttle: (c.throttling_interval > 0).then(|| Duration::from_millis(c.throttling_interval as u64)),
             connection_ttl: settings.connection_state_ttl(),
         };
+        let linger = crate::push::linger::Linger::new(Duration::from_micros(c.socket_linger_us));
         let sessions = SessionTable::new(settings.session_grace_period(), c.max_sessions as usize).process_total();
         let mut devices = DeviceTable::new(ingest, timing);
         if shared.hub.is_some() {
@@ -100,6 +103,7 @@ impl Core {
             clock: Default::default(),
             relay: RefCell::default(),
             ext: Extensions::default(),
+            linger,
         })
     }
 
@@ -543,6 +547,7 @@ impl Core {
             mesh_backlog_peak: self.mesh.backlog_peak.get() as u64,
             mesh_conflated: self.mesh.conflated.get(),
             timer_wakeups: self.clock.wakeups.get(),
+            socket_writes_held: self.linger.holds.get(),
         };
         self.metrics.snapshot(state)
     }

@@ -4,13 +4,14 @@
 //! The device's core builds each envelope once (shared by every session whose filter gives
 //! the same content) and posts per-core batches of [`Delivery`]s to the sessions' cores.
 //! There each socket has an [`outlet::Outlet`]: a bounded queue its writer task drains in
-//! coalesced writes.
+//! coalesced writes, held back a bounded moment under load ([`linger`]).
 //!
 //! It sits below the shard (`scripts/layers.toml`): the shard's fan-out produces deliveries
 //! and its sessions hold outlets; push itself knows nothing of devices, grants or sessions'
 //! state.
 
 pub mod envelope;
+pub mod linger;
 pub mod outlet;
 
 use std::sync::Arc;

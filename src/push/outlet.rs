@@ -17,13 +17,18 @@
 //!
 //! A slow socket therefore costs bounded memory and never slows the others.
 //!
+//! Under load the writer may hold a short queue back for a bounded moment so its next write
+//! carries more frames (the flush policy and its bound: [`super::linger`]). A held queue
+//! wakes its writer once it reaches [`LINGER_FRAMES`] frames or [`LINGER_BYTES`] bytes, or
+//! gets a protocol item or a close; nothing else here changes.
+//!
 //! Each queue slot also holds the arrival of the message its frame carries (4 bytes, in a
 //! deque kept parallel to the queue, so bounded by the same limits), handed to the writer with
 //! the frames for the delivery latency histogram. A conflated slot takes the newest message's
 //! arrival: the frame written is that message's, and the older ones are counted as conflated,
 //! not delivered.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::rc::Rc;
@@ -63,6 +68,11 @@ impl Out {
             }
     }
 }
+
+/// A held queue (see [`super::linger`]) is written at once when it reaches this many frames.
+pub const LINGER_FRAMES: usize = 64;
+/// ... or this many charged bytes.
+pub const LINGER_BYTES: usize = 32 * 1024;
 
 /// When a socket's queue counts as behind (`soft*`: conflate) and when it is closed (`hard*`).
 #[derive(Debug, Clone, Copy)]
@@ -109,6 +119,8 @@ struct State {
     closing: Option<CloseReason>,
     /// Parallel to `queue`: the arrival of each slot's message (`None` for protocol items).
     arrivals: VecDeque<Option<Arrival>>,
+    /// A protocol packet or control frame is queued: the queue may not be held.
+    urgent: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -119,6 +131,7 @@ struct Slot {
 
 impl State {
     fn push(&mut self, item: Out) -> usize {
+        self.urgent |= !matches!(item, Out::Envelope(_));
         self.bytes += item.charged_bytes();
         self.live += 1;
         self.queue.push_back(Some(item));
@@ -153,6 +166,7 @@ impl State {
         }
         self.live = 0;
         self.bytes = 0;
+        self.urgent = false;
         items
     }
 
@@ -185,7 +199,12 @@ pub struct Outlet {
     /// Ends the transport at once (a WebSocket's shutdown); set while the socket is open.
     hangup: RefCell<Option<Box<dyn FnOnce()>>>,
     /// Closed for going past a hard limit, not yet counted in metrics.
-    overflowed: std::cell::Cell<bool>,
+    overflowed: Cell<bool>,
+    /// The writer holds its write back ([`super::linger`]): a delivery wakes it only once
+    /// the queue reaches [`LINGER_FRAMES`] or [`LINGER_BYTES`].
+    held: Cell<bool>,
+    /// On its core's [`Linger`](super::linger::Linger) list (so it is listed once however often it is held).
+    listed: Cell<bool>,
 }
 
 /// What the writer got from one drain.
@@ -222,7 +241,9 @@ impl Outlet {
             state: RefCell::default(),
             waker: RefCell::new(None),
             hangup: RefCell::new(None),
-            overflowed: std::cell::Cell::new(false),
+            overflowed: Cell::new(false),
+            held: Cell::new(false),
+            listed: Cell::new(false),
         })
     }
 
@@ -256,7 +277,7 @@ impl Outlet {
 
     /// Closes a socket whose queue went past a hard limit; true when it did.
     fn check_hard_limits(&self, s: std::cell::RefMut<'_, State>) -> bool {
-        let (live, bytes) = (s.live, s.bytes);
+        let (live, bytes, urgent) = (s.live, s.bytes, s.urgent);
         drop(s);
         let l = &self.limits;
         let why = if live > l.hard {
@@ -265,7 +286,11 @@ impl Outlet {
             // One frame alone may exceed it (a big twin or message): it is what the limit is for.
             format!("slow consumer: more than {} bytes waiting", l.hard_bytes)
         } else {
-            self.wake();
+            // A held queue waits for its writer's release unless it grew enough to go now.
+            if !self.held.get() || urgent || live >= LINGER_FRAMES || bytes >= LINGER_BYTES {
+                self.held.set(false);
+                self.wake();
+            }
             return false;
         };
         self.close(CloseReason::new(1008, why));
@@ -344,6 +369,7 @@ impl Outlet {
             s.closing = Some(reason);
         }
         drop(s);
+        self.held.set(false);
         self.wake();
     }
 
@@ -354,7 +380,46 @@ impl Outlet {
             s.closing = Some(reason);
         }
         drop(s);
+        self.held.set(false);
         self.wake();
+    }
+
+    /// Waits until there is something to write and the queue is not held (or a close).
+    pub async fn ready(&self) {
+        poll_fn(|cx| {
+            let s = self.state.borrow();
+            if s.closing.is_some() || (s.live > 0 && !self.held.get()) {
+                return Poll::Ready(());
+            }
+            *self.waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Holds the queue back ([`super::linger`]) when it may be: something queued, below
+    /// [`LINGER_FRAMES`] and [`LINGER_BYTES`], no protocol item, not closing. `None`: not
+    /// held; `Some(true)`: held and to be listed on the core's [`Linger`](super::linger::Linger) (it was not yet).
+    pub(super) fn hold(&self) -> Option<bool> {
+        let s = self.state.borrow();
+        if s.closing.is_some() || s.live == 0 || s.urgent || s.live >= LINGER_FRAMES || s.bytes >= LINGER_BYTES {
+            return None;
+        }
+        self.held.set(true);
+        Some(!self.listed.replace(true))
+    }
+
+    /// The core's [`Linger`](super::linger::Linger) lets a held queue go.
+    pub(super) fn release(&self) {
+        self.listed.set(false);
+        if self.held.replace(false) {
+            self.wake();
+        }
+    }
+
+    /// Whether the writer holds the queue back.
+    pub fn is_held(&self) -> bool {
+        self.held.get()
     }
 
     /// Takes everything queued, waiting until there is something (or a close).
@@ -481,6 +546,43 @@ mod tests {
         assert_eq!(all.iter().filter(|f| f.starts_with('t')).count(), 2, "{all:?}");
         assert_eq!(all.last().map(String::as_str), Some("c"));
         assert_eq!(all[all.len() - 2], "t9999");
+    }
+
+    #[test]
+    fn a_held_queue_is_let_go_by_its_size_a_protocol_item_a_close_or_a_release() {
+        let o = Outlet::new(1, limits(1000, 10_000));
+        assert_eq!(o.hold(), None, "nothing queued: nothing to hold");
+        o.deliver(&delivery("a", FrameKind::Telemetry, "t0"));
+        assert_eq!(o.hold(), Some(true), "held, and to be listed");
+        assert_eq!(o.hold(), Some(false), "held again while listed: not listed twice");
+        for i in 1..LINGER_FRAMES - 1 {
+            o.deliver(&delivery("a", FrameKind::Telemetry, &format!("t{i}")));
+            assert!(o.is_held(), "{} frames still wait", i + 1);
+        }
+        o.deliver(&delivery("a", FrameKind::Telemetry, "last"));
+        assert!(!o.is_held(), "{LINGER_FRAMES} frames go at once");
+        assert_eq!(o.hold(), None, "a queue that big is never held");
+        o.try_drain();
+
+        o.deliver(&delivery("a", FrameKind::Telemetry, "t"));
+        assert!(o.hold().is_some());
+        o.push(Out::Pong(b"p".to_vec()));
+        assert!(!o.is_held(), "a control frame goes at once");
+        assert_eq!(o.hold(), None, "and a queue holding one is never held");
+        o.try_drain();
+
+        o.deliver(&delivery("a", FrameKind::Telemetry, &"x".repeat(LINGER_BYTES)));
+        assert_eq!(o.hold(), None, "{LINGER_BYTES} bytes go at once");
+        o.try_drain();
+
+        o.deliver(&delivery("a", FrameKind::Telemetry, "t"));
+        assert!(o.hold().is_some());
+        o.release();
+        assert!(!o.is_held());
+        assert_eq!(o.hold(), Some(true), "released: listed anew");
+        o.finish(CloseReason::new(1000, "bye"));
+        assert!(!o.is_held(), "a close goes at once");
+        assert_eq!(o.hold(), None);
     }
 
     fn arrived(device: &str, kind: FrameKind, frame: &str, at: u32) -> Delivery {

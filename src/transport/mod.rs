@@ -5,7 +5,8 @@
 //! core accepted the connection, the socket (fd plus any bytes read past the request) moves
 //! to `core_of_session` over the mesh. There it gets an [`Outlet`] attached to the session;
 //! the device cores' deliveries land in it, and one writer task drains it in coalesced
-//! writes. A reader task handles client frames. Its timers (pings and their answers, a silent
+//! writes; under load a short queue may be held back a bounded moment so a write carries
+//! more frames (the flush policy: [`crate::push::linger`]). A reader task handles client frames. Its timers (pings and their answers, a silent
 //! client, a stalled write) are entries on the core's socket timers ([`timers`]): two tasks
 //! per socket, and no runtime timer armed per socket, read or write.
 //!
@@ -438,8 +439,17 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
     // Reused while the queue keeps refilling; released whenever the socket goes idle (nothing
     // queued after a write), so an idle socket holds no write buffer.
     let mut buf: Vec<u8> = Vec::new();
+    let linger = conn.core.linger.clone();
+    // Whether the next write may still be held: once per write, after a data write.
+    let mut may_hold = false;
     loop {
-        let drained = conn.outlet.drain().await;
+        conn.outlet.ready().await;
+        // The flush policy (push/linger.rs): while the core is saturated, a short queue
+        // waits a bounded moment for more frames.
+        if std::mem::take(&mut may_hold) && linger.may_hold(Instant::now()) && linger.hold(&conn.outlet) {
+            continue;
+        }
+        let drained = conn.outlet.try_drain();
         let metrics = &conn.core.metrics;
         let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
         metrics.messages_out(conn.transport(), envelopes as u64);
@@ -458,10 +468,13 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
             // The stall limit is watched by the core's socket timers (timers.rs): a write only
             // records when it began.
             timers::write_begins(conn);
+            let turn = linger.turn();
             let (result, b) = write.write_all(std::mem::take(&mut buf)).await;
             timers::write_ends(conn);
             match result {
                 Ok(_) => {
+                    may_hold = linger.enabled();
+                    linger.write_completed(turn);
                     buf = b;
                     metrics.socket_written(conn.transport(), frames);
                     metrics.delivered(conn.transport(), drained.arrived());

@@ -1,0 +1,222 @@
+//! The flush policy of a core's socket writers: under load a socket's write may wait a
+//! bounded moment so that it carries more frames (`--socket-linger-us`, 0: off).
+//!
+//! Most of what a live socket costs its core is per write, not per frame: the syscall and the
+//! loopback or network path behind it (docs/BENCHMARKS.md, "Where the missed targets stop":
+//! about 9 µs per write, two thirds in the kernel). A writer always sends everything queued
+//! in one write, so under load a write carries what the fan-out queued during the previous
+//! one; this policy lets a busy socket skip a turn of its core now and then so the next write
+//! carries more.
+//!
+//! **When a write is held.** The writer ([`crate::transport`]) asks to hold only when all of
+//! these hold:
+//! - the linger is on (`--socket-linger-us` > 0);
+//! - **the core is saturated**: its thread has not once waited for I/O (no voluntary context
+//!   switch, `getrusage(RUSAGE_THREAD)`) for [`SATURATION_WINDOW`]. A core that keeps up with
+//!   its load runs out of work between inbound batches and sleeps in the driver, many times a
+//!   window; one that is behind always finds completions ready and never does. Preemption by
+//!   other processes is an involuntary switch and does not count. Sampled at most once per
+//!   [`SAMPLE_EVERY`] (one cheap syscall), so the signal is up to that stale;
+//! - the socket's previous write was a data write (its first frames after opening go at once);
+//! - the queue is small: fewer than [`super::outlet::LINGER_FRAMES`] frames and
+//!   [`super::outlet::LINGER_BYTES`] bytes, and it holds no protocol packet or control frame
+//!   (ping, pong, Engine.IO packets) and no close.
+//!
+//! A writer holds at most once per write: after a hold ends it writes whatever is queued.
+//!
+//! **When a held write goes** (the first of):
+//! - its queue reaches [`super::outlet::LINGER_FRAMES`] frames or
+//!   [`super::outlet::LINGER_BYTES`] bytes, or gets a protocol packet, a control frame or a
+//!   close ([`super::outlet::Outlet`] wakes the writer then);
+//! - **the core's next turn**, once the hold is at least the linger old. A turn is one
+//!   collection of the core's I/O completions and the tasks it wakes; the writers see the
+//!   turns go by: the first write completion seen that began in the current turn starts the
+//!   next one ([`Linger::write_completed`]), and it releases the sockets held in an earlier
+//!   turn. Released writers run after the tasks that collection woke, so after the turn's
+//!   inbound work (ingest reads, the mesh inbox) is applied, and their write carries it;
+//! - a backstop timer, for a core whose writes stop completing (all its busy sockets held,
+//!   or it went quiet): one per core, not per socket, at the oldest hold's linger, rounded up
+//!   to monoio's 1 ms timer tick.
+//!
+//! So under load a held socket skips one turn of its core (or several, while they are shorter
+//! than the linger) and its next write carries what those turns queued; the hold lasts at
+//! most `max(linger, the rest of the turn in progress)` plus one turn, and `linger + 1 ms`
+//! when the core goes quiet. A time bound shorter than the core's turn would not help:
+//! releasing held sockets within the turn in which they were held adds nothing to their
+//! writes, since the inbound work of a turn is applied in one stretch before it. An idle core
+//! never holds a write and adds no latency.
+//!
+//! **Bounds.** One list entry per held socket (a socket held again while still listed is
+//! not listed twice), so at most the sockets of the core; entries leave as they are
+//! released. One backstop task per core while anything is held. Holds are counted in
+//! `hubcast_socket_writes_held_total`.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use super::outlet::Outlet;
+
+/// A core whose thread has not waited for I/O once for this long is saturated (module docs).
+/// Longer than the bursts of a core that keeps up (a batch of inbound messages fanned out to
+/// thousands of sockets takes a few milliseconds), so such a core never holds a write.
+pub const SATURATION_WINDOW: Duration = Duration::from_millis(20);
+
+/// The thread's voluntary context switches are read at most this often.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(1);
+
+/// One core's held sockets (see the module docs).
+pub struct Linger {
+    /// The least a held write waits (zero: writes are never held).
+    max: Duration,
+    /// Held sockets in the order they were held, with the turn and the instant of the hold.
+    listed: RefCell<VecDeque<(u64, Instant, Rc<Outlet>)>>,
+    /// The core's turns as its writers see them (see [`Linger::write_completed`]).
+    turn: Cell<u64>,
+    /// A backstop timer is armed.
+    timer: Cell<bool>,
+    /// The core thread's voluntary context switches when last read, and when that was.
+    sampled: Cell<Option<(Instant, i64)>>,
+    /// When the core was last seen to have waited for I/O.
+    waited: Cell<Option<Instant>>,
+    /// Writes held (for `/metrics`).
+    pub holds: Cell<u64>,
+}
+
+impl Linger {
+    pub fn new(max: Duration) -> Rc<Self> {
+        Rc::new(Self {
+            max,
+            listed: RefCell::default(),
+            turn: Cell::new(0),
+            timer: Cell::new(false),
+            sampled: Cell::new(None),
+            waited: Cell::new(None),
+            holds: Cell::new(0),
+        })
+    }
+
+    pub fn enabled(&self) -> bool {
+        !self.max.is_zero()
+    }
+
+    /// Whether a socket may hold what is queued now: the linger is on and the core saturated.
+    /// Call it on the core's thread.
+    pub fn may_hold(&self, now: Instant) -> bool {
+        self.enabled() && self.saturated(now, voluntary_switches)
+    }
+
+    /// Whether the core has not waited for I/O for [`SATURATION_WINDOW`], reading the
+    /// thread's voluntary context switches (`switches`) at most every [`SAMPLE_EVERY`].
+    fn saturated(&self, now: Instant, switches: impl Fn() -> i64) -> bool {
+        let due = self.sampled.get().is_none_or(|(at, _)| now.saturating_duration_since(at) >= SAMPLE_EVERY);
+        if due {
+            let count = switches();
+            if self.sampled.get().is_none_or(|(_, before)| before != count) {
+                self.waited.set(Some(now));
+            }
+            self.sampled.set(Some((now, count)));
+        }
+        self.waited.get().is_some_and(|at| now.saturating_duration_since(at) >= SATURATION_WINDOW)
+    }
+
+    /// The core's current turn, for a write that begins now.
+    pub fn turn(&self) -> u64 {
+        self.turn.get()
+    }
+
+    /// A write that began in turn `began` completed. A completion is only seen once the core
+    /// collected its I/O completions, so the first one seen that began in the current turn
+    /// starts a new turn. Then the sockets held in an earlier turn, at least the linger ago,
+    /// are released: they write after the tasks that collection woke (the turn's inbound work).
+    pub fn write_completed(&self, began: u64) {
+        if began == self.turn.get() {
+            self.turn.set(began + 1);
+        }
+        if !self.listed.borrow().is_empty() {
+            let turn = self.turn.get();
+            self.release_while(|held_in| held_in < turn);
+        }
+    }
+
+    /// Holds `outlet`'s write if its queue allows it ([`Outlet::hold`]); true when held.
+    pub fn hold(self: &Rc<Self>, outlet: &Rc<Outlet>) -> bool {
+        let Some(newly_listed) = outlet.hold() else { return false };
+        self.holds.set(self.holds.get() + 1);
+        if newly_listed {
+            self.listed.borrow_mut().push_back((self.turn.get(), Instant::now(), outlet.clone()));
+            if !self.timer.replace(true) {
+                monoio::spawn(self.clone().backstop());
+            }
+        }
+        true
+    }
+
+    /// Releases the held sockets (from the oldest) while `due(turn held in)` and the hold is
+    /// at least the linger old.
+    fn release_while(&self, due: impl Fn(u64) -> bool) {
+        let now = Instant::now();
+        loop {
+            let next = {
+                let mut listed = self.listed.borrow_mut();
+                match listed.front() {
+                    Some(&(turn, at, _)) if due(turn) && now.saturating_duration_since(at) >= self.max => listed.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some((_, _, outlet)) = next else { break };
+            outlet.release();
+        }
+    }
+
+    /// For a core that goes quiet (no write completes to mark its turns): sleeps until the
+    /// oldest hold is the linger old (at least one timer tick), then releases the holds of an
+    /// earlier turn, or every hold that old when no write completed meanwhile; ends once
+    /// nothing is held.
+    async fn backstop(self: Rc<Self>) {
+        loop {
+            let oldest = self.listed.borrow().front().map(|&(_, at, _)| at);
+            let Some(at) = oldest else { break };
+            let (turn, age) = (self.turn.get(), Instant::now().saturating_duration_since(at));
+            monoio::time::sleep(self.max.saturating_sub(age).max(Duration::from_millis(1))).await;
+            let now = self.turn.get();
+            let quiet = now == turn;
+            self.release_while(|held_in| quiet || held_in < now);
+        }
+        self.timer.set(false);
+    }
+}
+
+/// Voluntary context switches of the calling thread: each time it slept waiting (for I/O).
+fn voluntary_switches() -> i64 {
+    // SAFETY: getrusage only writes the struct it is given.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
+        return -1;
+    }
+    usage.ru_nvcsw as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_core_is_saturated_once_it_has_not_waited_for_a_whole_window() {
+        let linger = Linger::new(Duration::from_micros(500));
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let switches = Cell::new(7);
+        let read = || switches.get();
+        assert!(!linger.saturated(at(0), read), "nothing known yet");
+        assert!(!linger.saturated(at(10), read), "10 ms without a wait is not enough");
+        assert!(linger.saturated(at(20), read), "{SATURATION_WINDOW:?} without a wait: saturated");
+        switches.set(8);
+        assert!(linger.saturated(at(20) + Duration::from_micros(500), read), "not read again within {SAMPLE_EVERY:?}");
+        assert!(!linger.saturated(at(21), read), "the core waited: not saturated");
+        assert!(!linger.saturated(at(40), read));
+        assert!(linger.saturated(at(41), read));
+        assert!(!Linger::new(Duration::ZERO).may_hold(at(41)), "0: off");
+    }
+}
