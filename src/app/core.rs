@@ -46,7 +46,7 @@ pub struct Core {
     /// This core's state of the layers above the application (the Engine.IO polling
     /// sessions, the cluster handle), one value per type.
     pub ext: Extensions,
-    /// Socket writes held back under load (src/push/linger.rs), released by one timer.
+    /// Socket writes held back while the core is saturated (src/push/linger.rs).
     pub linger: Rc<crate::push::linger::Linger>,
 }
 
@@ -399,6 +399,8 @@ impl Core {
                 }
             }
         }
+        // Held socket writes wait for the core's next inbound batch (push/linger.rs).
+        self.linger.inbound_applied();
     }
 
     /// Attaches a socket to its session (on the session's core); false if there is no such session.

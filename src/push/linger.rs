@@ -66,14 +66,24 @@ pub const SATURATION_WINDOW: Duration = Duration::from_millis(20);
 /// The thread's voluntary context switches are read at most this often.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(1);
 
+/// A held socket: the turn and the inbound batch count when it was held, and when.
+struct Held {
+    turn: u64,
+    applied: u64,
+    at: Instant,
+    outlet: Rc<Outlet>,
+}
+
 /// One core's held sockets (see the module docs).
 pub struct Linger {
     /// The least a held write waits (zero: writes are never held).
     max: Duration,
     /// Held sockets in the order they were held, with the turn and the instant of the hold.
-    listed: RefCell<VecDeque<(u64, Instant, Rc<Outlet>)>>,
+    listed: RefCell<VecDeque<Held>>,
     /// The core's turns as its writers see them (see [`Linger::write_completed`]).
     turn: Cell<u64>,
+    /// Batches of inbound deliveries the core applied ([`Linger::inbound_applied`]).
+    applied: Cell<u64>,
     /// A backstop timer is armed.
     timer: Cell<bool>,
     /// The core thread's voluntary context switches when last read, and when that was.
@@ -90,6 +100,7 @@ impl Linger {
             max,
             listed: RefCell::default(),
             turn: Cell::new(0),
+            applied: Cell::new(0),
             timer: Cell::new(false),
             sampled: Cell::new(None),
             waited: Cell::new(None),
@@ -129,15 +140,23 @@ impl Linger {
     /// A write that began in turn `began` completed. A completion is only seen once the core
     /// collected its I/O completions, so the first one seen that began in the current turn
     /// starts a new turn. Then the sockets held in an earlier turn, at least the linger ago,
-    /// are released: they write after the tasks that collection woke (the turn's inbound work).
+    /// and before an inbound batch the core has applied since, are released: they write after
+    /// the tasks that collection woke (the turn's inbound work).
     pub fn write_completed(&self, began: u64) {
         if began == self.turn.get() {
             self.turn.set(began + 1);
         }
         if !self.listed.borrow().is_empty() {
             let turn = self.turn.get();
-            self.release_while(|held_in| held_in < turn);
+            let applied = self.applied.get();
+            self.release_while(|held| held.turn < turn && held.applied < applied);
         }
+    }
+
+    /// The core applied a batch of inbound deliveries (its ingest, its mesh inbox): a held
+    /// socket waits for at least one, so its write carries more than before.
+    pub fn inbound_applied(&self) {
+        self.applied.set(self.applied.get() + 1);
     }
 
     /// Holds `outlet`'s write if its queue allows it ([`Outlet::hold`]); true when held.
@@ -145,7 +164,8 @@ impl Linger {
         let Some(newly_listed) = outlet.hold() else { return false };
         self.holds.set(self.holds.get() + 1);
         if newly_listed {
-            self.listed.borrow_mut().push_back((self.turn.get(), Instant::now(), outlet.clone()));
+            let held = Held { turn: self.turn.get(), applied: self.applied.get(), at: Instant::now(), outlet: outlet.clone() };
+            self.listed.borrow_mut().push_back(held);
             if !self.timer.replace(true) {
                 monoio::spawn(self.clone().backstop());
             }
@@ -155,18 +175,18 @@ impl Linger {
 
     /// Releases the held sockets (from the oldest) while `due(turn held in)` and the hold is
     /// at least the linger old.
-    fn release_while(&self, due: impl Fn(u64) -> bool) {
+    fn release_while(&self, due: impl Fn(&Held) -> bool) {
         let now = Instant::now();
         loop {
             let next = {
                 let mut listed = self.listed.borrow_mut();
                 match listed.front() {
-                    Some(&(turn, at, _)) if due(turn) && now.saturating_duration_since(at) >= self.max => listed.pop_front(),
+                    Some(held) if due(held) && now.saturating_duration_since(held.at) >= self.max => listed.pop_front(),
                     _ => None,
                 }
             };
-            let Some((_, _, outlet)) = next else { break };
-            outlet.release();
+            let Some(held) = next else { break };
+            held.outlet.release();
         }
     }
 
@@ -176,13 +196,13 @@ impl Linger {
     /// nothing is held.
     async fn backstop(self: Rc<Self>) {
         loop {
-            let oldest = self.listed.borrow().front().map(|&(_, at, _)| at);
+            let oldest = self.listed.borrow().front().map(|held| held.at);
             let Some(at) = oldest else { break };
             let (turn, age) = (self.turn.get(), Instant::now().saturating_duration_since(at));
             monoio::time::sleep(self.max.saturating_sub(age).max(Duration::from_millis(1))).await;
             let now = self.turn.get();
             let quiet = now == turn;
-            self.release_while(|held_in| quiet || held_in < now);
+            self.release_while(|held| quiet || held.turn < now);
         }
         self.timer.set(false);
     }
