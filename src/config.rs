@@ -203,7 +203,7 @@ pub struct Config {
 
     /// Microseconds a busy socket's write may be held back so it carries more frames, only
     /// while its core is saturated (src/push/linger.rs); `0`: never held.
-    #[arg(long = "socket-linger-us", env = "SOCKET_LINGER_US", default_value_t = 500,
+    #[arg(long = "socket-linger-us", env = "SOCKET_LINGER_US", default_value_t = 5_000,
           value_parser = clap::value_parser!(u64).range(0..=10_000))]
     pub socket_linger_us: u64,
 

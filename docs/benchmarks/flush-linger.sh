@@ -1,6 +1,6 @@
 #!/bin/sh
 # Issue 13 item 1 (docs/BENCHMARKS.md, "Flush policy"): OLD hubcast (no flush policy) against
-# NEW with the policy off (--socket-linger-us 0), at its default (500 µs) and at 5 ms,
+# NEW with the policy off (--socket-linger-us 0), at 500 µs and at 5 ms (the default),
 # interleaved, each run on a fresh hubcast --cores 1 pinned to CPU 0 (the harness on CPU 1),
 # the fan-out of batch-frames.sh: C=1000 clients x S=10 of D=1000 devices, POST /ingest batches
 # of 64, 16 in flight per publisher connection; max rate with P=4 and P=16 connections, and
@@ -16,7 +16,7 @@ run() { # round label binary rate fleet-conns [hubcast-arg]
 configs() { # round rate P
   run "$1" old "$OLD" "$2" "$3"
   run "$1" new-off "$NEW" "$2" "$3" --socket-linger-us=0
-  run "$1" new-500us "$NEW" "$2" "$3"
+  run "$1" new-500us "$NEW" "$2" "$3" --socket-linger-us=500
   run "$1" new-5ms "$NEW" "$2" "$3" --socket-linger-us=5000
 }
 for round in $(seq "$ROUNDS"); do
