@@ -182,7 +182,7 @@ impl Linger {
         true
     }
 
-    /// Releases the held sockets (from the oldest) while `due(turn held in)` and the hold is
+    /// Releases the held sockets (from the oldest) while `due(held)` and the hold is
     /// at least the linger old.
     fn release_while(&self, due: impl Fn(&Held) -> bool) {
         let now = Instant::now();
