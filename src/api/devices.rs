@@ -104,7 +104,7 @@ struct DeviceOut<'a> {
 }
 
 /// Last values as an object of their stored JSON texts, unchanged.
-struct Telemetry<'a>(&'a [(Box<str>, std::sync::Arc<str>)]);
+struct Telemetry<'a>(&'a [(Box<str>, crate::ingest::JsonText)]);
 
 impl Serialize for Telemetry<'_> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {

@@ -2,16 +2,18 @@
 //! parsing of device bodies on the owning core.
 //!
 //! A source only finds the device id and routes the raw body to `core_of_device`; the body
-//! is parsed there, once, by the core that owns the device's state: serde_json splits the
-//! top-level object into keys and raw value spans, and each value is kept as the JSON text the
-//! device sent (no conversion, so no number is too big or too precise to keep).
+//! is parsed there, once, by the core that owns the device's state: one pass ([`json`]) splits
+//! the top-level object into keys and raw value spans, and each value is kept as the JSON text
+//! the device sent (no conversion, so no number is too big or too precise to keep).
 
 pub mod faults;
+pub mod json;
+pub mod text;
+
+pub use text::JsonText;
 
 use std::borrow::Cow;
-use std::sync::Arc;
 
-use serde_json::value::RawValue;
 use smallvec::SmallVec;
 
 use crate::timefmt::{parse_iso, Millis};
@@ -65,10 +67,10 @@ pub struct IngestSettings {
 }
 
 /// What a telemetry body contributes: top-level keys (borrowed from the body unless they hold
-/// escapes) with their values as the exact JSON text the device sent, its own timestamp and
-/// connection state if it carries them.
+/// escapes) with their values as the exact JSON text the device sent (borrowed from the body),
+/// its own timestamp and connection state if it carries them.
 pub struct ParsedTelemetry<'a> {
-    pub values: SmallVec<[(Cow<'a, str>, Arc<str>); 8]>,
+    pub values: SmallVec<[(Cow<'a, str>, &'a str); 8]>,
     pub timestamp: Option<Millis>,
     pub connection_state: Option<bool>,
 }
@@ -85,17 +87,17 @@ pub fn parse_telemetry<'a>(body: &'a [u8], settings: &IngestSettings) -> Option<
 /// [`parse_telemetry`], saying why a body is not telemetry ([`faults::Fault::NotJson`] or
 /// [`faults::Fault::NotObject`]).
 ///
-/// One pass over the body splits the top-level object into keys and raw value spans; values
-/// are kept as the text the device sent, never converted. A number no machine type holds
-/// (`18446744073709551616`, `1e309`, 30 digits) is therefore kept exactly, like any other.
+/// One pass over the body ([`json::object_members`]) validates it and splits the top-level
+/// object into keys and raw value spans; values are kept as the text the device sent, never
+/// converted. A number no machine type holds (`18446744073709551616`, `1e309`, 30 digits) is
+/// therefore kept exactly, like any other.
 pub fn parse_telemetry_checked<'a>(
     body: &'a [u8],
     settings: &IngestSettings,
 ) -> Result<ParsedTelemetry<'a>, faults::Fault> {
     let members = top_level_members(body)?;
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
-    for (key, raw) in members {
-        let text = raw.get();
+    for (key, text) in members {
         if *key == *settings.custom_timestamp_key {
             parsed.timestamp = timestamp_of(text);
             continue;
@@ -110,75 +112,24 @@ pub fn parse_telemetry_checked<'a>(
                 _ => None,
             };
         }
-        parsed.values.push((key, Arc::from(text)));
+        parsed.values.push((key, text));
     }
     Ok(parsed)
 }
 
-/// Keys and raw value spans of one JSON object, in order (repeated keys included).
-pub type Members<'a> = SmallVec<[(Cow<'a, str>, &'a RawValue); 8]>;
+pub use json::Members;
 
-/// The members of a JSON object body: one serde_json pass that validates everything and
-/// converts no value.
+/// The members of a JSON object body: one pass that validates everything and converts no value.
 pub fn top_level_members(body: &[u8]) -> Result<Members<'_>, faults::Fault> {
-    match serde_json::from_slice::<Object>(body) {
-        Ok(object) => Ok(object.0),
-        // The type is refused before the rest is read: tell "not JSON" from "not an object".
-        Err(_) if !body.trim_ascii_start().starts_with(b"{") && is_json(body) => Err(faults::Fault::NotObject),
-        Err(_) => Err(faults::Fault::NotJson),
-    }
+    json::object_members(body).map_err(|e| match e {
+        json::NotAnObject::NotJson => faults::Fault::NotJson,
+        json::NotAnObject::OtherType => faults::Fault::NotObject,
+    })
 }
 
 /// Whether `body` is JSON text: UTF-8 (RFC 8259 §8.1) holding one JSON value.
 pub fn is_json(body: &[u8]) -> bool {
-    std::str::from_utf8(body).is_ok_and(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok())
-}
-
-struct Object<'a>(Members<'a>);
-
-impl<'de> serde::Deserialize<'de> for Object<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct ObjectVisitor;
-        impl<'de> serde::de::Visitor<'de> for ObjectVisitor {
-            type Value = Object<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Object<'de>, A::Error> {
-                let mut members = Members::new();
-                while let Some(Key(key)) = map.next_key()? {
-                    members.push((key, map.next_value()?));
-                }
-                Ok(Object(members))
-            }
-        }
-        deserializer.deserialize_map(ObjectVisitor)
-    }
-}
-
-/// An object key, borrowed from the body unless it had to be unescaped.
-struct Key<'a>(Cow<'a, str>);
-
-impl<'de> serde::Deserialize<'de> for Key<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct KeyVisitor;
-        impl<'de> serde::de::Visitor<'de> for KeyVisitor {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(v)))
-            }
-        }
-        deserializer.deserialize_str(KeyVisitor)
-    }
+    json::is_json(body)
 }
 
 /// The body's own timestamp: an ISO 8601 string or integer epoch milliseconds.
@@ -207,7 +158,7 @@ pub fn message_json(body: &[u8]) -> String {
 pub fn device_id_in_body(body: &[u8], key: &str) -> Option<String> {
     let members = top_level_members(body).ok()?;
     let (_, raw) = members.iter().rev().find(|(k, _)| k == key)?;
-    serde_json::from_str::<String>(raw.get()).ok()
+    serde_json::from_str::<String>(raw).ok()
 }
 
 #[cfg(test)]

@@ -1,11 +1,58 @@
 //! Property tests of the ingest body parser, on stable Rust with a fixed seed and a time cap
-//! (they run in the normal `cargo test`): arbitrary bytes never panic and are classified the
-//! way serde_json classifies them; every member of any generated JSON object comes out with its
-//! value's exact text (numbers beyond i64/u64/f64 included), which re-parses to the same JSON.
+//! (they run in the normal `cargo test`): arbitrary and hostile bytes (deep nesting, invalid
+//! UTF-8, lone surrogate escapes, bad numbers, trailing garbage) never panic and come out
+//! exactly as serde_json reads them ([`oracle`]: the serde_json `RawValue` parse the scanner
+//! replaced); every member of any generated JSON object comes out with its value's exact text
+//! (numbers beyond i64/u64/f64 included), which re-parses to the same JSON.
 
 use std::time::{Duration, Instant};
 
 use super::*;
+
+/// The parse the scanner replaced, kept as the reference: serde_json splits the top-level
+/// object into keys (decoded) and `RawValue`s; `is_json` is UTF-8 plus serde_json's skipping.
+mod oracle {
+    use std::borrow::Cow;
+
+    use serde_json::value::RawValue;
+
+    use super::faults::Fault;
+
+    pub fn is_json(body: &[u8]) -> bool {
+        std::str::from_utf8(body).is_ok_and(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok())
+    }
+
+    pub fn members(body: &[u8]) -> Result<Vec<(String, String)>, Fault> {
+        match serde_json::from_slice::<Object>(body) {
+            Ok(object) => Ok(object.0),
+            Err(_) if !body.trim_ascii_start().starts_with(b"{") && is_json(body) => Err(Fault::NotObject),
+            Err(_) => Err(Fault::NotJson),
+        }
+    }
+
+    struct Object(Vec<(String, String)>);
+
+    impl<'de> serde::Deserialize<'de> for Object {
+        fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+            struct ObjectVisitor;
+            impl<'de> serde::de::Visitor<'de> for ObjectVisitor {
+                type Value = Object;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Object, A::Error> {
+                    let mut members = Vec::new();
+                    while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                        let value: &'de RawValue = map.next_value()?;
+                        members.push((key.into_owned(), value.get().to_owned()));
+                    }
+                    Ok(Object(members))
+                }
+            }
+            deserializer.deserialize_map(ObjectVisitor)
+        }
+    }
+}
 
 /// Wall-clock budget of each property (a slow machine runs fewer cases, never longer).
 const BUDGET: Duration = Duration::from_secs(2);
@@ -111,15 +158,27 @@ fn object(rng: &mut fastrand::Rng, depth: u32) -> (String, Vec<(String, String)>
     (text, members)
 }
 
-/// Bytes that are sometimes JSON: random bytes, JSON-ish tokens, or a valid object mutated.
+/// Fragments that JSON readers get wrong: surrogate escapes (paired, lone, half-paired),
+/// invalid UTF-8 (overlong, encoded surrogates, beyond U+10FFFF, cut short) next to valid
+/// multi-byte text, bad escapes, and numbers at the edge of the grammar.
+const HOSTILE: &[&[u8]] = &[
+    b"\\ud83d\\ude80", b"\\ud83d", b"\\ude80", b"\\ud83d\\u0041", b"\\ud83dx", b"\\ud83d\\n", b"\\uDBFF\\uDFFF",
+    b"\\u00", b"\\u00g0", b"\\/", b"\\a", b"\\", b"\t", b"\x7f",
+    b"\xc0\x80", b"\xc2\xa9", b"\xe2\x82", b"\xe2\x82\xac", b"\xed\xa0\x80", b"\xed\x9f\xbf", b"\xef\xbf\xbf",
+    b"\xf0\x8f\xbf\xbf", b"\xf0\x9f\x98\x80", b"\xf4\x8f\xbf\xbf", b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"\x80",
+    b"-", b"-0", b"01", b"-01", b"1.", b".1", b"1e", b"1e+", b"1E-0", b"0e0", b"00", b"1.5e", b"-1.0E+2",
+];
+
+/// Bytes that are sometimes JSON: random bytes, JSON-ish tokens, a valid object mutated, a
+/// valid object with hostile fragments spliced in, deep nesting, trailing garbage.
 fn bytes(rng: &mut fastrand::Rng) -> Vec<u8> {
-    match rng.u8(..3) {
+    match rng.u8(..6) {
         0 => (0..rng.usize(..48)).map(|_| rng.u8(..)).collect(),
         1 => {
             let tokens = ["{", "}", "[", "]", ":", ",", "\"", "\"k\"", "1", "-", "e9", "1e309", "true", "nul", " ", "\\", "\\u", "\u{ff}", "\"\\ud800\""];
             (0..rng.usize(..24)).flat_map(|_| pick(rng, &tokens).as_bytes().to_vec()).collect()
         }
-        _ => {
+        2 => {
             let mut b = object(rng, 0).0.into_bytes();
             for _ in 0..rng.usize(1..4) {
                 if b.is_empty() {
@@ -136,40 +195,93 @@ fn bytes(rng: &mut fastrand::Rng) -> Vec<u8> {
             }
             b
         }
+        3 => {
+            // Hostile fragments inside keys, string values or in place of a number.
+            let mut b = Vec::new();
+            b.push(b'{');
+            for i in 0..rng.usize(1..4) {
+                if i > 0 {
+                    b.push(b',');
+                }
+                let fragment = HOSTILE[rng.usize(..HOSTILE.len())];
+                match rng.u8(..3) {
+                    0 => {
+                        b.push(b'"');
+                        b.extend_from_slice(fragment);
+                        b.extend_from_slice(b"\":1");
+                    }
+                    1 => {
+                        b.extend_from_slice(b"\"k\":\"");
+                        b.extend_from_slice(fragment);
+                        b.push(b'"');
+                    }
+                    _ => {
+                        b.extend_from_slice(b"\"k\":[");
+                        b.extend_from_slice(fragment);
+                        b.push(b']');
+                    }
+                }
+            }
+            b.push(b'}');
+            b
+        }
+        4 => {
+            // Deep nesting, balanced or not, of arrays and objects.
+            let depth = rng.usize(1..3000);
+            let mut b = b"{\"deep\":".to_vec();
+            let opens: Vec<bool> = (0..depth).map(|_| rng.bool()).collect();
+            for &object in &opens {
+                b.extend_from_slice(if object { b"{\"k\":" } else { b"[" });
+            }
+            b.extend_from_slice(number(rng).as_bytes());
+            let cut = if rng.u8(..4) == 0 { rng.usize(..=depth) } else { 0 };
+            for &object in opens.iter().rev().skip(cut) {
+                b.push(if object { b'}' } else { b']' });
+            }
+            b.push(b'}');
+            if rng.u8(..8) == 0 {
+                let at = rng.usize(..b.len());
+                b[at] = pick(rng, &["]", "}", ",", ":", " "]).as_bytes()[0];
+            }
+            b
+        }
+        _ => {
+            // Trailing garbage after (or instead of) the end of a valid object.
+            let mut b = object(rng, 0).0.into_bytes();
+            let tail = pick(rng, &["", " ", "\n", "x", "}", "{}", ",", "\u{0}", "\u{feff}", "1", "\"", " {\"a\":1}"]);
+            b.extend_from_slice(tail.as_bytes());
+            if rng.bool() {
+                b.insert(0, pick(rng, &[" ", "\u{feff}", "\t", "x"]).as_bytes()[0]);
+            }
+            b
+        }
     }
 }
 
 #[test]
-fn arbitrary_bytes_never_panic_and_are_classified_as_serde_json_reads_them() {
+fn arbitrary_and_hostile_bytes_never_panic_and_are_read_exactly_as_serde_json_reads_them() {
     let mut rng = fastrand::Rng::with_seed(SEED);
     let started = Instant::now();
     let mut cases = 0u32;
+    let mut objects = 0u32;
     while cases < 200_000 && started.elapsed() < BUDGET {
         cases += 1;
         let body = bytes(&mut rng);
-        let reference = serde_json::from_slice::<serde_json::Value>(&body);
-        // JSON text is UTF-8 (RFC 8259 §8.1); serde_json's skipping alone does not check that.
-        let valid = std::str::from_utf8(&body).is_ok_and(|t| serde_json::from_str::<serde::de::IgnoredAny>(t).is_ok());
+        let shown = String::from_utf8_lossy(&body);
+        assert_eq!(is_json(&body), oracle::is_json(&body), "is_json of {shown:?}");
+        let expected = oracle::members(&body);
+        let got = top_level_members(&body).map(|m| m.into_iter().map(|(k, v)| (k.into_owned(), v.to_owned())).collect::<Vec<_>>());
+        assert_eq!(got, expected, "members of {shown:?}");
+        objects += u32::from(expected.is_ok());
         match parse_telemetry_checked(&body, &settings()) {
-            Ok(parsed) => {
-                assert!(valid, "accepted invalid JSON {:?}", String::from_utf8_lossy(&body));
-                if let Ok(serde_json::Value::Object(map)) = &reference {
-                    assert!(parsed.values.len() >= map.len(), "{:?}", String::from_utf8_lossy(&body));
-                }
-            }
-            Err(faults::Fault::NotObject) => assert!(valid && !body.trim_ascii_start().starts_with(b"{")),
-            Err(fault) => {
-                assert_eq!(fault, faults::Fault::NotJson);
-                // The one refusal beyond serde_json's skipping: a string escaping a lone UTF-16
-                // surrogate has no Unicode text (RFC 8259 §8.2), so such a key cannot be kept.
-                let surrogate_escape = body.windows(3).any(|w| w[0] == b'\\' && w[1] == b'u' && (w[2] | 0x20) == b'd');
-                assert!(!valid || surrogate_escape, "refused valid JSON {:?}", String::from_utf8_lossy(&body));
-            }
+            Ok(parsed) => assert_eq!(parsed.values.len(), expected.as_ref().map_or(usize::MAX, Vec::len)),
+            Err(fault) => assert_eq!(Err(&fault), expected.as_ref().map(|_| ())),
         }
-        let _ = device_id_in_body(&body, "k");
+        assert_eq!(device_id_in_body(&body, "k").is_some(), expected.as_ref().is_ok_and(|m| m.iter().rev().find(|(k, _)| k == "k").is_some_and(|(_, v)| serde_json::from_str::<String>(v).is_ok())));
         let _ = message_json(&body);
     }
     assert!(cases > 100, "only {cases} cases in {BUDGET:?}");
+    assert!(objects > cases / 20, "only {objects} of {cases} cases were objects");
 }
 
 #[test]

@@ -91,7 +91,7 @@ pub struct Throttle {
     /// When telemetry was last sent to this session for this device.
     pub last_sent: Option<std::time::Instant>,
     /// Keys that arrived since, newest value per key, and the newest timestamp.
-    pub pending: SmallVec<[(Box<str>, std::sync::Arc<str>); 4]>,
+    pub pending: SmallVec<[(Box<str>, crate::ingest::JsonText); 4]>,
     pub pending_at: i64,
     /// A trailing flush is scheduled.
     pub armed: bool,

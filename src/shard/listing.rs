@@ -30,7 +30,7 @@ pub struct DeviceSummary {
     /// Newest time among its values and connection state.
     pub last: Option<Millis>,
     /// Up to `MAX_KEYS` telemetry keys (sorted) with their value as JSON text.
-    pub telemetry: Vec<(Box<str>, std::sync::Arc<str>)>,
+    pub telemetry: Vec<(Box<str>, crate::ingest::JsonText)>,
     pub keys: usize,
     pub has_twin: bool,
 }

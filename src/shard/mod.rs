@@ -46,9 +46,9 @@ pub type Read<T> = Result<T, Denial>;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TelemetryView {
     /// One key: its value (JSON text) and time.
-    One { key: Box<str>, json: std::sync::Arc<str>, at: crate::timefmt::Millis },
+    One { key: Box<str>, json: crate::ingest::JsonText, at: crate::timefmt::Millis },
     /// Every key the viewer may see, each with its value and time.
-    All(Vec<(Box<str>, std::sync::Arc<str>, crate::timefmt::Millis)>),
+    All(Vec<(Box<str>, crate::ingest::JsonText, crate::timefmt::Millis)>),
 }
 
 /// A twin as read from a device.

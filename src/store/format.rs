@@ -13,9 +13,9 @@
 //! an access record one session's grants and subscriptions on one device. Replaying them
 //! in order is idempotent, and the newest record of a key wins.
 
-use std::sync::Arc;
 
 use crate::ids::SessionId;
+use crate::ingest::JsonText;
 use crate::shard::access::{Grants, KeySet, Subscriptions};
 
 pub const MAGIC: &[u8; 8] = b"HUBCASTS";
@@ -42,7 +42,7 @@ pub use crate::shard::change::Change;
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeviceData {
     /// (key, value as JSON text, timestamp ms)
-    pub telemetry: Vec<(Box<str>, Arc<str>, i64)>,
+    pub telemetry: Vec<(Box<str>, JsonText, i64)>,
     /// (document as JSON text, timestamp ms)
     pub twin: Option<(String, i64)>,
     /// (connected, timestamp ms, sequenceNumber)
@@ -273,7 +273,7 @@ fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
                 let mut data = DeviceData::default();
                 for _ in 0..n {
                     let k = r.str()?.into();
-                    let v = Arc::from(r.str()?);
+                    let v = JsonText::new(r.str()?);
                     data.telemetry.push((k, v, r.i64()?));
                 }
                 if r.bool()? {
@@ -365,13 +365,13 @@ fn fill_device(r: &mut Reader<'_>, payload: &[u8], into: &mut super::Loaded, id:
             Some(last) => {
                 // An unchanged value keeps its allocation (measured: faster).
                 if *last.json != *v {
-                    last.json = Arc::from(v);
+                    last.json = JsonText::new(v);
                 }
                 last.at = at;
             }
             None => {
                 same_keys = false;
-                telemetry.insert(k.into(), LastValue { json: Arc::from(v), at });
+                telemetry.insert(k.into(), LastValue { json: JsonText::new(v), at });
             }
         }
     }
@@ -622,7 +622,7 @@ mod tests {
     fn device(values: &[(&str, &str, i64)], twin: Option<&str>, connected: Option<bool>) -> Device {
         let mut d = Device::default();
         for (k, v, at) in values {
-            d.telemetry.insert((*k).into(), LastValue { json: Arc::from(*v), at: *at });
+            d.telemetry.insert((*k).into(), LastValue { json: JsonText::new(v), at: *at });
         }
         d.twin = twin.map(|t| Twin { doc: serde_json::from_str(t).unwrap(), at: 5 });
         d.connection = connected.map(|c| ConnectionState { connected: c, at: 6, sequence: Some("01".into()) });

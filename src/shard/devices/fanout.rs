@@ -136,7 +136,7 @@ impl DeviceTable {
             throttled.armed = false;
             let pending = std::mem::take(&mut throttled.pending);
             // Subscriptions may have changed since the keys were held back.
-            let values: SmallVec<[(Box<str>, Arc<str>); 4]> =
+            let values: SmallVec<[(Box<str>, JsonText); 4]> =
                 pending.into_iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)).collect();
             if values.is_empty() {
                 continue;

@@ -55,7 +55,9 @@ impl DeviceTable {
                 if subscribed {
                     publication.device = Arc::from(&*device_id);
                 }
-                for (key, json) in parsed.values {
+                // The message's values in one allocation, kept as they were sent.
+                let texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
+                for ((key, _), json) in parsed.values.into_iter().zip(texts) {
                     if subscribed {
                         publication.telemetry.push((Box::from(&*key), json.clone()));
                     }

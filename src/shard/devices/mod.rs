@@ -20,7 +20,7 @@ use smallvec::SmallVec;
 
 use crate::ids::SessionId;
 use crate::ingest::faults::{Fault, FAULTS};
-use crate::ingest::{IngestMessage, IngestSettings, SourceKind};
+use crate::ingest::{IngestMessage, IngestSettings, JsonText, SourceKind};
 use crate::model::{Grant, Rejection};
 use crate::push::envelope::EnvelopeBuilder;
 use crate::push::{Delivery, FrameKind};
@@ -37,8 +37,9 @@ mod twin;
 pub use twin::merge_patch;
 
 pub struct LastValue {
-    /// Shared with the publication that carried it to subscribers.
-    pub json: Arc<str>,
+    /// Shared with the publication that carried it to subscribers (and, in one buffer, with
+    /// the other values of its message: [`JsonText::share`]).
+    pub json: JsonText,
     pub at: Millis,
 }
 
@@ -47,7 +48,7 @@ pub struct LastValue {
 pub struct Publication {
     pub device: Arc<str>,
     pub at: Millis,
-    pub telemetry: SmallVec<[(Box<str>, Arc<str>); 8]>,
+    pub telemetry: SmallVec<[(Box<str>, JsonText); 8]>,
     pub connection: Option<bool>,
     pub twin: Option<String>,
     /// The whole body, for `d2cMessages` subscribers (JSON text).
@@ -168,6 +169,9 @@ pub struct DeviceTable {
     /// Scale-out: devices last updated by another instance's message, with their newest value
     /// time then ([`Self::forget_replicas`]). At most one entry per device of this core.
     replicas: HashMap<Box<str>, Millis>,
+    /// Where the values of a message are put together before they are stored
+    /// ([`JsonText::share`]); empty between messages, its capacity kept.
+    scratch: String,
 }
 
 impl DeviceTable {
@@ -183,6 +187,7 @@ impl DeviceTable {
             dirty: Dirty::default(),
             watch_changes: None,
             replicas: HashMap::new(),
+            scratch: String::new(),
         }
     }
 

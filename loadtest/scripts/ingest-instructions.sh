@@ -1,0 +1,41 @@
+#!/bin/bash
+# Instructions per `POST /ingest` device message of a whole hubcast process, counted by
+# callgrind (deterministic, unlike CPU time on a shared machine). docs/BENCHMARKS.md, "Issue 10:
+# the ingest path, instructions per message". Same method as amqp-instructions.sh.
+#
+#   loadtest/scripts/ingest-instructions.sh HUBCAST_BINARY [HUBCAST_LOAD_BINARY]
+#
+# The harness posts batches of 500 messages of 10,000 devices on 4 keep-alive connections as
+# fast as hubcast answers; hubcast runs under callgrind with --cores 1, the epoll driver and
+# --data-dir none. Counters are zeroed once messages flow, then dumped WINDOW seconds later;
+# the instruction total of that window is divided by the hubcast_messages_in_total delta.
+set -euo pipefail
+BIN=$(realpath "$1")
+LOAD=$(realpath "${2:-target/release/hubcast-load}")
+WINDOW=${WINDOW:-8}
+OUT=$(mktemp -d)
+PORT=$((18000 + RANDOM % 1000)); KEY=callgrind-key
+"$LOAD" --url "http://127.0.0.1:$PORT" --admin-key "$KEY" --warmup 8 --duration $((WINDOW + 6)) \
+  ingest --devices 10000 --batch 500 --fleet-conns 4 > "$OUT/load.txt" 2>&1 &
+LOADPID=$!
+valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$BIN" --bind 127.0.0.1 --port "$PORT" \
+  --primary-admin-secret "$KEY" --log-level warn --cores 1 --io-driver epoll --data-dir none \
+  > "$OUT/hubcast.log" 2>&1 &
+VG=$!
+messages_in() {
+  curl -s -H "shared-access-key: $KEY" "http://127.0.0.1:$PORT/metrics" | awk '/^hubcast_messages_in_total/ {s += $2} END {print s + 0}'
+}
+for _ in $(seq 1 120); do
+  [ "$(messages_in)" -gt 20000 ] && break
+  sleep 1
+done
+callgrind_control -z "$VG" > /dev/null
+a=$(messages_in)
+sleep "$WINDOW"
+b=$(messages_in)
+callgrind_control -d "$VG" > /dev/null
+sleep 2
+kill "$VG"
+wait "$LOADPID" || true
+IR=$(awk '/^totals:/ {print $2}' "$OUT/cg.out.1")
+echo "$(basename "$BIN"): $((b - a)) messages, $IR instructions, $((IR / (b - a))) per message (callgrind output in $OUT)"
