@@ -39,7 +39,12 @@ pub fn object_members(body: &[u8]) -> Result<Members<'_>, NotAnObject> {
     if s.peek() != Some(b'{') {
         return Err(if is_json(body) { NotAnObject::OtherType } else { NotAnObject::NotJson });
     }
-    members(&mut s).ok_or(NotAnObject::NotJson)
+    let members = s.object().ok_or(NotAnObject::NotJson)?;
+    s.ws();
+    if s.i != body.len() {
+        return Err(NotAnObject::NotJson);
+    }
+    Ok(members)
 }
 
 /// Whether `body` is JSON text: one value of any type, whitespace around it.
@@ -52,31 +57,75 @@ pub fn is_json(body: &[u8]) -> bool {
     }
 }
 
-fn members<'a>(s: &mut Scanner<'a>) -> Option<Members<'a>> {
-    let mut out = Members::new();
-    s.i += 1; // '{'
+/// One item of a batch ([`for_each_item`]).
+pub enum Item<'a> {
+    /// An object, as its members.
+    Object(Members<'a>),
+    /// A value of another type, as its text.
+    Other(&'a str),
+}
+
+/// Why [`for_each_item`] stopped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ItemsError<E> {
+    /// The body is not JSON text (found at the first item that is not, or after the last).
+    NotJson,
+    /// What the callback returned.
+    Item(E),
+}
+
+/// Calls `each` with every element of a JSON array body, in order, or once with the value of
+/// any other body, in the same pass that validates it (the keys of an object item are decoded
+/// as in [`object_members`], so a lone surrogate escape in one is refused). Stops at the first error: the
+/// callback's, or where the text stops being JSON (so what `each` saw may be used only once
+/// this returns `Ok`).
+pub fn for_each_item<'a, E>(body: &'a [u8], mut each: impl FnMut(Item<'a>) -> Result<(), E>) -> Result<(), ItemsError<E>> {
+    let mut s = Scanner { b: body, i: 0 };
     s.ws();
-    if s.peek() == Some(b'}') {
-        s.i += 1;
-    } else {
-        loop {
-            let key = s.key()?;
-            s.ws();
-            s.expect(b':')?;
-            s.ws();
+    let mut one = |s: &mut Scanner<'a>| -> Result<(), ItemsError<E>> {
+        let item = if s.peek() == Some(b'{') {
+            Item::Object(s.object().ok_or(ItemsError::NotJson)?)
+        } else {
             let start = s.i;
-            s.value()?;
-            out.push((key, s.text(start)));
-            s.ws();
-            match s.next()? {
-                b',' => s.ws(),
-                b'}' => break,
-                _ => return None,
+            s.value().ok_or(ItemsError::NotJson)?;
+            Item::Other(s.text(start))
+        };
+        each(item).map_err(ItemsError::Item)
+    };
+    if s.peek() == Some(b'[') {
+        s.i += 1;
+        s.ws();
+        if s.peek() == Some(b']') {
+            s.i += 1;
+        } else {
+            loop {
+                one(&mut s)?;
+                s.ws();
+                match s.next() {
+                    Some(b',') => s.ws(),
+                    Some(b']') => break,
+                    _ => return Err(ItemsError::NotJson),
+                }
             }
         }
+    } else {
+        one(&mut s)?;
     }
     s.ws();
-    (s.i == s.b.len()).then_some(out)
+    if s.i != body.len() {
+        return Err(ItemsError::NotJson);
+    }
+    Ok(())
+}
+
+/// The text of a JSON string literal (validated, quotes included): borrowed when it holds no
+/// escape, decoded otherwise; `None` for a lone surrogate escape (no Unicode text).
+pub fn string_text(literal: &str) -> Option<Cow<'_, str>> {
+    let inner = literal.strip_prefix('"')?.strip_suffix('"')?;
+    if !inner.contains('\\') {
+        return Some(Cow::Borrowed(inner));
+    }
+    unescape(inner.as_bytes()).map(Cow::Owned)
 }
 
 /// Byte classes inside a string: 0 plain ASCII, 1 `"`, 2 `\`, 3 control, 4 UTF-8 lead or
@@ -124,6 +173,32 @@ impl<'a> Scanner<'a> {
     fn ws(&mut self) {
         while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
             self.i += 1;
+        }
+    }
+
+    /// An object at its `{` as its members; stops right after its `}`.
+    fn object(&mut self) -> Option<Members<'a>> {
+        let mut out = Members::new();
+        self.i += 1; // '{'
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+            return Some(out);
+        }
+        loop {
+            let key = self.key()?;
+            self.ws();
+            self.expect(b':')?;
+            self.ws();
+            let start = self.i;
+            self.value()?;
+            out.push((key, self.text(start)));
+            self.ws();
+            match self.next()? {
+                b',' => self.ws(),
+                b'}' => return Some(out),
+                _ => return None,
+            }
         }
     }
 

@@ -308,3 +308,68 @@ fn every_member_of_a_json_object_keeps_its_exact_value_text() {
     }
     assert!(cases > 100, "only {cases} cases in {BUDGET:?}");
 }
+
+#[test]
+fn batches_are_split_into_the_items_serde_json_finds() {
+    let mut rng = fastrand::Rng::with_seed(SEED ^ 2);
+    let started = Instant::now();
+    let mut cases = 0u32;
+    let mut valid = 0u32;
+    while cases < 50_000 && started.elapsed() < BUDGET {
+        cases += 1;
+        let body = match rng.u8(..3) {
+            0 => bytes(&mut rng),
+            _ => {
+                let mut b = vec![b'['];
+                for i in 0..rng.usize(..5) {
+                    if i > 0 {
+                        b.extend_from_slice(ws(&mut rng).as_bytes());
+                        b.push(b',');
+                    }
+                    b.extend_from_slice(ws(&mut rng).as_bytes());
+                    if rng.u8(..4) == 0 {
+                        b.extend_from_slice(&bytes(&mut rng));
+                    } else {
+                        b.extend_from_slice(value(&mut rng, 0).as_bytes());
+                    }
+                }
+                b.extend_from_slice(ws(&mut rng).as_bytes());
+                b.push(b']');
+                b
+            }
+        };
+        let shown = String::from_utf8_lossy(&body);
+        let mut items = Vec::new();
+        let scanned = json::for_each_item(&body, |item| {
+            items.push(match item {
+                json::Item::Object(m) => Ok(m.into_iter().map(|(k, v)| (k.into_owned(), v.to_owned())).collect::<Vec<_>>()),
+                json::Item::Other(text) => Err(text.to_owned()),
+            });
+            Ok::<(), ()>(())
+        });
+        // The items serde_json finds (any JSON text is one item, an array's elements are each one).
+        let texts: Option<Vec<String>> = oracle::is_json(&body).then(|| {
+            match serde_json::from_slice::<Vec<&serde_json::value::RawValue>>(&body) {
+                Ok(elements) => elements.into_iter().map(|e| e.get().to_owned()).collect(),
+                Err(_) => vec![String::from_utf8(body.clone()).unwrap().trim_matches([' ', '\n', '\r', '\t']).to_owned()],
+            }
+        });
+        // An item object's keys are decoded, so a lone surrogate escape in one is refused there.
+        let expected_ok =
+            texts.as_ref().is_some_and(|t| t.iter().all(|t| !t.starts_with('{') || oracle::members(t.as_bytes()).is_ok()));
+        assert_eq!(scanned.is_ok(), expected_ok, "{shown:?}");
+        let Some(texts) = texts.filter(|_| scanned.is_ok()) else { continue };
+        valid += 1;
+        assert_eq!(items.len(), texts.len(), "{shown:?}");
+        for (item, text) in items.into_iter().zip(texts) {
+            match item {
+                Ok(members) => assert_eq!(Ok(members), oracle::members(text.as_bytes()), "{shown:?}"),
+                Err(other) => {
+                    assert_eq!(other, text);
+                    assert!(!text.starts_with('{'));
+                }
+            }
+        }
+    }
+    assert!(cases > 100 && valid > cases / 4, "{valid} valid of {cases} cases in {BUDGET:?}");
+}
