@@ -456,6 +456,34 @@ fn ingest_requires_the_admin_key() {
     assert_error(status, &body, 404, "");
 }
 
+/// One pass reads the whole request before anything is applied: a fault anywhere in a batch
+/// (after valid messages too) is a 400 naming it, and no message of the batch is stored.
+#[test]
+fn a_fault_anywhere_in_a_batch_is_400_naming_it_and_stores_none_of_it() {
+    let server = Server::start(&[]);
+    let good = r#"{"deviceId":"d1","body":{"t":1}}"#;
+    for (body, needle) in [
+        ([format!("[{good},{{\"deviceId\":\"d2\",\"body\":{{\"t\":\"").as_bytes(), b"\xff\"}}]"].concat(), "UTF-8"),
+        (format!("[{good},{{\"deviceId\":\"d2\",\"body\":{{\"t\":01}}}}]").into_bytes(), "line 1"),
+        (format!("[{good},{good}] x").into_bytes(), "trailing"),
+        (format!("[{good},{{\"deviceId\":\"d2\",\"\\ud800\":1,\"body\":1}}]").into_bytes(), "surrogate"),
+        (format!("[{good},{{\"deviceId\":\"d2\",\"body\":1,\"body\":2}}]").into_bytes(), "message 1: duplicate field `body`"),
+        (format!("[{good},{{\"deviceId\":[\"d2\"],\"body\":1}}]").into_bytes(), "message 1: field `deviceId` must be a string"),
+        (format!("[{good},{{\"deviceId\":\"d2\"}}]").into_bytes(), "message 1: missing field `body`"),
+        (format!("[{good},7]").into_bytes(), "message 1: not a message object"),
+        (format!("[{good},{{\"deviceId\":\"d2\",\"properties\":[1],\"body\":1}}]").into_bytes(), "message 1: field `properties` must be an object"),
+    ] {
+        let (status, text, _) = server.call_raw("POST", "/ingest", &[ADMIN], &body);
+        assert_error(status, &text, 400, needle);
+    }
+    // None of d1's messages above was stored; the same message in a valid batch is.
+    let (status, body) = get(&server, "/lastValue/d1", &[ADMIN]);
+    assert_error(status, &body, 404, "");
+    let (status, text, _) = server.call_raw("POST", "/ingest", &[ADMIN], format!("[{good}]").as_bytes());
+    assert_eq!((status, text.as_str()), (200, r#"{"accepted":1}"#));
+    assert_eq!(get(&server, "/lastValue/d1", &[ADMIN]).0, 200);
+}
+
 #[test]
 fn invalid_ingest_body_is_400_and_stores_nothing() {
     let server = Server::start(&[]);
