@@ -44,10 +44,10 @@ fn set_once<'a>(slot: &mut Option<&'a str>, name: &str, text: &'a str) -> Checke
 
 /// One message of the request, from its members (`{"deviceId", "source"?, "properties"?,
 /// "enqueuedTime"?, "body"}`; other fields are ignored, a repeated one is refused).
-fn to_message(members: Members<'_>, device_id_key: &str, arrived: Arrival) -> Checked<IngestMessage> {
+fn to_message(members: &Members<'_>, device_id_key: &str, arrived: Arrival) -> Checked<IngestMessage> {
     let (mut device_id, mut source, mut properties, mut enqueued_time, mut body) = (None, None, None, None, None);
-    for (key, text) in members {
-        match &*key {
+    for &(ref key, text) in members {
+        match key.as_ref() {
             "deviceId" => set_once(&mut device_id, "deviceId", text)?,
             "source" => set_once(&mut source, "source", text)?,
             "properties" => set_once(&mut properties, "properties", text)?,

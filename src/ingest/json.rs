@@ -39,12 +39,30 @@ pub fn object_members(body: &[u8]) -> Result<Members<'_>, NotAnObject> {
     if s.peek() != Some(b'{') {
         return Err(if is_json(body) { NotAnObject::OtherType } else { NotAnObject::NotJson });
     }
-    let members = s.object().ok_or(NotAnObject::NotJson)?;
+    let mut members = Members::new();
+    s.object(|key, text| members.push((key, text))).ok_or(NotAnObject::NotJson)?;
     s.ws();
     if s.i != body.len() {
         return Err(NotAnObject::NotJson);
     }
     Ok(members)
+}
+
+/// Calls `member` with each (key, value text) of a JSON object body, in order, while
+/// validating the whole body: [`object_members`] without collecting them. On an error,
+/// `member` may have seen some members of the invalid body.
+pub fn for_each_member<'a>(body: &'a [u8], member: impl FnMut(Cow<'a, str>, &'a str)) -> Result<(), NotAnObject> {
+    let mut s = Scanner { b: body, i: 0 };
+    s.ws();
+    if s.peek() != Some(b'{') {
+        return Err(if is_json(body) { NotAnObject::OtherType } else { NotAnObject::NotJson });
+    }
+    s.object(member).ok_or(NotAnObject::NotJson)?;
+    s.ws();
+    if s.i != body.len() {
+        return Err(NotAnObject::NotJson);
+    }
+    Ok(())
 }
 
 /// Whether `body` is JSON text: one value of any type, whitespace around it.
@@ -58,9 +76,9 @@ pub fn is_json(body: &[u8]) -> bool {
 }
 
 /// One item of a batch ([`for_each_item`]).
-pub enum Item<'a> {
-    /// An object, as its members.
-    Object(Members<'a>),
+pub enum Item<'i, 'a> {
+    /// An object, as its members (in a buffer reused from item to item).
+    Object(&'i Members<'a>),
     /// A value of another type, as its text.
     Other(&'a str),
 }
@@ -79,18 +97,23 @@ pub enum ItemsError<E> {
 /// as in [`object_members`], so a lone surrogate escape in one is refused). Stops at the first error: the
 /// callback's, or where the text stops being JSON (so what `each` saw may be used only once
 /// this returns `Ok`).
-pub fn for_each_item<'a, E>(body: &'a [u8], mut each: impl FnMut(Item<'a>) -> Result<(), E>) -> Result<(), ItemsError<E>> {
+pub fn for_each_item<'a, E>(
+    body: &'a [u8],
+    mut each: impl FnMut(Item<'_, 'a>) -> Result<(), E>,
+) -> Result<(), ItemsError<E>> {
     let mut s = Scanner { b: body, i: 0 };
     s.ws();
+    let mut members = Members::new();
     let mut one = |s: &mut Scanner<'a>| -> Result<(), ItemsError<E>> {
-        let item = if s.peek() == Some(b'{') {
-            Item::Object(s.object().ok_or(ItemsError::NotJson)?)
+        if s.peek() == Some(b'{') {
+            members.clear();
+            s.object(|key, text| members.push((key, text))).ok_or(ItemsError::NotJson)?;
+            each(Item::Object(&members)).map_err(ItemsError::Item)
         } else {
             let start = s.i;
             s.value().ok_or(ItemsError::NotJson)?;
-            Item::Other(s.text(start))
-        };
-        each(item).map_err(ItemsError::Item)
+            each(Item::Other(s.text(start))).map_err(ItemsError::Item)
+        }
     };
     if s.peek() == Some(b'[') {
         s.i += 1;
@@ -176,14 +199,14 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// An object at its `{` as its members; stops right after its `}`.
-    fn object(&mut self) -> Option<Members<'a>> {
-        let mut out = Members::new();
+    /// An object at its `{`: calls `member` with each (key, value text); stops right after
+    /// its `}`.
+    fn object(&mut self, mut member: impl FnMut(Cow<'a, str>, &'a str)) -> Option<()> {
         self.i += 1; // '{'
         self.ws();
         if self.peek() == Some(b'}') {
             self.i += 1;
-            return Some(out);
+            return Some(());
         }
         loop {
             let key = self.key()?;
@@ -192,11 +215,11 @@ impl<'a> Scanner<'a> {
             self.ws();
             let start = self.i;
             self.value()?;
-            out.push((key, self.text(start)));
+            member(key, self.text(start));
             self.ws();
             match self.next()? {
                 b',' => self.ws(),
-                b'}' => return Some(out),
+                b'}' => return Some(()),
                 _ => return None,
             }
         }
@@ -231,10 +254,11 @@ impl<'a> Scanner<'a> {
     fn string(&mut self) -> Option<bool> {
         let mut escaped = false;
         loop {
-            let c = *self.b.get(self.i)?;
-            self.i += 1;
+            let rest = self.b.get(self.i..)?;
+            let plain = rest.iter().position(|&c| STRING_CLASS[c as usize] != 0)?;
+            let c = rest[plain];
+            self.i += plain + 1;
             match STRING_CLASS[c as usize] {
-                0 => {}
                 1 => return Some(escaped),
                 2 => {
                     escaped = true;
@@ -263,11 +287,10 @@ impl<'a> Scanner<'a> {
 
     #[inline]
     fn digits(&mut self) -> usize {
-        let start = self.i;
-        while let Some(b'0'..=b'9') = self.peek() {
-            self.i += 1;
-        }
-        self.i - start
+        let rest = &self.b[self.i..];
+        let n = rest.iter().position(|c| !c.is_ascii_digit()).unwrap_or(rest.len());
+        self.i += n;
+        n
     }
 
     /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
@@ -306,7 +329,32 @@ impl<'a> Scanner<'a> {
 
     /// One value of any type at the current position (no whitespace before it), nested
     /// containers included; stops right after it.
+    #[inline]
     fn value(&mut self) -> Option<()> {
+        match self.peek()? {
+            b'{' | b'[' => self.nested(),
+            c => self.scalar(c),
+        }
+    }
+
+    /// A value that is not a container, starting with `c`.
+    #[inline]
+    fn scalar(&mut self, c: u8) -> Option<()> {
+        match c {
+            b'"' => {
+                self.i += 1;
+                self.string().map(|_| ())
+            }
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            b'-' | b'0'..=b'9' => self.number(),
+            _ => None,
+        }
+    }
+
+    /// A container value and everything in it, without recursion.
+    fn nested(&mut self) -> Option<()> {
         // Open containers, innermost last: true for an object.
         let mut open: SmallVec<[bool; INLINE_DEPTH]> = SmallVec::new();
         'value: loop {
@@ -332,15 +380,7 @@ impl<'a> Scanner<'a> {
                         continue 'value;
                     }
                 }
-                b'"' => {
-                    self.i += 1;
-                    self.string()?;
-                }
-                b't' => self.literal(b"true")?,
-                b'f' => self.literal(b"false")?,
-                b'n' => self.literal(b"null")?,
-                b'-' | b'0'..=b'9' => self.number()?,
-                _ => return None,
+                c => self.scalar(c)?,
             }
             // A value ended: continue or close the containers it ends.
             loop {

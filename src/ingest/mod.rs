@@ -95,15 +95,14 @@ pub fn parse_telemetry_checked<'a>(
     body: &'a [u8],
     settings: &IngestSettings,
 ) -> Result<ParsedTelemetry<'a>, faults::Fault> {
-    let members = top_level_members(body)?;
     let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
-    for (key, text) in members {
+    json::for_each_member(body, |key, text| {
         if *key == *settings.custom_timestamp_key {
             parsed.timestamp = timestamp_of(text);
-            continue;
+            return;
         }
         if *key == *settings.custom_device_id_key && text.starts_with('"') {
-            continue;
+            return;
         }
         if !settings.custom_connection_state_key.is_empty() && *key == *settings.custom_connection_state_key {
             parsed.connection_state = match text {
@@ -113,18 +112,23 @@ pub fn parse_telemetry_checked<'a>(
             };
         }
         parsed.values.push((key, text));
-    }
+    })
+    .map_err(fault_of)?;
     Ok(parsed)
+}
+
+fn fault_of(e: json::NotAnObject) -> faults::Fault {
+    match e {
+        json::NotAnObject::NotJson => faults::Fault::NotJson,
+        json::NotAnObject::OtherType => faults::Fault::NotObject,
+    }
 }
 
 pub use json::Members;
 
 /// The members of a JSON object body: one pass that validates everything and converts no value.
 pub fn top_level_members(body: &[u8]) -> Result<Members<'_>, faults::Fault> {
-    json::object_members(body).map_err(|e| match e {
-        json::NotAnObject::NotJson => faults::Fault::NotJson,
-        json::NotAnObject::OtherType => faults::Fault::NotObject,
-    })
+    json::object_members(body).map_err(fault_of)
 }
 
 /// Whether `body` is JSON text: UTF-8 (RFC 8259 §8.1) holding one JSON value.

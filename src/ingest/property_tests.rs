@@ -342,7 +342,7 @@ fn batches_are_split_into_the_items_serde_json_finds() {
         let mut items = Vec::new();
         let scanned = json::for_each_item(&body, |item| {
             items.push(match item {
-                json::Item::Object(m) => Ok(m.into_iter().map(|(k, v)| (k.into_owned(), v.to_owned())).collect::<Vec<_>>()),
+                json::Item::Object(m) => Ok(m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Vec<_>>()),
                 json::Item::Other(text) => Err(text.to_owned()),
             });
             Ok::<(), ()>(())

@@ -35,29 +35,37 @@ impl DeviceTable {
             .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
         match source {
             SourceKind::Telemetry => {
-                // The whole body goes to d2cMessages subscribers, whatever it holds.
-                let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
-                let message = wants_message.then(|| crate::ingest::message_json(&body));
-                let parsed = match crate::ingest::parse_telemetry_checked(&body, &self.settings) {
+                let mut parsed = match crate::ingest::parse_telemetry_checked(&body, &self.settings) {
                     Ok(parsed) => parsed,
                     Err(fault) => {
                         FAULTS.record(fault, Some(&device_id), "telemetry body");
+                        // The whole body goes to d2cMessages subscribers, whatever it holds.
+                        let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
                         let at = header_time.unwrap_or_else(now_millis);
-                        let device = Arc::from(&*device_id);
-                        return message.map(|message| Publication { device, at, message: Some(message), ..Default::default() });
+                        return wants_message.then(|| Publication {
+                            device: Arc::from(&*device_id),
+                            at,
+                            message: Some(crate::ingest::message_json(&body)),
+                            ..Default::default()
+                        });
                     }
                 };
-                let at = parsed.timestamp.or(header_time).unwrap_or_else(now_millis);
+                let at = match parsed.timestamp.or(header_time) {
+                    Some(at) => at,
+                    None => self.wall_clock(now),
+                };
                 let connection_ttl = self.timing.connection_ttl;
+                // One look-up of the device per message.
                 let device = self.devices.entry_ref(&*device_id).or_default();
                 let subscribed = subscribed_any(device);
+                let message = (subscribed && device.wants(|a| a.subs.d2c_messages)).then(|| crate::ingest::message_json(&body));
                 let mut publication = Publication { at, message, ..Default::default() };
                 if subscribed {
                     publication.device = Arc::from(&*device_id);
                 }
                 // The message's values in one allocation, kept as they were sent.
-                let texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
-                for ((key, _), json) in parsed.values.into_iter().zip(texts) {
+                let mut texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
+                for ((key, _), json) in parsed.values.drain(..).zip(texts.drain(..)) {
                     if subscribed {
                         publication.telemetry.push((Box::from(&*key), json.clone()));
                     }
@@ -188,6 +196,19 @@ impl DeviceTable {
             }
         }
         None
+    }
+
+    /// The wall-clock time of messages applied at `now`, read once per `now`: the messages of
+    /// a batch share one `now`, and so one time when they carry none of their own.
+    fn wall_clock(&mut self, now: Instant) -> Millis {
+        match self.wall_clock {
+            Some((at, millis)) if at == now => millis,
+            _ => {
+                let millis = now_millis();
+                self.wall_clock = Some((now, millis));
+                millis
+            }
+        }
     }
 
     pub(super) fn arm_offline_check(

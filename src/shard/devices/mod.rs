@@ -172,6 +172,8 @@ pub struct DeviceTable {
     /// Where the values of a message are put together before they are stored
     /// ([`JsonText::share`]); empty between messages, its capacity kept.
     scratch: String,
+    /// The wall-clock time last read for a batch, and the batch's `now` ([`Self::wall_clock`]).
+    wall_clock: Option<(Instant, Millis)>,
 }
 
 impl DeviceTable {
@@ -188,6 +190,7 @@ impl DeviceTable {
             watch_changes: None,
             replicas: HashMap::new(),
             scratch: String::new(),
+            wall_clock: None,
         }
     }
 
