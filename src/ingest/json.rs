@@ -254,11 +254,11 @@ impl<'a> Scanner<'a> {
     fn string(&mut self) -> Option<bool> {
         let mut escaped = false;
         loop {
-            let rest = self.b.get(self.i..)?;
-            let plain = rest.iter().position(|&c| STRING_CLASS[c as usize] != 0)?;
-            let c = rest[plain];
-            self.i += plain + 1;
+            self.skip_plain();
+            let c = *self.b.get(self.i)?;
+            self.i += 1;
             match STRING_CLASS[c as usize] {
+                0 => {} // never after `skip_plain`; plain either way
                 1 => return Some(escaped),
                 2 => {
                     escaped = true;
@@ -275,6 +275,29 @@ impl<'a> Scanner<'a> {
                 _ => self.i += utf8_sequence(c, &self.b[self.i..])?,
             }
         }
+    }
+
+    /// Skips the bytes of a string that need no look (printable ASCII but `"` and `\`):
+    /// eight at a time while eight are left ([`special_bytes`]), then one at a time.
+    #[inline]
+    fn skip_plain(&mut self) {
+        let b = self.b;
+        let mut i = self.i;
+        while let Some(chunk) = b.get(i..i + 8) {
+            let special = special_bytes(u64::from_le_bytes(chunk.try_into().expect("eight bytes")));
+            if special != 0 {
+                self.i = i + (special.trailing_zeros() / 8) as usize;
+                return;
+            }
+            i += 8;
+        }
+        while let Some(&c) = b.get(i) {
+            if STRING_CLASS[c as usize] != 0 {
+                break;
+            }
+            i += 1;
+        }
+        self.i = i;
     }
 
     fn literal(&mut self, word: &[u8]) -> Option<()> {
@@ -417,6 +440,21 @@ impl<'a> Scanner<'a> {
     }
 }
 
+/// A mask with the high bit set in (at least) the first byte of `v`, read little-endian, that
+/// a string cannot take as it is: `"`, `\`, a control character, or a non-ASCII byte. Bytes
+/// after the first such byte may be flagged wrongly (borrows), so only the lowest set bit
+/// counts.
+#[inline]
+fn special_bytes(v: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let zero_byte = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
+    let quote = zero_byte(v ^ (ONES * b'"' as u64));
+    let backslash = zero_byte(v ^ (ONES * b'\\' as u64));
+    let control = v.wrapping_sub(ONES * 0x20) & !v & HIGH;
+    quote | backslash | control | (v & HIGH)
+}
+
 /// The value of four hex digits.
 #[inline]
 fn hex4(h: &[u8]) -> Option<u16> {
@@ -545,6 +583,18 @@ mod tests {
         }
         // A lone surrogate escape is kept as sent in a value, and in a nested key.
         assert_eq!(keys_and_values("{\"a\":\"\\ud800\",\"b\":{\"\\udc00\":1}}").len(), 2);
+    }
+
+    #[test]
+    fn the_eight_byte_skip_stops_at_the_first_byte_the_table_flags() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let interesting = [b'"', b'\\', 0x1F, 0x20, 0x7F, 0x80, 0xFF, b'a', 0x00, 0x21, 0x5B, 0x5D];
+        for _ in 0..200_000 {
+            let bytes: [u8; 8] = std::array::from_fn(|_| if rng.bool() { interesting[rng.usize(..interesting.len())] } else { rng.u8(..) });
+            let first = bytes.iter().position(|&c| STRING_CLASS[c as usize] != 0);
+            let mask = special_bytes(u64::from_le_bytes(bytes));
+            assert_eq!((mask != 0).then(|| (mask.trailing_zeros() / 8) as usize), first, "{bytes:?}");
+        }
     }
 
     #[test]
