@@ -487,11 +487,12 @@ fn utf8_sequence(lead: u8, rest: &[u8]) -> Option<usize> {
         0xF4 => cont(0, 0x80, 0x8F) && cont(1, 0x80, 0xBF) && cont(2, 0x80, 0xBF),
         _ => false,
     };
-    ok.then(|| match lead {
+    let rest_len = match lead {
         0xC2..=0xDF => 1,
         0xE0..=0xEF => 2,
         _ => 3,
-    })
+    };
+    ok.then_some(rest_len)
 }
 
 /// The text of a string's contents (between its quotes, already validated) with its escapes
