@@ -308,12 +308,25 @@ impl<'a> Scanner<'a> {
         Some(())
     }
 
+    /// Skips ASCII digits, eight at a time while eight are left ([`non_digits`]); returns
+    /// how many.
     #[inline]
     fn digits(&mut self) -> usize {
-        let rest = &self.b[self.i..];
-        let n = rest.iter().position(|c| !c.is_ascii_digit()).unwrap_or(rest.len());
-        self.i += n;
-        n
+        let (b, start) = (self.b, self.i);
+        let mut i = start;
+        while let Some(chunk) = b.get(i..i + 8) {
+            let other = non_digits(u64::from_le_bytes(chunk.try_into().expect("eight bytes")));
+            if other != 0 {
+                self.i = i + (other.trailing_zeros() / 8) as usize;
+                return self.i - start;
+            }
+            i += 8;
+        }
+        while let Some(b'0'..=b'9') = b.get(i) {
+            i += 1;
+        }
+        self.i = i;
+        i - start
     }
 
     /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
@@ -455,6 +468,18 @@ fn special_bytes(v: u64) -> u64 {
     quote | backslash | control | (v & HIGH)
 }
 
+/// A mask with the high bit set in (at least) the first byte of `v`, read little-endian, that
+/// is not an ASCII digit (below `0` or above `9`); as in [`special_bytes`], only the lowest
+/// set bit counts.
+#[inline]
+fn non_digits(v: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let below = v.wrapping_sub(ONES * b'0' as u64) & !v & HIGH;
+    let above = (v.wrapping_add(ONES * (127 - b'9') as u64) | v) & HIGH;
+    below | above
+}
+
 /// The value of four hex digits.
 #[inline]
 fn hex4(h: &[u8]) -> Option<u16> {
@@ -594,6 +619,22 @@ mod tests {
             let bytes: [u8; 8] = std::array::from_fn(|_| if rng.bool() { interesting[rng.usize(..interesting.len())] } else { rng.u8(..) });
             let first = bytes.iter().position(|&c| STRING_CLASS[c as usize] != 0);
             let mask = special_bytes(u64::from_le_bytes(bytes));
+            assert_eq!((mask != 0).then(|| (mask.trailing_zeros() / 8) as usize), first, "{bytes:?}");
+        }
+    }
+
+    #[test]
+    fn the_eight_byte_digit_skip_stops_at_the_first_other_byte() {
+        let mut rng = fastrand::Rng::with_seed(8);
+        let interesting = [b'0', b'9', b'/', b':', b'.', b'e', 0x00, 0x7F, 0x80, 0xB9, 0xFF, b'-'];
+        for _ in 0..200_000 {
+            let bytes: [u8; 8] = std::array::from_fn(|_| match rng.u8(..3) {
+                0 => interesting[rng.usize(..interesting.len())],
+                1 => rng.u8(b'0'..=b'9'),
+                _ => rng.u8(..),
+            });
+            let first = bytes.iter().position(|c| !c.is_ascii_digit());
+            let mask = non_digits(u64::from_le_bytes(bytes));
             assert_eq!((mask != 0).then(|| (mask.trailing_zeros() / 8) as usize), first, "{bytes:?}");
         }
     }

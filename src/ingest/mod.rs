@@ -69,6 +69,7 @@ pub struct IngestSettings {
 /// What a telemetry body contributes: top-level keys (borrowed from the body unless they hold
 /// escapes) with their values as the exact JSON text the device sent (borrowed from the body),
 /// its own timestamp and connection state if it carries them.
+#[derive(Default)]
 pub struct ParsedTelemetry<'a> {
     pub values: SmallVec<[(Cow<'a, str>, &'a str); 8]>,
     pub timestamp: Option<Millis>,
@@ -95,7 +96,17 @@ pub fn parse_telemetry_checked<'a>(
     body: &'a [u8],
     settings: &IngestSettings,
 ) -> Result<ParsedTelemetry<'a>, faults::Fault> {
-    let mut parsed = ParsedTelemetry { values: SmallVec::new(), timestamp: None, connection_state: None };
+    let mut parsed = ParsedTelemetry::default();
+    parse_telemetry_into(body, settings, &mut parsed)?;
+    Ok(parsed)
+}
+
+/// [`parse_telemetry_checked`] into `parsed` (empty), so the caller's value is not moved.
+pub fn parse_telemetry_into<'a>(
+    body: &'a [u8],
+    settings: &IngestSettings,
+    parsed: &mut ParsedTelemetry<'a>,
+) -> Result<(), faults::Fault> {
     json::for_each_member(body, |key, text| {
         if *key == *settings.custom_timestamp_key {
             parsed.timestamp = timestamp_of(text);
@@ -113,8 +124,7 @@ pub fn parse_telemetry_checked<'a>(
         }
         parsed.values.push((key, text));
     })
-    .map_err(fault_of)?;
-    Ok(parsed)
+    .map_err(fault_of)
 }
 
 fn fault_of(e: json::NotAnObject) -> faults::Fault {

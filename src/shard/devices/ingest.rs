@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use super::*;
 use super::twin::twin_version;
+use crate::ingest::ParsedTelemetry;
 
 impl DeviceTable {
     /// Applies one device message and pushes what it changed to the device's subscribers.
@@ -24,7 +25,9 @@ impl DeviceTable {
     /// Applies one device message to the owning shard; returns what subscribers should get
     /// (`None` when the device has no subscriber or nothing changed).
     pub fn ingest(&mut self, msg: IngestMessage, now: Instant) -> Option<Publication> {
-        let IngestMessage { device_id, source, properties, body, enqueued_at, .. } = msg;
+        // Borrowed, not moved out: a message is a few hundred bytes.
+        let IngestMessage { device_id, source, properties, body, enqueued_at, .. } = &msg;
+        let (device_id, body, source, enqueued_at): (&str, &[u8], _, _) = (device_id, body, *source, *enqueued_at);
         self.dirty.device(&device_id);
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
@@ -35,8 +38,9 @@ impl DeviceTable {
             .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
         match source {
             SourceKind::Telemetry => {
-                let mut parsed = match crate::ingest::parse_telemetry_checked(&body, &self.settings) {
-                    Ok(parsed) => parsed,
+                let mut parsed = ParsedTelemetry::default();
+                match crate::ingest::parse_telemetry_into(body, &self.settings, &mut parsed) {
+                    Ok(()) => {}
                     Err(fault) => {
                         FAULTS.record(fault, Some(&device_id), "telemetry body");
                         // The whole body goes to d2cMessages subscribers, whatever it holds.
@@ -45,11 +49,11 @@ impl DeviceTable {
                         return wants_message.then(|| Publication {
                             device: Arc::from(&*device_id),
                             at,
-                            message: Some(crate::ingest::message_json(&body)),
+                            message: Some(crate::ingest::message_json(body)),
                             ..Default::default()
                         });
                     }
-                };
+                }
                 let at = match parsed.timestamp.or(header_time) {
                     Some(at) => at,
                     None => self.wall_clock(now),
@@ -127,7 +131,7 @@ impl DeviceTable {
                         return None;
                     }
                     let pending = device.twin_pending.get_or_insert_with(|| {
-                        self.twin_fetches.push(device_id.clone());
+                        self.twin_fetches.push(device_id.into());
                         Box::default()
                     });
                     pending.hold(doc, at);
