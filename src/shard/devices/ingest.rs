@@ -28,7 +28,7 @@ impl DeviceTable {
         // Borrowed, not moved out: a message is a few hundred bytes.
         let IngestMessage { device_id, source, properties, body, enqueued_at, .. } = &msg;
         let (device_id, body, source, enqueued_at): (&str, &[u8], _, _) = (device_id, body, *source, *enqueued_at);
-        self.dirty.device(&device_id);
+        self.dirty.device(device_id);
         let property = |name: &str| properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
         // Timestamp resolution (reference §8); the body's own key is looked at while parsing.
         let header_time = property("iothub-creation-time-utc")
@@ -42,12 +42,12 @@ impl DeviceTable {
                 match crate::ingest::parse_telemetry_into(body, &self.settings, &mut parsed) {
                     Ok(()) => {}
                     Err(fault) => {
-                        FAULTS.record(fault, Some(&device_id), "telemetry body");
+                        FAULTS.record(fault, Some(device_id), "telemetry body");
                         // The whole body goes to d2cMessages subscribers, whatever it holds.
-                        let wants_message = self.devices.get(&*device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
+                        let wants_message = self.devices.get(device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
                         let at = header_time.unwrap_or_else(now_millis);
                         return wants_message.then(|| Publication {
-                            device: Arc::from(&*device_id),
+                            device: Arc::from(device_id),
                             at,
                             message: Some(crate::ingest::message_json(body)),
                             ..Default::default()
@@ -60,12 +60,12 @@ impl DeviceTable {
                 };
                 let connection_ttl = self.timing.connection_ttl;
                 // One look-up of the device per message.
-                let device = self.devices.entry_ref(&*device_id).or_default();
+                let device = self.devices.entry_ref(device_id).or_default();
                 let subscribed = subscribed_any(device);
-                let message = (subscribed && device.wants(|a| a.subs.d2c_messages)).then(|| crate::ingest::message_json(&body));
+                let message = (subscribed && device.wants(|a| a.subs.d2c_messages)).then(|| crate::ingest::message_json(body));
                 let mut publication = Publication { at, message, ..Default::default() };
                 if subscribed {
-                    publication.device = Arc::from(&*device_id);
+                    publication.device = Arc::from(device_id);
                 }
                 // The message's values in one allocation, kept as they were sent.
                 let mut texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
@@ -96,29 +96,29 @@ impl DeviceTable {
                     publication.connection = Some(connected);
                 }
                 device.last_seen = Some(now);
-                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, device_id, device, now);
                 return subscribed.then_some(publication);
             }
             SourceKind::TwinChange => {
-                let doc = match serde_json::from_slice::<Value>(&body) {
+                let doc = match serde_json::from_slice::<Value>(body) {
                     Ok(doc @ Value::Object(_)) => doc,
                     Ok(_) => {
-                        FAULTS.record(Fault::NotObject, Some(&device_id), "twin change body");
+                        FAULTS.record(Fault::NotObject, Some(device_id), "twin change body");
                         return None;
                     }
                     Err(_) => {
-                        FAULTS.record(Fault::NotJson, Some(&device_id), "twin change body");
+                        FAULTS.record(Fault::NotJson, Some(device_id), "twin change body");
                         return None;
                     }
                 };
                 let at = header_time.unwrap_or_else(now_millis);
                 let replace = property("opType") == Some("replaceTwin");
                 let hub = self.hub_twins.is_some();
-                let device = self.devices.entry_ref(&*device_id).or_default();
+                let device = self.devices.entry_ref(device_id).or_default();
                 // Twin versions only grow: an event not newer than the cached twin arrived late.
                 if let (Some(new), Some(cached)) = (twin_version(&doc), device.twin.as_ref().and_then(|t| twin_version(&t.doc))) {
                     if new <= cached {
-                        tracing::debug!(device = &*device_id, new, cached, "stale twin change dropped");
+                        tracing::debug!(device = device_id, new, cached, "stale twin change dropped");
                         return None;
                     }
                 }
@@ -127,7 +127,7 @@ impl DeviceTable {
                 if hub && !replace && (device.twin.is_none() || device.twin_pending.is_some()) {
                     if device.twin_pending.is_none() && !device.wants(|a| a.subs.device_twin) {
                         // Nobody to push to; a later read asks the hub anyway.
-                        self.prune(&device_id); // the entry made above, if it holds nothing
+                        self.prune(device_id); // the entry made above, if it holds nothing
                         return None;
                     }
                     let pending = device.twin_pending.get_or_insert_with(|| {
@@ -150,7 +150,7 @@ impl DeviceTable {
                 }
                 if device.wants(|a| a.subs.device_twin) {
                     let twin = device.twin.as_ref().map(|t| t.doc.to_string());
-                    return Some(Publication { device: Arc::from(&*device_id), at, twin, ..Default::default() });
+                    return Some(Publication { device: Arc::from(device_id), at, twin, ..Default::default() });
                 }
             }
             SourceKind::ConnectionState => {
@@ -161,41 +161,41 @@ impl DeviceTable {
                     Some("deviceConnected") => true,
                     Some("deviceDisconnected") => false,
                     other => {
-                        tracing::debug!(device = &*device_id, op = ?other, "unknown connection event");
+                        tracing::debug!(device = device_id, op = ?other, "unknown connection event");
                         return None;
                     }
                 };
-                let sequence: Option<Box<str>> = serde_json::from_slice::<Value>(&body)
+                let sequence: Option<Box<str>> = serde_json::from_slice::<Value>(body)
                     .ok()
                     .and_then(|v| v.get("sequenceNumber").and_then(Value::as_str).map(Into::into));
                 let at = header_time.unwrap_or_else(now_millis);
-                let device = self.devices.entry_ref(&*device_id).or_default();
+                let device = self.devices.entry_ref(device_id).or_default();
                 if let (Some(new), Some(old)) =
                     (sequence.as_deref(), device.connection.as_ref().and_then(|c| c.sequence.as_deref()))
                 {
                     if sequence_order(new, old).is_le() {
-                        tracing::debug!(device = &*device_id, new, old, "stale connection event dropped");
+                        tracing::debug!(device = device_id, new, old, "stale connection event dropped");
                         return None;
                     }
                 }
                 device.connection = Some(ConnectionState { connected, at, sequence });
                 device.last_seen = Some(now);
                 let connection_ttl = self.timing.connection_ttl;
-                Self::arm_offline_check(&mut self.offline_due, connection_ttl, &device_id, device, now);
+                Self::arm_offline_check(&mut self.offline_due, connection_ttl, device_id, device, now);
                 if device.wants(|a| a.subs.connection_state) {
-                    return Some(Publication { device: Arc::from(&*device_id), at, connection: Some(connected), ..Default::default() });
+                    return Some(Publication { device: Arc::from(device_id), at, connection: Some(connected), ..Default::default() });
                 }
             }
             SourceKind::Lifecycle => {
                 if property("opType") == Some("deleteDeviceIdentity") {
-                    if let Some(d) = self.devices.get_mut(&*device_id) {
+                    if let Some(d) = self.devices.get_mut(device_id) {
                         d.telemetry = HashMap::new();
                         d.twin = None;
                         d.hub_twin_read = None;
                         d.twin_pending = None;
                         d.connection = None;
                     }
-                    self.prune(&device_id);
+                    self.prune(device_id);
                 }
             }
         }
