@@ -65,20 +65,23 @@ try {
   await page.click('#devices tr[data-device="console-pump-1"]');
   await page.waitForFunction(() => document.querySelector("#sel-name").textContent === "console-pump-1", { timeout: WAIT });
   await page.waitForFunction(() => document.querySelector("#conn").textContent === "live", { timeout: WAIT });
-  // Subscriptions are applied asynchronously after the click: publish until one arrives.
-  const deadline = Date.now() + WAIT;
-  let n = 0;
-  for (;;) {
-    n += 1;
-    await ingest([{ deviceId: "console-pump-1", body: { pressure: 5.5, seq: n } }]);
-    const seen = await page.waitForFunction(() => [...document.querySelectorAll("#messages li")]
-      .some((li) => li.dataset.kind === "telemetry" && li.textContent.includes("5.5")), { timeout: 500 }).then(() => true, () => false);
-    if (seen) break;
-    if (Date.now() > deadline) throw new Error("no live telemetry in the device pane");
-  }
-  await ingest([{ deviceId: "console-pump-1", body: ["a", "d2c", "array"] }]);
-  await page.waitForFunction(() => [...document.querySelectorAll("#messages li")]
-    .some((li) => li.dataset.kind === "d2c" && li.textContent.includes('["a","d2c","array"]')), { timeout: WAIT });
+  // The page subscribes its kinds one after another after the click (telemetry first, then
+  // connection state, then device-to-cloud messages): publish each kind until one arrives.
+  const publishUntilSeen = async (message, seenInPage, what) => {
+    const deadline = Date.now() + WAIT;
+    for (let n = 1; ; n += 1) {
+      await ingest([message(n)]);
+      const seen = await page.waitForFunction(seenInPage, { timeout: 500 }).then(() => true, () => false);
+      if (seen) return n;
+      if (Date.now() > deadline) throw new Error(`no live ${what} in the device pane`);
+    }
+  };
+  const n = await publishUntilSeen((seq) => ({ deviceId: "console-pump-1", body: { pressure: 5.5, seq } }),
+    () => [...document.querySelectorAll("#messages li")]
+      .some((li) => li.dataset.kind === "telemetry" && li.textContent.includes("5.5")), "telemetry");
+  await publishUntilSeen(() => ({ deviceId: "console-pump-1", body: ["a", "d2c", "array"] }),
+    () => [...document.querySelectorAll("#messages li")]
+      .some((li) => li.dataset.kind === "d2c" && li.textContent.includes('["a","d2c","array"]')), "device-to-cloud message");
 
   // The metrics panels fill in: per-core table and a rate.
   await page.waitForFunction(() => document.querySelectorAll("#cores tr").length >= 1
