@@ -97,6 +97,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub event_hub_prefetch: u32,
 
+    /// While a partition's stream is busy, hand its messages to the cores at most once per
+    /// this many milliseconds (fewer, larger hand-offs); a quiet stream hands over at once. 0: always at once.
+    #[arg(long = "event-hub-linger-ms", env = "EVENT_HUB_LINGER_MS", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(0..=1_000))]
+    pub event_hub_linger_ms: u64,
+
     /// PEM file of extra root certificates trusted for amqps (besides the public web roots).
     #[arg(long = "event-hub-ca-file", env = "EVENT_HUB_CA_FILE")]
     pub event_hub_ca_file: Option<std::path::PathBuf>,

@@ -121,6 +121,21 @@ fn window(row: &mut Row, a: &Snapshot, b: &Snapshot) -> f64 {
         let cores = x.cores_used(&y);
         row.put("hubcast_cpu", cores);
         row.put("hubcast_rss_mb", y.rss_kb as f64 / 1024.0);
+        // How often the cores slept and were woken, per message taken in; and how often the
+        // AMQP thread was preempted (each hand-off may wake a core).
+        let messages = ingested * secs;
+        if messages > 0.0 {
+            let (core_vcsw, amqp_nvcsw) = x.switches(&y);
+            row.put("core_vcsw_per_msg", core_vcsw as f64 / messages);
+            row.put("amqp_nvcsw_s", amqp_nvcsw as f64 / secs);
+        }
+    }
+    // AMQP: batches handed from the consumer thread to the cores (hubcast with the counter).
+    let handoffs = b.metrics.sum("hubcast_amqp_handoffs_total") - a.metrics.sum("hubcast_amqp_handoffs_total");
+    if handoffs > 0.0 {
+        let received = b.metrics.sum("hubcast_amqp_messages_received_total") - a.metrics.sum("hubcast_amqp_messages_received_total");
+        row.put("amqp_handoffs_s", handoffs / secs);
+        row.put("msgs_per_handoff", received / handoffs);
     }
     if let (Some(x), Some(y)) = (a.harness, b.harness) {
         row.put("harness_cpu", x.cores_used(&y));

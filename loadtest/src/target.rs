@@ -293,6 +293,12 @@ pub struct ProcSample {
     pub cpu_secs: f64,
     pub rss_kb: u64,
     pub peak_rss_kb: u64,
+    /// Voluntary context switches of hubcast's core threads (`hubcast-core-*`): how often a
+    /// core went to sleep and was woken again.
+    pub core_vcsw: u64,
+    /// Involuntary context switches of hubcast's AMQP consumer thread (`hubcast-amqp`): how
+    /// often it was preempted (on a shared CPU, by a core it woke).
+    pub amqp_nvcsw: u64,
 }
 
 fn clock_ticks() -> f64 {
@@ -303,6 +309,26 @@ fn clock_ticks() -> f64 {
     } else {
         100.0
     }
+}
+
+/// (voluntary switches summed over the `hubcast-core-*` threads, involuntary switches of the
+/// `hubcast-amqp` thread) of the process in `dir`, from `task/*/status`.
+fn thread_switches(dir: &str) -> (u64, u64) {
+    let (mut core_vcsw, mut amqp_nvcsw) = (0, 0);
+    let Ok(tasks) = std::fs::read_dir(format!("{dir}/task")) else { return (0, 0) };
+    for task in tasks.flatten() {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else { continue };
+        let field = |key: &str| -> u64 {
+            status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+        };
+        let name = status.lines().find_map(|l| l.strip_prefix("Name:")).unwrap_or("").trim();
+        if name.starts_with("hubcast-core") {
+            core_vcsw += field("voluntary_ctxt_switches:");
+        } else if name.starts_with("hubcast-amqp") {
+            amqp_nvcsw += field("nonvoluntary_ctxt_switches:");
+        }
+    }
+    (core_vcsw, amqp_nvcsw)
 }
 
 impl ProcSample {
@@ -330,7 +356,21 @@ impl ProcSample {
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
                 .unwrap_or(0)
         };
-        Some(Self { at, cpu_secs: (utime + stime) as f64 / clock_ticks(), rss_kb: kb("VmRSS:"), peak_rss_kb: kb("VmHWM:") })
+        let (core_vcsw, amqp_nvcsw) = thread_switches(dir);
+        Some(Self {
+            at,
+            cpu_secs: (utime + stime) as f64 / clock_ticks(),
+            rss_kb: kb("VmRSS:"),
+            peak_rss_kb: kb("VmHWM:"),
+            core_vcsw,
+            amqp_nvcsw,
+        })
+    }
+
+    /// Per-thread context switches between two samples: (core threads' voluntary, the AMQP
+    /// thread's involuntary).
+    pub fn switches(&self, later: &ProcSample) -> (u64, u64) {
+        (later.core_vcsw.saturating_sub(self.core_vcsw), later.amqp_nvcsw.saturating_sub(self.amqp_nvcsw))
     }
 
     /// CPU use between two samples, in cores (1.0 = one core busy all the time).

@@ -56,6 +56,9 @@ pub struct Stats {
     pub received: AtomicU64,
     /// Messages without `x-opt-sequence-number`: applied unordered, at least once.
     pub unsequenced: AtomicU64,
+    /// Batches handed to the cores (see [`partition::HandOff`]): received ÷ hand-offs is the
+    /// number of messages each carried.
+    pub handoffs: AtomicU64,
 }
 
 pub static STATS: Stats = Stats {
@@ -63,6 +66,7 @@ pub static STATS: Stats = Stats {
     connects: AtomicU64::new(0),
     received: AtomicU64::new(0),
     unsequenced: AtomicU64::new(0),
+    handoffs: AtomicU64::new(0),
 };
 
 /// Messages enqueued in each partition but not yet received, as last measured (every
@@ -80,6 +84,11 @@ impl Stats {
             ("hubcast_amqp_connected", "1 while every partition receiver of the event stream is attached.", get(&self.connected)),
             ("hubcast_amqp_connects_total", "AMQP connections established to the event stream (reconnects included).", get(&self.connects)),
             ("hubcast_amqp_messages_received_total", "Messages received from the event stream.", get(&self.received)),
+            (
+                "hubcast_amqp_handoffs_total",
+                "Batches of event stream messages handed to the cores (messages received / hand-offs = messages per hand-off).",
+                get(&self.handoffs),
+            ),
             (
                 "hubcast_amqp_messages_unsequenced_total",
                 "Messages without a sequence number, applied unordered (at least once).",
@@ -130,6 +139,9 @@ pub struct Plan {
     pub start: StartPosition,
     pub token_ttl: Duration,
     pub prefetch: u32,
+    /// While a partition is busy, at most one hand-off to the cores per this long
+    /// (`--event-hub-linger-ms`; see [`partition::HandOff`]).
+    pub linger: Duration,
     pub map: MapSettings,
     /// Roots trusted for amqps (public web roots, plus `--event-hub-ca-file`).
     pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
@@ -174,6 +186,7 @@ impl Plan {
             start: c.event_hub_start_position.clone(),
             token_ttl: Duration::from_secs(c.event_hub_token_ttl),
             prefetch: c.event_hub_prefetch,
+            linger: Duration::from_millis(c.event_hub_linger_ms),
             tls: connect::tls_config(c.event_hub_ca_file.as_deref())
                 .map_err(|e| format!("{e}. Please check --event-hub-ca-file (EVENT_HUB_CA_FILE)"))?,
             map: MapSettings {
@@ -536,6 +549,7 @@ impl Supervisor {
                         self.positions.clone(),
                         self.ingress.clone(),
                         self.map.clone(),
+                        partition::HandOff { linger: self.plan.linger, prefetch: self.plan.prefetch },
                     ));
                 }
                 Err(e) => {
