@@ -126,6 +126,8 @@ fn window(row: &mut Row, a: &Snapshot, b: &Snapshot) -> f64 {
         let messages = ingested * secs;
         if messages > 0.0 {
             let (core_vcsw, amqp_nvcsw) = x.switches(&y);
+            row.put("user_us_per_msg", (y.cpu_secs - y.sys_secs - (x.cpu_secs - x.sys_secs)) * 1e6 / messages);
+            row.put("sys_us_per_msg", (y.sys_secs - x.sys_secs) * 1e6 / messages);
             row.put("core_vcsw_per_msg", core_vcsw as f64 / messages);
             row.put("amqp_nvcsw_s", amqp_nvcsw as f64 / secs);
         }

@@ -291,6 +291,8 @@ impl Metrics {
 pub struct ProcSample {
     pub at: Instant,
     pub cpu_secs: f64,
+    /// Of `cpu_secs`, the time spent in the kernel.
+    pub sys_secs: f64,
     pub rss_kb: u64,
     pub peak_rss_kb: u64,
     /// Voluntary context switches of hubcast's core threads (`hubcast-core-*`): how often a
@@ -360,6 +362,7 @@ impl ProcSample {
         Some(Self {
             at,
             cpu_secs: (utime + stime) as f64 / clock_ticks(),
+            sys_secs: stime as f64 / clock_ticks(),
             rss_kb: kb("VmRSS:"),
             peak_rss_kb: kb("VmHWM:"),
             core_vcsw,
