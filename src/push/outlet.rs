@@ -121,7 +121,14 @@ struct State {
     arrivals: VecDeque<Option<Arrival>>,
     /// A protocol packet or control frame is queued: the queue may not be held.
     urgent: bool,
+    /// Items the last drain took (at most [`REFILL_RESERVE`]): an emptied queue holds no
+    /// memory, and the next message reserves this much at once instead of growing the queue
+    /// 4, 8, 16 … item by item.
+    refill: u8,
 }
+
+/// The most items an emptied queue reserves on its next message.
+const REFILL_RESERVE: usize = 64;
 
 #[derive(Clone, Copy)]
 struct Slot {
@@ -131,6 +138,10 @@ struct Slot {
 
 impl State {
     fn push(&mut self, item: Out) -> usize {
+        if self.queue.capacity() == 0 && self.refill > 1 {
+            self.queue.reserve(usize::from(self.refill));
+            self.arrivals.reserve(usize::from(self.refill));
+        }
         self.urgent |= !matches!(item, Out::Envelope(_));
         self.bytes += item.charged_bytes();
         self.live += 1;
@@ -146,12 +157,15 @@ impl State {
     }
 
     /// Takes the live items and their arrivals (same length, same order).
+    /// The arrivals keep the deque's own buffer (filtered in place, like the items).
     fn take_all_arrived(&mut self) -> (Vec<Out>, Vec<Option<Arrival>>) {
-        let arrivals = if self.arrivals.iter().any(Option::is_some) {
-            self.arrivals.iter().zip(&self.queue).filter(|(_, item)| item.is_some()).map(|(a, _)| *a).collect()
-        } else {
-            Vec::new()
-        };
+        let mut arrivals = Vec::from(std::mem::take(&mut self.arrivals));
+        if !arrivals.iter().any(Option::is_some) {
+            arrivals = Vec::new();
+        } else if self.live < self.queue.len() {
+            let mut slots = self.queue.iter();
+            arrivals.retain(|_| slots.next().is_some_and(Option::is_some));
+        }
         (self.take_all(), arrivals)
     }
 
@@ -160,6 +174,7 @@ impl State {
     /// costs only its struct.
     fn take_all(&mut self) -> Vec<Out> {
         self.arrivals = VecDeque::new();
+        self.refill = self.live.min(REFILL_RESERVE) as u8;
         let items = Vec::from(std::mem::take(&mut self.queue)).into_iter().flatten().collect();
         if self.slots.capacity() > 0 {
             self.slots = HashMap::new();
@@ -606,6 +621,19 @@ mod tests {
         assert_eq!(d.arrivals, vec![at(1), None, at(3), at(4), at(6), None]);
         assert_eq!(d.arrived().count(), 4);
         assert!(o.try_drain().arrivals.is_empty(), "nothing left behind");
+    }
+
+    #[test]
+    fn an_emptied_queue_holds_nothing_and_reserves_its_last_drain_on_the_next_message() {
+        let o = Outlet::new(1, limits(100, 1000));
+        for i in 0..20 {
+            o.deliver(&arrived("a", FrameKind::ConnectionState, &format!("s{i}"), i + 1));
+        }
+        assert_eq!(o.try_drain().items.len(), 20);
+        assert_eq!(o.state.borrow().queue.capacity(), 0, "a drained queue keeps no buffer");
+        o.deliver(&arrived("a", FrameKind::ConnectionState, "next", 21));
+        let s = o.state.borrow();
+        assert!(s.queue.capacity() >= 20 && s.arrivals.capacity() >= 20, "{}", s.queue.capacity());
     }
 
     #[test]
