@@ -17,16 +17,23 @@ use serde_json::{json, Value};
 /// work, far less than one unbounded socket queue used to take (8192 × 65 KB).
 const HEADROOM_KIB: u64 = 192 * 1024;
 
-/// `VmPeak` (address space, what `--as` limits) of an idle server after a first request.
-fn idle_peak_kib(args: &[&str]) -> u64 {
-    let server = Server::start(args);
-    server.assert_alive();
-    let status = std::fs::read_to_string(format!("/proc/{}/status", server.pid())).unwrap();
+/// A `/proc/PID/status` field in KiB.
+fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmPeak:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .expect("VmPeak in /proc/PID/status")
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"))
+}
+
+/// `VmPeak` (address space, what `--as` limits) and `VmHWM` (peak resident memory) of an idle
+/// server after a first request. mimalloc reserves its arenas up front, so allocations inside
+/// them do not move `VmPeak`: the resident peak is the bound that sees them.
+fn idle_peaks_kib(args: &[&str]) -> (u64, u64) {
+    let server = Server::start(args);
+    server.assert_alive();
+    (status_kib(server.pid(), "VmPeak:"), status_kib(server.pid(), "VmHWM:"))
 }
 
 fn subscribed(server: &Server, device: &str, kind: &str) -> String {
@@ -40,7 +47,8 @@ fn subscribed(server: &Server, device: &str, kind: &str) -> String {
 #[test]
 fn hubcast_under_a_memory_limit_survives_every_hostile_socket_and_keeps_serving() {
     let args = ["--cores", "2", "--max-connections", "400", "--ping-timeout", "1000"];
-    let limit_kib = idle_peak_kib(&args) + HEADROOM_KIB;
+    let (idle_peak, idle_resident) = idle_peaks_kib(&args);
+    let limit_kib = idle_peak + HEADROOM_KIB;
     let limit = format!("--as={}", limit_kib * 1024);
     let mut server = Server::start_wrapped(&["prlimit", &limit, "--"], &args);
 
@@ -107,6 +115,13 @@ fn hubcast_under_a_memory_limit_survives_every_hostile_socket_and_keeps_serving(
     });
 
     assert!(server.is_running(), "hubcast survived under a {} MiB address-space limit", limit_kib / 1024);
+    let resident = status_kib(server.pid(), "VmHWM:");
+    assert!(
+        resident < idle_resident + HEADROOM_KIB,
+        "peak RSS {} MiB, idle {} MiB: the hostile clients were buffered",
+        resident / 1024,
+        idle_resident / 1024
+    );
     server.assert_alive();
     server.ingest(json!({"deviceId": "dev-ok", "body": {"after": true}}));
     let frame = live.next_json(WAIT).expect("the normal client is still served after the attack");
