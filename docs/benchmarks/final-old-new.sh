@@ -8,20 +8,7 @@
 #   docs/benchmarks/final-old-new.sh OLD10_BIN OLD13_BIN NEW_BIN HUBCAST_LOAD [ROUNDS] > out.txt
 set -u
 OLD10=$1; OLD13=$2; NEW=$3; L=$4; ROUNDS=${5:-5}
-ulimit -n 20000
-ingest() { # label bin [pipeline]: issue 10's ingest shape; with a pipeline depth the server is kept saturated
-  echo "=== round $round $1 ingest pipeline=${3:-1}"; uptime
-  $L --spawn "$2" --cores 1 --pin --hubcast-arg=--data-dir=none ingest --devices 10000 --batch 500 --fleet-conns 4 ${3:+--pipeline $3} 2>&1 | tail -n 2
-}
-fanout10() { # label bin: issue 10's fan-out shape (10,000 sockets, 1,000 subscribers per device)
-  echo "=== round $round $1 fanout10"; uptime
-  $L --spawn "$2" --cores 1 --pin --hubcast-arg=--data-dir=none fanout --clients 10000 --devices 10 --batch 50 --fleet-conns 2 --rate 1000,2000 2>&1 | tail -n 3
-}
-fanout13() { # label bin rate P: issue 13's shape (C=1000 x S=10 of D=1000, batches of 64, 16 in flight)
-  echo "=== round $round $1 fanout13 rate=$3 P=$4"; uptime
-  $L --spawn "$2" --cores 1 --pin --warmup 1 --duration 4 --hubcast-arg=--data-dir=none \
-    fanout --clients 1000 --subs 10 --devices 1000 --batch 64 --fleet-conns "$4" --pipeline 16 --rate "$3" --transport ws 2>&1 | tail -n 2
-}
+. "$(dirname "$0")/shapes.sh"
 for round in $(seq "$ROUNDS"); do
   ingest old10 "$OLD10"; ingest new "$NEW"
   ingest old10 "$OLD10" 8; ingest new "$NEW" 8

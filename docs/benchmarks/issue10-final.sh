@@ -4,13 +4,8 @@
 #   docs/benchmarks/issue10-final.sh OLD10_BIN NEW_BIN HUBCAST_LOAD [ROUNDS] > out.txt
 set -u
 OLD10=$1; NEW=$2; L=$3; ROUNDS=${4:-5}
-ulimit -n 20000
+. "$(dirname "$0")/shapes.sh"
 for round in $(seq "$ROUNDS"); do
-  for which in old10 new; do
-    if [ $which = old10 ]; then BIN=$OLD10; else BIN=$NEW; fi
-    echo "=== round $round $which ingest"; uptime
-    $L --spawn "$BIN" --cores 1 --pin --hubcast-arg=--data-dir=none ingest --devices 10000 --batch 500 --fleet-conns 4 2>&1 | tail -n 2
-    echo "=== round $round $which fanout10"; uptime
-    $L --spawn "$BIN" --cores 1 --pin --hubcast-arg=--data-dir=none fanout --clients 10000 --devices 10 --batch 50 --fleet-conns 2 --rate 1000,2000 2>&1 | tail -n 3
-  done
+  ingest old10 "$OLD10"; fanout10 old10 "$OLD10"
+  ingest new "$NEW"; fanout10 new "$NEW"
 done

@@ -6,12 +6,7 @@
 #   docs/benchmarks/issue13-final.sh HUBCAST_BIN HUBCAST_LOAD [ROUNDS] > out.txt
 set -u
 BIN=$1; L=$2; ROUNDS=${3:-6}
-ulimit -n 20000
+. "$(dirname "$0")/shapes.sh"
 for round in $(seq "$ROUNDS"); do
-  for shape in "0 4" "0 16" "5000 4"; do
-    set -- $shape
-    echo "=== round $round new fanout13 rate=$1 P=$2"; uptime
-    $L --spawn "$BIN" --cores 1 --pin --warmup 1 --duration 4 --hubcast-arg=--data-dir=none \
-      fanout --clients 1000 --subs 10 --devices 1000 --batch 64 --fleet-conns "$2" --pipeline 16 --rate "$1" --transport ws 2>&1 | tail -n 2
-  done
+  fanout13_all new "$BIN"
 done

@@ -50,7 +50,7 @@ pub const SELECTOR_FILTER: &str = "apache.org:selector-filter:string";
 /// Descriptor of `apache.org:selector-filter:string`.
 const SELECTOR_FILTER_CODE: u64 = 0x0000_468c_0000_0004;
 /// Most messages handed to the cores in one batch.
-pub const MAX_BATCH: usize = 256;
+const MAX_BATCH: usize = 256;
 
 /// When a partition hands its messages to the cores (see the module documentation).
 #[derive(Clone, Copy, Debug)]
