@@ -9,6 +9,16 @@ use std::time::{Duration, Instant};
 
 /// Request latency histogram bounds, in seconds.
 pub const LATENCY_BOUNDS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5];
+/// [`LATENCY_BOUNDS`] in nanoseconds.
+const LATENCY_BOUNDS_NANOS: [u64; 12] = {
+    let mut nanos = [0u64; 12];
+    let mut i = 0;
+    while i < 12 {
+        nanos[i] = (LATENCY_BOUNDS[i] * 1e9 + 0.5) as u64;
+        i += 1;
+    }
+    nanos
+};
 
 /// Every route label, in a fixed order (index = position).
 pub const ROUTES: [&str; 21] = [
@@ -31,8 +41,9 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = LATENCY_BOUNDS.iter().position(|b| secs <= *b) {
+        // Compared in whole nanoseconds (it runs once per delivery on the fan-out path).
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        if let Some(i) = LATENCY_BOUNDS_NANOS.iter().position(|b| nanos <= *b) {
             self.buckets[i].set(self.buckets[i].get() + 1);
         }
         self.count.set(self.count.get() + 1);
@@ -78,7 +89,12 @@ impl Arrival {
 
     /// Time since the arrival.
     pub fn elapsed(self) -> Duration {
-        Duration::from_micros(u64::from(epoch_micros().wrapping_sub(self.0.get())))
+        self.age_at(Self::now())
+    }
+
+    /// Time from the arrival to `now` (one clock read serves a whole write's arrivals).
+    pub fn age_at(self, now: Arrival) -> Duration {
+        Duration::from_micros(u64::from(now.0.get().wrapping_sub(self.0.get())))
     }
 }
 
@@ -143,9 +159,16 @@ impl CoreMetrics {
         bump(&self.socket_frames_written[transport], frames);
     }
     /// Envelopes just written to a socket (or handed to a poll's answer), by their arrivals.
+    /// They all left in one write: the clock is read once for them (a read per envelope was
+    /// ~5 % of a saturated core's fan-out samples).
     pub fn delivered(&self, transport: usize, arrivals: impl IntoIterator<Item = Arrival>) {
+        let mut arrivals = arrivals.into_iter().peekable();
+        if arrivals.peek().is_none() {
+            return;
+        }
+        let now = Arrival::now();
         for a in arrivals {
-            self.deliveries[transport].observe(a.elapsed());
+            self.deliveries[transport].observe(a.age_at(now));
         }
     }
 
@@ -341,4 +364,30 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
         let _ = writeln!(out, "{name}{labels} {value}");
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_latency_falls_in_the_first_bucket_whose_bound_it_does_not_exceed() {
+        let h = Histogram::default();
+        for micros in [100, 101, 250, 2_500_000, 2_500_001] {
+            h.observe(Duration::from_micros(micros));
+        }
+        h.observe(Duration::from_nanos(100_001));
+        let (buckets, count, sum) = h.snapshot();
+        assert_eq!(buckets, vec![1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        assert_eq!(count, 6);
+        assert_eq!(sum, 100 + 101 + 250 + 2_500_000 + 2_500_001 + 100);
+    }
+
+    #[test]
+    fn the_age_of_a_stamp_is_read_against_the_given_now() {
+        let (then, now) = (Arrival::at(1_000), Arrival::at(1_750));
+        assert_eq!(then.age_at(now), Duration::from_micros(750));
+        // Across the u32 wrap (once every ~71 minutes).
+        assert_eq!(Arrival::at(u32::MAX - 9).age_at(Arrival::at(10)), Duration::from_micros(20));
+    }
 }
