@@ -175,7 +175,10 @@ impl State {
     fn take_all(&mut self) -> Vec<Out> {
         self.arrivals = VecDeque::new();
         self.refill = self.live.min(REFILL_RESERVE) as u8;
-        let items = Vec::from(std::mem::take(&mut self.queue)).into_iter().flatten().collect();
+        // `filter_map` (unlike `flatten`) collects in place, in the deque's own buffer: no
+        // allocation per drain (that was ~2.5 % of a saturated core's fan-out samples).
+        #[allow(clippy::filter_map_identity)]
+        let items = Vec::from(std::mem::take(&mut self.queue)).into_iter().filter_map(|item| item).collect();
         if self.slots.capacity() > 0 {
             self.slots = HashMap::new();
         }
