@@ -21,6 +21,14 @@ fn push_json_str(out: &mut String, s: &str) {
     }
 }
 
+/// A bigger scratch string (a large twin or message was just built) is freed, not kept.
+const SCRATCH_KEPT: usize = 16 * 1024;
+
+thread_local! {
+    /// Where envelopes are written before they are shared (see `EnvelopeBuilder::with`).
+    static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
 /// Builds the envelopes of one device message; the shared prefix is written once.
 pub struct EnvelopeBuilder {
     prefix: String,
@@ -37,14 +45,23 @@ impl EnvelopeBuilder {
     }
 
     fn with(&self, field: &str, value_len: usize, write: impl FnOnce(&mut String)) -> Arc<str> {
-        let mut out = String::with_capacity(self.prefix.len() + field.len() + value_len + 8);
-        out.push_str(&self.prefix);
-        out.push_str(",\"");
-        out.push_str(field);
-        out.push_str("\":");
-        write(&mut out);
-        out.push('}');
-        out.into()
+        // Written in this thread's scratch string, then copied once into the `Arc`: one
+        // allocation per envelope, not a `String`'s and then the `Arc`'s.
+        SCRATCH.with_borrow_mut(|out| {
+            out.clear();
+            out.reserve(self.prefix.len() + field.len() + value_len + 8);
+            out.push_str(&self.prefix);
+            out.push_str(",\"");
+            out.push_str(field);
+            out.push_str("\":");
+            write(out);
+            out.push('}');
+            let frame = Arc::from(out.as_str());
+            if out.capacity() > SCRATCH_KEPT {
+                *out = String::new();
+            }
+            frame
+        })
     }
 
     /// Telemetry with the given `(key, JSON value)` pairs; never call with none.
