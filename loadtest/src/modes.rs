@@ -171,6 +171,7 @@ pub async fn ingest(global: &Global, args: &FleetArgs) -> io::Result<Results> {
         let stats = Arc::new(FleetStats::default());
         let mut tasks = JoinSet::new();
         start_fleet(&setup, &plan, &stats, &mut tasks);
+        let before = setup.target.metrics().await?;
         stats.run();
         sleep(secs(global.warmup)).await;
         let a = snapshot(&setup.target, Some(&stats), None).await?;
@@ -180,6 +181,9 @@ pub async fn ingest(global: &Global, args: &FleetArgs) -> io::Result<Results> {
         let mut row = Row::default();
         row.put("rate", if rate > 0.0 { rate.into() } else { serde_json::Value::from("max") });
         window(&mut row, &a, &b);
+        if args.via == Via::Amqp {
+            every_message_arrived(&mut row, &setup.target, &before, &stats).await?;
+        }
         if let (Some(i), Some(c)) = (row.get("ingest_msg_s").and_then(|v| v.as_f64()), row.get("hubcast_cpu").and_then(|v| v.as_f64())) {
             row.put("msg_per_cpu_s", if c > 0.0 { i / c } else { 0.0 });
         }
@@ -187,6 +191,27 @@ pub async fn ingest(global: &Global, args: &FleetArgs) -> io::Result<Results> {
         sleep(Duration::from_millis(300)).await;
     }
     Ok(results)
+}
+
+/// AMQP: waits (up to 5 s) until hubcast counts as received and taken in every message the
+/// endpoint sent in this run, and reports both totals: a message lost or mangled on the way
+/// shows as `hubcast_in_total < fleet_sent_total`.
+async fn every_message_arrived(row: &mut Row, target: &Target, before: &Metrics, stats: &FleetStats) -> io::Result<()> {
+    let sent = stats.sent.load(Ordering::Relaxed) as f64;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (received, taken_in) = loop {
+        let now = target.metrics().await?;
+        let received = now.sum("hubcast_amqp_messages_received_total") - before.sum("hubcast_amqp_messages_received_total");
+        let taken_in = now.sum("hubcast_messages_in_total") - before.sum("hubcast_messages_in_total");
+        if (received >= sent && taken_in >= sent) || Instant::now() >= deadline {
+            break (received, taken_in);
+        }
+        sleep(Duration::from_millis(50)).await;
+    };
+    row.put("fleet_sent_total", sent);
+    row.put("hubcast_received_total", received);
+    row.put("hubcast_in_total", taken_in);
+    Ok(())
 }
 
 fn via_name(v: Via) -> &'static str {
