@@ -62,6 +62,13 @@ fn the_whole_suite_runs_at_a_tiny_scale_and_measures_every_part() {
         assert_eq!(row["fleet_errors"], 0, "{row}");
     }
     assert_eq!(rows(&doc, "ingest (amqp)").len(), 1, "the AMQP fleet ran");
+    for row in rows(&doc, "ingest (amqp)") {
+        // The endpoint writes its AMQP by hand: every message it sent reached hubcast's cores.
+        let sent = row["fleet_sent_total"].as_f64().unwrap();
+        assert!(sent > 0.0, "{row}");
+        assert_eq!(row["hubcast_received_total"].as_f64(), Some(sent), "{row}");
+        assert_eq!(row["hubcast_in_total"].as_f64(), Some(sent), "{row}");
+    }
     for prefix in ["fanout (ws", "fanout (socketio"] {
         let steps = rows(&doc, prefix);
         assert!(!steps.is_empty(), "{prefix}");
