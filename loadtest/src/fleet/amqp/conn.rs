@@ -552,11 +552,13 @@ impl Conn {
             Performative::Transfer(transfer) => self.transfer(channel, transfer, frame.body, out)?,
             Performative::Disposition(_) => {} // every delivery the endpoint sends is pre-settled
             Performative::Detach(detach) => {
-                if let Some(session) = self.sessions.get_mut(&channel) {
-                    session.links.remove(&detach.handle.0);
+                // A detach of a link the endpoint refused (and so detached first) is the
+                // peer's answer: it gets none.
+                let known = self.sessions.get_mut(&channel).is_some_and(|s| s.links.remove(&detach.handle.0).is_some());
+                if known {
+                    let reply = Detach { handle: detach.handle, closed: detach.closed, error: None };
+                    wire::put_frame(out, FRAME_AMQP, channel, &reply, &[]);
                 }
-                let reply = Detach { handle: detach.handle, closed: detach.closed, error: None };
-                wire::put_frame(out, FRAME_AMQP, channel, &reply, &[]);
             }
             Performative::End(_) => {
                 self.sessions.remove(&channel);

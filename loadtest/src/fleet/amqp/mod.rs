@@ -180,6 +180,118 @@ mod tests {
         assert_eq!(resume_after("amqp.annotation.x-opt-offset > '@latest'"), None);
     }
 
+    use fe2o3_amqp::link::receiver::CreditMode;
+    use fe2o3_amqp::sasl_profile::SaslProfile;
+    use fe2o3_amqp::types::messaging::{Body, MessageId, Properties, Source};
+    use fe2o3_amqp::types::primitives::SimpleValue;
+    use fe2o3_amqp::{Connection, Receiver, Sender, Session};
+
+    fn plan(devices: usize, partitions: usize) -> FleetPlan {
+        FleetPlan { via: super::super::Via::Amqp, devices, rate: 0.0, batch: 1, conns: 1, partitions, pipeline: 1 }
+    }
+
+    fn annotation(m: &Message<Body<Value>>, k: &str) -> Option<Value> {
+        let a = m.message_annotations.as_ref()?;
+        a.get(&k as &dyn fe2o3_amqp::types::messaging::annotations::AnnotationKey).cloned()
+    }
+
+    /// The endpoint against fe2o3's client, as hubcast uses it: SASL PLAIN, a `$management`
+    /// READ answered on the reply link, a partition link resumed after a sequence number whose
+    /// messages are IoT Hub telemetry, a refused partition, a refused key.
+    #[tokio::test]
+    async fn fe2o3_consumes_the_endpoint_as_hubcast_does() {
+        let work = async {
+            let endpoint = start(0, &plan(100, 4)).await.unwrap();
+            let url = format!("amqp://127.0.0.1:{}", endpoint.port);
+            let wrong = Connection::builder()
+                .container_id("t")
+                .sasl_profile(SaslProfile::Plain { username: KEY_NAME.into(), password: "nope".into() })
+                .open(url.as_str())
+                .await;
+            assert!(wrong.is_err(), "a wrong key is refused");
+
+            let mut connection = Connection::builder()
+                .container_id("t")
+                .sasl_profile(SaslProfile::Plain { username: KEY_NAME.into(), password: KEY.into() })
+                .open(url.as_str())
+                .await
+                .unwrap();
+            let mut session = Session::begin(&mut connection).await.unwrap();
+
+            // $management READ of the event hub, the reply on the link named by reply-to.
+            let mut requests = Sender::attach(&mut session, "mgmt-out", "$management").await.unwrap();
+            let mut replies = Receiver::builder()
+                .name("mgmt-in")
+                .source("$management")
+                .target("reply-here")
+                .attach(&mut session)
+                .await
+                .unwrap();
+            let mut app = OrderedMap::new();
+            app.insert("operation".to_string(), SimpleValue::String("READ".into()));
+            app.insert("type".to_string(), SimpleValue::String("com.microsoft:eventhub".into()));
+            app.insert("name".to_string(), SimpleValue::String(ENTITY.into()));
+            let request = Message::builder()
+                .properties(Properties { message_id: Some(MessageId::Ulong(7)), reply_to: Some("reply-here".into()), ..Default::default() })
+                .application_properties(fe2o3_amqp::types::messaging::ApplicationProperties(app))
+                .value(Value::Null)
+                .build();
+            requests.send(request).await.unwrap();
+            let reply = replies.recv::<Body<Value>>().await.unwrap();
+            replies.accept(&reply).await.unwrap();
+            let reply = reply.into_message();
+            assert_eq!(reply.properties.as_ref().unwrap().correlation_id, Some(MessageId::Ulong(7)));
+            let Body::Value(fe2o3_amqp::types::messaging::AmqpValue(Value::Map(map))) = &reply.body else { panic!("{:?}", reply.body) };
+            assert_eq!(map.get(&Value::String("partition_count".into())), Some(&Value::Int(4)));
+
+            // Partition 1, resumed after sequence number 41.
+            let filter = Some(serde_amqp::described::Described {
+                descriptor: serde_amqp::descriptor::Descriptor::Code(0x0000_468c_0000_0004),
+                value: Value::String("amqp.annotation.x-opt-sequence-number > '41'".into()),
+            });
+            let source = Source::builder()
+                .address(format!("{ENTITY}/ConsumerGroups/$Default/Partitions/1"))
+                .add_to_filter("apache.org:selector-filter:string", filter)
+                .build();
+            let mut partition = Receiver::builder()
+                .name("p1")
+                .source(source)
+                .credit_mode(CreditMode::Auto(50))
+                .attach(&mut session)
+                .await
+                .unwrap();
+            let stats = Arc::new(FleetStats::default());
+            endpoint.set_run(stats.clone(), 0.0);
+            stats.run();
+            for seq in 42..342_i64 {
+                let delivery = partition.recv::<Body<Value>>().await.unwrap();
+                partition.accept(&delivery).await.unwrap();
+                let m = delivery.into_message();
+                assert_eq!(annotation(&m, "x-opt-sequence-number"), Some(Value::Long(seq)));
+                assert_eq!(annotation(&m, "x-opt-offset"), Some(Value::String((seq * 100).to_string())));
+                // Device d lives on partition d % 4: partition 1 holds devices 1, 5, 9, …
+                let device = device_id(1 + 4 * (seq as usize % 25));
+                assert_eq!(annotation(&m, "iothub-connection-device-id"), Some(Value::String(device)));
+                let Body::Data(data) = &m.body else { panic!("{:?}", m.body) };
+                let body: serde_json::Value = serde_json::from_slice(&data.iter().next().unwrap().0).unwrap();
+                assert_eq!(body["seq"], seq);
+            }
+            stats.stop();
+            assert_eq!(stats.errors.load(Ordering::Relaxed), 0);
+
+            // A partition that does not exist is refused.
+            let refused = async {
+                let mut r = Receiver::attach(&mut session, "p9", format!("{ENTITY}/ConsumerGroups/$Default/Partitions/9")).await?;
+                r.recv::<Body<Value>>().await.map(|_| ()).map_err(|e| e.into())
+            };
+            let refused: Result<(), Box<dyn std::error::Error>> = refused.await;
+            let refused = refused.expect_err("partition 9 of 4 is refused").to_string();
+            assert!(refused.contains("no such partition"), "{refused}");
+            connection.close().await.unwrap();
+        };
+        tokio::time::timeout(Duration::from_secs(20), work).await.expect("the exchange finishes");
+    }
+
     #[test]
     fn telemetry_carries_the_iot_hub_annotations_and_the_body() {
         let m = telemetry("dev-000001", 5, b"{\"sentAt\":1}");
