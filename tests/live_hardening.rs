@@ -265,23 +265,30 @@ fn an_epoll_core_keeps_answering_while_sockets_stream_big_frames() {
     let server = Server::start(&["--io-driver", "epoll", "--cores", "1"]);
     let session = server.new_session();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let written = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let streamers: Vec<_> = (0..4)
         .map(|i| {
             let (mut stream, status) = raw_upgrade(&server, &format!("/ws?sessionId={session}"), Some(KEY));
             assert_eq!(status, 101, "socket {i}");
-            let stop = stop.clone();
+            let (stop, written) = (stop.clone(), written.clone());
             std::thread::spawn(move || {
                 let frame = client_frame(0x1, "y".repeat(65_000).as_bytes());
                 let mut sent = 0u64;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) && stream.write_all(&frame).is_ok() {
                     sent += 1;
+                    written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 sent
             })
         })
         .collect();
-    // Let the streams get going, then ask the same (only) core for something else.
-    std::thread::sleep(Duration::from_millis(200));
+    // Once the streams have written far more than the sockets' kernel buffers hold (200 frames,
+    // 13 MB), the core is reading them: then ask the same (only) core for something else.
+    let deadline = Instant::now() + WAIT;
+    while written.load(std::sync::atomic::Ordering::Relaxed) < 200 {
+        assert!(Instant::now() < deadline, "the sockets did not stream");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let started = Instant::now();
     for _ in 0..20 {
         server.assert_alive();
