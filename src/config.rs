@@ -103,6 +103,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(0..=1_000))]
     pub event_hub_linger_ms: u64,
 
+    /// Take each device message's bytes off the wire under fe2o3 and read the fields hubcast
+    /// uses from them (src/amqp/tap.rs), instead of fe2o3 decoding every message whole. false: fe2o3 decodes all.
+    #[arg(long = "event-hub-read-raw", env = "EVENT_HUB_READ_RAW", default_value_t = true,
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    pub event_hub_read_raw: bool,
+
     /// PEM file of extra root certificates trusted for amqps (besides the public web roots).
     #[arg(long = "event-hub-ca-file", env = "EVENT_HUB_CA_FILE")]
     pub event_hub_ca_file: Option<std::path::PathBuf>,

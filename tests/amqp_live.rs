@@ -145,3 +145,71 @@ fn a_lone_message_is_handed_over_without_waiting_for_more() {
     }
     assert_eq!(server.metric("hubcast_amqp_handoffs_total"), Some(2.0), "one hand-off per lone message");
 }
+
+/// Polls `GET path` (admin key) until its JSON body satisfies `done`; the body.
+fn wait_for_ok(server: &common::Server, path: &str, done: impl Fn(&Value) -> bool) -> (u16, String) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (status, body, _) = server.call("GET", path, &[common::ADMIN], None);
+        if status == 200 && serde_json::from_str::<Value>(&body).is_ok_and(|v| done(&v)) {
+            return (status, body);
+        }
+        assert!(Instant::now() < deadline, "GET {path} still {status} {body}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every message of a busy two-partition stream arrives intact (device id, source, enqueued
+/// time, body) at a WebSocket subscriber and in lastValue / the twin; returns the counters of
+/// messages read off the wire and decoded by fe2o3 (`--event-hub-read-raw`).
+fn messages_arrive_intact(read_raw: &str) -> (f64, f64) {
+    const N: i64 = 200;
+    const T0: i64 = 1_704_067_200_000; // 2024-01-01T00:00:00Z
+    let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
+    let server = gateway(&hub, &["--event-hub-read-raw", read_raw]);
+    let session = subscribed(&server, "w-0", &[json!({"type": "d2cMessages"})]);
+    let mut live = server.live(&session);
+    let body = |i: i64| json!({ "n": i, "text": "x".repeat(i as usize) });
+    for i in 0..N {
+        let event = NewEvent::telemetry(&format!("w-{}", i % 4), body(i)).enqueued_at(T0 + i);
+        hub.publish(&(i % 2).to_string(), event);
+    }
+    let twin = json!({"deviceId": "w-1", "version": 2, "properties": {"reported": {"fw": "2.0"}, "desired": {}}});
+    hub.publish("1", NewEvent::event("w-1", "twinChangeEvents", "replaceTwin", twin));
+    // Larger than the connection's 64 KiB frames: a multi-frame transfer, left to fe2o3.
+    let big = "y".repeat(100_000);
+    hub.publish("0", NewEvent::telemetry("w-big", json!({ "big": big })));
+
+    let mut seen = Vec::new();
+    while seen.len() < (N / 4) as usize {
+        let frame = live.next_json(WAIT).expect("a d2c frame");
+        assert_eq!(frame["deviceId"], json!("w-0"), "{frame}");
+        seen.push(frame["message"].clone());
+    }
+    assert_eq!(seen, (0..N).filter(|i| i % 4 == 0).map(body).collect::<Vec<_>>(), "every message once, in order, intact");
+    for d in 0..4 {
+        let last = N - 4 + d;
+        let (_, text) = wait_for_ok(&server, &format!("/lastValue/w-{d}/n"), |v| v["data"]["n"] == json!(last));
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["timestamp"], json!(format!("2024-01-01T00:00:00.{last:03}Z")), "the hub's enqueued time: {v}");
+    }
+    wait_for_ok(&server, "/deviceTwin/w-1", |v| v["data"]["properties"]["reported"]["fw"] == json!("2.0"));
+    wait_for_ok(&server, "/lastValue/w-big/big", |v| v["data"]["big"].as_str().map(str::len) == Some(100_000));
+    let received = server.metric("hubcast_amqp_messages_received_total").unwrap();
+    assert_eq!(received, (N + 2) as f64);
+    let raw = server.metric("hubcast_amqp_raw_reads_total").expect("the raw read counter");
+    let decoded = server.metric("hubcast_amqp_decoded_reads_total").expect("the decoded read counter");
+    assert_eq!(raw + decoded, received);
+    (raw, decoded)
+}
+
+#[test]
+fn messages_read_off_the_wire_arrive_intact() {
+    // Every single-frame message read from its bytes; the multi-frame one decoded by fe2o3.
+    assert_eq!(messages_arrive_intact("true"), ((200 + 1) as f64, 1.0));
+}
+
+#[test]
+fn messages_decoded_by_fe2o3_arrive_intact() {
+    assert_eq!(messages_arrive_intact("false"), (0.0, (200 + 2) as f64));
+}

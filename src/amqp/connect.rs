@@ -129,12 +129,14 @@ pub fn tls_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>, String> {
 }
 
 /// Opens an AMQP connection: TCP, then TLS when the endpoint asks for it (TLS first, then
-/// the AMQP header, as Event Hubs expects), then SASL with `profile`, then `open`.
+/// the AMQP header, as Event Hubs expects), then SASL with `profile`, then `open`. With
+/// `tap`, fe2o3 reads the socket through a [`super::tap::Tap`] (`--event-hub-read-raw`).
 pub async fn open(
     endpoint: &Endpoint,
     tls: &Arc<ClientConfig>,
     profile: SaslProfile,
     container_id: &str,
+    tap: Option<super::tap::TapHandle>,
 ) -> Result<ConnectionHandle<()>, String> {
     let target = format!("{}:{}", endpoint.dial_host, endpoint.port);
     let work = async {
@@ -156,9 +158,15 @@ pub async fn open(
                 .connect(name, tcp)
                 .await
                 .map_err(|e| format!("TLS with {target} failed: {e}"))?;
-            builder.open_with_stream(stream).await
+            match tap {
+                Some(handle) => builder.open_with_stream(super::tap::Tap::new(stream, handle)).await,
+                None => builder.open_with_stream(stream).await,
+            }
         } else {
-            builder.open_with_stream(tcp).await
+            match tap {
+                Some(handle) => builder.open_with_stream(super::tap::Tap::new(tcp, handle)).await,
+                None => builder.open_with_stream(tcp).await,
+            }
         };
         opened.map_err(|e| match e {
             fe2o3_amqp::connection::OpenError::SaslError { code, .. } => {
@@ -465,7 +473,7 @@ pub async fn follow_redirect(
         entity: "messages/events".into(),
     };
     let profile = SaslProfile::Plain { username: format!("{key_name}@sas.root.{hub_name}"), password };
-    let mut connection = open(&endpoint, tls, profile, container_id).await?;
+    let mut connection = open(&endpoint, tls, profile, container_id, None).await?;
     let result = async {
         let mut session = timeout(CALL_TIMEOUT, fe2o3_amqp::Session::begin(&mut connection))
             .await

@@ -13,10 +13,11 @@
 
 use std::borrow::Cow;
 
-use fe2o3_amqp::types::messaging::annotations::{AnnotationKey, OwnedKey};
+use fe2o3_amqp::types::messaging::annotations::OwnedKey;
 use fe2o3_amqp::types::messaging::{AmqpValue, ApplicationProperties, Body, Message, MessageAnnotations};
 use fe2o3_amqp::types::primitives::{SimpleValue, Value};
 
+use super::encoded::{DataSections, Scalar};
 use crate::config::MAX_DEVICE_ID_LEN;
 use crate::ingest::faults::Fault;
 use crate::ingest::{device_id_in_body, IngestMessage, Properties, SourceKind};
@@ -76,52 +77,114 @@ const ENQUEUED: usize = 10;
 const DEVICE_ID_PROPERTY: usize = 11;
 const SLOTS: usize = 12;
 
-fn slot(name: &str) -> Option<usize> {
-    Some(match name {
-        DEVICE_ID => DEVICE,
-        MODULE_ID => MODULE,
-        MESSAGE_SOURCE => SOURCE,
-        MESSAGE_SCHEMA => SCHEMA,
-        IOTHUB_ENQUEUED_TIME => HUB_ENQUEUED,
-        CREATION_TIME => CREATED,
-        APP_CREATION_TIME => APP_CREATED,
-        "opType" => OP_TYPE,
-        SEQUENCE_NUMBER => SEQUENCE,
-        OFFSET => OFFSET_SLOT,
-        ENQUEUED_TIME => ENQUEUED,
-        "deviceId" => DEVICE_ID_PROPERTY,
-        _ => return None,
-    })
+/// Every name [`Fields`] collects, with its slot.
+const NAMES: [(&str, usize); SLOTS] = [
+    (DEVICE_ID, DEVICE),
+    (MODULE_ID, MODULE),
+    (MESSAGE_SOURCE, SOURCE),
+    (MESSAGE_SCHEMA, SCHEMA),
+    (IOTHUB_ENQUEUED_TIME, HUB_ENQUEUED),
+    (CREATION_TIME, CREATED),
+    (APP_CREATION_TIME, APP_CREATED),
+    ("opType", OP_TYPE),
+    (SEQUENCE_NUMBER, SEQUENCE),
+    (OFFSET, OFFSET_SLOT),
+    (ENQUEUED_TIME, ENQUEUED),
+    ("deviceId", DEVICE_ID_PROPERTY),
+];
+
+/// The slot of a name, compared as bytes (an encoded name needs no UTF-8 check to be
+/// looked up: only the names collected are text hubcast knows).
+pub(super) fn slot(name: &[u8]) -> Option<usize> {
+    NAMES.iter().find(|(n, _)| n.as_bytes() == name).map(|(_, i)| *i)
+}
+
+/// One annotation or application property hubcast reads, borrowed from the message: as
+/// fe2o3 decoded it, or still encoded (read when asked for, text without a copy).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Field<'a> {
+    Value(&'a Value),
+    Simple(&'a SimpleValue),
+    Encoded(&'a [u8]),
+}
+
+impl<'a> Field<'a> {
+    fn text(&self) -> Option<Cow<'a, str>> {
+        match *self {
+            Field::Value(v) => value_text(v),
+            Field::Simple(SimpleValue::String(s)) => Some(Cow::Borrowed(s)),
+            Field::Simple(SimpleValue::Symbol(s)) => Some(Cow::Borrowed(&s.0)),
+            // Not text: rendered the way an annotation of the same type is.
+            Field::Simple(other) => value_text(&Value::from(other.clone())).map(|t| Cow::Owned(t.into_owned())),
+            Field::Encoded(e) => match Scalar::decode(e)? {
+                Scalar::Str(s) | Scalar::Sym(s) => Some(Cow::Borrowed(s)),
+                Scalar::Long(n) => Some(Cow::Owned(n.to_string())),
+                Scalar::Timestamp(t) => Some(Cow::Owned(iso(t))),
+                Scalar::Other(v) => value_text(&v).map(|t| Cow::Owned(t.into_owned())),
+            },
+        }
+    }
+
+    fn i64(&self) -> Option<i64> {
+        match *self {
+            Field::Value(v) => value_i64(v),
+            Field::Simple(v) => value_i64(&Value::from(v.clone())),
+            Field::Encoded(e) => match Scalar::decode(e)? {
+                Scalar::Str(s) => s.parse().ok(),
+                Scalar::Sym(_) => None,
+                Scalar::Long(n) | Scalar::Timestamp(n) => Some(n),
+                Scalar::Other(v) => value_i64(&v),
+            },
+        }
+    }
+
+    /// A time: an AMQP timestamp, milliseconds as a number, or an ISO 8601 string.
+    fn millis(&self) -> Option<Millis> {
+        match *self {
+            Field::Value(v) => value_millis(v),
+            Field::Simple(v) => value_millis(&Value::from(v.clone())),
+            Field::Encoded(e) => match Scalar::decode(e)? {
+                Scalar::Str(s) => parse_iso(s).or_else(|| s.parse().ok()),
+                Scalar::Sym(_) => None,
+                Scalar::Long(n) | Scalar::Timestamp(n) => Some(n),
+                Scalar::Other(v) => value_millis(&v),
+            },
+        }
+    }
 }
 
 /// The annotations and application properties hubcast reads, borrowed from the message and
 /// found in one pass over each map: they hold a handful of entries, so comparing each name
 /// once costs less than a hashed lookup per name, and nothing is copied until it is kept.
-struct Fields<'a> {
-    annotations: [Option<&'a Value>; SLOTS],
-    properties: [Option<&'a SimpleValue>; SLOTS],
+pub(super) struct Fields<'a> {
+    pub(super) annotations: [Option<Field<'a>>; SLOTS],
+    pub(super) properties: [Option<Field<'a>>; SLOTS],
 }
 
 impl<'a> Fields<'a> {
+    pub(super) fn empty() -> Self {
+        Fields { annotations: [const { None }; SLOTS], properties: [const { None }; SLOTS] }
+    }
+
     fn of(annotations: Option<&'a MessageAnnotations>, properties: Option<&'a ApplicationProperties>) -> Self {
-        let mut fields = Fields { annotations: [None; SLOTS], properties: [None; SLOTS] };
+        let mut fields = Self::empty();
         for (key, value) in annotations.into_iter().flat_map(|a| a.0.iter()) {
             if let Some(i) = match key {
-                OwnedKey::Symbol(name) => slot(&name.0),
+                OwnedKey::Symbol(name) => slot(name.0.as_bytes()),
                 OwnedKey::Ulong(_) => None,
             } {
-                fields.annotations[i] = Some(value);
+                fields.annotations[i] = Some(Field::Value(value));
             }
         }
         for (key, value) in properties.into_iter().flat_map(|p| p.0.iter()) {
-            if let Some(i) = slot(key) {
-                fields.properties[i] = Some(value);
+            if let Some(i) = slot(key.as_bytes()) {
+                fields.properties[i] = Some(Field::Simple(value));
             }
         }
         fields
     }
 
-    fn annotation(&self, slot: usize) -> Option<&'a Value> {
+    fn annotation(&self, slot: usize) -> Option<Field<'a>> {
         self.annotations[slot]
     }
 
@@ -129,16 +192,20 @@ impl<'a> Fields<'a> {
     /// `None` when that is empty. Borrowed unless it had to be rendered (a number, a time).
     fn text(&self, slot: usize) -> Option<Cow<'a, str>> {
         self.annotations[slot]
-            .and_then(value_text)
-            .or_else(|| self.properties[slot].and_then(simple_text))
+            .and_then(|f| f.text())
+            .or_else(|| self.properties[slot].and_then(|f| f.text()))
             .filter(|s| !s.is_empty())
+    }
+
+    fn sequence(&self) -> Option<i64> {
+        self.annotation(SEQUENCE).and_then(|f| f.i64())
     }
 
     fn position(&self) -> Position {
         Position {
-            sequence: self.annotation(SEQUENCE).and_then(value_i64),
-            offset: self.annotation(OFFSET_SLOT).and_then(value_text).map(Cow::into_owned),
-            enqueued: self.annotation(ENQUEUED).and_then(value_millis),
+            sequence: self.sequence(),
+            offset: self.annotation(OFFSET_SLOT).and_then(|f| f.text()).map(Cow::into_owned),
+            enqueued: self.annotation(ENQUEUED).and_then(|f| f.millis()),
         }
     }
 }
@@ -165,15 +232,6 @@ fn value_text(v: &Value) -> Option<Cow<'_, str>> {
     })
 }
 
-fn simple_text(v: &SimpleValue) -> Option<Cow<'_, str>> {
-    match v {
-        SimpleValue::String(s) => Some(Cow::Borrowed(s)),
-        SimpleValue::Symbol(s) => Some(Cow::Borrowed(&s.0)),
-        // Not text: rendered the way an annotation of the same type is.
-        other => value_text(&Value::from(other.clone())).map(|t| Cow::Owned(t.into_owned())),
-    }
-}
-
 fn value_i64(v: &Value) -> Option<i64> {
     match v {
         Value::Long(n) => Some(*n),
@@ -194,20 +252,81 @@ fn value_millis(v: &Value) -> Option<Millis> {
     }
 }
 
+/// A received message, read from its encoded bytes (taken from the wire by [`super::tap`]):
+/// scanned in place when it is what IoT Hub and Event Hubs send ([`super::encoded`]), else
+/// decoded whole by fe2o3's types as the receiver would have.
+pub struct Received<'a>(Read<'a>);
+
+// The scanned variant is the usual one, read once per message: boxing it would allocate.
+#[allow(clippy::large_enum_variant)]
+enum Read<'a> {
+    Scanned(Fields<'a>, DataSections<'a>),
+    Decoded(Box<Message<Body<Value>>>),
+    /// As fe2o3's receiver decoded it (a delivery the tap passed through).
+    Received(&'a mut Message<Body<Value>>),
+}
+
+impl<'a> Received<'a> {
+    /// Reads one message; `Err` when it is not an AMQP message at all (fe2o3 cannot decode it).
+    pub fn read(encoded: &'a bytes::Bytes) -> Result<Self, String> {
+        if let Some((fields, body)) = super::encoded::scan(encoded) {
+            return Ok(Received(Read::Scanned(fields, body)));
+        }
+        use fe2o3_amqp::types::messaging::message::__private::Deserializable;
+        match serde_amqp::from_slice::<Deserializable<Message<Body<Value>>>>(encoded) {
+            Ok(Deserializable(message)) => Ok(Received(Read::Decoded(Box::new(message)))),
+            Err(e) => Err(format!("cannot decode a message: {e}")),
+        }
+    }
+
+    /// A message fe2o3's receiver decoded whole (its body is taken by [`Self::to_ingest`];
+    /// the annotations stay for [`position_of`]).
+    pub fn decoded(message: &'a mut Message<Body<Value>>) -> Self {
+        Received(Read::Received(message))
+    }
+
+    fn with_fields<T>(&self, f: impl FnOnce(&Fields) -> T) -> T {
+        match &self.0 {
+            Read::Scanned(fields, _) => f(fields),
+            Read::Decoded(m) => f(&Fields::of(m.message_annotations.as_ref(), None)),
+            Read::Received(m) => f(&Fields::of(m.message_annotations.as_ref(), None)),
+        }
+    }
+
+    /// The message's place in its partition (Event Hubs annotations; none from a plain queue).
+    pub fn position(&self) -> Position {
+        self.with_fields(|f| f.position())
+    }
+
+    /// Only the sequence number of [`Self::position`] (what the redelivery check needs).
+    pub fn sequence(&self) -> Option<i64> {
+        self.with_fields(|f| f.sequence())
+    }
+
+    /// Whether the message carries an `x-opt-offset` (a position without a sequence number).
+    pub fn has_offset(&self) -> bool {
+        self.with_fields(|f| f.annotation(OFFSET_SLOT).is_some())
+    }
+
+    /// Whether the message was read in place (not decoded whole).
+    #[cfg(test)]
+    fn scanned(&self) -> bool {
+        matches!(self.0, Read::Scanned(..))
+    }
+
+    /// The message for the owning core; `Err` says why it cannot be used (count it, skip it).
+    pub fn to_ingest(self, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
+        match self.0 {
+            Read::Scanned(fields, body) => ingest_of(&fields, body.to_vec(), settings),
+            Read::Decoded(mut message) => to_ingest(&mut message, settings),
+            Read::Received(message) => to_ingest(message, settings),
+        }
+    }
+}
+
 /// The message's place in its partition (Event Hubs annotations; none from a plain queue).
 pub fn position_of<B>(message: &Message<B>) -> Position {
     Fields::of(message.message_annotations.as_ref(), None).position()
-}
-
-/// Whether the message carries an `x-opt-offset` (a position without a sequence number).
-pub fn has_offset<B>(message: &Message<B>) -> bool {
-    message.message_annotations.as_ref().is_some_and(|a| a.get(&OFFSET as &dyn AnnotationKey).is_some())
-}
-
-/// Only the sequence number of [`position_of`] (what the redelivery check needs per message).
-pub fn sequence_of<B>(message: &Message<B>) -> Option<i64> {
-    let annotations = message.message_annotations.as_ref()?;
-    annotations.get(&SEQUENCE_NUMBER as &dyn AnnotationKey).and_then(value_i64)
 }
 
 /// What kind of message this is: `iothub-message-source`, else the `iothub-message-schema`
@@ -300,15 +419,19 @@ pub fn to_json(v: &Value) -> serde_json::Value {
 /// annotations still there for [`position_of`]); the only copies are the device id and the
 /// kept properties, which the owning core keeps.
 pub fn to_ingest(message: &mut Message<Body<Value>>, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
-    let body = std::mem::replace(&mut message.body, Body::Empty);
+    let body = into_body_bytes(std::mem::replace(&mut message.body, Body::Empty));
     let fields = Fields::of(message.message_annotations.as_ref(), message.application_properties.as_ref());
-    let named_device = fields.text(DEVICE).or_else(|| fields.properties[DEVICE_ID_PROPERTY].and_then(simple_text));
+    ingest_of(&fields, body, settings)
+}
+
+/// [`to_ingest`] once the fields are found and the body is bytes.
+fn ingest_of(fields: &Fields, body: Vec<u8>, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
+    let named_device = fields.text(DEVICE).or_else(|| fields.properties[DEVICE_ID_PROPERTY].and_then(|f| f.text()));
     let reject = |fault, device: Option<&str>, detail: String| Rejected { fault, device: device.map(str::to_owned), detail };
 
-    let source = source_of(&fields)
+    let source = source_of(fields)
         .map_err(|s| reject(Fault::UnsupportedSource, named_device.as_deref(), format!("iothub-message-source {s}")))?;
 
-    let body = into_body_bytes(body);
     if body.len() > settings.max_message_bytes {
         return Err(reject(
             Fault::Oversized,
@@ -339,7 +462,7 @@ pub fn to_ingest(message: &mut Message<Body<Value>>, settings: &MapSettings) -> 
     }
     // ux4iot reads the hub's enqueued time before the broker's (reference §8); a plain Event
     // Hub message has only the latter, which still beats the arrival time after a replay.
-    let enqueued_at = fields.annotation(HUB_ENQUEUED).or_else(|| fields.annotation(ENQUEUED)).and_then(value_millis);
+    let enqueued_at = fields.annotation(HUB_ENQUEUED).or_else(|| fields.annotation(ENQUEUED)).and_then(|f| f.millis());
 
     let arrived = Some(crate::metrics::Arrival::now());
     Ok(IngestMessage { device_id, source, properties, body, enqueued_at, arrived })
@@ -423,7 +546,7 @@ mod tests {
         assert_eq!(&*out.properties[0].0, CREATION_TIME);
         let p = position_of(&m);
         assert_eq!((p.sequence, p.offset.as_deref()), (Some(42), Some("4200")));
-        assert_eq!(sequence_of(&m), Some(42));
+        assert_eq!(Received::read(&encode(&m)).unwrap().sequence(), Some(42));
     }
 
     #[test]
@@ -511,5 +634,109 @@ mod tests {
         assert_eq!(json, serde_json::json!({"deviceId": "v", "t": 21.5}));
         m.body = Body::Value(AmqpValue(s(r#"{"deviceId":"w"}"#)));
         assert_eq!(&*to_ingest(&mut m.clone(), &settings()).unwrap().device_id, "w");
+    }
+
+    fn encode(m: &Message<Body<Value>>) -> bytes::Bytes {
+        use fe2o3_amqp::types::messaging::message::__private::Serializable;
+        serde_amqp::to_vec(&Serializable(m.clone())).unwrap().into()
+    }
+
+    /// What the owning core would get, compared field by field (or the fault).
+    fn outcome(r: Result<IngestMessage, Rejected>) -> String {
+        match r {
+            Ok(m) => format!("{} {:?} {:?} {:?} {:?}", m.device_id, m.source, m.properties, m.body, m.enqueued_at),
+            Err(r) => format!("{:?} {:?} {}", r.fault, r.device, r.detail),
+        }
+    }
+
+    /// The message read from its encoding the way the consumer reads it, against fe2o3's
+    /// whole decoding of the same message: the same result and position.
+    fn read_as_decoded(m: Message<Body<Value>>, scanned: bool) {
+        let encoded = encode(&m);
+        let received = Received::read(&encoded).unwrap();
+        assert_eq!(received.scanned(), scanned, "{m:?}");
+        assert_eq!(received.position(), position_of(&m));
+        assert_eq!(received.sequence(), position_of(&m).sequence);
+        assert_eq!(outcome(received.to_ingest(&settings())), outcome(to_ingest(&mut m.clone(), &settings())), "{m:?}");
+    }
+
+    #[test]
+    fn encoded_messages_are_read_in_place_as_fe2o3_would_decode_them() {
+        let ts = Value::Timestamp(Timestamp::from_milliseconds(1_700_000_000_000));
+        let messages = [
+            Msg::new(br#"{"t":1}"#)
+                .ann(DEVICE_ID, s("pump-1"))
+                .ann(MESSAGE_SOURCE, s("Telemetry"))
+                .ann(IOTHUB_ENQUEUED_TIME, ts.clone())
+                .ann(SEQUENCE_NUMBER, Value::Long(42))
+                .ann(OFFSET, s("4200"))
+                .ann(ENQUEUED_TIME, ts.clone())
+                .prop("iothub-creation-time-utc", "2024-01-02T03:04:05Z")
+                .prop("color", "red")
+                .build(),
+            Msg::new(b"{}").ann(DEVICE_ID, s("d")).ann(MESSAGE_SOURCE, s("twinChangeEvents")).prop("opType", "updateTwin").build(),
+            Msg::new(b"{}").prop(DEVICE_ID, "d").prop(MESSAGE_SCHEMA, "twinChangeNotification").build(),
+            Msg::new(br#"{"deviceId":"from-body","t":2}"#).ann(SEQUENCE_NUMBER, Value::Int(-3)).build(),
+            Msg::new(br#"{"deviceId":"from-body"}"#).ann(DEVICE_ID, s("")).prop(DEVICE_ID, "from-prop").build(),
+            Msg::new(b"{}").ann(DEVICE_ID, Value::Long(7)).ann(SEQUENCE_NUMBER, s("12")).ann(ENQUEUED_TIME, s("2024-01-02T03:04:05Z")).build(),
+            Msg::new(b"{}").ann(DEVICE_ID, Value::Symbol(Symbol::from("sym"))).ann(SEQUENCE_NUMBER, Value::Ulong(9)).build(),
+            Msg::new(b"{}").ann(DEVICE_ID, Value::Uuid([7; 16].into())).ann(IOTHUB_ENQUEUED_TIME, Value::Long(1_700_000_000_001)).build(),
+            Msg::new(br#"{"t":1}"#).build(),
+            Msg::new(&[b' '; 2000]).ann(DEVICE_ID, s("d")).build(),
+            Msg::new(b"{}").ann(DEVICE_ID, s(&"x".repeat(300))).build(),
+            Msg::new(b"[]").ann(DEVICE_ID, s("d")).ann(MESSAGE_SOURCE, s("digitalTwinChangeEvents")).build(),
+            Msg::new(b"\x00\x01binary").ann(DEVICE_ID, s("d")).ann(OFFSET, Value::Long(100)).build(),
+        ];
+        for m in messages {
+            read_as_decoded(m, true);
+        }
+        // Several Data sections are joined.
+        let mut m = Msg::new(b"").ann(DEVICE_ID, s("d")).build();
+        m.body = Body::Data(Batch::new(vec![Data(Binary::from(b"{\"a\":".to_vec())), Data(Binary::from(b"1}".to_vec()))]));
+        read_as_decoded(m, true);
+    }
+
+    #[test]
+    fn sections_and_values_the_scanner_does_not_use_are_skipped() {
+        use fe2o3_amqp::types::messaging::{Footer, Header, Properties as AmqpProperties};
+        let mut nested = OrderedMap::new();
+        nested.insert(s("k"), Value::List(vec![Value::Int(1), Value::Described(Box::new(serde_amqp::described::Described {
+            descriptor: serde_amqp::descriptor::Descriptor::Code(0x99),
+            value: Value::Array(vec![Value::Long(1), Value::Long(2)].into()),
+        }))]));
+        let mut m = Msg::new(b"{}")
+            .ann("x-opt-partition-key", Value::Map(nested))
+            .ann(DEVICE_ID, s("d"))
+            .ann("x-double", Value::Double(1.5.into()))
+            .ann(SEQUENCE_NUMBER, Value::Long(1 << 40))
+            .prop("big", &"y".repeat(400))
+            .build();
+        m.message_annotations.as_mut().unwrap().0.insert(OwnedKey::Ulong(5), s("numbered key"));
+        m.header = Some(Header { durable: true, ..Default::default() });
+        m.properties = Some(AmqpProperties { subject: Some("s".into()), ..Default::default() });
+        let mut footer = OrderedMap::new();
+        footer.insert(OwnedKey::Symbol(Symbol::from("f")), Value::Bool(true));
+        m.footer = Some(Footer(footer));
+        read_as_decoded(m, true);
+    }
+
+    #[test]
+    fn other_bodies_are_decoded_whole_and_garbage_is_refused() {
+        let mut map = OrderedMap::new();
+        map.insert(s("deviceId"), s("v"));
+        let mut m = Msg::new(b"").ann(SEQUENCE_NUMBER, Value::Long(3)).build();
+        m.body = Body::Value(AmqpValue(Value::Map(map)));
+        read_as_decoded(m.clone(), false);
+        m.body = Body::Value(AmqpValue(s(r#"{"deviceId":"w"}"#)));
+        read_as_decoded(m, false);
+
+        assert!(Received::read(&bytes::Bytes::from_static(b"not amqp")).is_err());
+        // Truncated: the scanner gives up, fe2o3 refuses it.
+        let whole = encode(&Msg::new(b"{}").ann(DEVICE_ID, s("d")).build());
+        assert!(Received::read(&whole.slice(..whole.len() - 1)).is_err());
+        // Described values nested without end: refused, not a stack overflow.
+        let mut deep = vec![0x00, 0x53, 0x72, 0xd1, 0, 0, 0, 107, 0, 0, 0, 2, 0xa3, 1, b'k'];
+        deep.extend(std::iter::repeat_n(0x00, 100));
+        assert!(Received::read(&bytes::Bytes::from(deep)).is_err());
     }
 }

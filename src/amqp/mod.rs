@@ -14,11 +14,16 @@
 //! - [`connect`]: endpoints, TLS, SASL, the IoT Hub redirect, `$cbs` and `$management`;
 //! - [`partition`]: one partition's receive loop, flow control and position;
 //! - [`map`]: AMQP message → [`crate::ingest::IngestMessage`];
+//! - [`tap`]: under fe2o3, takes each device message's bytes off the wire
+//!   (`--event-hub-read-raw`), so fe2o3 does not decode it whole;
+//! - [`encoded`]: the fields hubcast uses, read straight from a message's encoded bytes;
 //! - [`sas`]: SAS tokens.
 
 pub mod connect;
+pub mod encoded;
 pub mod map;
 pub mod partition;
+pub mod tap;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -59,6 +64,10 @@ pub struct Stats {
     /// Batches handed to the cores (see [`partition::HandOff`]): received ÷ hand-offs is the
     /// number of messages each carried.
     pub handoffs: AtomicU64,
+    /// Messages read from their bytes as taken off the wire by the tap ([`tap`]).
+    pub raw_reads: AtomicU64,
+    /// Messages fe2o3 decoded whole (the tap off, or a delivery it passed through).
+    pub decoded_reads: AtomicU64,
 }
 
 pub static STATS: Stats = Stats {
@@ -67,6 +76,8 @@ pub static STATS: Stats = Stats {
     received: AtomicU64::new(0),
     unsequenced: AtomicU64::new(0),
     handoffs: AtomicU64::new(0),
+    raw_reads: AtomicU64::new(0),
+    decoded_reads: AtomicU64::new(0),
 };
 
 /// Messages enqueued in each partition but not yet received, as last measured (every
@@ -88,6 +99,16 @@ impl Stats {
                 "hubcast_amqp_handoffs_total",
                 "Batches of event stream messages handed to the cores (messages received / hand-offs = messages per hand-off).",
                 get(&self.handoffs),
+            ),
+            (
+                "hubcast_amqp_raw_reads_total",
+                "Event stream messages read from their bytes as taken off the wire (--event-hub-read-raw), not decoded whole by fe2o3.",
+                get(&self.raw_reads),
+            ),
+            (
+                "hubcast_amqp_decoded_reads_total",
+                "Event stream messages decoded whole by fe2o3 (--event-hub-read-raw false, or passed through by the tap).",
+                get(&self.decoded_reads),
             ),
             (
                 "hubcast_amqp_messages_unsequenced_total",
@@ -142,6 +163,8 @@ pub struct Plan {
     /// While a partition is busy, at most one hand-off to the cores per this long
     /// (`--event-hub-linger-ms`; see [`partition::HandOff`]).
     pub linger: Duration,
+    /// `--event-hub-read-raw`: device messages taken off the wire under fe2o3 ([`tap`]).
+    pub read_raw: bool,
     pub map: MapSettings,
     /// Roots trusted for amqps (public web roots, plus `--event-hub-ca-file`).
     pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
@@ -187,6 +210,7 @@ impl Plan {
             token_ttl: Duration::from_secs(c.event_hub_token_ttl),
             prefetch: c.event_hub_prefetch,
             linger: Duration::from_millis(c.event_hub_linger_ms),
+            read_raw: c.event_hub_read_raw,
             tls: connect::tls_config(c.event_hub_ca_file.as_deref())
                 .map_err(|e| format!("{e}. Please check --event-hub-ca-file (EVENT_HUB_CA_FILE)"))?,
             map: MapSettings {
@@ -393,11 +417,13 @@ impl Supervisor {
             Auth::Plain => SaslProfile::Plain { username: self.plan.key_name.clone(), password: self.plan.key.clone() },
             Auth::Cbs => SaslProfile::Anonymous,
         };
-        let mut connection = match connect::open(&endpoint, &self.plan.tls, profile, &self.container_id).await {
+        // The side table dies with the connection (and with it any payload not taken).
+        let tap = self.plan.read_raw.then(tap::TapHandle::new);
+        let mut connection = match connect::open(&endpoint, &self.plan.tls, profile, &self.container_id, tap.clone()).await {
             Ok(c) => c,
             Err(e) => return retry(e),
         };
-        let stop = self.consume(&mut connection, &endpoint, auth).await;
+        let stop = self.consume(&mut connection, &endpoint, auth, tap).await;
         let _ = timeout(Duration::from_secs(2), connection.close()).await;
         stop
     }
@@ -447,7 +473,7 @@ impl Supervisor {
         }
     }
 
-    async fn consume(&self, connection: &mut ConnectionHandle<()>, endpoint: &Endpoint, auth: Auth) -> Stop {
+    async fn consume(&self, connection: &mut ConnectionHandle<()>, endpoint: &Endpoint, auth: Auth, tap: Option<tap::TapHandle>) -> Stop {
         // Control session ($cbs, $management) apart from the receivers: a broker that
         // refuses $management by ending the session leaves the receivers untouched.
         let mut control = match begin(connection).await {
@@ -533,6 +559,10 @@ impl Supervisor {
             Err(e) => return retry(format!("$management: {e}")),
         }
 
+        // The receivers' session is the one tapped: its `begin` is the next one the peer sends.
+        if let Some(tap) = &tap {
+            tap.arm(addresses.len().saturating_mul(self.plan.prefetch as usize));
+        }
         let mut receivers = match begin(connection).await {
             Ok(s) => s,
             Err(stop) => return stop,
@@ -550,6 +580,7 @@ impl Supervisor {
                         self.ingress.clone(),
                         self.map.clone(),
                         partition::HandOff { linger: self.plan.linger, prefetch: self.plan.prefetch },
+                        tap.clone(),
                     ));
                 }
                 Err(e) => {

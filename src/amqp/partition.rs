@@ -40,7 +40,8 @@ use fe2o3_amqp::Receiver;
 use serde_amqp::described::Described;
 use serde_amqp::descriptor::Descriptor;
 
-use super::map::{has_offset, position_of, sequence_of, to_ingest, MapSettings, Position};
+use super::map::{position_of, MapSettings, Position, Received};
+use super::tap::TapHandle;
 use super::StartPosition;
 use crate::ingest::faults::{Fault, FAULTS};
 use crate::app::Ingress;
@@ -132,6 +133,7 @@ pub async fn consume(
     ingress: Ingress,
     settings: Arc<MapSettings>,
     handoff: HandOff,
+    tap: Option<TapHandle>,
 ) -> End {
     let mut last = positions.lock().unwrap_or_else(|e| e.into_inner()).get(&label).cloned();
     // One wait for the whole loop (not one per batch): a graceful shutdown ends it.
@@ -189,12 +191,32 @@ pub async fn consume(
         // The redelivery check needs each message's sequence number; the position recorded
         // is that of the batch's newest message, read once at the end.
         let mut newest_seq = last.as_ref().and_then(|p| p.sequence);
-        let mut newest = None;
+        // The newest message with a position: its bytes as tapped, or fe2o3's decoding.
+        let mut newest: Option<Newest> = None;
         let (mut first_seq, mut last_seq) = (None, None);
+        let (mut raw, mut decoded) = (0u64, 0u64);
         for delivery in deliveries.drain(..) {
             let (info, mut message) = delivery.into_parts();
+            // The message's bytes if the tap took them off the wire (fe2o3 then decoded a
+            // stub); else fe2o3 decoded the message whole, as with the tap off.
+            let payload = tap.as_ref().and_then(|t| t.take(info.delivery_id(), info.delivery_tag()));
             infos.push(info);
-            let sequence = sequence_of(&message);
+            let received = match &payload {
+                Some(bytes) => match Received::read(bytes) {
+                    Ok(r) => {
+                        raw += 1;
+                        r
+                    }
+                    // Not an AMQP message: fe2o3 would have failed the link on it; so does
+                    // this (nothing of this batch was handed over or recorded).
+                    Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
+                },
+                None => {
+                    decoded += 1;
+                    Received::decoded(&mut message)
+                }
+            };
+            let sequence = received.sequence();
             if let (Some(seq), Some(done)) = (sequence, newest_seq) {
                 if seq <= done {
                     FAULTS.record(Fault::Redelivered, None, &format!("partition {label} sequence number {seq} <= {done}"));
@@ -202,7 +224,8 @@ pub async fn consume(
                 }
             }
             warn_retention_gap(&label, newest_seq, sequence);
-            match to_ingest(&mut message, &settings) {
+            let positioned = sequence.is_some() || received.has_offset();
+            match received.to_ingest(&settings) {
                 Ok(msg) => {
                     if sequence.is_none() {
                         super::STATS.unsequenced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -213,14 +236,19 @@ pub async fn consume(
                 }
                 Err(r) => FAULTS.record(r.fault, r.device.as_deref(), &r.detail),
             }
-            if sequence.is_some() || has_offset(&message) {
+            if positioned {
                 first_seq = first_seq.or(sequence);
                 last_seq = sequence.or(last_seq);
                 newest_seq = sequence;
-                newest = Some(message);
+                newest = Some(match payload {
+                    Some(bytes) => Newest::Raw(bytes),
+                    None => Newest::Decoded(Box::new(message)),
+                });
             }
         }
-        let newest = newest.map(|m| position_of(&m)).or_else(|| last.clone());
+        super::STATS.raw_reads.fetch_add(raw, std::sync::atomic::Ordering::Relaxed);
+        super::STATS.decoded_reads.fetch_add(decoded, std::sync::atomic::Ordering::Relaxed);
+        let newest = newest.and_then(|n| n.position()).or_else(|| last.clone());
         let count = batch.len();
         // With a durable store every core records the position with the state (even when no
         // message survived mapping); without one this is a plain send.
@@ -245,6 +273,21 @@ pub async fn consume(
         }
         if let Some(reason) = failure {
             return End::Lost(reason);
+        }
+    }
+}
+
+/// The newest message of a batch with a position, read again once at the end of the batch.
+enum Newest {
+    Raw(bytes::Bytes),
+    Decoded(Box<fe2o3_amqp::types::messaging::Message<Body<Value>>>),
+}
+
+impl Newest {
+    fn position(&self) -> Option<Position> {
+        match self {
+            Newest::Raw(bytes) => Received::read(bytes).ok().map(|r| r.position()),
+            Newest::Decoded(m) => Some(position_of(m)),
         }
     }
 }

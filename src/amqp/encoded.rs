@@ -1,0 +1,223 @@
+//! Reading a received message where it lies, in its encoded bytes (AMQP 1.0 §3.2 message
+//! format, §1.6 types), instead of decoding it whole.
+//!
+//! fe2o3 would decode every section into owned values: each annotation and property name and
+//! text a `String` in a hashed map, the body copied into a `Vec` of its own. hubcast reads a
+//! dozen fields of two maps and the body, so [`scan`] walks the sections once, skips every
+//! value by its encoded size, and keeps where each field it uses lies (names compared as
+//! bytes) and the body's `Data` sections; a kept field is decoded when it is read
+//! ([`Scalar`]: text borrowed, numbers and times without an allocation). A kept field that
+//! does not decode (a string that is not UTF-8) reads as absent.
+//!
+//! The scanner reads what IoT Hub and Event Hubs send (sections named by numeric
+//! descriptors, the body in `Data` sections). Anything else (an `AmqpValue` or
+//! `AmqpSequence` body, a section named by symbol, bytes that do not parse) returns `None`,
+//! and the caller decodes the message whole with fe2o3 as before ([`super::map::Received`]).
+
+use fe2o3_amqp::types::primitives::Value;
+
+use super::map::{slot, Field, Fields};
+
+/// Section descriptors (§3.2): the ones read, the ones skipped; any other is left to fe2o3.
+const HEADER: u64 = 0x70;
+const DELIVERY_ANNOTATIONS: u64 = 0x71;
+const MESSAGE_ANNOTATIONS: u64 = 0x72;
+const PROPERTIES: u64 = 0x73;
+const APPLICATION_PROPERTIES: u64 = 0x74;
+const DATA: u64 = 0x75;
+const FOOTER: u64 = 0x78;
+
+/// Described values nested deeper than this are not skipped (the message is decoded whole):
+/// the skip recursion stays bounded whatever the sender nests.
+const MAX_DEPTH: u32 = 16;
+
+/// The `Data` sections of a body, in order (almost always exactly one).
+#[derive(Default)]
+pub struct DataSections<'a> {
+    first: Option<&'a [u8]>,
+    rest: Vec<&'a [u8]>,
+}
+
+impl<'a> DataSections<'a> {
+    fn push(&mut self, section: &'a [u8]) {
+        if self.first.is_none() {
+            self.first = Some(section);
+        } else {
+            self.rest.push(section);
+        }
+    }
+
+    /// The body: the sections joined (one copy).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let len = self.first.map_or(0, <[u8]>::len) + self.rest.iter().map(|s| s.len()).sum::<usize>();
+        let mut out = Vec::with_capacity(len);
+        out.extend_from_slice(self.first.unwrap_or_default());
+        for s in &self.rest {
+            out.extend_from_slice(s);
+        }
+        out
+    }
+}
+
+/// The fields hubcast reads and the body, borrowed from `bytes` (one encoded message); `None`
+/// for anything the scanner does not read (then the message is decoded whole).
+pub(super) fn scan(bytes: &[u8]) -> Option<(Fields<'_>, DataSections<'_>)> {
+    let mut r = Reader { buf: bytes, pos: 0 };
+    let mut fields = Fields::empty();
+    let mut body = DataSections::default();
+    while r.pos < r.buf.len() {
+        if r.u8()? != 0x00 {
+            return None;
+        }
+        let descriptor = match r.u8()? {
+            0x53 => u64::from(r.u8()?),
+            0x80 => u64::from_be_bytes(r.take(8)?.try_into().ok()?),
+            _ => return None,
+        };
+        match descriptor {
+            HEADER | DELIVERY_ANNOTATIONS | PROPERTIES | FOOTER => {
+                r.skip(0)?;
+            }
+            MESSAGE_ANNOTATIONS => r.map(|name, value| {
+                if let Some(i) = slot(name) {
+                    fields.annotations[i] = Some(Field::Encoded(value));
+                }
+            })?,
+            APPLICATION_PROPERTIES => r.map(|name, value| {
+                if let Some(i) = slot(name) {
+                    fields.properties[i] = Some(Field::Encoded(value));
+                }
+            })?,
+            DATA => body.push(match r.u8()? {
+                0xa0 => {
+                    let n = usize::from(r.u8()?);
+                    r.take(n)?
+                }
+                0xb0 => {
+                    let n = r.u32()? as usize;
+                    r.take(n)?
+                }
+                _ => return None,
+            }),
+            _ => return None,
+        }
+    }
+    Some((fields, body))
+}
+
+/// A kept value, decoded from its encoding: text borrowed, the usual numbers and times
+/// read directly, anything else through fe2o3's decoder (without allocating for numbers).
+pub(super) enum Scalar<'a> {
+    Str(&'a str),
+    Sym(&'a str),
+    Long(i64),
+    /// Milliseconds since the epoch.
+    Timestamp(i64),
+    Other(Value),
+}
+
+impl<'a> Scalar<'a> {
+    /// `None` if `encoded` (one value, constructor included) does not decode.
+    pub(super) fn decode(encoded: &'a [u8]) -> Option<Self> {
+        let text = |start: usize| std::str::from_utf8(encoded.get(start..)?).ok();
+        let int = || Some(i64::from_be_bytes(encoded.get(1..9)?.try_into().ok()?));
+        Some(match *encoded.first()? {
+            0xa1 => Scalar::Str(text(2)?),
+            0xb1 => Scalar::Str(text(5)?),
+            0xa3 => Scalar::Sym(text(2)?),
+            0xb3 => Scalar::Sym(text(5)?),
+            0x55 => Scalar::Long(i64::from(*encoded.get(1)? as i8)),
+            0x81 => Scalar::Long(int()?),
+            0x83 => Scalar::Timestamp(int()?),
+            _ => Scalar::Other(serde_amqp::from_slice::<Value>(encoded).ok()?),
+        })
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn u8(&mut self) -> Option<u8> {
+        let b = *self.buf.get(self.pos)?;
+        self.pos += 1;
+        Some(b)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?))
+    }
+
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.pos.checked_add(n)?;
+        let out = self.buf.get(self.pos..end)?;
+        self.pos = end;
+        Some(out)
+    }
+
+    /// Skips one value of any type and returns its encoding (constructor included). Every
+    /// type's size is in its constructor byte: fixed widths by the high nibble, variable and
+    /// compound ones after a 1- or 4-byte size.
+    fn skip(&mut self, depth: u32) -> Option<&'a [u8]> {
+        let start = self.pos;
+        let code = self.u8()?;
+        if code == 0x00 {
+            if depth >= MAX_DEPTH {
+                return None;
+            }
+            self.skip(depth + 1)?; // descriptor
+            self.skip(depth + 1)?; // value
+            return self.buf.get(start..self.pos);
+        }
+        let len = match code >> 4 {
+            0x4 => 0,
+            0x5 => 1,
+            0x6 => 2,
+            0x7 => 4,
+            0x8 => 8,
+            0x9 => 16,
+            0xa | 0xc | 0xe => usize::from(self.u8()?),
+            0xb | 0xd | 0xf => self.u32()? as usize,
+            _ => return None,
+        };
+        self.take(len)?;
+        self.buf.get(start..self.pos)
+    }
+
+    /// Walks a map (or a null, an absent map), calling `entry` with the bytes of each text
+    /// key (symbol or string) and the encoding of its value; entries with other keys (ulong)
+    /// are skipped.
+    fn map(&mut self, mut entry: impl FnMut(&'a [u8], &'a [u8])) -> Option<()> {
+        let (size, count) = match self.u8()? {
+            0x40 => return Some(()),
+            0xc1 => {
+                let size = usize::from(self.u8()?);
+                (size.checked_sub(1)?, usize::from(self.u8()?))
+            }
+            0xd1 => {
+                let size = self.u32()? as usize;
+                (size.checked_sub(4)?, self.u32()? as usize)
+            }
+            _ => return None,
+        };
+        let mut inner = Reader { buf: self.take(size)?, pos: 0 };
+        if count % 2 != 0 {
+            return None;
+        }
+        for _ in 0..count / 2 {
+            let key = inner.skip(0)?;
+            let value = inner.skip(0)?;
+            let name = match key[0] {
+                0xa1 | 0xa3 => key.get(2..),
+                0xb1 | 0xb3 => key.get(5..),
+                _ => None,
+            };
+            if let Some(name) = name {
+                entry(name, value);
+            }
+        }
+        (inner.pos == inner.buf.len()).then_some(())
+    }
+}
