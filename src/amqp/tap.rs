@@ -76,9 +76,32 @@ struct Entry {
     payload: Bytes,
 }
 
+/// Hashes a delivery id with one multiplication (Fibonacci hashing): ids are sequential and
+/// chosen by the peer per session, and SipHash cost ~3 % of the AMQP thread in a profile.
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type IdMap = HashMap<u32, Entry, std::hash::BuildHasherDefault<IdHasher>>;
+
 #[derive(Default)]
 struct Table {
-    entries: HashMap<u32, Entry>,
+    entries: IdMap,
     bytes: usize,
     max_count: usize,
     /// The next `begin` received names the tapped session.
@@ -305,15 +328,18 @@ impl<S> Tap<S> {
             }
             return None;
         };
-        table.remove(id);
         if table.entries.len() >= table.max_count || table.bytes + payload.len() > MAX_BYTES {
+            table.remove(id);
             table.passed_full += 1;
             return None;
         }
         let mut entry = Entry { handle: t.handle, tag: [0; MAX_TAG], tag_len: tag.len() as u8, payload: Bytes::copy_from_slice(payload) };
         entry.tag[..tag.len()].copy_from_slice(tag);
         table.bytes += payload.len();
-        table.entries.insert(id, entry);
+        // An earlier payload with this id (never taken) is replaced.
+        if let Some(old) = table.entries.insert(id, entry) {
+            table.bytes -= old.payload.len();
+        }
         Some(t.len)
     }
 }
