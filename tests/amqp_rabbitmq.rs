@@ -111,4 +111,9 @@ fn rabbitmq_queue_messages_reach_the_cores() {
     server.wait_for("/lastValue/rmq-2/level", WAIT, |s, _| s == 200);
     server.wait_for("/lastValue/rmq-3/on", WAIT, |s, _| s == 200);
     assert!(server.stderr_lines().iter().any(|l| l.contains("event hub connected") && l.contains(&address)));
+    // A real broker's transfers are read off the wire (--event-hub-read-raw, on by default).
+    let (_, metrics) = server.get("/metrics");
+    let series = |name: &str| metrics.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok());
+    let (raw, decoded) = (series("hubcast_amqp_raw_reads_total"), series("hubcast_amqp_decoded_reads_total"));
+    assert_eq!((raw, decoded), (Some(4), Some(0)), "{metrics}");
 }
