@@ -2,13 +2,9 @@
 //! shard's typed views by concatenation: telemetry values are kept as the device's own JSON
 //! text, so nothing is re-serialised.
 
+use crate::push::envelope::push_json_str;
 use crate::shard::{ConnectionView, TelemetryView, TwinView};
 use crate::timefmt::iso;
-
-/// Appends `s` as a JSON string literal.
-fn push_json_str(out: &mut String, s: &str) {
-    out.push_str(&serde_json::to_string(s).expect("strings always serialise"));
-}
 
 /// `{"deviceId": device, "data": data, "timestamp": timestamp}` (`data` is JSON already).
 pub fn record(device: &str, data: &str, timestamp: &str) -> String {
