@@ -17,6 +17,7 @@
 use fe2o3_amqp::types::primitives::Value;
 
 use super::map::{slot, Field, Fields};
+use super::reader::Reader;
 
 /// Section descriptors (§3.2): the ones read, the ones skipped; any other is left to fe2o3.
 const HEADER: u64 = 0x70;
@@ -26,10 +27,6 @@ const PROPERTIES: u64 = 0x73;
 const APPLICATION_PROPERTIES: u64 = 0x74;
 const DATA: u64 = 0x75;
 const FOOTER: u64 = 0x78;
-
-/// Described values nested deeper than this are not skipped (the message is decoded whole):
-/// the skip recursion stays bounded whatever the sender nests.
-const MAX_DEPTH: u32 = 16;
 
 /// The `Data` sections of a body, in order (almost always exactly one).
 #[derive(Default)]
@@ -62,7 +59,7 @@ impl<'a> DataSections<'a> {
 /// The fields hubcast reads and the body, borrowed from `bytes` (one encoded message); `None`
 /// for anything the scanner does not read (then the message is decoded whole).
 pub(super) fn scan(bytes: &[u8]) -> Option<(Fields<'_>, DataSections<'_>)> {
-    let mut r = Reader { buf: bytes, pos: 0 };
+    let mut r = Reader::new(bytes);
     let mut fields = Fields::empty();
     let mut body = DataSections::default();
     while r.pos < r.buf.len() {
@@ -134,90 +131,3 @@ impl<'a> Scalar<'a> {
     }
 }
 
-struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn u8(&mut self) -> Option<u8> {
-        let b = *self.buf.get(self.pos)?;
-        self.pos += 1;
-        Some(b)
-    }
-
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?))
-    }
-
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let end = self.pos.checked_add(n)?;
-        let out = self.buf.get(self.pos..end)?;
-        self.pos = end;
-        Some(out)
-    }
-
-    /// Skips one value of any type and returns its encoding (constructor included). Every
-    /// type's size is in its constructor byte: fixed widths by the high nibble, variable and
-    /// compound ones after a 1- or 4-byte size.
-    fn skip(&mut self, depth: u32) -> Option<&'a [u8]> {
-        let start = self.pos;
-        let code = self.u8()?;
-        if code == 0x00 {
-            if depth >= MAX_DEPTH {
-                return None;
-            }
-            self.skip(depth + 1)?; // descriptor
-            self.skip(depth + 1)?; // value
-            return self.buf.get(start..self.pos);
-        }
-        let len = match code >> 4 {
-            0x4 => 0,
-            0x5 => 1,
-            0x6 => 2,
-            0x7 => 4,
-            0x8 => 8,
-            0x9 => 16,
-            0xa | 0xc | 0xe => usize::from(self.u8()?),
-            0xb | 0xd | 0xf => self.u32()? as usize,
-            _ => return None,
-        };
-        self.take(len)?;
-        self.buf.get(start..self.pos)
-    }
-
-    /// Walks a map (or a null, an absent map), calling `entry` with the bytes of each text
-    /// key (symbol or string) and the encoding of its value; entries with other keys (ulong)
-    /// are skipped.
-    fn map(&mut self, mut entry: impl FnMut(&'a [u8], &'a [u8])) -> Option<()> {
-        let (size, count) = match self.u8()? {
-            0x40 => return Some(()),
-            0xc1 => {
-                let size = usize::from(self.u8()?);
-                (size.checked_sub(1)?, usize::from(self.u8()?))
-            }
-            0xd1 => {
-                let size = self.u32()? as usize;
-                (size.checked_sub(4)?, self.u32()? as usize)
-            }
-            _ => return None,
-        };
-        let mut inner = Reader { buf: self.take(size)?, pos: 0 };
-        if count % 2 != 0 {
-            return None;
-        }
-        for _ in 0..count / 2 {
-            let key = inner.skip(0)?;
-            let value = inner.skip(0)?;
-            let name = match key[0] {
-                0xa1 | 0xa3 => key.get(2..),
-                0xb1 | 0xb3 => key.get(5..),
-                _ => None,
-            };
-            if let Some(name) = name {
-                entry(name, value);
-            }
-        }
-        (inner.pos == inner.buf.len()).then_some(())
-    }
-}

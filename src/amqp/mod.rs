@@ -23,6 +23,7 @@ pub mod connect;
 pub mod encoded;
 pub mod map;
 pub mod partition;
+pub mod reader;
 pub mod tap;
 
 use std::cell::RefCell;

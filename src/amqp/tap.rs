@@ -49,6 +49,8 @@ use std::task::{Context, Poll};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::reader::Reader;
+
 /// What a tapped transfer carries instead of its message: one `Data` section, empty.
 pub const STUB: [u8; 5] = [0x00, 0x53, 0x75, 0xa0, 0x00];
 /// Longest delivery tag kept inline (Event Hubs' are 16 bytes); a longer one passes through.
@@ -379,7 +381,7 @@ fn parse_transfer(body: &[u8]) -> Option<TransferHead<'_>> {
     }
     let end = start.checked_add(size)?;
     let list = body.get(start..end)?;
-    let mut r = Cursor { buf: list, pos: 0 };
+    let mut r = Reader::new(list);
     let mut head = TransferHead { len: end, handle: 0, delivery_id: None, tag: None, format_zero: true, more: false, resume: false, aborted: false };
     for i in 0..count {
         match i {
@@ -405,7 +407,9 @@ fn parse_transfer(body: &[u8]) -> Option<TransferHead<'_>> {
             8 => head.resume = r.bool()?,
             9 => head.aborted = r.bool()?,
             // settled, rcv-settle-mode, state, batchable: not needed, skipped.
-            _ => r.skip(0)?,
+            _ => {
+                r.skip(0)?;
+            }
         }
     }
     (r.pos == list.len()).then_some(head)
@@ -418,72 +422,9 @@ fn first_uint(list: &[u8]) -> Option<u32> {
         0xd0 => 9,
         _ => return None,
     };
-    Cursor { buf: list.get(skip..)?, pos: 0 }.uint()?
+    Reader::new(list.get(skip..)?).uint()?
 }
 
-struct Cursor<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn u8(&mut self) -> Option<u8> {
-        let b = *self.buf.get(self.pos)?;
-        self.pos += 1;
-        Some(b)
-    }
-
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let out = self.buf.get(self.pos..self.pos.checked_add(n)?)?;
-        self.pos += n;
-        Some(out)
-    }
-
-    /// A uint or null (`Some(None)`); `None`: another type.
-    fn uint(&mut self) -> Option<Option<u32>> {
-        Some(match self.u8()? {
-            0x40 => None,
-            0x43 => Some(0),
-            0x52 => Some(u32::from(self.u8()?)),
-            0x70 => Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?)),
-            _ => return None,
-        })
-    }
-
-    /// A boolean; null is false (every boolean of a transfer defaults to false).
-    fn bool(&mut self) -> Option<bool> {
-        match self.u8()? {
-            0x40 | 0x42 => Some(false),
-            0x41 => Some(true),
-            0x56 => Some(self.u8()? != 0),
-            _ => None,
-        }
-    }
-
-    /// Skips one value of any type (described values nested at most 8 deep).
-    fn skip(&mut self, depth: u32) -> Option<()> {
-        let code = self.u8()?;
-        if code == 0x00 {
-            if depth >= 8 {
-                return None;
-            }
-            self.skip(depth + 1)?;
-            return self.skip(depth + 1);
-        }
-        let len = match code >> 4 {
-            0x4 => 0,
-            0x5 => 1,
-            0x6 => 2,
-            0x7 => 4,
-            0x8 => 8,
-            0x9 => 16,
-            0xa | 0xc | 0xe => usize::from(self.u8()?),
-            0xb | 0xd | 0xf => u32::from_be_bytes(self.take(4)?.try_into().ok()?) as usize,
-            _ => return None,
-        };
-        self.take(len).map(|_| ())
-    }
-}
 
 // fe2o3 wants its stream `Debug`.
 impl<S> std::fmt::Debug for Tap<S> {
