@@ -26,7 +26,6 @@ use fe2o3_amqp::types::messaging::{Accepted, ApplicationProperties, Body, Delive
 use fe2o3_amqp::types::performatives::{Attach, Begin, ChannelMax, Close, Detach, Disposition, End, Flow, MaxFrameSize, Open, Performative, Transfer};
 use fe2o3_amqp::types::primitives::{Array, OrderedMap, SimpleValue, Symbol, Value};
 use fe2o3_amqp::types::sasl::{SaslCode, SaslInit, SaslMechanisms, SaslOutcome};
-use serde_bytes::ByteBuf;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -416,19 +415,7 @@ impl Conn {
                     window -= 1;
                     let Some(message) = queue.pop_front() else { break };
                     let id = session.next_delivery_id;
-                    let transfer = Transfer {
-                        handle: Handle(handle),
-                        delivery_id: Some(id),
-                        delivery_tag: Some(ByteBuf::from(id.to_be_bytes().to_vec())),
-                        message_format: Some(0),
-                        settled: Some(true),
-                        more: false,
-                        rcv_settle_mode: None,
-                        state: None,
-                        resume: false,
-                        aborted: false,
-                        batchable: false,
-                    };
+                    let transfer = wire::settled_transfer(handle, id);
                     wire::put_frame(out, FRAME_AMQP, channel, &transfer, &message);
                     session.next_delivery_id = id.wrapping_add(1);
                     session.next_outgoing_id = session.next_outgoing_id.wrapping_add(1);

@@ -12,7 +12,8 @@
 use std::io::Write;
 
 use bytes::{Buf, BytesMut};
-use fe2o3_amqp::types::performatives::Performative;
+use fe2o3_amqp::types::definitions::Handle;
+use fe2o3_amqp::types::performatives::{Performative, Transfer};
 use serde::Serialize;
 use serde_amqp::de::Deserializer;
 use serde_amqp::read::IoReader;
@@ -181,6 +182,25 @@ pub fn put_telemetry_transfer(
 }
 
 /// A `uint` as serde_amqp writes it: `uint0`, `smalluint` or 4 bytes.
+/// The performative of a pre-settled, single-frame transfer with delivery `id` on `handle` (its
+/// tag is the id's bytes): what the endpoint sends for a reply, and what the hand-written
+/// telemetry transfer must equal byte for byte.
+pub fn settled_transfer(handle: u32, id: u32) -> Transfer {
+    Transfer {
+        handle: Handle(handle),
+        delivery_id: Some(id),
+        delivery_tag: Some(serde_bytes::ByteBuf::from(id.to_be_bytes().to_vec())),
+        message_format: Some(0),
+        settled: Some(true),
+        more: false,
+        rcv_settle_mode: None,
+        state: None,
+        resume: false,
+        aborted: false,
+        batchable: false,
+    }
+}
+
 fn put_uint(out: &mut Vec<u8>, v: u32) {
     match v {
         0 => out.push(0x43),
@@ -211,10 +231,8 @@ fn close_map(out: &mut Vec<u8>, at: usize) {
 
 #[cfg(test)]
 mod tests {
-    use fe2o3_amqp::types::definitions::Handle;
     use fe2o3_amqp::types::messaging::message::__private::{Deserializable, Serializable};
     use fe2o3_amqp::types::messaging::{Body, Message};
-    use fe2o3_amqp::types::performatives::Transfer;
     use fe2o3_amqp::types::primitives::Value;
 
     use super::*;
@@ -222,19 +240,7 @@ mod tests {
 
     /// The frame fe2o3's sender writes for a pre-settled [`super::super::telemetry`].
     fn fe2o3_frame(channel: u16, handle: u32, id: u32, device: &str, seq: i64, now_ms: i64, body: &[u8]) -> Vec<u8> {
-        let transfer = Transfer {
-            handle: Handle(handle),
-            delivery_id: Some(id),
-            delivery_tag: Some(serde_bytes::ByteBuf::from(id.to_be_bytes().to_vec())),
-            message_format: Some(0),
-            settled: Some(true),
-            more: false,
-            rcv_settle_mode: None,
-            state: None,
-            resume: false,
-            aborted: false,
-            batchable: false,
-        };
+        let transfer = settled_transfer(handle, id);
         let message = serde_amqp::to_vec(&Serializable(telemetry_at(device, seq, now_ms, body))).unwrap();
         let mut out = Vec::new();
         put_frame(&mut out, FRAME_AMQP, channel, &transfer, &message);
