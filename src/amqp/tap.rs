@@ -179,7 +179,11 @@ enum Mode {
 pub struct Tap<S> {
     inner: S,
     handle: TapHandle,
-    /// Read from the socket, not yet looked at.
+    /// Read from the socket, not yet looked at. Bounded without a check of its own: the tap
+    /// reads the socket only when fe2o3 has taken all of `out` (fe2o3's reads pace the
+    /// socket, so a fast peer waits in the kernel, not here), and a frame is held whole only
+    /// up to [`MAX_INSPECT`] (a larger one streams through): at most one such frame plus one
+    /// [`READ_CHUNK`]. `out` holds what one read yielded; `continuing` one entry per link.
     raw: BytesMut,
     /// What one socket read fills (then appended to `raw`).
     scratch: Box<[u8]>,
