@@ -20,6 +20,8 @@ use serde_json::json;
 
 const RABBITMQ: &str = "127.0.0.1:5672";
 const WAIT: Duration = Duration::from_secs(10);
+/// Messages of one device sent after the four of each shape.
+const STREAM: u64 = 300;
 
 fn rabbitmq_available() -> bool {
     if std::net::TcpStream::connect_timeout(&RABBITMQ.parse().unwrap(), Duration::from_secs(1)).is_ok() {
@@ -69,7 +71,8 @@ fn rabbitmq_queue_messages_reach_the_cores() {
     let address = format!("/queue/{queue}");
     let _cleanup = QueueCleanup(queue.clone());
     let cs = format!("Endpoint=amqp://{RABBITMQ};SharedAccessKeyName=guest;SharedAccessKey=guest;EntityPath={address}");
-    let server = Server::start(&["--iot-hub-event-hub-connection-string", &cs, "--log-level", "verbose"]);
+    // A small link credit: the 300 messages below need it granted again and again.
+    let server = Server::start(&["--iot-hub-event-hub-connection-string", &cs, "--log-level", "verbose", "--event-hub-prefetch", "8"]);
     server.wait_connected();
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -98,6 +101,13 @@ fn rabbitmq_queue_messages_reach_the_cores() {
         sender.send(plain).await.unwrap();
         // Device id only in the body.
         sender.send(Message::builder().data(Binary::from(br#"{"deviceId":"rmq-3","on":true}"#.to_vec())).build()).await.unwrap();
+        // Larger than hubcast's 64 KiB frames: the broker sends it in several transfers.
+        let big = json!({"deviceId": "rmq-big", "big": "y".repeat(100_000)}).to_string();
+        sender.send(Message::builder().data(Binary::from(big.into_bytes())).build()).await.unwrap();
+        for n in 0..STREAM {
+            let m = json!({"deviceId": "rmq-4", "n": n}).to_string();
+            sender.send(Message::builder().data(Binary::from(m.into_bytes())).build()).await.unwrap();
+        }
         let _ = sender.close().await;
         let _ = session.end().await;
         let _ = connection.close().await;
@@ -110,10 +120,27 @@ fn rabbitmq_queue_messages_reach_the_cores() {
     server.wait_for("/deviceTwin/rmq-1", WAIT, |s, b| s == 200 && b.contains(r#""fw":"3""#));
     server.wait_for("/lastValue/rmq-2/level", WAIT, |s, _| s == 200);
     server.wait_for("/lastValue/rmq-3/on", WAIT, |s, _| s == 200);
+    server.wait_for("/lastValue/rmq-big/big", WAIT, |s, b| s == 200 && b.len() > 100_000);
+    server.wait_for("/lastValue/rmq-4/n", WAIT, |s, b| s == 200 && b.contains(&format!(r#""n":{}"#, STREAM - 1)));
     assert!(server.stderr_lines().iter().any(|l| l.contains("event hub connected") && l.contains(&address)));
     // A real broker's transfers are read off the wire (--event-hub-read-raw, on by default).
     let (_, metrics) = server.get("/metrics");
     let series = |name: &str| metrics.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok());
     let (raw, decoded) = (series("hubcast_amqp_raw_reads_total"), series("hubcast_amqp_decoded_reads_total"));
-    assert_eq!((raw, decoded), (Some(4), Some(0)), "{metrics}");
+    assert_eq!((raw, decoded), (Some(5 + STREAM), Some(0)), "{metrics}");
+    // Every message was accepted: the broker holds none, neither ready nor unacknowledged.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let out = std::process::Command::new("rabbitmqctl")
+            .args(["-q", "list_queues", "name", "messages_ready", "messages_unacknowledged"])
+            .output()
+            .expect("rabbitmqctl");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let row = text.lines().find(|l| l.split_whitespace().next() == Some(queue.as_str())).map(str::to_owned);
+        if row.as_deref().map(|r| r.split_whitespace().skip(1).collect::<Vec<_>>()) == Some(vec!["0", "0"]) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the broker still holds messages: {row:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

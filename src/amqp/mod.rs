@@ -560,9 +560,9 @@ impl Supervisor {
             Err(e) => return retry(format!("$management: {e}")),
         }
 
-        // The receivers' session is the one tapped: its `begin` is the next one the peer sends.
+        // The receivers' session is the one tapped: the next one fe2o3 begins.
         if let Some(tap) = &tap {
-            tap.arm(addresses.len().saturating_mul(self.plan.prefetch as usize));
+            tap.arm(self.map.max_message_bytes);
         }
         let mut receivers = match begin(connection).await {
             Ok(s) => s,
@@ -571,11 +571,12 @@ impl Supervisor {
         let mut tasks = JoinSet::new();
         for (label, address, filter) in &addresses {
             let name = format!("{}-{}", self.container_id, label.replace('/', "_"));
-            match partition::attach(&mut receivers, name, address, filter.as_deref(), self.plan.prefetch).await {
+            match partition::attach(&mut receivers, name.clone(), address, filter.as_deref(), self.plan.prefetch).await {
                 Ok(receiver) => {
                     tracing::debug!(partition = %label, filter = filter.as_deref().unwrap_or("-"), "receiver attached");
                     tasks.spawn(partition::consume(
                         receiver,
+                        name,
                         label.clone(),
                         self.positions.clone(),
                         self.ingress.clone(),

@@ -41,7 +41,7 @@ use serde_amqp::described::Described;
 use serde_amqp::descriptor::Descriptor;
 
 use super::map::{position_of, MapSettings, Position, Received};
-use super::tap::TapHandle;
+use super::tap::{self, OwnedLink, TapHandle};
 use super::StartPosition;
 use crate::ingest::faults::{Fault, FAULTS};
 use crate::app::Ingress;
@@ -125,9 +125,35 @@ pub enum End {
     CoresGone,
 }
 
-/// Receives until the link fails. `label` is the partition id (or the queue address).
+/// A message fe2o3's receiver decoded whole.
+type Got = fe2o3_amqp::link::delivery::Delivery<Body<Value>>;
+
+/// Waits for at least one message and takes up to `max` (cancel safe): from the tap when it
+/// serves the link, else from fe2o3's receiver. fe2o3's receiver is polled in both cases: it
+/// reports the end of the link and of the connection.
+async fn recv(receiver: &mut Receiver, tapped: Option<&OwnedLink>, got: &mut Vec<Got>, from_tap: &mut Vec<tap::Delivery>, max: usize) -> Result<(), String> {
+    let fe2o3 = async {
+        match receiver.recv::<Body<Value>>().await {
+            Ok(d) => Ok(d),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    match tapped {
+        Some(link) => tokio::select! {
+            biased;
+            open = link.recv(from_tap, max) => if open { Ok(()) } else { Err("link detached".into()) },
+            r = fe2o3 => r.map(|d| got.push(d)),
+        },
+        None => fe2o3.await.map(|d| got.push(d)),
+    }
+}
+
+/// Receives until the link fails. `label` is the partition id (or the queue address);
+/// `name` the link's name (the tap serves it if it can, see [`tap`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn consume(
     mut receiver: Receiver,
+    name: String,
     label: String,
     positions: Positions,
     ingress: Ingress,
@@ -139,17 +165,22 @@ pub async fn consume(
     // One wait for the whole loop (not one per batch): a graceful shutdown ends it.
     let stopping = crate::shutdown::STOPPING.wait();
     tokio::pin!(stopping);
+    let tapped = tap.as_ref().and_then(|t| t.link(&name));
+    if tap.is_some() && tapped.is_none() {
+        tracing::warn!(partition = %label, "the AMQP tap does not serve this link: fe2o3 decodes its messages");
+    }
     // Kept across batches: a delivery is several hundred bytes, and growing a fresh Vec to
     // MAX_BATCH for every batch copied each one about twice.
-    let mut deliveries = Vec::with_capacity(MAX_BATCH);
+    let mut got: Vec<Got> = Vec::with_capacity(MAX_BATCH);
+    let mut from_tap: Vec<tap::Delivery> = Vec::with_capacity(MAX_BATCH);
     let hold = handoff.hold();
     // When the previous hand-off returned (the stream is busy while it is recent).
     let mut last_handoff: Option<tokio::time::Instant> = None;
     loop {
         let mut failure = None;
         // recv is cancel safe: a graceful shutdown may interrupt the wait for the next event.
-        let next = tokio::select! {
-            r = receiver.recv::<Body<Value>>() => r,
+        let first = tokio::select! {
+            r = recv(&mut receiver, tapped.as_ref(), &mut got, &mut from_tap, MAX_BATCH) => r,
             _ = &mut stopping => {
                 // AMQP detach (closed): the hub releases the link at once.
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(2), receiver.close()).await;
@@ -157,9 +188,8 @@ pub async fn consume(
                 return End::CoresGone;
             }
         };
-        match next {
-            Ok(d) => deliveries.push(d),
-            Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
+        if let Err(e) = first {
+            return End::Lost(format!("connection lost (partition {label}: {e})"));
         }
         // Take whatever else has already arrived, without waiting (recv is cancel safe); if
         // the previous hand-off was recent, also what arrives until `linger` after it, while
@@ -167,27 +197,31 @@ pub async fn consume(
         let linger_until = last_handoff.map(|at| at + handoff.linger).filter(|until| *until > tokio::time::Instant::now());
         let linger = tokio::time::sleep_until(linger_until.unwrap_or_else(tokio::time::Instant::now));
         tokio::pin!(linger);
-        while deliveries.len() < MAX_BATCH {
-            let lingering = linger_until.is_some() && deliveries.len() < hold && receiver.credit() > 0;
+        loop {
+            let n = got.len() + from_tap.len();
+            if n >= MAX_BATCH {
+                break;
+            }
+            let room = MAX_BATCH - got.len();
+            let credit = tapped.as_ref().map_or_else(|| receiver.credit(), OwnedLink::credit);
+            let lingering = linger_until.is_some() && n < hold && credit > 0;
             tokio::select! {
                 biased;
-                r = receiver.recv::<Body<Value>>() => match r {
-                    Ok(d) => deliveries.push(d),
-                    Err(e) => {
-                        failure = Some(format!("connection lost (partition {label}: {e})"));
-                        break;
-                    }
+                r = recv(&mut receiver, tapped.as_ref(), &mut got, &mut from_tap, room) => if let Err(e) = r {
+                    failure = Some(format!("connection lost (partition {label}: {e})"));
+                    break;
                 },
                 _ = &mut linger, if lingering => break,
                 _ = std::future::ready(()), if !lingering => break,
             }
         }
 
-        super::STATS.received.fetch_add(deliveries.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        let mut batch = Vec::with_capacity(deliveries.len());
+        let total = got.len() + from_tap.len();
+        super::STATS.received.fetch_add(total as u64, std::sync::atomic::Ordering::Relaxed);
+        let mut batch = Vec::with_capacity(total);
         // Sequence number of each message of `batch` (for the durable store's marks).
-        let mut seqs: Vec<i64> = Vec::with_capacity(deliveries.len());
-        let mut infos: Vec<DeliveryInfo> = Vec::with_capacity(deliveries.len());
+        let mut seqs: Vec<i64> = Vec::with_capacity(total);
+        let mut infos: Vec<DeliveryInfo> = Vec::with_capacity(got.len());
         // The redelivery check needs each message's sequence number; the position recorded
         // is that of the batch's newest message, read once at the end.
         let mut newest_seq = last.as_ref().and_then(|p| p.sequence);
@@ -195,32 +229,13 @@ pub async fn consume(
         let mut newest: Option<Newest> = None;
         let (mut first_seq, mut last_seq) = (None, None);
         let (mut raw, mut decoded) = (0u64, 0u64);
-        for delivery in deliveries.drain(..) {
-            let (info, mut message) = delivery.into_parts();
-            // The message's bytes if the tap took them off the wire (fe2o3 then decoded a
-            // stub); else fe2o3 decoded the message whole, as with the tap off.
-            let payload = tap.as_ref().and_then(|t| t.take(info.delivery_id(), info.delivery_tag()));
-            infos.push(info);
-            let received = match &payload {
-                Some(bytes) => match Received::read(bytes) {
-                    Ok(r) => {
-                        raw += 1;
-                        r
-                    }
-                    // Not an AMQP message: fe2o3 would have failed the link on it; so does
-                    // this (nothing of this batch was handed over or recorded).
-                    Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
-                },
-                None => {
-                    decoded += 1;
-                    Received::decoded(&mut message)
-                }
-            };
+        // Maps one message into `batch`; `true` if it has a position (the newest so far).
+        let mut take = |received: Received<'_>| -> bool {
             let sequence = received.sequence();
             if let (Some(seq), Some(done)) = (sequence, newest_seq) {
                 if seq <= done {
                     FAULTS.record(Fault::Redelivered, None, &format!("partition {label} sequence number {seq} <= {done}"));
-                    continue;
+                    return false;
                 }
             }
             warn_retention_gap(&label, newest_seq, sequence);
@@ -240,10 +255,35 @@ pub async fn consume(
                 first_seq = first_seq.or(sequence);
                 last_seq = sequence.or(last_seq);
                 newest_seq = sequence;
-                newest = Some(match payload {
-                    Some(bytes) => Newest::Raw(bytes),
-                    None => Newest::Decoded(Box::new(message)),
-                });
+            }
+            positioned
+        };
+        for d in &from_tap {
+            match &d.message {
+                Ok(bytes) => match Received::read(bytes) {
+                    Ok(r) => {
+                        raw += 1;
+                        if take(r) {
+                            newest = Some(Newest::Raw(bytes.clone()));
+                        }
+                    }
+                    // Not an AMQP message: fe2o3 would have failed the link on it; so does
+                    // this (nothing of this batch was handed over or recorded).
+                    Err(e) => return End::Lost(format!("connection lost (partition {label}: {e})")),
+                },
+                Err(size) => FAULTS.record(
+                    Fault::Oversized,
+                    None,
+                    &format!("partition {label}: a message of {size} bytes, more than maxMessageBytes and {} bytes of other sections", tap::SECTION_SLACK),
+                ),
+            }
+        }
+        for delivery in got.drain(..) {
+            let (info, mut message) = delivery.into_parts();
+            infos.push(info);
+            decoded += 1;
+            if take(Received::decoded(&mut message)) {
+                newest = Some(Newest::Decoded(Box::new(message)));
             }
         }
         super::STATS.raw_reads.fetch_add(raw, std::sync::atomic::Ordering::Relaxed);
@@ -268,8 +308,14 @@ pub async fn consume(
             last = newest;
         }
         tracing::debug!(partition = %label, count, first_seq, last_seq, "handed to the cores");
-        if let Err(e) = receiver.accept_all(infos).await {
-            return End::Lost(format!("partition {label}: cannot settle: {e}"));
+        if let Some(link) = &tapped {
+            link.done(&from_tap);
+            from_tap.clear();
+        }
+        if !infos.is_empty() {
+            if let Err(e) = receiver.accept_all(infos).await {
+                return End::Lost(format!("partition {label}: cannot settle: {e}"));
+            }
         }
         if let Some(reason) = failure {
             return End::Lost(reason);

@@ -1,125 +1,460 @@
-//! A frame tap under fe2o3-amqp: device messages read from the wire, not decoded by fe2o3.
+//! A frame tap under fe2o3-amqp: the receivers' links are served from the wire, not by fe2o3.
 //!
-//! fe2o3's receiver decodes every message whole (annotations into maps of `Value`s) and moves
-//! the large `Delivery` and `Message` values through its tasks: most of the AMQP thread's CPU
-//! (docs/BENCHMARKS.md, "AMQP ingest with a sender that is not the bottleneck"). fe2o3 stays
-//! an unpatched dependency, so instead [`Tap`] sits between fe2o3 and the socket (TCP or
-//! TLS): writes pass through untouched; reads are parsed frame by frame (AMQP 1.0 §2.3),
-//! whatever way the bytes are split. A `transfer` of the tapped session that carries a whole
-//! message in one frame (`more`, `aborted`, `resume` false, message format 0, a delivery id
-//! and a tag of at most [`MAX_TAG`] bytes, the usual encodings) has its payload (the message
-//! sections) moved to the connection's side table ([`TapHandle`]), keyed by delivery id, and
-//! the frame is rewritten with one empty `Data` section ([`STUB`]) and its size corrected.
-//! fe2o3 keeps every piece of protocol state (windows, credit, delivery ids, settlement) and
-//! decodes a 5-byte message; the partition task then takes the payload by the delivery's id
-//! ([`TapHandle::take`], checked against the tag) and reads it with [`super::encoded`].
+//! fe2o3's receiver moves every delivery through its connection, session and link tasks as a
+//! decoded frame and a large `Delivery` value: most of the AMQP thread's CPU, even with the
+//! message itself left undecoded (docs/BENCHMARKS.md, "AMQP: the receivers' links served
+//! under fe2o3"). fe2o3 stays an unpatched dependency: it opens the connection (TLS, SASL,
+//! CBS tokens, `$management`), begins the sessions, attaches and detaches every link, sends
+//! heartbeats and reports every error. [`Tap`] sits between fe2o3 and the socket (TCP or TLS)
+//! and parses both directions frame by frame (AMQP 1.0 §2.3), whatever way the bytes are split.
+//! On one session, the receivers' one (the session fe2o3 begins next after
+//! [`TapHandle::arm`]), it takes over the three per-message parts of a receiving link:
 //!
-//! Everything else passes through unchanged: protocol headers, SASL frames, other
-//! performatives, transfers of other sessions (`$cbs` and `$management` replies), multi-frame
-//! transfers (all their frames), anything unusual. A transfer performative the tap cannot
-//! parse at all turns the tap off for the rest of the connection (fe2o3 sees the raw bytes
-//! and judges them). So correctness never depends on the tap: a delivery without a tapped
-//! payload is one fe2o3 decoded whole, and is mapped from that as before.
+//! - **transfers** (§2.7.5) of its links are never shown to fe2o3: each message (one frame,
+//!   or several joined) goes to the link's queue, which the partition task drains
+//!   ([`OwnedLink::recv`]);
+//! - **settlement**: deliveries the peer sent unsettled are accepted and settled with one
+//!   `disposition` per run of consecutive delivery ids once the partition handed them to the
+//!   cores ([`OwnedLink::done`]);
+//! - **credit** (§2.6.7) and the session window (§2.5.6): the tap grants link credit itself
+//!   (the credit fe2o3 asked for in its first `flow`, less the messages held), in a `flow` once
+//!   half of it can be granted again or half of the session window is used. fe2o3, which sees
+//!   none of these transfers, would announce stale counters: its `flow`s on the session are
+//!   rewritten with the tap's `next-incoming-id` (and, for a link, `delivery-count` and
+//!   `link-credit`); the link fields of the peer's `flow`s are taken out before fe2o3 sees them
+//!   (an `echo` is answered by the tap).
 //!
-//! **Key.** Delivery ids are numbered per session (§2.6.12), and only one session is tapped:
-//! the one whose `begin` arrives next after [`TapHandle::arm`] (hubcast begins its receivers'
-//! session right after arming; the control session, begun before, is never tapped). Within a
-//! session no two unsettled deliveries share an id, and every tapped delivery is taken (or the
-//! connection, and with it the table, is dropped) before its id could come round again
-//! (2^32 deliveries later). The tag is kept with the payload and compared when taken: a
-//! mismatch means a bug, and is treated as a delivery without a tapped payload.
+//! Frames the tap writes go out between fe2o3's, never inside one. They are queued by the
+//! partitions and written by the connection task (fe2o3 always waits to read, so it polls the
+//! tap when woken). Everything else passes both ways unchanged: the control session, SASL,
+//! headers, heartbeats, `open`/`close`, `attach`/`detach` (read on the way), transfers of a
+//! link the tap does not know. A frame of the tapped session that breaks the protocol fails
+//! the connection with an error naming it (hubcast reconnects and resumes from its positions).
+//!
+//! **Bound and back-pressure.** Link credit bounds the messages held: at most the credit
+//! fe2o3 asked for (`--event-hub-prefetch`) per link, counted from arrival until the partition
+//! calls [`OwnedLink::done`]. Bytes are bounded too: past [`MAX_BYTES`] / 2 of held messages
+//! no credit is granted; at [`MAX_BYTES`] the tap stops reading the socket (the peer waits in
+//! TCP) until partitions release messages. A message joined from several frames is held up
+//! to `maxMessageBytes` + [`SECTION_SLACK`]; beyond, its bytes are dropped as they arrive and
+//! the partition is told its size (one message being joined per link). The frames the tap
+//! writes are bounded by the credit (a `flow` per hand-off and at most one `disposition`
+//! per message), fe2o3's written bytes by [`WRITE_BOUND`].
 //!
 //! **Threads and locks.** The tap runs inside fe2o3's connection task, the partitions in
 //! their own tasks, all on the AMQP thread's current-thread runtime: the table's `Mutex` is
-//! never contended (fe2o3 needs its stream `Send`, hence not a `RefCell`).
-//!
-//! **Bound and back-pressure.** The table holds at most `count` payloads (set by
-//! [`TapHandle::arm`]: the receivers' link credit in total, plus [`MARGIN`]) and
-//! [`MAX_BYTES`] bytes. Link credit already bounds what is in flight, so the table is full
-//! only if the partitions stopped taking payloads; then the tap passes transfers through
-//! unchanged (fe2o3 decodes them, holding them as it always did) instead of growing. Payloads
-//! of a link that detaches are freed when its `detach` passes; the whole table dies with the
-//! connection.
+//! never contended (fe2o3 needs its stream `Send`, hence not a `RefCell`); it is taken once
+//! per socket read and once per hand-off.
 
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
+use fe2o3_amqp::types::definitions::{Handle, Role};
+use fe2o3_amqp::types::messaging::{Accepted, DeliveryState};
+use fe2o3_amqp::types::performatives::{Attach, Begin, Disposition, Flow, Transfer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::reader::Reader;
 
-/// What a tapped transfer carries instead of its message: one `Data` section, empty.
-pub const STUB: [u8; 5] = [0x00, 0x53, 0x75, 0xa0, 0x00];
-/// Longest delivery tag kept inline (Event Hubs' are 16 bytes); a longer one passes through.
-pub const MAX_TAG: usize = 32;
-/// Payloads held beyond the link credit of every tapped link (slack for the order in which
-/// fe2o3 grants credit and the partitions take payloads).
-pub const MARGIN: usize = 256;
-/// Most payload bytes held at once; beyond, transfers pass through (see the module docs).
+/// Most message bytes held at once (see the module docs).
 pub const MAX_BYTES: usize = 64 << 20;
+/// Bytes of a message's other sections allowed beyond `maxMessageBytes` of body when joining
+/// a message from several frames.
+pub const SECTION_SLACK: usize = 64 * 1024;
 /// Largest frame the tap buffers whole to look at (the connection's `max-frame-size` is 64 KiB);
-/// a larger one passes through as it streams in.
+/// a larger one passes through as it streams.
 const MAX_INSPECT: usize = 1 << 20;
 /// Bytes read from the socket at a time.
 const READ_CHUNK: usize = 64 * 1024;
+/// Bytes fe2o3 may have written that the socket has not taken yet; beyond, its writes wait.
+pub const WRITE_BOUND: usize = 256 * 1024;
 
 const BEGIN: u8 = 0x11;
+const ATTACH: u8 = 0x12;
+const FLOW: u8 = 0x13;
 const TRANSFER: u8 = 0x14;
 const DETACH: u8 = 0x16;
 const END: u8 = 0x17;
 
-struct Entry {
-    handle: u32,
-    tag: [u8; MAX_TAG],
-    tag_len: u8,
-    payload: Bytes,
+/// One message received on a link the tap serves.
+#[derive(Debug)]
+pub struct Delivery {
+    pub id: u32,
+    /// The peer sent it settled: nothing to accept.
+    pub settled: bool,
+    /// The message's sections as sent; `Err(size)`: larger than the bound, dropped (see the
+    /// module docs).
+    pub message: Result<Bytes, usize>,
 }
 
-/// Hashes a delivery id with one multiplication (Fibonacci hashing): ids are sequential and
-/// chosen by the peer per session, and SipHash cost ~3 % of the AMQP thread in a profile.
-#[derive(Default, Clone, Copy)]
-struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u32(&mut self, id: u32) {
-        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+impl Delivery {
+    fn len(&self) -> usize {
+        self.message.as_ref().map_or(0, Bytes::len)
     }
 }
 
-type IdMap = HashMap<u32, Entry, std::hash::BuildHasherDefault<IdHasher>>;
+/// A message arriving in several frames.
+struct Assembly {
+    id: u32,
+    settled: bool,
+    parts: BytesMut,
+    size: usize,
+}
+
+struct Link {
+    key: u64,
+    name: String,
+    /// Our handle (fe2o3's `attach`); `flow`s and `detach`es we send carry it.
+    handle_out: u32,
+    /// The peer's handle (its `attach`); its transfers carry it. The tap serves the link
+    /// from then on.
+    handle_in: Option<u32>,
+    /// The sender's delivery-count as seen here (its initial one plus deliveries begun).
+    delivery_count: u32,
+    /// `delivery_count + link_credit` of the last `flow` sent.
+    limit: u32,
+    /// The credit to keep granted: what fe2o3 asked for in its first `flow`.
+    window: Option<u32>,
+    queue: VecDeque<Delivery>,
+    /// Received and not yet released by the partition (queued or being handed over).
+    held: u32,
+    assembling: Option<Assembly>,
+    waker: Option<Waker>,
+    detached: bool,
+}
+
+/// The receivers' session, as both ends number it.
+struct Session {
+    channel_out: u16,
+    channel_in: Option<u16>,
+    /// Transfer frames received: the peer's next-outgoing-id as of its `begin`, plus one per
+    /// transfer frame since.
+    next_incoming_id: u32,
+    /// `next_incoming_id` when the window was last announced.
+    window_at: u32,
+    /// fe2o3's own session fields, as in its last `begin` or `flow`.
+    incoming_window: u32,
+    next_outgoing_id: u32,
+    outgoing_window: u32,
+}
 
 #[derive(Default)]
 struct Table {
-    entries: IdMap,
-    bytes: usize,
-    max_count: usize,
-    /// The next `begin` received names the tapped session.
+    /// fe2o3's next `begin` names the receivers' session.
     armed: bool,
-    /// The tapped session's channel (as the peer numbers its frames).
-    channel: Option<u16>,
-    /// Transfers passed through because the table was full.
-    passed_full: u64,
+    /// Bound of a joined message (see [`SECTION_SLACK`]).
+    max_message: usize,
+    session: Option<Session>,
+    links: Vec<Link>,
+    next_key: u64,
+    /// Message bytes held (queued or being handed over).
+    bytes: usize,
+    /// Frames for the peer, written between fe2o3's.
+    inject: BytesMut,
+    /// fe2o3's connection task (it writes `inject`, and reads again once bytes are released).
+    conn: Option<Waker>,
+    /// A protocol error on the tapped session: the connection fails with it.
+    failed: Option<String>,
+    /// Partition tasks to wake once the lock is released.
+    wake: Vec<Waker>,
+}
+
+/// What becomes of a frame from the peer.
+enum Incoming {
+    Pass,
+    Replace(Vec<u8>),
+    Absorbed,
 }
 
 impl Table {
-    fn remove(&mut self, id: u32) -> Option<Entry> {
-        let e = self.entries.remove(&id)?;
-        self.bytes -= e.payload.len();
-        Some(e)
+    fn link_in(&self, handle: u32) -> Option<&Link> {
+        self.links.iter().find(|l| l.handle_in == Some(handle) && !l.detached)
     }
+
+    fn channel_in(&self) -> Option<u16> {
+        self.session.as_ref().and_then(|s| s.channel_in)
+    }
+
+    fn fail(&mut self, reason: String) {
+        if self.failed.is_none() {
+            tracing::error!(reason = %reason, "AMQP tap: the receivers' session broke the protocol; closing the connection");
+            self.failed = Some(reason);
+        }
+    }
+
+    /// A frame fe2o3 writes: `Some` to send instead.
+    fn outgoing(&mut self, channel: u16, body: &[u8]) -> Option<Vec<u8>> {
+        let code = performative(body)?;
+        if code == BEGIN && self.armed {
+            let begin: Begin = serde_amqp::from_slice(body).ok()?;
+            self.armed = false;
+            self.session = Some(Session {
+                channel_out: channel,
+                channel_in: None,
+                next_incoming_id: 0,
+                window_at: 0,
+                incoming_window: begin.incoming_window,
+                next_outgoing_id: begin.next_outgoing_id,
+                outgoing_window: begin.outgoing_window,
+            });
+            return None;
+        }
+        if self.session.as_ref().map(|s| s.channel_out) != Some(channel) {
+            return None;
+        }
+        match code {
+            ATTACH => {
+                let attach: Attach = serde_amqp::from_slice(body).ok()?;
+                if attach.role == Role::Receiver {
+                    self.links.retain(|l| l.name != attach.name);
+                    self.next_key += 1;
+                    self.links.push(Link {
+                        key: self.next_key,
+                        name: attach.name,
+                        handle_out: attach.handle.0,
+                        handle_in: None,
+                        delivery_count: 0,
+                        limit: 0,
+                        window: None,
+                        queue: VecDeque::new(),
+                        held: 0,
+                        assembling: None,
+                        waker: None,
+                        detached: false,
+                    });
+                }
+                None
+            }
+            FLOW => {
+                let mut flow: Flow = serde_amqp::from_slice(body).ok()?;
+                let bytes = self.bytes;
+                let s = self.session.as_mut()?;
+                s.incoming_window = flow.incoming_window;
+                s.next_outgoing_id = flow.next_outgoing_id;
+                s.outgoing_window = flow.outgoing_window;
+                if s.channel_in.is_some() {
+                    flow.next_incoming_id = Some(s.next_incoming_id);
+                    s.window_at = s.next_incoming_id;
+                }
+                if let Some(h) = flow.handle.as_ref().map(|h| h.0) {
+                    if let Some(link) = self.links.iter_mut().find(|l| l.handle_out == h && l.handle_in.is_some()) {
+                        let window = *link.window.get_or_insert(flow.link_credit.unwrap_or(0));
+                        let grant = credit_to_grant(window, link.held, bytes);
+                        flow.delivery_count = Some(link.delivery_count);
+                        flow.link_credit = Some(grant);
+                        link.limit = link.delivery_count.wrapping_add(grant);
+                    }
+                }
+                Some(encode(channel, &flow))
+            }
+            _ => None,
+        }
+    }
+
+    /// A frame from the peer (`frame` whole, its body from `doff`).
+    fn incoming(&mut self, channel: u16, frame: &Bytes, doff: usize) -> Incoming {
+        let body = &frame[doff..];
+        let Some(code) = performative(body) else { return Incoming::Pass };
+        if code == BEGIN {
+            if let Some(s) = self.session.as_mut().filter(|s| s.channel_in.is_none()) {
+                if let Ok(begin) = serde_amqp::from_slice::<Begin>(body) {
+                    if begin.remote_channel == Some(s.channel_out) {
+                        s.channel_in = Some(channel);
+                        s.next_incoming_id = begin.next_outgoing_id;
+                        s.window_at = begin.next_outgoing_id;
+                    }
+                }
+            }
+            return Incoming::Pass;
+        }
+        if self.channel_in() != Some(channel) {
+            return Incoming::Pass;
+        }
+        match code {
+            TRANSFER => self.transfer(frame, doff),
+            ATTACH => {
+                if let Ok(attach) = serde_amqp::from_slice::<Attach>(body) {
+                    if attach.role == Role::Sender {
+                        if let Some(link) = self.links.iter_mut().find(|l| l.name == attach.name && l.handle_in.is_none()) {
+                            link.handle_in = Some(attach.handle.0);
+                            link.delivery_count = attach.initial_delivery_count.unwrap_or(0);
+                            link.limit = link.delivery_count;
+                        }
+                    }
+                }
+                Incoming::Pass
+            }
+            FLOW => {
+                let Ok(mut flow) = serde_amqp::from_slice::<Flow>(body) else { return Incoming::Pass };
+                let Some(h) = flow.handle.as_ref().map(|h| h.0) else { return Incoming::Pass };
+                let Some(key) = self.link_in(h).map(|l| l.key) else { return Incoming::Pass };
+                if flow.echo {
+                    self.flow(key, true);
+                }
+                // Session fields only: fe2o3's view of this link's counters is not kept.
+                flow.handle = None;
+                flow.delivery_count = None;
+                flow.link_credit = None;
+                flow.available = None;
+                flow.drain = false;
+                flow.echo = false;
+                Incoming::Replace(encode(channel, &flow))
+            }
+            DETACH => {
+                if let Some(h) = first_uint(&body[3..]) {
+                    if let Some(i) = self.links.iter().position(|l| l.handle_in == Some(h) && !l.detached) {
+                        let link = &mut self.links[i];
+                        link.detached = true;
+                        link.assembling = None;
+                        if let Some(w) = link.waker.take() {
+                            self.wake.push(w);
+                        }
+                    }
+                }
+                Incoming::Pass
+            }
+            END => {
+                self.session = None;
+                for link in &mut self.links {
+                    link.detached = true;
+                    if let Some(w) = link.waker.take() {
+                        self.wake.push(w);
+                    }
+                }
+                Incoming::Pass
+            }
+            _ => Incoming::Pass,
+        }
+    }
+
+    /// A transfer frame of the tapped session.
+    fn transfer(&mut self, frame: &Bytes, doff: usize) -> Incoming {
+        if let Some(s) = self.session.as_mut() {
+            s.next_incoming_id = s.next_incoming_id.wrapping_add(1);
+        }
+        let Some(t) = parse_transfer(&frame[doff..]) else {
+            self.fail("a transfer that is not a valid AMQP transfer performative".into());
+            return Incoming::Absorbed;
+        };
+        let cap = self.max_message;
+        let Some(i) = self.links.iter().position(|l| l.handle_in == Some(t.handle) && !l.detached) else { return Incoming::Pass };
+        let link = &mut self.links[i];
+        let payload = frame.slice(doff + t.len..);
+        let mut done = None;
+        match link.assembling.as_mut() {
+            None => {
+                let Some(id) = t.delivery_id else {
+                    let reason = format!("a transfer begins a delivery on link {} without a delivery-id", link.name);
+                    self.fail(reason);
+                    return Incoming::Absorbed;
+                };
+                link.delivery_count = link.delivery_count.wrapping_add(1);
+                if t.aborted {
+                    // Nothing to keep: an aborted delivery is settled (§2.6.12).
+                } else if !t.more {
+                    let message = if payload.len() <= cap { Ok(payload) } else { Err(payload.len()) };
+                    done = Some(Delivery { id, settled: t.settled, message });
+                } else {
+                    let mut parts = BytesMut::new();
+                    if payload.len() <= cap {
+                        parts.extend_from_slice(&payload);
+                    }
+                    link.assembling = Some(Assembly { id, settled: t.settled, parts, size: payload.len() });
+                }
+            }
+            Some(a) => {
+                a.size = a.size.saturating_add(payload.len());
+                if a.size <= cap {
+                    a.parts.extend_from_slice(&payload);
+                } else {
+                    a.parts = BytesMut::new();
+                }
+                if t.aborted {
+                    link.assembling = None;
+                } else if !t.more {
+                    let a = link.assembling.take().expect("matched Some");
+                    let message = if a.size <= cap { Ok(a.parts.freeze()) } else { Err(a.size) };
+                    done = Some(Delivery { id: a.id, settled: a.settled, message });
+                }
+            }
+        }
+        if let Some(d) = done {
+            self.bytes += d.len();
+            link.queue.push_back(d);
+            link.held += 1;
+            if let Some(w) = link.waker.take() {
+                self.wake.push(w);
+            }
+        }
+        Incoming::Absorbed
+    }
+
+    /// Queues a `flow` for link `key` if enough credit can be granted again, or the session
+    /// window is half used (or always, with `force`).
+    fn flow(&mut self, key: u64, force: bool) {
+        let bytes = self.bytes;
+        let (Some(s), Some(link)) = (self.session.as_mut(), self.links.iter_mut().find(|l| l.key == key)) else { return };
+        let (Some(window), Some(_)) = (link.window, s.channel_in) else { return };
+        if link.detached {
+            return;
+        }
+        let grant = credit_to_grant(window, link.held, bytes);
+        // The sender's credit left; negative (it overran) counts as none.
+        let left = u32::try_from(link.limit.wrapping_sub(link.delivery_count) as i32).unwrap_or(0);
+        let session_used = s.next_incoming_id.wrapping_sub(s.window_at);
+        let worth = grant > left && (grant - left >= (window / 2).max(1) || left == 0 || session_used >= s.incoming_window / 2);
+        if !(force || worth) {
+            return;
+        }
+        let flow = Flow {
+            next_incoming_id: Some(s.next_incoming_id),
+            incoming_window: s.incoming_window,
+            next_outgoing_id: s.next_outgoing_id,
+            outgoing_window: s.outgoing_window,
+            handle: Some(Handle(link.handle_out)),
+            delivery_count: Some(link.delivery_count),
+            link_credit: Some(grant),
+            available: None,
+            drain: false,
+            echo: false,
+            properties: None,
+        };
+        link.limit = link.delivery_count.wrapping_add(grant);
+        s.window_at = s.next_incoming_id;
+        let frame = encode(s.channel_out, &flow);
+        self.inject.extend_from_slice(&frame);
+    }
+}
+
+/// Credit to grant a link holding `held` messages (none while the bytes held pass half the bound).
+fn credit_to_grant(window: u32, held: u32, bytes: usize) -> u32 {
+    if bytes > MAX_BYTES / 2 {
+        0
+    } else {
+        window.saturating_sub(held)
+    }
+}
+
+/// The performative code of a frame body (`00 53 code`).
+fn performative(body: &[u8]) -> Option<u8> {
+    match body {
+        [0x00, 0x53, code, ..] => Some(*code),
+        _ => None,
+    }
+}
+
+/// An AMQP frame (type 0) on `channel` with `performative` and no payload.
+fn encode(channel: u16, performative: &impl serde::Serialize) -> Vec<u8> {
+    let body = serde_amqp::to_vec(performative).expect("a performative always encodes");
+    let mut f = Vec::with_capacity(8 + body.len());
+    f.extend_from_slice(&((8 + body.len()) as u32).to_be_bytes());
+    f.extend_from_slice(&[2, 0]);
+    f.extend_from_slice(&channel.to_be_bytes());
+    f.extend_from_slice(&body);
+    f
 }
 
 /// The side table of one connection, shared by its [`Tap`] and its partition tasks.
@@ -135,37 +470,130 @@ impl TapHandle {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Taps the session whose `begin` the peer sends next, holding at most `credit + MARGIN`
-    /// payloads (`credit`: the link credit of all its receivers together).
-    pub fn arm(&self, credit: usize) {
+    /// Serves the links of the session fe2o3 begins next; a message joined from several
+    /// frames is kept up to `max_message` bytes of body (plus [`SECTION_SLACK`]).
+    pub fn arm(&self, max_message: usize) {
         let mut t = self.table();
         t.armed = true;
-        t.max_count = credit.saturating_add(MARGIN);
+        t.max_message = max_message.saturating_add(SECTION_SLACK);
     }
 
-    /// The payload of delivery `id` of the tapped session if the tap took it from the wire
-    /// (and its tag is `tag`); `None`: fe2o3 received the message whole.
-    pub fn take(&self, id: u32, tag: &[u8]) -> Option<Bytes> {
-        let mut t = self.table();
-        let e = t.remove(id)?;
-        if &e.tag[..usize::from(e.tag_len)] != tag {
-            tracing::error!(delivery_id = id, "AMQP tap: a tapped payload's tag does not match its delivery; dropped");
-            return None;
-        }
-        Some(e.payload)
+    /// The link named `name` if the tap serves it (its attach went both ways on the tapped
+    /// session); `None`: fe2o3 serves it.
+    pub fn link(&self, name: &str) -> Option<OwnedLink> {
+        let t = self.table();
+        let link = t.links.iter().find(|l| l.name == name && l.handle_in.is_some() && !l.detached)?;
+        Some(OwnedLink { handle: self.clone(), key: link.key })
     }
 
-    /// Payloads held now (tests, and a check that nothing stays behind).
-    pub fn held(&self) -> usize {
-        self.table().entries.len()
-    }
-
-    /// Transfers passed through because the table was full.
-    pub fn passed_full(&self) -> u64 {
-        self.table().passed_full
+    /// Message bytes held now.
+    pub fn bytes(&self) -> usize {
+        self.table().bytes
     }
 }
 
+/// A receiving link served by the tap, as its partition task sees it.
+pub struct OwnedLink {
+    handle: TapHandle,
+    key: u64,
+}
+
+impl OwnedLink {
+    /// Moves up to `max - out.len()` queued messages to `out`, waiting for at least one;
+    /// `false`: the link or its session ended. Cancel safe (nothing is taken unless it
+    /// returns).
+    pub async fn recv(&self, out: &mut Vec<Delivery>, max: usize) -> bool {
+        std::future::poll_fn(|cx| {
+            let mut t = self.handle.table();
+            let Some(link) = t.links.iter_mut().find(|l| l.key == self.key) else { return Poll::Ready(false) };
+            if link.queue.is_empty() {
+                if link.detached {
+                    return Poll::Ready(false);
+                }
+                if !link.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    link.waker = Some(cx.waker().clone());
+                }
+                return Poll::Pending;
+            }
+            let n = max.saturating_sub(out.len()).min(link.queue.len());
+            out.extend(link.queue.drain(..n));
+            Poll::Ready(true)
+        })
+        .await
+    }
+
+    /// Moves what is queued now (up to `max - out.len()`) to `out` without waiting.
+    pub fn try_recv(&self, out: &mut Vec<Delivery>, max: usize) -> usize {
+        let mut t = self.handle.table();
+        let Some(link) = t.links.iter_mut().find(|l| l.key == self.key) else { return 0 };
+        let n = max.saturating_sub(out.len()).min(link.queue.len());
+        out.extend(link.queue.drain(..n));
+        n
+    }
+
+    /// The credit the sender has left (messages it may still send before a `flow`).
+    pub fn credit(&self) -> u32 {
+        let t = self.handle.table();
+        t.links.iter().find(|l| l.key == self.key).map_or(0, |l| u32::try_from(l.limit.wrapping_sub(l.delivery_count) as i32).unwrap_or(0))
+    }
+
+    /// `delivered` are with the cores: accepts those sent unsettled (one `disposition` per run
+    /// of consecutive ids), releases their credit and bytes, and grants credit if worth it.
+    pub fn done(&self, delivered: &[Delivery]) {
+        let waker = {
+            let mut t = self.handle.table();
+            let bytes: usize = delivered.iter().map(Delivery::len).sum();
+            t.bytes = t.bytes.saturating_sub(bytes);
+            let live = match t.links.iter_mut().find(|l| l.key == self.key) {
+                Some(link) => {
+                    link.held = link.held.saturating_sub(delivered.len() as u32);
+                    !link.detached
+                }
+                None => return,
+            };
+            if live {
+                if let Some(channel) = t.session.as_ref().map(|s| s.channel_out) {
+                    let mut run: Option<(u32, u32)> = None;
+                    for id in delivered.iter().filter(|d| !d.settled).map(|d| d.id) {
+                        run = match run {
+                            Some((first, last)) if last.wrapping_add(1) == id => Some((first, id)),
+                            Some(r) => {
+                                t.inject.extend_from_slice(&accept(channel, r));
+                                Some((id, id))
+                            }
+                            None => Some((id, id)),
+                        };
+                    }
+                    if let Some(r) = run {
+                        t.inject.extend_from_slice(&accept(channel, r));
+                    }
+                }
+                t.flow(self.key, false);
+            }
+            // Reading may have stopped at the bytes bound: the connection task looks again.
+            t.conn.clone()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// A `disposition` accepting and settling deliveries `first..=last`.
+fn accept(channel: u16, (first, last): (u32, u32)) -> Vec<u8> {
+    let d = Disposition {
+        role: Role::Receiver,
+        first,
+        last: (last != first).then_some(last),
+        settled: true,
+        state: Some(DeliveryState::Accepted(Accepted {})),
+        batchable: false,
+    };
+    encode(channel, &d)
+}
+
+/// Where a direction of the stream is.
+#[derive(Clone, Copy)]
 enum Mode {
     /// At a frame boundary (or a protocol header).
     Frame,
@@ -175,15 +603,59 @@ enum Mode {
     Off,
 }
 
+/// Splits the next piece off `raw`: `Some((frame, doff))` for a whole frame to look at, or
+/// moves bytes that pass unchanged to `out`. `None`: more bytes are needed.
+fn next_frame(mode: &mut Mode, raw: &mut BytesMut, out: &mut BytesMut) -> Option<Option<(Bytes, usize)>> {
+    match *mode {
+        Mode::Off => {
+            let n = raw.len();
+            out.extend_from_slice(&raw.split_to(n));
+            None
+        }
+        Mode::Pass(left) => {
+            let n = left.min(raw.len());
+            if n == 0 {
+                return None;
+            }
+            out.extend_from_slice(&raw.split_to(n));
+            *mode = if left == n { Mode::Frame } else { Mode::Pass(left - n) };
+            Some(None)
+        }
+        Mode::Frame => {
+            if raw.len() < 8 {
+                return None;
+            }
+            if &raw[..4] == b"AMQP" {
+                *mode = Mode::Pass(8);
+                return Some(None);
+            }
+            let size = u32::from_be_bytes([raw[0], raw[1], raw[2], raw[3]]) as usize;
+            let doff = usize::from(raw[4]) * 4;
+            if size < 8 || doff < 8 || doff > size {
+                *mode = Mode::Off;
+                return Some(None);
+            }
+            if raw[5] != 0 || size > MAX_INSPECT || size == doff {
+                // SASL, oversized (fe2o3 refuses it), or an empty (heartbeat) frame.
+                *mode = Mode::Pass(size);
+                return Some(None);
+            }
+            if raw.len() < size {
+                return None;
+            }
+            Some(Some((raw.split_to(size).freeze(), doff)))
+        }
+    }
+}
+
 /// The socket as fe2o3 sees it (see the module docs).
 pub struct Tap<S> {
     inner: S,
     handle: TapHandle,
     /// Read from the socket, not yet looked at. Bounded without a check of its own: the tap
-    /// reads the socket only when fe2o3 has taken all of `out` (fe2o3's reads pace the
-    /// socket, so a fast peer waits in the kernel, not here), and a frame is held whole only
-    /// up to [`MAX_INSPECT`] (a larger one streams through): at most one such frame plus one
-    /// [`READ_CHUNK`]. `out` holds what one read yielded; `continuing` one entry per link.
+    /// reads the socket only when fe2o3 has taken all of `out`, and a frame is held whole
+    /// only up to [`MAX_INSPECT`] (a larger one streams through): at most one such frame plus
+    /// one [`READ_CHUNK`]. Messages are slices of it (no copy), counted in the table's bytes.
     raw: BytesMut,
     /// What one socket read fills (then appended to `raw`).
     scratch: Box<[u8]>,
@@ -191,183 +663,125 @@ pub struct Tap<S> {
     out: BytesMut,
     mode: Mode,
     eof: bool,
-    /// (channel, handle) of links in the middle of a multi-frame transfer.
-    continuing: Vec<(u16, u32)>,
+    /// Written by fe2o3, not yet a whole frame.
+    wraw: BytesMut,
+    /// Whole frames for the socket (fe2o3's and the tap's), at most about [`WRITE_BOUND`].
+    wout: BytesMut,
+    wmode: Mode,
 }
 
 impl<S> Tap<S> {
     pub fn new(inner: S, handle: TapHandle) -> Self {
-        Tap { inner, handle, raw: BytesMut::new(), scratch: vec![0; READ_CHUNK].into_boxed_slice(), out: BytesMut::new(), mode: Mode::Frame, eof: false, continuing: Vec::new() }
+        Tap {
+            inner,
+            handle,
+            raw: BytesMut::new(),
+            scratch: vec![0; READ_CHUNK].into_boxed_slice(),
+            out: BytesMut::new(),
+            mode: Mode::Frame,
+            eof: false,
+            wraw: BytesMut::new(),
+            wout: BytesMut::new(),
+            wmode: Mode::Frame,
+        }
     }
 
-    /// Moves what can be decided from `raw` to `out` (and payloads to the table).
+    /// Moves what can be decided from `raw` to `out` (and messages to their links).
     fn process(&mut self) {
-        loop {
-            match self.mode {
-                Mode::Off => {
-                    let n = self.raw.len();
-                    self.out.extend_from_slice(&self.raw.split_to(n));
-                    return;
-                }
-                Mode::Pass(left) => {
-                    let n = left.min(self.raw.len());
-                    if n == 0 && left > 0 {
-                        return;
-                    }
-                    self.out.extend_from_slice(&self.raw.split_to(n));
-                    self.mode = if left == n { Mode::Frame } else { Mode::Pass(left - n) };
-                    if left > n {
-                        return;
-                    }
-                }
-                Mode::Frame => {
-                    if self.raw.len() < 8 {
-                        return;
-                    }
-                    if &self.raw[..4] == b"AMQP" {
-                        self.mode = Mode::Pass(8);
-                        continue;
-                    }
-                    let size = u32::from_be_bytes([self.raw[0], self.raw[1], self.raw[2], self.raw[3]]) as usize;
-                    let doff = usize::from(self.raw[4]) * 4;
-                    if size < 8 || doff < 8 || doff > size {
-                        self.mode = Mode::Off;
-                        continue;
-                    }
-                    if self.raw[5] != 0 || size > MAX_INSPECT || size == doff {
-                        // SASL, oversized (fe2o3 refuses it), or an empty (heartbeat) frame.
-                        self.mode = Mode::Pass(size);
-                        continue;
-                    }
-                    if self.raw.len() < size {
-                        return;
-                    }
-                    let frame = self.raw.split_to(size);
-                    self.frame(&frame, doff);
+        let wake = {
+            let mut t = self.handle.table();
+            while let Some(piece) = next_frame(&mut self.mode, &mut self.raw, &mut self.out) {
+                let Some((frame, doff)) = piece else { continue };
+                let channel = u16::from_be_bytes([frame[6], frame[7]]);
+                match t.incoming(channel, &frame, doff) {
+                    Incoming::Pass => self.out.extend_from_slice(&frame),
+                    Incoming::Replace(f) => self.out.extend_from_slice(&f),
+                    Incoming::Absorbed => {}
                 }
             }
+            std::mem::take(&mut t.wake)
+        };
+        for w in wake {
+            w.wake();
         }
     }
 
-    /// One whole AMQP frame with a body: to `out` as it is, or tapped.
-    fn frame(&mut self, frame: &[u8], doff: usize) {
-        let channel = u16::from_be_bytes([frame[6], frame[7]]);
-        let body = &frame[doff..];
-        let code = match body {
-            [0x00, 0x53, code, ..] => *code,
-            _ => {
-                self.out.extend_from_slice(frame);
-                return;
+    /// Moves fe2o3's whole written frames from `wraw` to `wout`, rewritten where needed.
+    fn process_writes(&mut self) {
+        let mut t = self.handle.table();
+        while let Some(piece) = next_frame(&mut self.wmode, &mut self.wraw, &mut self.wout) {
+            let Some((frame, doff)) = piece else { continue };
+            let channel = u16::from_be_bytes([frame[6], frame[7]]);
+            match t.outgoing(channel, &frame[doff..]) {
+                Some(f) => self.wout.extend_from_slice(&f),
+                None => self.wout.extend_from_slice(&frame),
             }
-        };
-        match code {
-            TRANSFER => {
-                if let Some(len) = self.transfer(frame, doff, channel) {
-                    // Tapped: header, performative, then the stub.
-                    let end = doff + len;
-                    self.out.put_u32((end + STUB.len()) as u32);
-                    self.out.extend_from_slice(&frame[4..end]);
-                    self.out.extend_from_slice(&STUB);
-                    return;
-                }
-            }
-            BEGIN => {
-                let mut t = self.handle.table();
-                if t.armed {
-                    t.armed = false;
-                    t.channel = Some(channel);
-                }
-            }
-            DETACH => {
-                let mut t = self.handle.table();
-                if t.channel == Some(channel) {
-                    if let Some(handle) = first_uint(&body[3..]) {
-                        let gone: Vec<u32> = t.entries.iter().filter(|(_, e)| e.handle == handle).map(|(id, _)| *id).collect();
-                        for id in gone {
-                            t.remove(id);
-                        }
-                    }
-                }
-                self.continuing.retain(|c| c.0 != channel || Some(c.1) != first_uint(&body[3..]));
-            }
-            END => {
-                let mut t = self.handle.table();
-                if t.channel == Some(channel) {
-                    t.channel = None;
-                    t.entries.clear();
-                    t.bytes = 0;
-                }
-                self.continuing.retain(|c| c.0 != channel);
-            }
-            _ => {}
         }
-        self.out.extend_from_slice(frame);
     }
+}
 
-    /// Looks at a transfer; `Some(performative length)` if its payload went to the table.
-    fn transfer(&mut self, frame: &[u8], doff: usize, channel: u16) -> Option<usize> {
-        let Some(t) = parse_transfer(&frame[doff..]) else {
-            // Cannot follow multi-frame deliveries past a transfer not understood: off.
-            tracing::debug!(channel, "AMQP tap: a transfer performative not understood; tap off for this connection");
-            self.mode = Mode::Off;
-            return None;
-        };
-        let key = (channel, t.handle);
-        let was_continuing = self.continuing.contains(&key);
-        if t.more && !t.aborted {
-            if !was_continuing {
-                self.continuing.push(key);
+impl<S: AsyncWrite + Unpin> Tap<S> {
+    /// Writes `wout` and the tap's queued frames (between whole frames only) to the socket,
+    /// as far as it takes them now.
+    fn flush_writes(&mut self, cx: &mut Context<'_>) -> std::io::Result<()> {
+        if matches!(self.wmode, Mode::Frame) {
+            let mut t = self.handle.table();
+            if !t.inject.is_empty() {
+                self.wout.extend_from_slice(&t.inject);
+                t.inject.clear();
             }
-        } else if was_continuing {
-            self.continuing.retain(|c| *c != key);
         }
-        let mut table = self.handle.table();
-        if table.channel != Some(channel) {
-            return None;
-        }
-        let payload = &frame[doff + t.len..];
-        let tappable = !was_continuing && !t.more && !t.aborted && !t.resume && t.format_zero && !payload.is_empty();
-        let (Some(id), Some(tag)) = (t.delivery_id, t.tag.filter(|_| tappable)) else {
-            // Passed through: no payload of an earlier delivery with this id may stay.
-            if let Some(id) = t.delivery_id {
-                table.remove(id);
+        let mut wrote = false;
+        while !self.wout.is_empty() {
+            match Pin::new(&mut self.inner).poll_write(cx, &self.wout) {
+                Poll::Ready(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Poll::Ready(Ok(n)) => {
+                    self.wout.advance(n);
+                    wrote = true;
+                }
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => break,
             }
-            return None;
-        };
-        if table.entries.len() >= table.max_count || table.bytes + payload.len() > MAX_BYTES {
-            table.remove(id);
-            table.passed_full += 1;
-            return None;
         }
-        let mut entry = Entry { handle: t.handle, tag: [0; MAX_TAG], tag_len: tag.len() as u8, payload: Bytes::copy_from_slice(payload) };
-        entry.tag[..tag.len()].copy_from_slice(tag);
-        table.bytes += payload.len();
-        // An earlier payload with this id (never taken) is replaced.
-        if let Some(old) = table.entries.insert(id, entry) {
-            table.bytes -= old.payload.len();
+        if wrote {
+            if let Poll::Ready(Err(e)) = Pin::new(&mut self.inner).poll_flush(cx) {
+                return Err(e);
+            }
         }
-        Some(t.len)
+        Ok(())
+    }
+}
+
+/// The last-known connection-task waker, refreshed at each poll.
+fn remember(slot: &mut Option<Waker>, cx: &Context<'_>) {
+    if !slot.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+        *slot = Some(cx.waker().clone());
     }
 }
 
 /// The parts of a `transfer` performative (§2.7.5) the tap needs.
 #[derive(Debug, PartialEq)]
-struct TransferHead<'a> {
+struct TransferHead {
     /// Bytes of the performative (descriptor and list).
     len: usize,
     handle: u32,
     delivery_id: Option<u32>,
-    /// `None` also when longer than [`MAX_TAG`].
-    tag: Option<&'a [u8]>,
-    /// Message format absent or 0 (a plain AMQP message).
-    format_zero: bool,
+    settled: bool,
     more: bool,
-    resume: bool,
     aborted: bool,
 }
 
-/// Reads a transfer performative by hand; `None` if its encoding is not one this reads.
-fn parse_transfer(body: &[u8]) -> Option<TransferHead<'_>> {
+/// Reads a transfer performative: by hand in the encodings peers use, else through fe2o3's
+/// type; `None` if it is not a valid transfer.
+fn parse_transfer(body: &[u8]) -> Option<TransferHead> {
+    parse_transfer_fast(body).or_else(|| {
+        let len = Reader::new(body).skip(0)?.len();
+        let t: Transfer = serde_amqp::from_slice(&body[..len]).ok()?;
+        Some(TransferHead { len, handle: t.handle.0, delivery_id: t.delivery_id, settled: t.settled.unwrap_or(false), more: t.more, aborted: t.aborted })
+    })
+}
+
+fn parse_transfer_fast(body: &[u8]) -> Option<TransferHead> {
     if body.get(..3)? != [0x00, 0x53, TRANSFER] {
         return None;
     }
@@ -386,31 +800,15 @@ fn parse_transfer(body: &[u8]) -> Option<TransferHead<'_>> {
     let end = start.checked_add(size)?;
     let list = body.get(start..end)?;
     let mut r = Reader::new(list);
-    let mut head = TransferHead { len: end, handle: 0, delivery_id: None, tag: None, format_zero: true, more: false, resume: false, aborted: false };
+    let mut head = TransferHead { len: end, handle: 0, delivery_id: None, settled: false, more: false, aborted: false };
     for i in 0..count {
         match i {
             0 => head.handle = r.uint()??,
             1 => head.delivery_id = r.uint()?,
-            2 => {
-                head.tag = match r.u8()? {
-                    0x40 => None,
-                    0xa0 => {
-                        let n = usize::from(r.u8()?);
-                        Some(r.take(n)?)
-                    }
-                    0xb0 => {
-                        let n = u32::from_be_bytes(r.take(4)?.try_into().ok()?) as usize;
-                        Some(r.take(n)?)
-                    }
-                    _ => return None,
-                }
-                .filter(|t| t.len() <= MAX_TAG)
-            }
-            3 => head.format_zero = r.uint()?.unwrap_or(0) == 0,
+            4 => head.settled = r.bool()?,
             5 => head.more = r.bool()?,
-            8 => head.resume = r.bool()?,
             9 => head.aborted = r.bool()?,
-            // settled, rcv-settle-mode, state, batchable: not needed, skipped.
+            // tag, format, rcv-settle-mode, state, resume, batchable: not needed, skipped.
             _ => {
                 r.skip(0)?;
             }
@@ -429,7 +827,6 @@ fn first_uint(list: &[u8]) -> Option<u32> {
     Reader::new(list.get(skip..)?).uint()?
 }
 
-
 // fe2o3 wants its stream `Debug`.
 impl<S> std::fmt::Debug for Tap<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -437,15 +834,28 @@ impl<S> std::fmt::Debug for Tap<S> {
     }
 }
 
-impl<S: AsyncRead + Unpin> AsyncRead for Tap<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Tap<S> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
+        // The tap's own frames go out whenever fe2o3 polls (it always waits to read).
+        this.flush_writes(cx)?;
         loop {
             if !this.out.is_empty() {
                 let n = this.out.len().min(buf.remaining());
                 buf.put_slice(&this.out[..n]);
                 this.out.advance(n);
                 return Poll::Ready(Ok(()));
+            }
+            {
+                let mut t = this.handle.table();
+                if let Some(reason) = &t.failed {
+                    return Poll::Ready(Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("AMQP tap: {reason}"))));
+                }
+                remember(&mut t.conn, cx);
+                if t.bytes >= MAX_BYTES {
+                    // Partitions release bytes, then wake this task.
+                    return Poll::Pending;
+                }
             }
             if this.eof {
                 // A partial frame at the end goes to fe2o3 as it is (it reports the cut).
@@ -476,270 +886,34 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tap<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Tap<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        if this.wout.len() >= WRITE_BOUND {
+            this.flush_writes(cx)?;
+            if this.wout.len() >= WRITE_BOUND {
+                return Poll::Pending;
+            }
+        }
+        this.wraw.extend_from_slice(buf);
+        this.process_writes();
+        this.flush_writes(cx)?;
+        Poll::Ready(Ok(buf.len()))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        this.flush_writes(cx)?;
+        if !this.wout.is_empty() {
+            return Poll::Pending;
+        }
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use fe2o3_amqp::types::definitions::Handle;
-    use fe2o3_amqp::types::performatives::{Begin, Detach, Flow, Transfer};
-    use fe2o3_amqp::types::primitives::Binary;
-    use tokio::io::AsyncReadExt;
-
-    /// A socket that hands its bytes over `chunk` at a time.
-    struct Chunks {
-        bytes: Vec<u8>,
-        pos: usize,
-        chunk: usize,
-    }
-
-    impl AsyncRead for Chunks {
-        fn poll_read(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-            let n = self.chunk.min(self.bytes.len() - self.pos).min(buf.remaining());
-            let pos = self.pos;
-            buf.put_slice(&self.bytes[pos..pos + n]);
-            self.pos += n;
-            Poll::Ready(Ok(()))
+        let this = self.get_mut();
+        this.flush_writes(cx)?;
+        if !this.wout.is_empty() {
+            return Poll::Pending;
         }
-    }
-
-    fn frame(kind: u8, channel: u16, body: &[u8]) -> Vec<u8> {
-        let mut f = Vec::new();
-        f.extend_from_slice(&((8 + body.len()) as u32).to_be_bytes());
-        f.extend_from_slice(&[2, kind]);
-        f.extend_from_slice(&channel.to_be_bytes());
-        f.extend_from_slice(body);
-        f
-    }
-
-    fn transfer(handle: u32, id: Option<u32>, tag: &[u8], more: bool) -> Transfer {
-        Transfer {
-            handle: Handle(handle),
-            delivery_id: id,
-            delivery_tag: id.map(|_| Binary::from(tag.to_vec())),
-            message_format: Some(0),
-            settled: Some(false),
-            more,
-            rcv_settle_mode: None,
-            state: None,
-            resume: false,
-            aborted: false,
-            batchable: false,
-        }
-    }
-
-    fn amqp(performative: &impl serde::Serialize, payload: &[u8], channel: u16) -> Vec<u8> {
-        let mut body = serde_amqp::to_vec(performative).unwrap();
-        body.extend_from_slice(payload);
-        frame(0, channel, &body)
-    }
-
-    fn message(n: u8) -> Vec<u8> {
-        // An application-properties-less message: annotations then a Data body.
-        let mut m = vec![0x00, 0x53, 0x72, 0xc1, 0x0a, 0x02, 0xa3, 0x01, b'k', 0xa1, 0x04, b'v', b'a', b'l', n];
-        m.extend_from_slice(&[0x00, 0x53, 0x75, 0xa0, 0x03, b'{', n, b'}']);
-        m
-    }
-
-    /// Runs `input` through a tap in reads of `chunk` bytes; what fe2o3 reads.
-    fn through(input: &[u8], chunk: usize, handle: &TapHandle) -> Vec<u8> {
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        let mut tap = Tap::new(Chunks { bytes: input.to_vec(), pos: 0, chunk }, handle.clone());
-        let mut out = Vec::new();
-        rt.block_on(tap.read_to_end(&mut out)).unwrap();
-        out
-    }
-
-    fn begin() -> Begin {
-        Begin { remote_channel: Some(1), next_outgoing_id: 0, incoming_window: 100, outgoing_window: 100, handle_max: Handle(u32::MAX), offered_capabilities: None, desired_capabilities: None, properties: None }
-    }
-
-    fn flow() -> Flow {
-        Flow {
-            next_incoming_id: Some(0),
-            incoming_window: 100,
-            next_outgoing_id: 0,
-            outgoing_window: 100,
-            handle: Some(Handle(0)),
-            delivery_count: Some(0),
-            link_credit: Some(300),
-            available: None,
-            drain: false,
-            echo: false,
-            properties: None,
-        }
-    }
-
-    /// A recorded-like session: headers, SASL, begin of an untapped and a tapped session, a
-    /// flow, transfers (single-frame, multi-frame, on the untapped session), a heartbeat.
-    fn stream() -> (Vec<u8>, Vec<u8>) {
-        let mut input = b"AMQP\x03\x01\x00\x00".to_vec();
-        let mut expected = input.clone();
-        let mut both = |i: &[u8], e: &[u8]| {
-            input.extend_from_slice(i);
-            expected.extend_from_slice(e);
-        };
-        let sasl = frame(1, 0, &[0x00, 0x53, 0x40, 0xc0, 0x03, 0x01, 0xe0, 0x00]);
-        both(&sasl, &sasl);
-        both(b"AMQP\x00\x01\x00\x00", b"AMQP\x00\x01\x00\x00");
-        // The control session (channel 0 of the peer) begins before arming: never tapped.
-        let b0 = amqp(&begin(), &[], 0);
-        both(&b0, &b0);
-        let control = amqp(&transfer(0, Some(0), b"c", false), &message(9), 0);
-        both(&control, &control);
-        (input, expected)
-    }
-
-    /// What follows [`stream`] once armed: the receivers' session.
-    fn tapped_stream() -> (Vec<u8>, Vec<u8>) {
-        let (mut input, mut expected) = (Vec::new(), Vec::new());
-        let mut both = |i: &[u8], e: &[u8]| {
-            input.extend_from_slice(i);
-            expected.extend_from_slice(e);
-        };
-        // (arm happens here, see the tests) The receivers' session is the peer's channel 3.
-        let b = amqp(&begin(), &[], 3);
-        both(&b, &b);
-        let f = amqp(&flow(), &[], 3);
-        both(&f, &f);
-        both(&frame(0, 3, &[]), &frame(0, 3, &[])); // heartbeat
-        for id in 0..5u32 {
-            let t = transfer(id % 2, Some(id), &id.to_be_bytes(), false);
-            both(&amqp(&t, &message(id as u8), 3), &amqp(&t, &STUB, 3));
-        }
-        // A message in two frames passes through, both frames.
-        let first = amqp(&transfer(1, Some(5), b"five", true), &message(5)[..6], 3);
-        let mut t2 = transfer(1, None, b"", false);
-        t2.delivery_tag = None;
-        let second = amqp(&t2, &message(5)[6..], 3);
-        both(&first, &first);
-        both(&second, &second);
-        // An aborted transfer, a resumed one, a tag longer than MAX_TAG, another message format.
-        let mut aborted = transfer(0, Some(6), b"six", false);
-        aborted.aborted = true;
-        let mut resumed = transfer(0, Some(7), b"seven", false);
-        resumed.resume = true;
-        let long_tag = transfer(0, Some(8), &[7; 40], false);
-        let mut format = transfer(0, Some(9), b"nine", false);
-        format.message_format = Some(1);
-        for t in [aborted, resumed, long_tag, format] {
-            let f = amqp(&t, &message(6), 3);
-            both(&f, &f);
-        }
-        let t = transfer(0, Some(10), b"ten", false);
-        both(&amqp(&t, &message(10), 3), &amqp(&t, &STUB, 3));
-        (input, expected)
-    }
-
-    #[test]
-    fn fe2o3_sees_the_same_frames_but_tapped_payloads_in_every_split() {
-        let (head, head_expected) = stream();
-        let (rest, rest_expected) = tapped_stream();
-        for chunk in [1, 2, 3, 7, 8, 9, 13, 64, 100, 1000, 1 << 20] {
-            // Armed as hubcast does: after the control session began, before the receivers'
-            // session's begin is sent (so before the peer's answer can arrive).
-            let handle = TapHandle::new();
-            assert!(through(&head, chunk, &handle) == head_expected, "chunk {chunk}");
-            handle.arm(10);
-            assert!(through(&rest, chunk, &handle) == rest_expected, "chunk {chunk}");
-            for id in [0u32, 1, 2, 3, 4] {
-                assert_eq!(handle.take(id, &id.to_be_bytes()).as_deref(), Some(&message(id as u8)[..]), "chunk {chunk} id {id}");
-            }
-            assert_eq!(handle.take(10, b"ten").as_deref(), Some(&message(10)[..]));
-            assert_eq!(handle.take(5, b"five"), None, "multi-frame: fe2o3 decodes it");
-            assert_eq!(handle.held(), 0);
-        }
-    }
-
-    #[test]
-    fn nothing_is_tapped_unless_armed_and_a_wrong_tag_is_no_match() {
-        let (mut all, _) = stream();
-        all.extend(tapped_stream().0);
-        let handle = TapHandle::new();
-        assert!(through(&all, 5, &handle) == all, "not armed: all bytes pass unchanged");
-        assert_eq!(handle.held(), 0);
-
-        let handle = TapHandle::new();
-        handle.arm(10);
-        // Armed from the start: the control session (channel 0) is the tapped one here.
-        let (input, _) = stream();
-        let out = through(&input, 3, &handle);
-        assert_ne!(out, input);
-        assert_eq!(handle.take(0, b"other tag"), None);
-        assert_eq!(handle.held(), 0);
-    }
-
-    #[test]
-    fn a_full_table_passes_transfers_through_and_a_detach_frees_its_link() {
-        let handle = TapHandle::new();
-        handle.arm(0);
-        let mut input = amqp(&begin(), &[], 3);
-        let mut expected = input.clone();
-        // MARGIN payloads fit; the next ones pass through unchanged.
-        for id in 0..(MARGIN as u32 + 3) {
-            let t = transfer(id % 2, Some(id), &id.to_be_bytes(), false);
-            input.extend(amqp(&t, &message(1), 3));
-            expected.extend(if (id as usize) < MARGIN { amqp(&t, &STUB, 3) } else { amqp(&t, &message(1), 3) });
-        }
-        let out = through(&input, 64, &handle);
-        assert!(out == expected);
-        assert_eq!(handle.held(), MARGIN);
-        assert_eq!(handle.passed_full(), 3);
-        // A detach of link 1 frees its payloads (the odd ids).
-        let detach = Detach { handle: Handle(1), closed: true, error: None };
-        let frame = amqp(&detach, &[], 3);
-        assert_eq!(through(&frame, 4, &handle), frame);
-        assert_eq!(handle.held(), MARGIN / 2);
-        assert!(handle.take(1, &1u32.to_be_bytes()).is_none());
-        assert!(handle.take(2, &2u32.to_be_bytes()).is_some());
-    }
-
-    #[test]
-    fn transfer_encodings_the_tap_does_not_read_pass_through_or_turn_it_off() {
-        // The hand reader reads what fe2o3 writes, in both list widths.
-        let t = transfer(70_000, Some(u32::MAX), &[1; 16], false);
-        let encoded = serde_amqp::to_vec(&t).unwrap();
-        let head = parse_transfer(&encoded).unwrap();
-        assert_eq!((head.len, head.handle, head.delivery_id, head.tag), (encoded.len(), 70_000, Some(u32::MAX), Some(&[1u8; 16][..])));
-        let mut wide = transfer(1, Some(2), &[3; 300], true);
-        wide.rcv_settle_mode = Some(fe2o3_amqp::types::definitions::ReceiverSettleMode::Second);
-        wide.state = Some(fe2o3_amqp::types::messaging::DeliveryState::Accepted(fe2o3_amqp::types::messaging::Accepted {}));
-        let encoded = serde_amqp::to_vec(&wide).unwrap();
-        let head = parse_transfer(&encoded).unwrap();
-        assert_eq!((head.len, head.more, head.tag), (encoded.len(), true, None));
-        // A handle encoded as a ulong is not read: the tap turns off, every byte passes.
-        let mut odd = serde_amqp::to_vec(&transfer(0, Some(0), b"t", false)).unwrap();
-        assert_eq!(&odd[..4], &[0x00, 0x53, 0x14, 0xc0]);
-        let pos = 6; // first field: the handle
-        assert_eq!(odd[pos], 0x43);
-        odd[pos] = 0x44; // ulong 0
-        assert!(parse_transfer(&odd).is_none());
-        let handle = TapHandle::new();
-        handle.arm(10);
-        let mut input = amqp(&begin(), &[], 3);
-        let mut body = odd.clone();
-        body.extend(message(1));
-        input.extend(frame(0, 3, &body));
-        input.extend(amqp(&transfer(0, Some(1), b"u", false), &message(2), 3));
-        assert_eq!(through(&input, 2, &handle), input);
-        assert_eq!(handle.held(), 0);
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
