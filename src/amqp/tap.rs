@@ -54,7 +54,7 @@ use std::task::{Context, Poll, Waker};
 use bytes::{Buf, Bytes, BytesMut};
 use fe2o3_amqp::types::definitions::{Handle, Role};
 use fe2o3_amqp::types::messaging::{Accepted, DeliveryState};
-use fe2o3_amqp::types::performatives::{Attach, Begin, Disposition, Flow, Transfer};
+use fe2o3_amqp::types::performatives::{Attach, Begin, Disposition, Flow};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::reader::Reader;
@@ -771,17 +771,9 @@ struct TransferHead {
     aborted: bool,
 }
 
-/// Reads a transfer performative: by hand in the encodings peers use, else through fe2o3's
-/// type; `None` if it is not a valid transfer.
+/// Reads a transfer performative (either list width, every encoding of its fields); `None`
+/// if it is not a valid transfer.
 fn parse_transfer(body: &[u8]) -> Option<TransferHead> {
-    parse_transfer_fast(body).or_else(|| {
-        let len = Reader::new(body).skip(0)?.len();
-        let t: Transfer = serde_amqp::from_slice(&body[..len]).ok()?;
-        Some(TransferHead { len, handle: t.handle.0, delivery_id: t.delivery_id, settled: t.settled.unwrap_or(false), more: t.more, aborted: t.aborted })
-    })
-}
-
-fn parse_transfer_fast(body: &[u8]) -> Option<TransferHead> {
     if body.get(..3)? != [0x00, 0x53, TRANSFER] {
         return None;
     }
@@ -915,5 +907,354 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tap<S> {
             return Poll::Pending;
         }
         Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fe2o3_amqp::types::definitions::{ReceiverSettleMode, SenderSettleMode};
+    use fe2o3_amqp::types::performatives::{Detach, Transfer};
+    use fe2o3_amqp::types::primitives::Binary;
+    use std::collections::VecDeque;
+
+    /// A socket: reads hand over what the test queued, `chunk` bytes at a time (pending
+    /// when empty); writes are kept.
+    struct Socket {
+        input: VecDeque<u8>,
+        chunk: usize,
+        written: Vec<u8>,
+    }
+
+    impl AsyncRead for Socket {
+        fn poll_read(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+            if self.input.is_empty() {
+                return Poll::Pending;
+            }
+            let n = self.chunk.min(self.input.len()).min(buf.remaining());
+            let bytes: Vec<u8> = self.input.drain(..n).collect();
+            buf.put_slice(&bytes);
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl AsyncWrite for Socket {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+            self.written.extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// fe2o3's side of a tapped socket.
+    struct Fe2o3 {
+        tap: Tap<Socket>,
+        handle: TapHandle,
+    }
+
+    impl Fe2o3 {
+        fn new(chunk: usize) -> Self {
+            let handle = TapHandle::new();
+            Fe2o3 { tap: Tap::new(Socket { input: VecDeque::new(), chunk, written: Vec::new() }, handle.clone()), handle }
+        }
+
+        /// The peer sends `bytes`; what fe2o3 reads of them.
+        fn peer_sends(&mut self, bytes: &[u8]) -> Vec<u8> {
+            self.tap.inner.input.extend(bytes);
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut got = Vec::new();
+            let mut buf = [0u8; 100];
+            loop {
+                let mut rb = ReadBuf::new(&mut buf);
+                match Pin::new(&mut self.tap).poll_read(&mut cx, &mut rb) {
+                    Poll::Ready(Ok(())) if rb.filled().is_empty() => break,
+                    Poll::Ready(Ok(())) => got.extend_from_slice(rb.filled()),
+                    Poll::Ready(Err(e)) => panic!("read failed: {e}"),
+                    Poll::Pending => break,
+                }
+            }
+            got
+        }
+
+        /// fe2o3 writes `bytes` (in pieces of 3) and flushes; what reaches the peer since the
+        /// last call.
+        fn writes(&mut self, bytes: &[u8]) -> Vec<u8> {
+            let mut cx = Context::from_waker(Waker::noop());
+            for piece in bytes.chunks(3) {
+                assert!(matches!(Pin::new(&mut self.tap).poll_write(&mut cx, piece), Poll::Ready(Ok(3 | 2 | 1))));
+            }
+            assert!(matches!(Pin::new(&mut self.tap).poll_flush(&mut cx), Poll::Ready(Ok(()))));
+            std::mem::take(&mut self.tap.inner.written)
+        }
+    }
+
+    fn frame(channel: u16, body: &[u8]) -> Vec<u8> {
+        let mut f = Vec::new();
+        f.extend_from_slice(&((8 + body.len()) as u32).to_be_bytes());
+        f.extend_from_slice(&[2, 0]);
+        f.extend_from_slice(&channel.to_be_bytes());
+        f.extend_from_slice(body);
+        f
+    }
+
+    fn amqp(performative: &impl serde::Serialize, payload: &[u8], channel: u16) -> Vec<u8> {
+        let mut body = serde_amqp::to_vec(performative).unwrap();
+        body.extend_from_slice(payload);
+        frame(channel, &body)
+    }
+
+    /// The performatives of a run of frames (with their channel), decoded.
+    fn frames(mut bytes: &[u8]) -> Vec<(u16, Vec<u8>)> {
+        let mut out = Vec::new();
+        while bytes.len() >= 8 {
+            let size = u32::from_be_bytes(bytes[..4].try_into().unwrap()) as usize;
+            let doff = usize::from(bytes[4]) * 4;
+            out.push((u16::from_be_bytes([bytes[6], bytes[7]]), bytes[doff..size].to_vec()));
+            bytes = &bytes[size..];
+        }
+        assert!(bytes.is_empty(), "whole frames only");
+        out
+    }
+
+    fn transfer(handle: u32, id: Option<u32>, settled: bool, more: bool) -> Transfer {
+        Transfer {
+            handle: Handle(handle),
+            delivery_id: id,
+            delivery_tag: id.map(|i| Binary::from(i.to_be_bytes().to_vec())),
+            message_format: id.map(|_| 0),
+            settled: Some(settled),
+            more,
+            rcv_settle_mode: None,
+            state: None,
+            resume: false,
+            aborted: false,
+            batchable: false,
+        }
+    }
+
+    fn begin(remote: Option<u16>, next_outgoing_id: u32) -> Begin {
+        Begin { remote_channel: remote, next_outgoing_id, incoming_window: 5000, outgoing_window: 5000, handle_max: Handle(u32::MAX), offered_capabilities: None, desired_capabilities: None, properties: None }
+    }
+
+    fn attach(name: &str, handle: u32, role: Role, initial: Option<u32>) -> Attach {
+        Attach {
+            name: name.into(),
+            handle: Handle(handle),
+            role,
+            snd_settle_mode: SenderSettleMode::Mixed,
+            rcv_settle_mode: ReceiverSettleMode::First,
+            source: None,
+            target: None,
+            unsettled: None,
+            incomplete_unsettled: false,
+            initial_delivery_count: initial,
+            max_message_size: None,
+            offered_capabilities: None,
+            desired_capabilities: None,
+            properties: None,
+        }
+    }
+
+    fn flow(handle: Option<u32>, delivery_count: Option<u32>, credit: Option<u32>, next_incoming_id: Option<u32>) -> Flow {
+        Flow {
+            next_incoming_id,
+            incoming_window: 5000,
+            next_outgoing_id: 1,
+            outgoing_window: 5000,
+            handle: handle.map(Handle),
+            delivery_count,
+            link_credit: credit,
+            available: None,
+            drain: false,
+            echo: false,
+            properties: None,
+        }
+    }
+
+    fn message(n: u8, len: usize) -> Vec<u8> {
+        let mut m = vec![0x00, 0x53, 0x75, 0xb0];
+        m.extend_from_slice(&(len as u32).to_be_bytes());
+        m.extend(std::iter::repeat_n(n, len));
+        m
+    }
+
+    /// A connection up to a served link: fe2o3's session on channel 1 (the peer's 3), link
+    /// `p0` our handle 0, the peer's handle 5, the sender's delivery-count from 10, credit 4.
+    fn served(chunk: usize, max_message: usize) -> (Fe2o3, OwnedLink) {
+        let mut c = Fe2o3::new(chunk);
+        // The control session begins before arming: never served.
+        let head = [b"AMQP\x00\x01\x00\x00".to_vec(), amqp(&begin(None, 0), &[], 0)].concat();
+        assert_eq!(c.writes(&head), head);
+        c.handle.arm(max_message);
+        let ours = [amqp(&begin(None, 7), &[], 1), amqp(&attach("p0", 0, Role::Receiver, None), &[], 1)].concat();
+        assert_eq!(c.writes(&ours), ours, "begin and attach pass unchanged");
+        let peer = [
+            b"AMQP\x00\x01\x00\x00".to_vec(),
+            amqp(&begin(Some(0), 0), &[], 0),
+            amqp(&begin(Some(1), 100), &[], 3),
+            amqp(&attach("p0", 5, Role::Sender, Some(10)), &[], 3),
+        ]
+        .concat();
+        assert_eq!(c.peer_sends(&peer), peer, "fe2o3 sees the handshake as sent");
+        // fe2o3's first flow: its counters are right so far, and it sets the credit kept.
+        let written = c.writes(&amqp(&flow(Some(0), Some(10), Some(4), Some(100)), &[], 1));
+        assert_eq!(frames(&written), frames(&amqp(&flow(Some(0), Some(10), Some(4), Some(100)), &[], 1)));
+        let link = c.handle.link("p0").expect("served");
+        assert_eq!(link.credit(), 4);
+        (c, link)
+    }
+
+    fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> T {
+        serde_amqp::from_slice(body).unwrap()
+    }
+
+    #[test]
+    fn a_served_links_messages_settlement_and_credit_in_every_split() {
+        for chunk in [1, 2, 3, 7, 8, 9, 13, 64, 100, 1000, 1 << 20] {
+            let (mut c, link) = served(chunk, 1 << 20);
+            let control = amqp(&transfer(0, Some(0), true, false), &message(9, 3), 0);
+            let heartbeat = frame(3, &[]);
+            let input = [
+                amqp(&transfer(5, Some(0), false, false), &message(0, 10), 3),
+                // Delivery 1 in two frames (the second without id).
+                amqp(&transfer(5, Some(1), false, true), &message(1, 70)[..30], 3),
+                heartbeat.clone(),
+                amqp(&transfer(5, None, false, false), &message(1, 70)[30..], 3),
+                control.clone(),
+                amqp(&transfer(5, Some(2), true, false), &message(2, 5), 3),
+                amqp(&transfer(5, Some(3), false, false), &message(3, 0), 3),
+            ]
+            .concat();
+            assert_eq!(c.peer_sends(&input), [heartbeat, control].concat(), "chunk {chunk}: fe2o3 sees none of the link's transfers");
+            let mut got = Vec::new();
+            assert_eq!(link.try_recv(&mut got, 10), 4);
+            let ids: Vec<(u32, bool)> = got.iter().map(|d| (d.id, d.settled)).collect();
+            assert_eq!(ids, [(0, false), (1, false), (2, true), (3, false)]);
+            for (d, (n, len)) in got.iter().zip([(0, 10), (1, 70), (2, 5), (3, 0)]) {
+                assert_eq!(d.message.as_deref().unwrap(), &message(n, len)[..], "chunk {chunk}");
+            }
+            assert_eq!(link.credit(), 0, "four deliveries used the four credits");
+            assert_eq!(c.handle.bytes(), got.iter().map(Delivery::len).sum::<usize>());
+            link.done(&got);
+            assert_eq!(c.handle.bytes(), 0);
+            // Written between fe2o3's frames: two runs accepted, then the credit again, with
+            // the session's next-incoming-id past the five transfer frames.
+            let out = frames(&c.writes(&[]));
+            assert_eq!(out.len(), 3, "{out:?}");
+            let (d1, d2): (Disposition, Disposition) = (decode(&out[0].1), decode(&out[1].1));
+            assert_eq!((d1.first, d1.last, d1.settled, d1.role), (0, Some(1), true, Role::Receiver));
+            assert_eq!((d2.first, d2.last), (3, None));
+            assert!(matches!(d1.state, Some(DeliveryState::Accepted(_))));
+            let f: Flow = decode(&out[2].1);
+            assert_eq!((out[2].0, f.handle.map(|h| h.0), f.delivery_count, f.link_credit, f.next_incoming_id), (1, Some(0), Some(14), Some(4), Some(105)));
+            assert_eq!(link.credit(), 4);
+            // fe2o3's own flows carry its stale counters: rewritten.
+            let out = frames(&c.writes(&amqp(&flow(Some(0), Some(10), Some(4), Some(100)), &[], 1)));
+            let f: Flow = decode(&out[0].1);
+            assert_eq!((f.delivery_count, f.link_credit, f.next_incoming_id), (Some(14), Some(4), Some(105)));
+        }
+    }
+
+    #[test]
+    fn credit_is_granted_again_once_half_is_free_and_held_messages_count() {
+        let (mut c, link) = served(64, 1 << 20);
+        let input: Vec<u8> = (0..3).flat_map(|i| amqp(&transfer(5, Some(i), true, false), &message(i as u8, 4), 3)).collect();
+        c.peer_sends(&input);
+        let mut got = Vec::new();
+        link.try_recv(&mut got, 1);
+        assert_eq!(got.len(), 1);
+        link.done(&got);
+        assert!(c.writes(&[]).is_empty(), "one credit left and two held: no flow for one more");
+        let mut rest = Vec::new();
+        link.try_recv(&mut rest, 10);
+        link.done(&rest);
+        let out = frames(&c.writes(&[]));
+        let f: Flow = decode(&out[0].1);
+        assert_eq!((f.delivery_count, f.link_credit), (Some(13), Some(4)), "nothing settled: all pre-settled; {out:?}");
+        assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn the_peers_link_flows_reach_fe2o3_as_session_flows_and_echo_is_answered() {
+        let (mut c, _link) = served(5, 1 << 20);
+        let mut peer = flow(Some(5), Some(10), Some(0), Some(1));
+        peer.echo = true;
+        peer.available = Some(7);
+        let seen = frames(&c.peer_sends(&amqp(&peer, &[], 3)));
+        let f: Flow = decode(&seen[0].1);
+        assert_eq!((f.handle, f.delivery_count, f.link_credit, f.available, f.echo), (None, None, None, None, false));
+        assert_eq!((f.next_outgoing_id, f.incoming_window), (1, 5000), "the session fields stay");
+        let out = frames(&c.writes(&[]));
+        let answer: Flow = decode(&out[0].1);
+        assert_eq!((answer.handle.map(|h| h.0), answer.delivery_count, answer.link_credit), (Some(0), Some(10), Some(4)));
+    }
+
+    #[test]
+    fn a_message_over_the_bound_is_reported_by_size_and_a_detach_ends_the_link() {
+        let (mut c, link) = served(1000, 0);
+        let big = message(1, SECTION_SLACK);
+        let input = [
+            amqp(&transfer(5, Some(0), true, false), &big, 3),
+            amqp(&transfer(5, Some(1), true, true), &big[..40_000], 3),
+            amqp(&transfer(5, None, true, false), &big[40_000..], 3),
+            amqp(&transfer(5, Some(2), true, false), &message(2, 3), 3),
+            amqp(&Detach { handle: Handle(5), closed: true, error: None }, &[], 3),
+        ]
+        .concat();
+        c.peer_sends(&input);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let mut got = Vec::new();
+        assert!(rt.block_on(link.recv(&mut got, 10)));
+        let sizes: Vec<Result<usize, usize>> = got.iter().map(|d| d.message.as_ref().map(Bytes::len).map_err(|s| *s)).collect();
+        assert_eq!(sizes, [Err(big.len()), Err(big.len()), Ok(message(2, 3).len())]);
+        assert_eq!(c.handle.bytes(), message(2, 3).len());
+        assert!(!rt.block_on(link.recv(&mut got, 10)), "detached once drained");
+    }
+
+    #[test]
+    fn a_broken_transfer_on_the_served_session_fails_the_connection() {
+        let (mut c, _link) = served(1000, 1 << 20);
+        c.tap.inner.input.extend(frame(3, &[0x00, 0x53, TRANSFER, 0x45]));
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut buf = [0u8; 64];
+        let mut rb = ReadBuf::new(&mut buf);
+        match Pin::new(&mut c.tap).poll_read(&mut cx, &mut rb) {
+            Poll::Ready(Err(e)) => assert!(e.to_string().contains("transfer"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn transfer_encodings_peers_write_are_read_and_invalid_ones_refused() {
+        let t = transfer(70_000, Some(u32::MAX), true, false);
+        let encoded = serde_amqp::to_vec(&t).unwrap();
+        let head = parse_transfer(&encoded).unwrap();
+        assert_eq!((head.len, head.handle, head.delivery_id, head.settled), (encoded.len(), 70_000, Some(u32::MAX), true));
+        let mut wide = transfer(1, Some(2), false, true);
+        wide.delivery_tag = Some(Binary::from(vec![3; 300]));
+        wide.rcv_settle_mode = Some(ReceiverSettleMode::Second);
+        wide.state = Some(DeliveryState::Accepted(Accepted {}));
+        let encoded = serde_amqp::to_vec(&wide).unwrap();
+        let head = parse_transfer(&encoded).unwrap();
+        assert_eq!((head.len, head.more, head.settled), (encoded.len(), true, false));
+        // A delivery id as a ulong is not a valid transfer (it is a uint): refused.
+        let mut odd = serde_amqp::to_vec(&transfer(0, Some(0), false, false)).unwrap();
+        assert_eq!(&odd[..4], &[0x00, 0x53, 0x14, 0xc0]);
+        assert_eq!(odd[7], 0x43, "the delivery id, uint 0");
+        odd[7] = 0x44; // ulong 0
+        assert!(parse_transfer(&odd).is_none());
+        // A list32 with a 4-byte uint handle, as another peer may write it: read by hand.
+        let mut long = vec![0x00, 0x53, 0x14, 0xd0];
+        let fields = [0x70, 0, 0, 0, 9, 0x52, 4, 0xa0, 1, 7];
+        long.extend_from_slice(&((fields.len() + 4) as u32).to_be_bytes());
+        long.extend_from_slice(&3u32.to_be_bytes());
+        long.extend_from_slice(&fields);
+        let head = parse_transfer(&long).unwrap();
+        assert_eq!((head.len, head.handle, head.delivery_id), (long.len(), 9, Some(4)));
     }
 }
