@@ -103,8 +103,8 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(0..=1_000))]
     pub event_hub_linger_ms: u64,
 
-    /// Take each device message's bytes off the wire under fe2o3 and read the fields hubcast
-    /// uses from them (src/amqp/tap.rs), instead of fe2o3 decoding every message whole. false: fe2o3 decodes all.
+    /// Serve the receivers' links from the wire under fe2o3 (src/amqp/tap.rs): messages' bytes
+    /// go straight to the partitions, the tap settles and grants credit. false: fe2o3 receives and decodes all.
     #[arg(long = "event-hub-read-raw", env = "EVENT_HUB_READ_RAW", default_value_t = true,
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     pub event_hub_read_raw: bool,

@@ -244,7 +244,7 @@ pub async fn core_task(
     let ingress = core.queues.borrow().as_ref().map(|(_, ingress)| ingress.clone());
     if let Some(ingress) = ingress {
         let mut applied = 0;
-        while let Ok(batch) = ingress.try_recv() {
+        while let Some(batch) = ingress.try_recv() {
             applied += batch.messages.len();
             crate::app::ingress::apply(&core, batch);
         }

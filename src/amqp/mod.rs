@@ -14,8 +14,8 @@
 //! - [`connect`]: endpoints, TLS, SASL, the IoT Hub redirect, `$cbs` and `$management`;
 //! - [`partition`]: one partition's receive loop, flow control and position;
 //! - [`map`]: AMQP message → [`crate::ingest::IngestMessage`];
-//! - [`tap`]: under fe2o3, takes each device message's bytes off the wire
-//!   (`--event-hub-read-raw`), so fe2o3 does not decode it whole;
+//! - [`tap`]: under fe2o3, serves the receivers' links from the wire (messages, settlement,
+//!   credit; `--event-hub-read-raw`), so fe2o3 neither moves nor decodes each delivery;
 //! - [`encoded`]: the fields hubcast uses, read straight from a message's encoded bytes;
 //! - [`sas`]: SAS tokens.
 
@@ -67,7 +67,7 @@ pub struct Stats {
     pub handoffs: AtomicU64,
     /// Messages read from their bytes as taken off the wire by the tap ([`tap`]).
     pub raw_reads: AtomicU64,
-    /// Messages fe2o3 decoded whole (the tap off, or a delivery it passed through).
+    /// Messages fe2o3 decoded whole (the tap off, or a link it does not serve).
     pub decoded_reads: AtomicU64,
 }
 
@@ -108,7 +108,7 @@ impl Stats {
             ),
             (
                 "hubcast_amqp_decoded_reads_total",
-                "Event stream messages decoded whole by fe2o3 (--event-hub-read-raw false, or passed through by the tap).",
+                "Event stream messages decoded whole by fe2o3 (--event-hub-read-raw false, or a link the tap does not serve).",
                 get(&self.decoded_reads),
             ),
             (
@@ -164,7 +164,7 @@ pub struct Plan {
     /// While a partition is busy, at most one hand-off to the cores per this long
     /// (`--event-hub-linger-ms`; see [`partition::HandOff`]).
     pub linger: Duration,
-    /// `--event-hub-read-raw`: device messages taken off the wire under fe2o3 ([`tap`]).
+    /// `--event-hub-read-raw`: the receivers' links served from the wire under fe2o3 ([`tap`]).
     pub read_raw: bool,
     pub map: MapSettings,
     /// Roots trusted for amqps (public web roots, plus `--event-hub-ca-file`).

@@ -1,7 +1,7 @@
 //! One receiver per partition: attach with a start position, receive, hand batches to the
 //! cores, remember how far it got.
 //!
-//! **Flow control.** The link runs with `prefetch` credit, refilled by fe2o3 as deliveries
+//! **Flow control.** The link runs with `prefetch` credit, refilled by the tap (or fe2o3) as deliveries
 //! are accepted. A batch is accepted only after [`Ingress::send`] returned, and that waits
 //! while an owning core's queue is full. So a slow core stops the credit, the broker stops
 //! sending, and at most `prefetch` messages per partition wait in memory.
@@ -14,7 +14,7 @@
 //! `linger` after that hand-off before handing over: while busy, at most one hand-off per
 //! `linger` per partition. A partition whose previous hand-off is older (a quiet or slow
 //! stream) hands over what it has at once: no added latency. The linger ends early when the
-//! batch reaches [`MAX_BATCH`] messages, or half the link credit (fe2o3 grants new credit
+//! batch reaches [`MAX_BATCH`] messages, or half the link credit (new credit is granted
 //! once half of it was accepted, and nothing is accepted while lingering: holding more would
 //! wait for messages the credit forbids), or the credit is used up, or the link fails. Bounds:
 //! at most `min(MAX_BATCH, prefetch)` messages of `maxMessageBytes` each per hand-off, and

@@ -7,6 +7,8 @@
 
 use std::rc::Rc;
 
+use futures_util::task::AtomicWaker;
+
 use crate::ingest::IngestMessage;
 use crate::runtime::routing::core_of_device;
 use crate::app::Core;
@@ -17,6 +19,9 @@ pub const QUEUE_BATCHES: usize = 64;
 #[derive(Clone)]
 pub struct Ingress {
     queues: Vec<async_channel::Sender<IngressBatch>>,
+    /// Per core: the ingress task resting after a long turn (see [`serve`]), woken by the
+    /// next batch sent to it.
+    kicks: Vec<std::sync::Arc<AtomicWaker>>,
     /// With a durable store: the source's key prefix and the positions stored for it.
     source: Option<std::sync::Arc<SourcePositions>>,
 }
@@ -49,12 +54,44 @@ pub struct SourcePositions {
     pub resume: std::collections::HashMap<String, i64>,
 }
 
-pub type IngressQueue = async_channel::Receiver<IngressBatch>;
+/// One core's end of the ingress.
+#[derive(Clone)]
+pub struct IngressQueue {
+    rx: async_channel::Receiver<IngressBatch>,
+    kick: std::sync::Arc<AtomicWaker>,
+}
+
+impl IngressQueue {
+    /// Batches waiting.
+    pub fn len(&self) -> usize {
+        self.rx.len()
+    }
+
+    /// A waiting batch, without waiting (shutdown drains the queue with it).
+    pub fn try_recv(&self) -> Option<IngressBatch> {
+        self.rx.try_recv().ok()
+    }
+}
 
 impl Ingress {
     pub fn new(cores: usize) -> (Self, Vec<IngressQueue>) {
-        let (senders, receivers) = (0..cores).map(|_| async_channel::bounded(QUEUE_BATCHES)).unzip();
-        (Self { queues: senders, source: None }, receivers)
+        let (mut senders, mut queues, mut kicks) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..cores {
+            let (tx, rx) = async_channel::bounded(QUEUE_BATCHES);
+            let kick = std::sync::Arc::new(AtomicWaker::new());
+            senders.push(tx);
+            kicks.push(kick.clone());
+            queues.push(IngressQueue { rx, kick });
+        }
+        (Self { queues: senders, kicks, source: None }, queues)
+    }
+
+    /// Queues `batch` for `core`, waiting while its queue is full; wakes its ingress task if
+    /// it rests.
+    async fn put(&self, core: usize, batch: IngressBatch) -> bool {
+        let ok = self.queues[core].send(batch).await.is_ok();
+        self.kicks[core].wake();
+        ok
     }
 
     /// Turns on position marks (a durable store runs).
@@ -93,7 +130,7 @@ impl Ingress {
         let mut ok = true;
         for (core, (messages, seqs)) in per_core.into_iter().enumerate() {
             let mark = Some(Mark { key: key.clone(), upto, seqs });
-            ok &= self.queues[core].send(IngressBatch { messages, mark }).await.is_ok();
+            ok &= self.put(core, IngressBatch { messages, mark }).await;
         }
         ok
     }
@@ -109,7 +146,7 @@ impl Ingress {
 
     /// Hands a batch to one core (every message must belong to it); waits while it is full.
     pub async fn send_to_core(&self, core: usize, batch: Vec<IngestMessage>) -> bool {
-        self.queues[core].send(IngressBatch { messages: batch, mark: None }).await.is_ok()
+        self.put(core, IngressBatch { messages: batch, mark: None }).await
     }
 
     /// Routes a batch to the owning cores; waits while any of them is full.
@@ -132,14 +169,73 @@ impl Ingress {
     }
 }
 
+/// Longest the core applies ingress batches without resting (see [`serve`]).
+pub const INGRESS_TURN: std::time::Duration = std::time::Duration::from_millis(20);
+/// Longest rest: a timer (the driver's granularity), in case no batch comes.
+const INGRESS_REST: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Drains this core's ingress queue.
+///
+/// **Fairness.** While the source keeps the queue non-empty (an AMQP consumer faster than the
+/// core), `recv` never waits, and without more this task would run alone: the core's sockets
+/// and every wake-up from another thread would wait until the queue ran dry (measured: HTTP
+/// requests unanswered for over 10 s while the served AMQP links saturated a pinned core).
+/// So after each batch it yields (monoio then runs the other ready tasks and reaps I/O
+/// completions), and after [`INGRESS_TURN`] of back-to-back batches it rests: it waits to be
+/// woken from another thread, by the next batch sent to it (or a 1 ms timer,
+/// [`INGRESS_REST`]). Its ready queue empty, monoio parks and takes in every wake-up from
+/// other threads (cross-core messages, replies), then the next batch's wake-up resumes it:
+/// a rest costs a park and a cross-thread wake-up, once per turn, and a cross-thread wake-up
+/// waits at most a turn (20 ms) while the core is saturated by ingress.
 pub async fn serve(core: Rc<Core>, queue: IngressQueue) {
-    while let Ok(batch) = queue.recv().await {
+    let mut busy_since: Option<std::time::Instant> = None;
+    while let Ok(batch) = queue.rx.recv().await {
         // While this core's cross-core backlog is over its bound, batches stay in the queue;
         // once it is full `Ingress::send` waits, and so does the AMQP link's credit.
         core.mesh.wait_for_room().await;
         apply(&core, batch);
+        if queue.rx.is_empty() {
+            // The next recv waits: the core parks.
+            busy_since = None;
+            continue;
+        }
+        let now = std::time::Instant::now();
+        if now.duration_since(*busy_since.get_or_insert(now)) >= INGRESS_TURN {
+            rest(&queue.kick).await;
+            busy_since = None;
+        } else {
+            yield_now().await;
+        }
     }
+}
+
+/// Waits for the first wake-up after this: `kick` (the next batch sent), or the timer.
+async fn rest(kick: &AtomicWaker) {
+    let mut timer = std::pin::pin!(monoio::time::sleep(INGRESS_REST));
+    let mut waited = false;
+    std::future::poll_fn(|cx| {
+        if waited {
+            return std::task::Poll::Ready(());
+        }
+        waited = true;
+        kick.register(cx.waker());
+        std::future::Future::poll(timer.as_mut(), cx)
+    })
+    .await
+}
+
+/// Returns to the runtime once, ready to run again at once.
+async fn yield_now() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return std::task::Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await
 }
 
 /// Applies one batch from the ingress queue (with its position mark, if any).
