@@ -188,12 +188,17 @@ const INGRESS_REST: std::time::Duration = std::time::Duration::from_millis(1);
 /// a rest costs a park and a cross-thread wake-up, once per turn, and a cross-thread wake-up
 /// waits at most a turn (20 ms) while the core is saturated by ingress.
 pub async fn serve(core: Rc<Core>, queue: IngressQueue) {
+    // While this core's cross-core backlog is over its bound, batches stay in the queue;
+    // once it is full `Ingress::send` waits, and so does the AMQP link's credit.
+    drain(&queue, || core.mesh.wait_for_room(), |batch| apply(&core, batch)).await
+}
+
+/// [`serve`]'s loop and its fairness, apart from what a batch does.
+async fn drain<W: std::future::Future<Output = ()>>(queue: &IngressQueue, mut room: impl FnMut() -> W, mut apply: impl FnMut(IngressBatch)) {
     let mut busy_since: Option<std::time::Instant> = None;
     while let Ok(batch) = queue.rx.recv().await {
-        // While this core's cross-core backlog is over its bound, batches stay in the queue;
-        // once it is full `Ingress::send` waits, and so does the AMQP link's credit.
-        core.mesh.wait_for_room().await;
-        apply(&core, batch);
+        room().await;
+        apply(batch);
         if queue.rx.is_empty() {
             // The next recv waits: the core parks.
             busy_since = None;
@@ -243,5 +248,70 @@ pub fn apply(core: &Rc<Core>, batch: IngressBatch) {
     match batch.mark {
         None => core.ingest_local(batch.messages),
         Some(mark) => core.ingest_marked(batch.messages, mark),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// A core whose ingress queue a faster source keeps full still takes in a wake-up from
+    /// another thread (what cross-core messages and replies are) while the flood goes on.
+    #[test]
+    fn a_flooded_core_still_takes_wake_ups_from_other_threads() {
+        let (ingress, mut queues) = Ingress::new(1);
+        let queue = queues.pop().unwrap();
+        let flooding = Arc::new(AtomicBool::new(true));
+        let sent = Arc::new(AtomicUsize::new(0));
+        // The source: empty batches as fast as the queue takes them, for at most 5 s.
+        let source = {
+            let (flooding, sent) = (flooding.clone(), sent.clone());
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+                rt.block_on(async {
+                    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                    let wait = std::time::Duration::from_millis(50);
+                    while std::time::Instant::now() < end && flooding.load(Ordering::SeqCst) {
+                        // Bounded: once the test is done nothing drains the queue.
+                        if tokio::time::timeout(wait, ingress.send_to_core(0, Vec::new())).await.is_ok() {
+                            sent.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    flooding.store(false, Ordering::SeqCst);
+                });
+            })
+        };
+        // Another thread wakes a task of the core once the flood is on (the queue filled).
+        let (tx, rx) = futures_channel::oneshot::channel::<()>();
+        let prober = {
+            let sent = sent.clone();
+            std::thread::spawn(move || {
+                while sent.load(Ordering::SeqCst) < 4 * QUEUE_BATCHES {
+                    std::thread::yield_now();
+                }
+                let _ = tx.send(());
+            })
+        };
+        let mut rt = monoio::RuntimeBuilder::<monoio::FusionDriver>::new().enable_timer().build().unwrap();
+        let seen_while_flooding = rt.block_on(async {
+            // The core is slower than the source (even unoptimized): 200 µs per batch.
+            let apply = |_batch: IngressBatch| {
+                let t = std::time::Instant::now();
+                while t.elapsed() < std::time::Duration::from_micros(200) {
+                    std::hint::spin_loop();
+                }
+            };
+            let drainer = monoio::spawn(async move { drain(&queue, || async {}, apply).await });
+            rx.await.unwrap();
+            let during = flooding.load(Ordering::SeqCst);
+            flooding.store(false, Ordering::SeqCst);
+            drop(drainer);
+            during
+        });
+        source.join().unwrap();
+        prober.join().unwrap();
+        assert!(seen_while_flooding, "the wake-up was taken in only once the flood stopped");
     }
 }
