@@ -213,3 +213,20 @@ fn messages_read_off_the_wire_arrive_intact() {
 fn messages_decoded_by_fe2o3_arrive_intact() {
     assert_eq!(messages_arrive_intact("false"), (0.0, (200 + 2) as f64));
 }
+
+/// A partition link the hub detaches with an error: hubcast logs the hub's reason (fe2o3's
+/// error, also when the tap serves the link), reconnects and reads on.
+#[test]
+fn a_partition_link_detached_with_an_error_logs_the_reason_and_reconnects() {
+    let hub = FakeHub::start(&["0"], FakeAuth::Plain);
+    let server = gateway(&hub, &[]);
+    hub.publish("0", NewEvent::telemetry("stolen-1", json!({"n": 1})));
+    wait_for_ok(&server, "/lastValue/stolen-1/n", |v| v["data"]["n"] == json!(1));
+    hub.detach_partition_links(1, "receiver epoch 7 took the partition");
+    let line = server
+        .wait_for_stderr(WAIT, |l| l.contains("receiver epoch 7 took the partition"))
+        .unwrap_or_else(|| panic!("no log line names the hub's reason: {:?}", server.stderr_lines()));
+    assert!(line.contains("WARN") && line.contains("partition 0"), "{line}");
+    hub.publish("0", NewEvent::telemetry("stolen-1", json!({"n": 2})));
+    wait_for_ok(&server, "/lastValue/stolen-1/n", |v| v["data"]["n"] == json!(2));
+}

@@ -138,11 +138,21 @@ async fn recv(receiver: &mut Receiver, tapped: Option<&OwnedLink>, got: &mut Vec
             Err(e) => Err(e.to_string()),
         }
     };
+    tokio::pin!(fe2o3);
     match tapped {
         Some(link) => tokio::select! {
             biased;
-            open = link.recv(from_tap, max) => if open { Ok(()) } else { Err("link detached".into()) },
-            r = fe2o3 => r.map(|d| got.push(d)),
+            open = link.recv(from_tap, max) => if open {
+                Ok(())
+            } else {
+                // fe2o3 reads the same `detach` right after the tap: its error names the
+                // broker's reason (an `amqp:link:*` condition and description), if any.
+                match tokio::time::timeout(Duration::from_secs(1), &mut fe2o3).await {
+                    Ok(Err(e)) => Err(e),
+                    _ => Err("link detached".into()),
+                }
+            },
+            r = &mut fe2o3 => r.map(|d| got.push(d)),
         },
         None => fe2o3.await.map(|d| got.push(d)),
     }

@@ -346,6 +346,8 @@ struct State {
     conns: HashMap<u64, std::sync::Weak<Conn>>,
     /// Misbehave like a broker that ignores the resume position: start every link at 0.
     replay: bool,
+    /// Detach this many partition links with an error (the description given).
+    detach_links: Option<(usize, String)>,
     /// Drop the connection, and refuse new ones, at the first partition READ on `$management`
     /// after a partition link attached (a lag measurement), leaving it unanswered.
     drop_at_lag_read: bool,
@@ -402,6 +404,7 @@ impl FakeHub {
                 drop_after: None,
                 conns: HashMap::new(),
                 replay: false,
+                detach_links: None,
                 drop_at_lag_read: false,
             }),
             changed: tokio::sync::Notify::new(),
@@ -526,6 +529,13 @@ impl FakeHub {
     /// connection is closed (FIN), and new connections are refused.
     pub fn drop_at_lag_read(&self) {
         self.inner.state.lock().unwrap().drop_at_lag_read = true;
+    }
+
+    /// The next `n` partition links to look detach with `amqp:link:stolen` and `description`
+    /// (as Event Hubs does when another receiver takes the partition).
+    pub fn detach_partition_links(&self, n: usize, description: &str) {
+        self.inner.state.lock().unwrap().detach_links = Some((n, description.to_string()));
+        self.inner.changed.notify_waiters();
     }
 
     /// While set, every partition link starts at the first event, whatever its filter says.
@@ -802,6 +812,20 @@ async fn serve_outgoing(inner: Arc<Inner>, conn: Arc<Conn>, mut sender: Sender) 
         let notified = inner.changed.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
+        let stolen = {
+            let mut state = inner.state.lock().unwrap();
+            match state.detach_links.as_mut() {
+                Some((n, description)) if *n > 0 => {
+                    *n -= 1;
+                    Some(description.clone())
+                }
+                _ => None,
+            }
+        };
+        if let Some(description) = stolen {
+            let _ = sender.close_with_error(refuse(definitions::LinkError::Stolen, &description)).await;
+            return;
+        }
         let event = inner.state.lock().unwrap().events[partition].get(next).cloned();
         let Some(event) = event else {
             tokio::select! {
