@@ -418,7 +418,7 @@ impl Supervisor {
             Auth::Plain => SaslProfile::Plain { username: self.plan.key_name.clone(), password: self.plan.key.clone() },
             Auth::Cbs => SaslProfile::Anonymous,
         };
-        // The side table dies with the connection (and with it any payload not taken).
+        // The tap's table dies with the connection (and with it any message not handed over).
         let tap = self.plan.read_raw.then(tap::TapHandle::new);
         let mut connection = match connect::open(&endpoint, &self.plan.tls, profile, &self.container_id, tap.clone()).await {
             Ok(c) => c,

@@ -457,7 +457,8 @@ fn encode(channel: u16, performative: &impl serde::Serialize) -> Vec<u8> {
     f
 }
 
-/// The side table of one connection, shared by its [`Tap`] and its partition tasks.
+/// The table of one connection (its served links and their queues), shared by its [`Tap`] and
+/// its partition tasks.
 #[derive(Clone, Default)]
 pub struct TapHandle(Arc<Mutex<Table>>);
 
