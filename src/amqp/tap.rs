@@ -209,6 +209,10 @@ impl Table {
             ATTACH => {
                 let attach: Attach = serde_amqp::from_slice(body).ok()?;
                 if attach.role == Role::Receiver {
+                    // A link attached again under its name replaces the old one; what it still
+                    // queued is dropped (its partition finds the link gone).
+                    let queued: usize = self.links.iter().filter(|l| l.name == attach.name).flat_map(|l| &l.queue).map(Delivery::len).sum();
+                    self.bytes = self.bytes.saturating_sub(queued);
                     self.links.retain(|l| l.name != attach.name);
                     self.next_key += 1;
                     self.links.push(Link {
@@ -1215,6 +1219,20 @@ mod tests {
         assert_eq!(sizes, [Err(big.len()), Err(big.len()), Ok(message(2, 3).len())]);
         assert_eq!(c.handle.bytes(), message(2, 3).len());
         assert!(!rt.block_on(link.recv(&mut got, 10)), "detached once drained");
+    }
+
+    #[test]
+    fn a_link_attached_again_under_its_name_replaces_the_old_one_and_its_bytes() {
+        let (mut c, old) = served(64, 1 << 20);
+        c.peer_sends(&amqp(&transfer(5, Some(0), true, false), &message(1, 50), 3));
+        assert!(c.handle.bytes() > 50);
+        c.writes(&amqp(&attach("p0", 2, Role::Receiver, None), &[], 1));
+        assert_eq!(c.handle.bytes(), 0, "the old link's queued message no longer counts");
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert!(!rt.block_on(old.recv(&mut Vec::new(), 10)), "the old link is gone");
+        assert!(c.handle.link("p0").is_none(), "the new one is served once the peer answers");
+        c.peer_sends(&amqp(&attach("p0", 6, Role::Sender, Some(0)), &[], 3));
+        assert!(c.handle.link("p0").is_some());
     }
 
     #[test]
