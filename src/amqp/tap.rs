@@ -346,7 +346,9 @@ impl Table {
         let cap = self.max_message;
         let Some(i) = self.links.iter().position(|l| l.handle_in == Some(t.handle) && !l.detached) else { return Incoming::Pass };
         let link = &mut self.links[i];
-        let payload = frame.slice(doff + t.len..);
+        // Copied out of the read buffer: a slice would keep the whole buffer (64 KiB) alive
+        // for as long as the partition holds the message, and the bound counts messages.
+        let payload = Bytes::copy_from_slice(&frame[doff + t.len..]);
         let mut done = None;
         match link.assembling.as_mut() {
             None => {
@@ -660,7 +662,7 @@ pub struct Tap<S> {
     /// Read from the socket, not yet looked at. Bounded without a check of its own: the tap
     /// reads the socket only when fe2o3 has taken all of `out`, and a frame is held whole
     /// only up to [`MAX_INSPECT`] (a larger one streams through): at most one such frame plus
-    /// one [`READ_CHUNK`]. Messages are slices of it (no copy), counted in the table's bytes.
+    /// one [`READ_CHUNK`]. Messages are copied out of it (see [`Table::transfer`]).
     raw: BytesMut,
     /// What one socket read fills (then appended to `raw`).
     scratch: Box<[u8]>,
