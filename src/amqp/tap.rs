@@ -116,6 +116,9 @@ struct Link {
     delivery_count: u32,
     /// `delivery_count + link_credit` of the last `flow` sent.
     limit: u32,
+    /// The highest `limit` ever sent: a delivery past it broke the credit (a lower later
+    /// limit may still meet deliveries sent before the broker saw it).
+    granted: u32,
     /// The credit to keep granted: what fe2o3 asked for in its first `flow`.
     window: Option<u32>,
     queue: VecDeque<Delivery>,
@@ -124,6 +127,16 @@ struct Link {
     assembling: Option<Assembly>,
     waker: Option<Waker>,
     detached: bool,
+}
+
+impl Link {
+    /// Records a `flow` granting `credit` from the current delivery-count.
+    fn grant(&mut self, credit: u32) {
+        self.limit = self.delivery_count.wrapping_add(credit);
+        if self.limit.wrapping_sub(self.granted) as i32 > 0 {
+            self.granted = self.limit;
+        }
+    }
 }
 
 /// The receivers' session, as both ends number it.
@@ -222,6 +235,7 @@ impl Table {
                         handle_in: None,
                         delivery_count: 0,
                         limit: 0,
+                        granted: 0,
                         window: None,
                         queue: VecDeque::new(),
                         held: 0,
@@ -249,7 +263,7 @@ impl Table {
                         let grant = credit_to_grant(window, link.held, bytes);
                         flow.delivery_count = Some(link.delivery_count);
                         flow.link_credit = Some(grant);
-                        link.limit = link.delivery_count.wrapping_add(grant);
+                        link.grant(grant);
                     }
                 }
                 Some(encode(channel, &flow))
@@ -286,6 +300,7 @@ impl Table {
                             link.handle_in = Some(attach.handle.0);
                             link.delivery_count = attach.initial_delivery_count.unwrap_or(0);
                             link.limit = link.delivery_count;
+                            link.granted = link.delivery_count;
                         }
                     }
                 }
@@ -358,6 +373,12 @@ impl Table {
                     return Incoming::Absorbed;
                 };
                 link.delivery_count = link.delivery_count.wrapping_add(1);
+                if link.delivery_count.wrapping_sub(link.granted) as i32 > 0 {
+                    // Credit bounds what is held: a broker that ignores it is not followed.
+                    let reason = format!("the broker sent past the link credit on link {}", link.name);
+                    self.fail(reason);
+                    return Incoming::Absorbed;
+                }
                 if t.aborted {
                     // Nothing to keep: an aborted delivery is settled (§2.6.12).
                 } else if !t.more {
@@ -428,7 +449,7 @@ impl Table {
             echo: false,
             properties: None,
         };
-        link.limit = link.delivery_count.wrapping_add(grant);
+        link.grant(grant);
         s.window_at = s.next_incoming_id;
         let frame = encode(s.channel_out, &flow);
         self.inject.extend_from_slice(&frame);
@@ -1235,6 +1256,23 @@ mod tests {
         assert!(c.handle.link("p0").is_none(), "the new one is served once the peer answers");
         c.peer_sends(&amqp(&attach("p0", 6, Role::Sender, Some(0)), &[], 3));
         assert!(c.handle.link("p0").is_some());
+    }
+
+    #[test]
+    fn a_broker_sending_past_the_credit_fails_the_connection() {
+        let (mut c, link) = served(1000, 1 << 20);
+        // Four credits: four deliveries are taken, the fifth breaks the credit.
+        let four: Vec<u8> = (0..4).flat_map(|i| amqp(&transfer(5, Some(i), true, false), &message(1, 3), 3)).collect();
+        c.peer_sends(&four);
+        assert_eq!(link.try_recv(&mut Vec::new(), 10), 4);
+        c.tap.inner.input.extend(amqp(&transfer(5, Some(4), true, false), &message(1, 3), 3));
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut buf = [0u8; 64];
+        let mut rb = ReadBuf::new(&mut buf);
+        match Pin::new(&mut c.tap).poll_read(&mut cx, &mut rb) {
+            Poll::Ready(Err(e)) => assert!(e.to_string().contains("past the link credit"), "{e}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
