@@ -33,7 +33,7 @@
 //!
 //! **Bound and back-pressure.** Link credit bounds the messages held: at most the credit
 //! fe2o3 asked for (`--event-hub-prefetch`) per link, counted from arrival until the partition
-//! calls [`OwnedLink::done`]. Bytes are bounded too: past [`MAX_BYTES`] / 2 of held messages
+//! calls [`OwnedLink::done`]; a broker that sends past it fails the connection. Bytes are bounded too: past [`MAX_BYTES`] / 2 of held messages
 //! no credit is granted; at [`MAX_BYTES`] the tap stops reading the socket (the peer waits in
 //! TCP) until partitions release messages. A message joined from several frames is held up
 //! to `maxMessageBytes` + [`SECTION_SLACK`]; beyond, its bytes are dropped as they arrive and
