@@ -67,6 +67,11 @@ impl IngressQueue {
         self.rx.len()
     }
 
+    /// No batch waiting.
+    pub fn is_empty(&self) -> bool {
+        self.rx.is_empty()
+    }
+
     /// A waiting batch, without waiting (shutdown drains the queue with it).
     pub fn try_recv(&self) -> Option<IngressBatch> {
         self.rx.try_recv().ok()
