@@ -121,6 +121,9 @@ struct Link {
     granted: u32,
     /// The credit to keep granted: what fe2o3 asked for in its first `flow`.
     window: Option<u32>,
+    /// Messages for the partition. Bounded by the credit in count (a delivery past the
+    /// highest limit granted fails the connection) and by [`MAX_BYTES`] in bytes for the
+    /// whole table (the socket is not read past it); the broker waits for credit.
     queue: VecDeque<Delivery>,
     /// Received and not yet released by the partition (queued or being handed over).
     held: u32,
@@ -130,6 +133,18 @@ struct Link {
 }
 
 impl Link {
+    /// The credit the sender has left; none if it overran.
+    fn credit_left(&self) -> u32 {
+        u32::try_from(self.limit.wrapping_sub(self.delivery_count) as i32).unwrap_or(0)
+    }
+
+    /// Moves up to `max - out.len()` queued messages to `out`; how many.
+    fn take(&mut self, out: &mut Vec<Delivery>, max: usize) -> usize {
+        let n = max.saturating_sub(out.len()).min(self.queue.len());
+        out.extend(self.queue.drain(..n));
+        n
+    }
+
     /// Records a `flow` granting `credit` from the current delivery-count.
     fn grant(&mut self, credit: u32) {
         self.limit = self.delivery_count.wrapping_add(credit);
@@ -165,7 +180,9 @@ struct Table {
     next_key: u64,
     /// Message bytes held (queued or being handed over).
     bytes: usize,
-    /// Frames for the peer, written between fe2o3's.
+    /// Frames for the peer, written between fe2o3's. Bounded by the credit: at most one
+    /// `flow` per hand-off and one `disposition` per message handed over, and emptied
+    /// whenever fe2o3 polls the tap.
     inject: BytesMut,
     /// fe2o3's connection task (it writes `inject`, and reads again once bytes are released).
     conn: Option<Waker>,
@@ -185,6 +202,10 @@ enum Incoming {
 impl Table {
     fn link_in(&self, handle: u32) -> Option<&Link> {
         self.links.iter().find(|l| l.handle_in == Some(handle) && !l.detached)
+    }
+
+    fn link_mut(&mut self, key: u64) -> Option<&mut Link> {
+        self.links.iter_mut().find(|l| l.key == key)
     }
 
     fn channel_in(&self) -> Option<u16> {
@@ -429,8 +450,7 @@ impl Table {
             return;
         }
         let grant = credit_to_grant(window, link.held, bytes);
-        // The sender's credit left; negative (it overran) counts as none.
-        let left = u32::try_from(link.limit.wrapping_sub(link.delivery_count) as i32).unwrap_or(0);
+        let left = link.credit_left();
         let session_used = s.next_incoming_id.wrapping_sub(s.window_at);
         let worth = grant > left && (grant - left >= (window / 2).max(1) || left == 0 || session_used >= s.incoming_window / 2);
         if !(force || worth) {
@@ -533,18 +553,15 @@ impl OwnedLink {
     pub async fn recv(&self, out: &mut Vec<Delivery>, max: usize) -> bool {
         std::future::poll_fn(|cx| {
             let mut t = self.handle.table();
-            let Some(link) = t.links.iter_mut().find(|l| l.key == self.key) else { return Poll::Ready(false) };
+            let Some(link) = t.link_mut(self.key) else { return Poll::Ready(false) };
             if link.queue.is_empty() {
                 if link.detached {
                     return Poll::Ready(false);
                 }
-                if !link.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                    link.waker = Some(cx.waker().clone());
-                }
+                remember(&mut link.waker, cx);
                 return Poll::Pending;
             }
-            let n = max.saturating_sub(out.len()).min(link.queue.len());
-            out.extend(link.queue.drain(..n));
+            link.take(out, max);
             Poll::Ready(true)
         })
         .await
@@ -552,17 +569,12 @@ impl OwnedLink {
 
     /// Moves what is queued now (up to `max - out.len()`) to `out` without waiting.
     pub fn try_recv(&self, out: &mut Vec<Delivery>, max: usize) -> usize {
-        let mut t = self.handle.table();
-        let Some(link) = t.links.iter_mut().find(|l| l.key == self.key) else { return 0 };
-        let n = max.saturating_sub(out.len()).min(link.queue.len());
-        out.extend(link.queue.drain(..n));
-        n
+        self.handle.table().link_mut(self.key).map_or(0, |link| link.take(out, max))
     }
 
     /// The credit the sender has left (messages it may still send before a `flow`).
     pub fn credit(&self) -> u32 {
-        let t = self.handle.table();
-        t.links.iter().find(|l| l.key == self.key).map_or(0, |l| u32::try_from(l.limit.wrapping_sub(l.delivery_count) as i32).unwrap_or(0))
+        self.handle.table().link_mut(self.key).map_or(0, |l| l.credit_left())
     }
 
     /// `delivered` are with the cores: accepts those sent unsettled (one `disposition` per run
@@ -572,7 +584,7 @@ impl OwnedLink {
             let mut t = self.handle.table();
             let bytes: usize = delivered.iter().map(Delivery::len).sum();
             t.bytes = t.bytes.saturating_sub(bytes);
-            let live = match t.links.iter_mut().find(|l| l.key == self.key) {
+            let live = match t.link_mut(self.key) {
                 Some(link) => {
                     link.held = link.held.saturating_sub(delivered.len() as u32);
                     !link.detached
@@ -691,7 +703,8 @@ pub struct Tap<S> {
     out: BytesMut,
     mode: Mode,
     eof: bool,
-    /// Written by fe2o3, not yet a whole frame.
+    /// Written by fe2o3, not yet a whole frame: at most one frame (fe2o3 writes frames of at
+    /// most the peer's max-frame-size; a larger one than [`MAX_INSPECT`] streams through).
     wraw: BytesMut,
     /// Whole frames for the socket (fe2o3's and the tap's), at most about [`WRITE_BOUND`].
     wout: BytesMut,
@@ -780,7 +793,7 @@ impl<S: AsyncWrite + Unpin> Tap<S> {
     }
 }
 
-/// The last-known connection-task waker, refreshed at each poll.
+/// Keeps the waker of the latest poll in `slot` (a clone only when it changed).
 fn remember(slot: &mut Option<Waker>, cx: &Context<'_>) {
     if !slot.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
         *slot = Some(cx.waker().clone());
@@ -1007,6 +1020,17 @@ mod tests {
                 }
             }
             got
+        }
+
+        /// The peer sends `bytes`; fe2o3's next read fails: with what error.
+        fn read_fails(&mut self, bytes: &[u8]) -> std::io::Error {
+            self.tap.inner.input.extend(bytes);
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut buf = [0u8; 64];
+            match Pin::new(&mut self.tap).poll_read(&mut cx, &mut ReadBuf::new(&mut buf)) {
+                Poll::Ready(Err(e)) => e,
+                other => panic!("the read did not fail: {other:?}"),
+            }
         }
 
         /// fe2o3 writes `bytes` (in pieces of 3) and flushes; what reaches the peer since the
@@ -1265,27 +1289,15 @@ mod tests {
         let four: Vec<u8> = (0..4).flat_map(|i| amqp(&transfer(5, Some(i), true, false), &message(1, 3), 3)).collect();
         c.peer_sends(&four);
         assert_eq!(link.try_recv(&mut Vec::new(), 10), 4);
-        c.tap.inner.input.extend(amqp(&transfer(5, Some(4), true, false), &message(1, 3), 3));
-        let mut cx = Context::from_waker(Waker::noop());
-        let mut buf = [0u8; 64];
-        let mut rb = ReadBuf::new(&mut buf);
-        match Pin::new(&mut c.tap).poll_read(&mut cx, &mut rb) {
-            Poll::Ready(Err(e)) => assert!(e.to_string().contains("past the link credit"), "{e}"),
-            other => panic!("{other:?}"),
-        }
+        let e = c.read_fails(&amqp(&transfer(5, Some(4), true, false), &message(1, 3), 3));
+        assert!(e.to_string().contains("past the link credit"), "{e}");
     }
 
     #[test]
     fn a_broken_transfer_on_the_served_session_fails_the_connection() {
         let (mut c, _link) = served(1000, 1 << 20);
-        c.tap.inner.input.extend(frame(3, &[0x00, 0x53, TRANSFER, 0x45]));
-        let mut cx = Context::from_waker(Waker::noop());
-        let mut buf = [0u8; 64];
-        let mut rb = ReadBuf::new(&mut buf);
-        match Pin::new(&mut c.tap).poll_read(&mut cx, &mut rb) {
-            Poll::Ready(Err(e)) => assert!(e.to_string().contains("transfer"), "{e}"),
-            other => panic!("{other:?}"),
-        }
+        let e = c.read_fails(&frame(3, &[0x00, 0x53, TRANSFER, 0x45]));
+        assert!(e.to_string().contains("transfer"), "{e}");
     }
 
     #[test]
