@@ -791,6 +791,16 @@ impl<S: AsyncWrite + Unpin> Tap<S> {
         }
         Ok(())
     }
+
+    /// Ready once every byte for the socket (fe2o3's and the tap's) was taken by it.
+    fn poll_written(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.flush_writes(cx)?;
+        if self.wout.is_empty() {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    }
 }
 
 /// Keeps the waker of the latest poll in `slot` (a clone only when it changed).
@@ -934,19 +944,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tap<S> {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        this.flush_writes(cx)?;
-        if !this.wout.is_empty() {
-            return Poll::Pending;
-        }
+        std::task::ready!(this.poll_written(cx))?;
         Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        this.flush_writes(cx)?;
-        if !this.wout.is_empty() {
-            return Poll::Pending;
-        }
+        std::task::ready!(this.poll_written(cx))?;
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
