@@ -141,6 +141,8 @@ fn rabbitmq_queue_messages_reach_the_cores() {
             break;
         }
         assert!(std::time::Instant::now() < deadline, "the broker still holds messages: {row:?}");
+        // The broker tells its queue counts only when asked: poll them (each rabbitmqctl call
+        // takes ~0.3 s itself).
         std::thread::sleep(Duration::from_millis(100));
     }
 }
