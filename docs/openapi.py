@@ -2,7 +2,7 @@
 
 Edit this file, then `python3 docs/openapi.py --write`; tests/openapi.rs checks that the JSON
 is what this script writes, that hubcast serves it, and runs the real validators on it.
-Messages in error descriptions are those of the handlers (src/api) and of README's REST table.
+Messages in error descriptions are those of the handlers (src/api) and of the REST table in docs/PROTOCOL.md.
 """
 import json
 E = {"$ref": "#/components/schemas/Error"}
@@ -191,7 +191,7 @@ S["DevicePage"] = {"type": "object", "required": ["total", "devices", "next"],
 doc = {
  "openapi": "3.1.0",
  "info": {"title": "hubcast REST API", "version": "0.1.0",
-          "description": "The REST API of hubcast: ux4iot's 18 endpoints (SPEC.md) plus hubcast's own. Errors are always `{\"errorMessage\": \"…\"}`. Live data goes over Socket.IO (`/socket.io/`) and plain WebSocket (`/ws?sessionId=…`), which OpenAPI does not describe (see README).",
+          "description": "The REST API of hubcast: ux4iot's 18 endpoints (SPEC.md) plus hubcast's own. Errors are always `{\"errorMessage\": \"…\"}`. Live data goes over Socket.IO (`/socket.io/`) and plain WebSocket (`/ws?sessionId=…`), which OpenAPI does not describe (see docs/PROTOCOL.md).",
           "license": {"name": "see repository"}},
  "servers": [{"url": "/"}],
  "security": KEY,

@@ -1,7 +1,7 @@
 //! The Redis thread: one tokio runtime with a multiplexed command connection and a pub/sub
 //! connection, between the cores' command queue and their inbound queues.
 //!
-//! Keys and channels (`P` = `--redis-prefix`, all documented in README "Several instances"):
+//! Keys and channels (`P` = `--redis-prefix`, all documented in docs/OPERATIONS.md, "Several instances on Redis"):
 //! - `P:session:<id>` hash: `created`, and `a:<device>` → the session's access on the device;
 //!   expires unless an instance holding the session refreshes it.
 //! - `P:instance:<id>` string with a TTL, renewed every [`HEARTBEAT`]: the live instances.

@@ -3,7 +3,7 @@
 //!
 //! The loop owns its read buffer (instead of a framework's server codec) because the
 //! WebSocket and Socket.IO upgrades need the socket and any bytes read past the request back.
-//! Limits (README, "Limits"): request head ≤ 16 KiB (431), body ≤ `maxBodyBytes` (413,
+//! Limits (docs/CONFIGURATION.md, "Limits"): request head ≤ 16 KiB (431), body ≤ `maxBodyBytes` (413,
 //! checked from the declared length, or per chunk before the chunk is buffered), idle
 //! keep-alive `httpIdleTimeout`, connections ≤ `maxConnections` for the whole process (503
 //! beyond).

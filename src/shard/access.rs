@@ -1,7 +1,8 @@
 //! What one session may do with one device (grants) and what it receives (subscriptions).
 //!
 //! Lives on the device's core next to the device's data, so the fan-out decision and every
-//! grant check is a local lookup. Rules (see README "Grants and subscriptions"):
+//! grant check is a local lookup. Rules (see docs/PROTOCOL.md, "Behaviour where ux4iot's
+//! documents are silent"):
 //! - a key-less grant (`telemetryKey`/`directMethodName` null or absent) covers every key;
 //! - subscribing to one telemetry key needs that key's grant or the wildcard; subscribing to
 //!   all keys needs the wildcard;
