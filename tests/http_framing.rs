@@ -94,23 +94,76 @@ fn ingest_chunked(body_framing: &str) -> String {
 #[test]
 fn chunk_extensions_and_trailer_fields_are_accepted() {
     let server = Server::start(&[]);
-    let json = r#"{"deviceId":"d1","body":{"t":1}}"#;
-    let (a, b) = json.split_at(10);
-    let framing = format!(
-        "{:x};name=value\r\n{a}\r\n{:x} ; quoted=\"a b\"\r\n{b}\r\n0;last\r\nX-Checksum: abc\r\nX-Other: 1\r\n\r\n",
+    let json = |device: &str| format!(r#"{{"deviceId":"{device}","body":{{"t":1}}}}"#);
+    // The same message, once in plain chunks and once with extensions and trailer fields
+    // (RFC 9112 §7.1.1–7.1.2): the answers and what is stored must be the same.
+    let plain_json = json("plain");
+    let (a, b) = plain_json.split_at(10);
+    let plain = format!("{:x}\r\n{a}\r\n{:x}\r\n{b}\r\n0\r\n\r\n", a.len(), b.len());
+    let extended_json = json("extended");
+    let (a, b) = extended_json.split_at(10);
+    let extended = format!(
+        "{:x};ext=1\r\n{a}\r\n{:x} ; quoted=\"a b\";flag\r\n{b}\r\n0;last\r\nX-Checksum: abc\r\nX-Other: 1\r\n\r\n",
         a.len(),
         b.len()
     );
-    let mut stream = server.connect();
-    match raw_exchange(&mut stream, ingest_chunked(&framing).as_bytes()) {
-        RawOutcome::Response(r) => assert_eq!(r.status, 200, "chunked ingest with extensions and trailers: {}{}", r.head, r.body),
-        other => panic!("no answer to a chunked body with extensions and trailers: {other:?}"),
+    let mut answers = Vec::new();
+    for framing in [plain, extended] {
+        let mut stream = server.connect();
+        match raw_exchange(&mut stream, ingest_chunked(&framing).as_bytes()) {
+            RawOutcome::Response(r) => {
+                assert_eq!(r.status, 200, "chunked ingest {framing:?}: {}{}", r.head, r.body);
+                answers.push(r.body);
+            }
+            other => panic!("no answer to the chunked body {framing:?}: {other:?}"),
+        }
+        // The body ended where its framing said: the next request on the connection is answered.
+        match raw_exchange(&mut stream, &raw_get("/version")) {
+            RawOutcome::Response(r) => assert_eq!(r.status, 200, "pipelined GET /version: {}", r.head),
+            other => panic!("the request after the chunked body was not answered: {other:?}"),
+        }
     }
-    // The body ended where its framing said: the next request on the connection is answered.
-    match raw_exchange(&mut stream, &raw_get("/version")) {
-        RawOutcome::Response(r) => assert_eq!(r.status, 200, "pipelined GET /version: {}", r.head),
-        other => panic!("the request after the chunked body was not answered: {other:?}"),
+    assert_eq!(answers[0], answers[1], "extensions and trailers changed the answer");
+    let (status, plain, _) = server.call_raw("GET", "/lastValue/plain/t", &[(common::ADMIN.0, ADMIN_KEY)], b"");
+    let (status2, extended, _) = server.call_raw("GET", "/lastValue/extended/t", &[(common::ADMIN.0, ADMIN_KEY)], b"");
+    assert_eq!((status, status2), (200, 200), "{plain} {extended}");
+    let value = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap()["data"].clone();
+    assert_eq!(value(&plain), value(&extended), "{plain} / {extended}");
+    assert_eq!(value(&extended), serde_json::json!({"t": 1}), "{extended}");
+}
+
+#[test]
+fn over_long_chunk_extensions_or_trailers_are_refused_with_431() {
+    let server = Server::start(&[]);
+    let ext = format!(";e={}", "x".repeat(1000));
+    // Each line within its own limit, the extensions together past the head limit (16 KiB).
+    let many: String = (0..20).map(|_| format!("1{ext}\r\nx\r\n")).collect();
+    let field = format!("x-t: {}\r\n", "v".repeat(1000));
+    let cases = [
+        ("extensions adding up past the limit", format!("{many}0\r\n\r\n")),
+        ("one extension past the line limit", format!("1;{}\r\nx\r\n0\r\n\r\n", "x".repeat(5000))),
+        ("a trailer section past the limit", format!("0\r\n{}\r\n", field.repeat(20))),
+        ("too many trailer fields", format!("0\r\n{}\r\n", "x: 1\r\n".repeat(101))),
+    ];
+    for (what, framing) in cases {
+        // A positive answer on the same kind of connection first: the same request, within limits.
+        let mut stream = server.connect();
+        match raw_exchange(&mut stream, &raw_get("/version")) {
+            RawOutcome::Response(r) => assert_eq!(r.status, 200, "{}", r.head),
+            other => panic!("no answer to GET /version: {other:?}"),
+        }
+        let request = format!("POST /version HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n{framing}");
+        match raw_exchange(&mut stream, request.as_bytes()) {
+            RawOutcome::Response(r) => {
+                assert_eq!(r.status, 431, "{what}: {}{}", r.head, r.body);
+                let error: serde_json::Value = serde_json::from_str(&r.body).expect("a JSON error");
+                let message = error["errorMessage"].as_str().unwrap_or_default();
+                assert!(message.contains("chunk extensions and trailer fields"), "{what}: {message}");
+            }
+            other => panic!("{what}: no answer: {other:?}"),
+        }
     }
+    server.assert_alive();
 }
 
 /// Sends a chunked body to `POST /version` from a second thread (until the server closes) and

@@ -13,8 +13,14 @@
 //!
 //! The chunked framer never holds more than the body limit: a chunk's declared size is
 //! checked against what is left of the limit as soon as its size line arrives, before any of
-//! its data is buffered, and the data is moved out of the input as it comes. Chunk extensions
-//! are accepted and ignored; trailer fields are accepted (within the head limit) and dropped.
+//! its data is buffered, and the data is moved out of the input as it comes.
+//!
+//! Chunk extensions (`5;name=value`, RFC 9112 §7.1.1) are accepted and ignored; trailer fields
+//! (§7.1.2) are checked for shape and dropped. Neither is buffered past its line, and together
+//! they count toward the request head's limits: at most [`MAX_FRAMING_BYTES`] of extension
+//! and trailer bytes per request (the head's own byte limit), at most [`MAX_HEADERS`] trailer
+//! fields, and no line longer than [`MAX_CHUNK_LINE`]. Beyond: 431 (`BodyError::FramingTooLarge`),
+//! so a client cannot make the server read unbounded framing around a small body.
 
 use bytes::{Buf, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri, Version};
@@ -28,6 +34,10 @@ pub type RequestHead = http::request::Parts;
 pub const MAX_HEADERS: usize = 100;
 /// Longest chunk-size line (size plus extensions), in bytes.
 pub const MAX_CHUNK_LINE: usize = 4 * 1024;
+/// Most bytes of chunk extensions and trailer fields together in one request body: the same
+/// bound as a request head (extensions without their size digits and line ends, trailer lines
+/// with theirs).
+pub const MAX_FRAMING_BYTES: usize = MAX_REQUEST_HEAD_BYTES;
 
 /// Why a request head was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,6 +167,8 @@ pub enum BodyError {
     TooLarge,
     /// 400: not valid chunked coding.
     Malformed(&'static str),
+    /// 431: chunk extensions or trailer fields over the head limits (module docs).
+    FramingTooLarge(&'static str),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,12 +190,14 @@ pub struct ChunkedDecoder {
     state: ChunkState,
     limit: u64,
     received: u64,
-    trailer_bytes: usize,
+    /// Bytes of chunk extensions and trailer lines so far (against [`MAX_FRAMING_BYTES`]).
+    framing_bytes: usize,
+    trailer_fields: usize,
 }
 
 impl ChunkedDecoder {
     pub fn new(limit: u64) -> Self {
-        Self { state: ChunkState::Size, limit, received: 0, trailer_bytes: 0 }
+        Self { state: ChunkState::Size, limit, received: 0, framing_bytes: 0, trailer_fields: 0 }
     }
 
     /// Moves what it can from `src` into `body` (consuming framing bytes); `Ok(true)` once the
@@ -194,7 +208,11 @@ impl ChunkedDecoder {
                 ChunkState::Done => return Ok(true),
                 ChunkState::Size => {
                     let Some(line) = take_line(src, MAX_CHUNK_LINE)? else { return Ok(false) };
-                    let size = chunk_size(&line)?;
+                    let (size, extensions) = chunk_size(&line)?;
+                    self.framing_bytes += extensions;
+                    if self.framing_bytes > MAX_FRAMING_BYTES {
+                        return Err(BodyError::FramingTooLarge("chunk extensions over the limit"));
+                    }
                     if size > self.limit - self.received {
                         return Err(BodyError::TooLarge);
                     }
@@ -221,10 +239,15 @@ impl ChunkedDecoder {
                     self.state = ChunkState::Size;
                 }
                 ChunkState::Trailers => {
-                    let room = MAX_REQUEST_HEAD_BYTES - self.trailer_bytes;
+                    // What is left of the budget, and the empty line that ends the section.
+                    let room = MAX_FRAMING_BYTES - self.framing_bytes + 2;
                     let Some(line) = take_line(src, room)? else { return Ok(false) };
                     if line.len() > 2 {
-                        self.trailer_bytes += line.len();
+                        self.framing_bytes += line.len();
+                        self.trailer_fields += 1;
+                        if self.framing_bytes > MAX_FRAMING_BYTES || self.trailer_fields > MAX_HEADERS {
+                            return Err(BodyError::FramingTooLarge("trailer fields over the limit"));
+                        }
                         trailer_field(&line[..line.len() - 2])?;
                     } else {
                         self.state = ChunkState::Done;
@@ -241,13 +264,14 @@ fn take_line(src: &mut BytesMut, max: usize) -> Result<Option<BytesMut>, BodyErr
         Some(0) => Err(BodyError::Malformed("bare LF in chunked framing")),
         Some(lf) if src[lf - 1] != b'\r' => Err(BodyError::Malformed("bare LF in chunked framing")),
         Some(lf) => Ok(Some(src.split_to(lf + 1))),
-        None if src.len() >= max => Err(BodyError::Malformed("chunk-size or trailer line too long")),
+        None if src.len() >= max => Err(BodyError::FramingTooLarge("a chunk-size or trailer line over the limit")),
         None => Ok(None),
     }
 }
 
-/// `chunk-size [ chunk-ext ] CRLF`: 1*HEXDIG, then optional `;`-extensions (ignored).
-fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
+/// `chunk-size [ chunk-ext ] CRLF`: 1*HEXDIG, then optional `;`-extensions (ignored). The size
+/// and the bytes of its extensions.
+fn chunk_size(line: &[u8]) -> Result<(u64, usize), BodyError> {
     let line = &line[..line.len() - 2];
     let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
     if digits == 0 {
@@ -266,7 +290,8 @@ fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
         // More than 2^60 bytes: over any limit.
         return Err(BodyError::TooLarge);
     }
-    Ok(significant.iter().fold(0u64, |n, b| n * 16 + (*b as char).to_digit(16).unwrap_or(0) as u64))
+    let size = significant.iter().fold(0u64, |n, b| n * 16 + (*b as char).to_digit(16).unwrap_or(0) as u64);
+    Ok((size, rest.len()))
 }
 
 /// A trailer field line must at least look like `name: value`.

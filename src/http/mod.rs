@@ -213,6 +213,18 @@ impl Framed {
                         Err(BodyError::Malformed(e)) => {
                             return Err(Response::error(400, &format!("malformed chunked body: {e}")).closing())
                         }
+                        Err(BodyError::FramingTooLarge(e)) => {
+                            return Err(Response::error(
+                                431,
+                                &format!(
+                                    "chunk extensions and trailer fields count toward the request head limits ({} bytes together, lines of at most {} bytes, {} trailer fields): {e}",
+                                    codec::MAX_FRAMING_BYTES,
+                                    codec::MAX_CHUNK_LINE,
+                                    codec::MAX_HEADERS
+                                ),
+                            )
+                            .closing())
+                        }
                     }
                     match self.fill(READ_CHUNK).await {
                         Ok(0) | Err(_) => return Err(gone()),

@@ -120,8 +120,28 @@ fn broken_chunked_framing_is_refused() {
     ] {
         assert!(matches!(decode_in_pieces(bad, &[usize::MAX], 100), Err(BodyError::Malformed(_))), "{:?}", String::from_utf8_lossy(bad));
     }
+}
+
+#[test]
+fn extensions_and_trailers_count_toward_the_head_limits() {
+    let too_large = |r| matches!(r, Err(BodyError::FramingTooLarge(_)));
     let long_line = format!("5;{}\r\nhello\r\n0\r\n\r\n", "x".repeat(MAX_CHUNK_LINE));
-    assert!(matches!(decode_in_pieces(long_line.as_bytes(), &[7], 100), Err(BodyError::Malformed(_))));
+    assert!(too_large(decode_in_pieces(long_line.as_bytes(), &[7], 100)));
+    // Many chunks with extensions each within the line limit, adding up past the budget.
+    let ext = format!(";e={}", "x".repeat(1000));
+    let chunks: String = (0..MAX_FRAMING_BYTES / ext.len() + 1).map(|_| format!("1{ext}\r\na\r\n")).collect();
+    let input = format!("{chunks}0\r\n\r\n");
+    assert!(too_large(decode_in_pieces(input.as_bytes(), &[usize::MAX], 1 << 20)));
+    let fewer: String = (0..MAX_FRAMING_BYTES / ext.len() - 1).map(|_| format!("1{ext}\r\na\r\n")).collect();
+    assert!(decode_in_pieces(format!("{fewer}0\r\n\r\n").as_bytes(), &[usize::MAX], 1 << 20).is_ok());
+    // A trailer section past the budget, in bytes or in fields.
+    let field = format!("x-t: {}\r\n", "v".repeat(1000));
+    let trailers = field.repeat(MAX_FRAMING_BYTES / field.len() + 1);
+    assert!(too_large(decode_in_pieces(format!("0\r\n{trailers}\r\n").as_bytes(), &[333], 100)));
+    let fields = "x: 1\r\n".repeat(MAX_HEADERS + 1);
+    assert!(too_large(decode_in_pieces(format!("0\r\n{fields}\r\n").as_bytes(), &[usize::MAX], 100)));
+    let within = "x: 1\r\n".repeat(MAX_HEADERS);
+    assert!(decode_in_pieces(format!("0\r\n{within}\r\n").as_bytes(), &[5], 100).is_ok());
 }
 
 #[test]
