@@ -78,11 +78,11 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
     let b = instance(&redis, &hub, "b");
     let c = instance(&redis, &hub, "c");
     let held = wait_balanced(&[(&a, "a"), (&b, "b"), (&c, "c")]);
-    // GET /status with the admin key names the instance and the partitions it reads: each
+    // GET /status/details (admin key) names the instance and the partitions it reads: each
     // partition is read by exactly one instance.
     let mut all: Vec<String> = Vec::new();
     for (server, id, n) in [(&a, "a", held[0]), (&b, "b", held[1]), (&c, "c", held[2])] {
-        let (status, body, _) = server.call("GET", "/status", &[ADMIN], None);
+        let (status, body, _) = server.call("GET", "/status/details", &[ADMIN], None);
         assert_eq!(status, 200, "{body}");
         let v = common::parse_json(&body);
         assert_eq!((v["instance"].as_str(), v["instances"].as_u64()), (Some(id), Some(3)), "{body}");
@@ -221,9 +221,9 @@ fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated()
     }
 }
 
-/// The partitions `server` reads, from `GET /status`.
+/// The partitions `server` reads, from `GET /status/details`.
 fn partitions_of(server: &Server) -> Vec<String> {
-    let (status, body, _) = server.call("GET", "/status", &[ADMIN], None);
+    let (status, body, _) = server.call("GET", "/status/details", &[ADMIN], None);
     assert_eq!(status, 200, "{body}");
     let mut partitions: Vec<String> = serde_json::from_value(common::parse_json(&body)["partitions"].clone()).unwrap();
     partitions.sort();

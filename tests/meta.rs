@@ -1,6 +1,7 @@
 //! Administrative endpoints (version, status, log level) and start-up configuration.
 
 mod common;
+mod tools;
 
 use common::*;
 use std::time::Duration;
@@ -19,6 +20,56 @@ fn status_is_ok_without_an_event_source() {
     let (status, body, _) = server.call("GET", "/status", &[], None);
     assert_eq!(status, 200, "GET /status: {body}");
     assert_eq!(body.trim(), "OK");
+}
+
+/// ux4iot answers `GET /status` with the text `OK` whatever the headers; its admin SDK always
+/// sends the key, so the key must not change the answer (issue 26, item 1).
+#[test]
+fn status_is_the_text_ok_with_or_without_the_admin_key() {
+    let server = Server::start(&[]);
+    let wrong = ("Shared-Access-Key", "not-the-key");
+    let secondary = ("Shared-Access-Key", SECONDARY_KEY);
+    for (what, headers) in [("no key", vec![]), ("the admin key", vec![ADMIN]), ("the secondary key", vec![secondary]), ("a wrong key", vec![wrong])] {
+        let (status, body, response_headers) = server.call("GET", "/status", &headers, None);
+        assert_eq!((status, body.as_str()), (200, "OK"), "GET /status with {what}");
+        let content_type = response_headers.get("content-type").unwrap_or("");
+        assert!(content_type.starts_with("text/plain"), "GET /status with {what}: content-type {content_type}");
+    }
+}
+
+/// `GET /status` read by the call ux4iot's admin SDK makes (`status()`: axios, the key in the
+/// `Shared-Access-Key` header, `response.data` as the result), from node.
+#[test]
+fn admin_sdk_status_reads_the_text_ok() {
+    let server = Server::start(&[]);
+    let script = tools::repo().join("tests/js/admin-status.mjs");
+    let out = tools::run(std::process::Command::new("node").arg(&script).arg(&server.base).arg(ADMIN_KEY));
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the admin SDK's status() failed: {report}");
+    assert_eq!(parse_json(report.trim())["result"], serde_json::json!("OK"), "status() must return the string OK: {report}");
+}
+
+/// The instance's details, which `GET /status` answered as JSON to the admin key before, have
+/// their own admin-only endpoint: the answer without Redis is `{"status": "OK"}`.
+#[test]
+fn status_details_need_the_admin_key() {
+    let server = Server::start(&[]);
+    let (status, body, headers) = server.call("GET", "/status/details", &[ADMIN], None);
+    assert_eq!(status, 200, "GET /status/details with the key: {body}");
+    assert!(headers.get("content-type").unwrap_or("").starts_with("application/json"));
+    assert_eq!(parse_json(&body), serde_json::json!({"status": "OK"}));
+    let (status, body, _) = server.call("GET", "/status/details", &[], None);
+    assert_error(status, &body, 401, "no Shared-Access-Key");
+    let (status, body, _) = server.call("GET", "/status/details", &[("Shared-Access-Key", "not-the-key")], None);
+    assert_error(status, &body, 401, "invalid Shared-Access-Key");
+}
+
+/// The details share `/status`'s health: a malformed connection string is the same 500.
+#[test]
+fn status_details_report_a_malformed_connection_string() {
+    let server = Server::start(&["--iot-hub-event-hub-connection-string", "garbage"]);
+    let (status, body, _) = server.call("GET", "/status/details", &[ADMIN], None);
+    assert_error(status, &body, 500, "iotHubEventHubConnectionString");
 }
 
 #[test]

@@ -28,7 +28,7 @@ fn served_document_is_the_repo_document_and_valid_openapi() {
     assert_eq!(doc["openapi"], "3.1.0");
     // Every route of SPEC.md and hubcast's own is described.
     for path in [
-        "/version", "/status", "/logLevel/{level}", "/session", "/sessions", "/sessions/{sessionId}", "/grants",
+        "/version", "/status", "/status/details", "/logLevel/{level}", "/session", "/sessions", "/sessions/{sessionId}", "/grants",
         "/subscription", "/subscriptions", "/lastValue/{deviceId}", "/lastValue/{deviceId}/{telemetryKey}",
         "/deviceTwin/{deviceId}", "/connectionState/{deviceId}", "/directMethod", "/deviceTwinDesiredProperties",
         "/ingest", "/metrics", "/openapi.json", "/devices", "/console",

@@ -1,8 +1,8 @@
-//! `GET /version`, `GET /status`, `PUT /logLevel/:level`.
+//! `GET /version`, `GET /status`, `GET /status/details`, `PUT /logLevel/:level`.
 
 use std::rc::Rc;
 
-use super::auth::{admin_key_matches, require_admin};
+use super::auth::require_admin;
 use crate::http::{Request, Response};
 use crate::logging::LogLevel;
 use crate::model::{Checked, Rejection};
@@ -13,30 +13,45 @@ pub fn version() -> Response {
     Response::text(200, env!("CARGO_PKG_VERSION"))
 }
 
-/// 200 `OK`; 500 naming a malformed connection string; 503 while a source is connecting
-/// or while shutting down (a load balancer's cue to take the node out). With the admin key a
-/// 200 is JSON: `status`, and with Redis the instance id, live instances and leased partitions.
-pub fn status(core: &Rc<Core>, req: &Request) -> Response {
+/// 200 `OK` (text, whatever the headers: ux4iot's admin SDK sends its key and returns the body
+/// as its string result); 500 naming a malformed connection string; 503 while a source is
+/// connecting or while shutting down (a load balancer's cue to take the node out).
+pub fn status(core: &Rc<Core>) -> Response {
+    match health(core) {
+        Ok(()) => Response::text(200, "OK"),
+        Err(answer) => answer,
+    }
+}
+
+/// `GET /status/details` (admin key): the same health as `/status`, and when it is OK, JSON
+/// naming the instance that answers: `status`, and with Redis the instance id, the live
+/// instances and the partitions it holds leases on.
+pub fn status_details(core: &Rc<Core>, req: &Request) -> Checked<Response> {
+    require_admin(&core.settings, req)?;
+    if let Err(answer) = health(core) {
+        return Ok(answer);
+    }
+    let body = match crate::cluster::of(core) {
+        Some(cluster) => serde_json::json!({
+            "status": "OK",
+            "instance": &*cluster.instance,
+            "instances": cluster.stats.instances.load(std::sync::atomic::Ordering::Relaxed),
+            "partitions": cluster.owned().borrow().partitions.keys().collect::<Vec<_>>(),
+        }),
+        None => serde_json::json!({ "status": "OK" }),
+    };
+    Ok(Response::json(200, body.to_string()))
+}
+
+/// `Ok` when every source is connected; else the error answer (500 or 503).
+fn health(core: &Rc<Core>) -> Result<(), Response> {
     if crate::shutdown::STOPPING.is_stopping() {
-        return Response::error(503, "shutting down");
+        return Err(Response::error(503, "shutting down"));
     }
     match core.shared.status.health() {
-        // With the admin key: which instance answers, and (several instances) what it reads.
-        Health::Ok if req.header("shared-access-key").is_some_and(|k| admin_key_matches(&core.settings, k)) => {
-            let body = match crate::cluster::of(core) {
-                Some(cluster) => serde_json::json!({
-                    "status": "OK",
-                    "instance": &*cluster.instance,
-                    "instances": cluster.stats.instances.load(std::sync::atomic::Ordering::Relaxed),
-                    "partitions": cluster.owned().borrow().partitions.keys().collect::<Vec<_>>(),
-                }),
-                None => serde_json::json!({ "status": "OK" }),
-            };
-            Response::json(200, body.to_string())
-        }
-        Health::Ok => Response::text(200, "OK"),
-        Health::Misconfigured(message) => Response::error(500, &message),
-        Health::Starting(message) => Response::error(503, &format!("Still initializing: {message}")),
+        Health::Ok => Ok(()),
+        Health::Misconfigured(message) => Err(Response::error(500, &message)),
+        Health::Starting(message) => Err(Response::error(503, &format!("Still initializing: {message}"))),
     }
 }
 

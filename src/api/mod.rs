@@ -47,6 +47,7 @@ impl crate::http::Service for Rest {
 enum Route {
     Version,
     Status,
+    StatusDetails,
     LogLevel(String),
     Session,
     AllSessions,
@@ -71,7 +72,8 @@ impl Route {
     fn label(&self) -> &'static str {
         match self {
             Route::Version => "version",
-            Route::Status => "status",
+            // One label for both: the details are the admin's view of the same health.
+            Route::Status | Route::StatusDetails => "status",
             Route::LogLevel(_) => "logLevel",
             Route::Session => "session",
             Route::AllSessions | Route::OneSession(_) => "sessions",
@@ -102,6 +104,7 @@ impl Route {
         Some(match (first.as_str(), second, third) {
             ("version", None, None) => Route::Version,
             ("status", None, None) => Route::Status,
+            ("status", Some(details), None) if details == "details" => Route::StatusDetails,
             ("logLevel", Some(level), None) => Route::LogLevel(level),
             ("session", None, None) => Route::Session,
             ("sessions", None, None) => Route::AllSessions,
@@ -125,7 +128,7 @@ impl Route {
 
     fn allowed(&self) -> &'static str {
         match self {
-            Route::Version | Route::Status | Route::DeviceTwin(_) | Route::ConnectionState(_) | Route::Metrics
+            Route::Version | Route::Status | Route::StatusDetails | Route::DeviceTwin(_) | Route::ConnectionState(_) | Route::Metrics
             | Route::OpenApi | Route::Console | Route::Devices => "GET",
             Route::LastValue(_, None) => "GET, DELETE",
             Route::LastValue(_, Some(_)) => "GET",
@@ -238,7 +241,8 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
     use Method as M;
     match (&route, &req.method) {
         (Route::Version, &M::GET) => Ok(meta::version()),
-        (Route::Status, &M::GET) => Ok(meta::status(core, &req)),
+        (Route::Status, &M::GET) => Ok(meta::status(core)),
+        (Route::StatusDetails, &M::GET) => meta::status_details(core, &req),
         (Route::LogLevel(level), &M::PUT) => meta::set_log_level(core, &req, level),
         (Route::Session, &M::POST) => sessions::create(core).await,
         (Route::AllSessions, &M::DELETE) => sessions::delete_all(core, &req).await,
