@@ -303,3 +303,47 @@ print(r.status, json.loads(r.read())["errorMessage"])
     );
     server.assert_alive();
 }
+
+#[test]
+fn python_http_client_reads_the_413_after_sending_20_mib_to_a_1_mib_limit() {
+    // The lingering close is bounded by time, not bytes: a client that sends its whole body
+    // before reading (http.client, urllib, requests) reads the 413, not a broken pipe.
+    let server = Server::start(&["--max-body-bytes", "1048576"]);
+    let script = r#"
+import http.client, json, sys
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
+conn.request("POST", "/ingest", body=b"x" * (20 * 1024 * 1024), headers={"Content-Type": "application/json"})
+r = conn.getresponse()
+print(r.status, json.loads(r.read())["errorMessage"])
+"#;
+    let out = Command::new("python3").arg("-c").arg(script).arg(server.port.to_string()).output().expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.starts_with("413 ") && stdout.contains("maxBodyBytes"),
+        "python http.client did not read the 413: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    server.assert_alive();
+}
+
+#[test]
+fn a_lingering_close_ends_within_its_time_bound() {
+    let server = Server::start(&["--max-body-bytes", "65536"]);
+    let mut stream = server.connect();
+    stream.write_all(b"POST /version HTTP/1.1\r\nHost: a\r\nContent-Length: 100000000\r\n\r\n").unwrap();
+    assert_413(&read_response(&mut stream), "a declared length over the limit");
+    // A client that keeps sending a little: read and dropped for at most 5 s (LINGER_TIME in
+    // src/http/mod.rs), then the connection is closed and its writes fail.
+    let started = Instant::now();
+    let block = [b'x'; 1024];
+    let failed_after = loop {
+        if stream.write_all(&block).is_err() {
+            break started.elapsed();
+        }
+        assert!(started.elapsed() < Duration::from_secs(15), "still lingering after 15 s");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(failed_after < Duration::from_secs(9), "the lingering close took {failed_after:?}");
+    assert!(failed_after > Duration::from_millis(500), "closed at once ({failed_after:?}): no lingering");
+    server.assert_alive();
+}

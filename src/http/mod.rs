@@ -30,8 +30,8 @@
 //! hand: no request being read or handled, no answer unwritten.
 //!
 //! An early error (413, a malformed head or body) is written, the write side shut down, and
-//! the input drained for a bounded time before closing (lingering close), so a client still
-//! sending its body reads the answer instead of a reset.
+//! the input drained for a bounded time before closing (lingering close, [`linger`]), so a
+//! client still sending its body reads the answer instead of a reset.
 //!
 //! monoio reads are not cancel-safe: a read is only ever raced against a timeout when the
 //! connection is abandoned if the timeout wins.
@@ -80,9 +80,18 @@ pub trait Service: 'static {
 
 /// Most bytes asked of one read.
 const READ_CHUNK: usize = 8 * 1024;
-/// Lingering close: how long, and how many bytes, are read and dropped after an early error.
-const LINGER_TIME: Duration = Duration::from_secs(1);
-const LINGER_BYTES: usize = 8 * 1024 * 1024;
+/// Lingering close ([`linger`]): the longest a connection is read and dropped after an early
+/// error (nginx's `lingering_time`, 30 s there) ...
+const LINGER_TIME: Duration = Duration::from_secs(5);
+/// ... and the longest wait for more input meanwhile (nginx's `lingering_timeout`, 5 s there):
+/// a client that stopped sending is waiting for the answer it already has.
+const LINGER_IDLE: Duration = Duration::from_secs(1);
+/// At most this many connections linger at once per core; beyond, a connection is closed
+/// right after its answer (as before lingering existed).
+const LINGER_PER_CORE: usize = 64;
+/// The read buffer of a lingering connection (its input is dropped, so it need not be big):
+/// with [`LINGER_PER_CORE`], at most 1 MiB per core.
+const LINGER_READ: usize = 16 * 1024;
 /// Answers buffered for a pipelining client before they are written.
 const PIPELINE_FLUSH_BYTES: usize = 64 * 1024;
 /// Requests read but not yet answered, per connection; at the bound the connection stops
@@ -301,23 +310,52 @@ async fn flush(write: &mut WriteHalf, out: Vec<u8>, stall: Duration, total: Dura
 }
 
 /// Lingering close: the answer is out; stop writing, then read and drop what the client is
-/// still sending, for a bounded time and size, so it can read the answer before the close.
+/// still sending, so it can read the answer before the close (a close with unread input
+/// resets the connection, and the client's stack may drop the answer with it).
+///
+/// Bounds and policy: bounded by time, not bytes (a client like Python's `http.client`
+/// sends its whole body, however large, before it reads the answer): at most [`LINGER_TIME`]
+/// in all, and at most [`LINGER_IDLE`] without input. Concurrent lingering connections are
+/// bounded per core ([`LINGER_PER_CORE`], each with a [`LINGER_READ`] buffer); beyond the
+/// budget a connection is closed at once, so a flood of oversized uploads costs each core at
+/// most that many sockets, that much memory, and the CPU of dropping what they send for
+/// [`LINGER_TIME`].
 async fn linger(framed: Framed, mut write: WriteHalf) {
     let _ = write.shutdown().await;
+    let Some(_lingering) = Lingering::try_take() else {
+        tracing::debug!(budget = LINGER_PER_CORE, "lingering close budget of this core used up; closing at once");
+        return;
+    };
     let mut io = framed.into_inner();
     let Some(deadline) = Instant::now().checked_add(LINGER_TIME) else { return };
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut drained = 0;
-    while drained < LINGER_BYTES {
-        let left = deadline.saturating_duration_since(Instant::now());
+    let mut buf = vec![0u8; LINGER_READ];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now()).min(LINGER_IDLE);
         // Abandoning the read on timeout is safe: the connection is closed right after.
         match monoio::time::timeout(left, io.read(buf)).await {
-            Ok((Ok(n), b)) if n > 0 => {
-                buf = b;
-                drained += n;
-            }
+            Ok((Ok(n), b)) if n > 0 && Instant::now() < deadline => buf = b,
             _ => break,
         }
+    }
+}
+
+thread_local! {
+    /// Connections lingering on this core (one thread per core).
+    static LINGERING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// One of this core's [`LINGER_PER_CORE`] lingering connections; given back when dropped.
+struct Lingering(());
+
+impl Lingering {
+    fn try_take() -> Option<Self> {
+        LINGERING.with(|n| (n.get() < LINGER_PER_CORE).then(|| n.set(n.get() + 1))).map(|()| Self(()))
+    }
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        LINGERING.with(|n| n.set(n.get() - 1));
     }
 }
 
@@ -743,4 +781,23 @@ async fn refuse(stream: TcpStream) {
     Response::error(503, "connection limit reached (maxConnections)").closing().encode(&mut out, false);
     let (_, mut write) = Stream::Plain(stream).into_split();
     let _ = flush(&mut write, out, Duration::from_secs(1), Duration::from_secs(1)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn at_most_the_budget_of_connections_linger_per_core() {
+        let taken: Vec<Lingering> = (0..LINGER_PER_CORE).map_while(|_| Lingering::try_take()).collect();
+        assert_eq!(taken.len(), LINGER_PER_CORE);
+        assert!(Lingering::try_take().is_none(), "one past the budget");
+        drop(taken);
+        let again = Lingering::try_take();
+        assert!(again.is_some(), "the budget comes back when they end");
+        // Another core (thread) has its own budget.
+        let held: Vec<Lingering> = (0..LINGER_PER_CORE - 1).map_while(|_| Lingering::try_take()).collect();
+        assert!(std::thread::spawn(|| Lingering::try_take().is_some()).join().unwrap());
+        drop(held);
+    }
 }
