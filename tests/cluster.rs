@@ -6,15 +6,15 @@ mod common;
 use std::time::Duration;
 
 use common::redis::Redis;
-use common::{assert_error, Server, ADMIN};
+use common::{assert_error, Server, Want, ADMIN};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(10);
 
 fn instance(redis: &Redis, id: &str) -> Server {
     let server = Server::start(&["--redis-url", &redis.url(), "--instance-id", id, "--redis-prefix", "t"]);
-    let up = server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, |v| v == 1.0);
-    assert_eq!(up, Some(1.0), "instance {id} connects to Redis");
+    // The instance connects to Redis.
+    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
     server
 }
 
@@ -25,7 +25,7 @@ fn metric(server: &Server, name: &str, id: &str) -> f64 {
 /// Waits until instance `id` knows that another instance watches `n` devices.
 fn wait_watched_elsewhere(server: &Server, id: &str, n: f64) {
     let series = format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}");
-    assert_eq!(server.wait_for_metric(&series, WAIT, |v| v == n), Some(n), "instance {id} learns what the others watch");
+    server.wait_for_metric(&series, WAIT, Want::Eq(n)); // the instance learns what the others watch
 }
 
 fn telemetry_values(frames: &[Value], key: &str) -> Vec<i64> {
@@ -163,13 +163,13 @@ fn redis_down_is_a_503_with_the_reason_and_each_instance_recovers_by_itself() {
     assert_eq!(a.call("GET", "/status", &[], None).0, 200);
     redis.down();
     let series = "hubcast_redis_connected{instance=\"a\"}";
-    assert_eq!(a.wait_for_metric(series, WAIT, |v| v == 0.0), Some(0.0), "the lost link is seen");
+    a.wait_for_metric(series, WAIT, Want::Eq(0.0)); // the lost link is seen
     let (status, body, _) = a.call("GET", "/status", &[], None);
     assert_error(status, &body, 503, "redis");
     let (status, body) = a.try_grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
     assert_error(status, &body, 503, "Redis unavailable");
     redis.up();
-    assert_eq!(a.wait_for_metric(series, WAIT, |v| v == 1.0), Some(1.0), "the link comes back by itself");
+    a.wait_for_metric(series, WAIT, Want::Eq(1.0)); // the link comes back by itself
     assert_eq!(a.call("GET", "/status", &[], None).0, 200);
     // A new session works end to end again.
     let fresh = a.new_session();
@@ -227,7 +227,7 @@ fn a_password_protected_redis_is_reached_with_the_password_in_the_url_and_refuse
     let redis = Redis::start_with(&["--requirepass", "s3cret"]);
     let url = format!("redis://:s3cret@127.0.0.1:{}", redis.port);
     let a = Server::start(&["--redis-url", &url, "--instance-id", "a"]);
-    assert_eq!(a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, |v| v == 1.0), Some(1.0));
+    a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0));
     let session = a.new_session();
     a.grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
     // The session is in Redis, readable with the password only.
@@ -275,7 +275,7 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     }
     let url = format!("rediss://localhost:{tls_port}");
     let a = Server::start(&["--redis-url", &url, "--redis-ca-file", &ca_pem, "--instance-id", "a"]);
-    assert_eq!(a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, |v| v == 1.0), Some(1.0), "TLS to Redis with the private CA");
+    a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0)); // TLS to Redis with the private CA
     let session = a.new_session();
     a.grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
     // Without the CA the server's certificate is not trusted: 503 naming Redis.
@@ -356,13 +356,13 @@ fn live_data_between_instances_resumes_by_itself_after_redis_restarts() {
     redis.down();
     for (s, id) in [(&a, "a"), (&b, "b")] {
         let series = format!("hubcast_redis_connected{{instance=\"{id}\"}}");
-        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == 0.0), Some(0.0), "{id} sees Redis go");
+        s.wait_for_metric(&series, WAIT, Want::Eq(0.0)); // each sees Redis go
     }
     wait_watched_elsewhere(&a, "a", 1.0);
     redis.up();
     for (s, id) in [(&a, "a"), (&b, "b")] {
         let series = format!("hubcast_redis_connected{{instance=\"{id}\"}}");
-        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == 1.0), Some(1.0), "{id} reconnects by itself");
+        s.wait_for_metric(&series, WAIT, Want::Eq(1.0)); // and reconnects by itself
     }
     let watching = redis.command("SMEMBERS t:watching:b").unwrap_or_default();
     assert!(watching.contains("tank"), "B announced its watch again: {watching}");

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use amqp_support::{FakeAuth, FakeHub, NewEvent};
 use common::redis::Redis;
-use common::{Server, ADMIN};
+use common::{Server, Want, ADMIN};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -124,11 +124,11 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
     // B and C watch every device; every instance knows the others do before data flows.
     for (s, id) in [(&b, "b"), (&c, "c")] {
         let series = format!("hubcast_redis_watched_devices{{instance=\"{id}\"}}");
-        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64), "{id}");
+        s.wait_for_metric(&series, WAIT, Want::Eq(PARTITIONS.len() as f64));
     }
     for (s, id) in [(&a, "a"), (&b, "b"), (&c, "c")] {
         let series = format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}");
-        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64), "{id}");
+        s.wait_for_metric(&series, WAIT, Want::Eq(PARTITIONS.len() as f64));
     }
     publish_round(&hub, 1);
     wait_last_values(&b, 1);
@@ -200,7 +200,7 @@ fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated()
     }
     let mut live = b.live(&session);
     let watched = "hubcast_redis_watched_elsewhere_devices{instance=\"a\"}";
-    assert_eq!(a.wait_for_metric(watched, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64));
+    a.wait_for_metric(watched, WAIT, Want::Eq(PARTITIONS.len() as f64));
     publish_round(&hub, 1);
     wait_last_values(&b, 1);
     a.signal(libc::SIGTERM);
@@ -246,7 +246,7 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     }
     let mut live = b.live(&session);
     let watched = "hubcast_redis_watched_elsewhere_devices{instance=\"a\"}";
-    assert_eq!(a.wait_for_metric(watched, WAIT, |v| v == PARTITIONS.len() as f64), Some(PARTITIONS.len() as f64));
+    a.wait_for_metric(watched, WAIT, Want::Eq(PARTITIONS.len() as f64));
     publish_round(&hub, 1);
     wait_last_values(&b, 1);
     // Redis goes away (SIGKILL: everything it held is gone) while events keep coming; the
@@ -255,7 +255,7 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     publish_round(&hub, 2);
     for (s, id) in [(&a, "a"), (&b, "b")] {
         let series = format!("hubcast_redis_partition_leases{{instance=\"{id}\"}}");
-        assert_eq!(s.wait_for_metric(&series, WAIT, |v| v == 0.0), Some(0.0), "{id} gives its leases up");
+        s.wait_for_metric(&series, WAIT, Want::Eq(0.0)); // it gives its leases up
     }
     // Redis comes back empty: no lease, no checkpoint. Each instance takes back the partitions
     // its cores were reading (it knows how far it got), so none is read twice or skipped.
@@ -264,7 +264,7 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     a.signal(libc::SIGSTOP);
     redis.up();
     let b_leases = "hubcast_redis_partition_leases{instance=\"b\"}";
-    assert!(b.wait_for_metric(b_leases, WAIT, |v| v >= of_b.len() as f64).is_some(), "B takes its partitions back");
+    b.wait_for_metric(b_leases, WAIT, Want::Eq(of_b.len() as f64)); // B takes back its partitions, only those
     a.signal(libc::SIGCONT);
     wait_balanced(&[(&a, "a"), (&b, "b")]);
     assert_eq!((partitions_of(&a), partitions_of(&b)), (of_a, of_b), "each instance reads its partitions again");
@@ -276,8 +276,7 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     // The live client on B: B's own partitions reached it during the outage; A's cross Redis
     // again once B's watches are back. Every event at most once and in order, the last round
     // from every device.
-    let watched_back = a.wait_for_metric(watched, WAIT, |v| v == PARTITIONS.len() as f64);
-    assert_eq!(watched_back, Some(PARTITIONS.len() as f64), "B's watches are known to A again");
+    a.wait_for_metric(watched, WAIT, Want::Eq(PARTITIONS.len() as f64)); // B's watches are known to A again
     publish_round(&hub, 3);
     let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
     while seen.iter().any(|s| s.last() != Some(&3)) {

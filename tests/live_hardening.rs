@@ -59,8 +59,7 @@ fn a_connected_socketio_client_that_floods_pings_and_never_reads_is_closed_with_
     let ping = big_client_ping(65_000);
     let sent = flood(&mut stream, &ping, 200 << 20);
     assert!(sent < 200 << 20, "the server kept reading a flood of client pings ({sent} bytes)");
-    let open = server.wait_for_metric("hubcast_sockets{transport=\"socketio_websocket\"}", WAIT, |v| v == 0.0);
-    assert_eq!(open, Some(0.0), "the flooding socket is closed");
+    server.wait_for_metric("hubcast_sockets{transport=\"socketio_websocket\"}", WAIT, Want::Eq(0.0)); // the flooding socket is closed
     let grown = server.rss_kib().saturating_sub(rss_before);
     assert!(grown < 32 * 1024, "memory grew by {grown} KiB while {sent} bytes were flooded");
     server.assert_alive();
@@ -86,8 +85,7 @@ fn a_socket_that_stops_reading_is_closed_by_the_byte_limit_before_the_message_li
     }
     // Well below the 8192-message limit: the bytes decided (10 messages of 60 KB per batch).
     assert!(batches * 10 < 8192, "{batches} batches");
-    let open = server.wait_for_metric("hubcast_sockets{transport=\"websocket\"}", WAIT, |v| v == 0.0);
-    assert_eq!(open, Some(0.0), "the slow socket is gone");
+    server.wait_for_metric("hubcast_sockets{transport=\"websocket\"}", WAIT, Want::Eq(0.0)); // the slow socket is gone
     server.assert_alive();
 }
 

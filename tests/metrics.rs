@@ -81,8 +81,7 @@ fn socket_writes_and_frames_written_are_counted() {
         assert_eq!(frame["telemetry"]["v"], i);
     }
     let frames_series = "hubcast_socket_frames_written_total{transport=\"websocket\"}";
-    let frames = server.wait_for_metric(frames_series, Duration::from_secs(5), |v| v >= N as f64).unwrap();
-    assert!(frames >= N as f64, "{frames} frames written for {N} messages");
+    let frames = server.wait_for_metric(frames_series, Duration::from_secs(5), Want::AtLeast(N as f64));
     let writes = server.metric("hubcast_socket_writes_total{transport=\"websocket\"}").unwrap();
     assert!(writes >= 1.0 && writes <= frames, "{writes} writes for {frames} frames");
     assert_eq!(server.metric("hubcast_socket_writes_total{transport=\"socketio_websocket\"}"), Some(0.0));

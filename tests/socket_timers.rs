@@ -108,8 +108,7 @@ fn a_websocket_that_stops_reading_is_closed_when_its_write_stalls() {
         server.ingest_on(&agent, Value::Array(batch));
     }
     // The write stall limit is 10 s; the socket is closed then (the gauge is the event).
-    let closed = server.wait_for_metric(sockets, 30 * SECOND, |n| n == 0.0);
-    assert_eq!(closed, Some(0.0), "the stalled socket was closed");
+    server.wait_for_metric(sockets, 30 * SECOND, Want::Eq(0.0)); // the stalled socket was closed
     assert_eq!(server.metric("hubcast_slow_consumers_closed_total"), Some(0.0), "closed by the stall, not the queue limits");
     drop(stream);
 }

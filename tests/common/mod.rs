@@ -49,6 +49,33 @@ fn wait_for_line(lines: &Mutex<Vec<String>>, timeout: Duration, pred: impl Fn(&s
     }
 }
 
+/// What [`Server::wait_for_metric`] waits for; shown in its panic message.
+#[derive(Clone, Copy, Debug)]
+pub enum Want {
+    /// Exactly this value.
+    Eq(f64),
+    /// This value or more (a counter that may run past it).
+    AtLeast(f64),
+}
+
+impl Want {
+    fn holds(self, v: f64) -> bool {
+        match self {
+            Want::Eq(x) => v == x,
+            Want::AtLeast(x) => v >= x,
+        }
+    }
+}
+
+impl std::fmt::Display for Want {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Want::Eq(x) => write!(f, "= {x}"),
+            Want::AtLeast(x) => write!(f, ">= {x}"),
+        }
+    }
+}
+
 /// Path of the binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_hubcast");
 
@@ -380,13 +407,21 @@ impl Server {
         text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
     }
 
-    /// Polls `GET /metrics` until `series` satisfies `pred`; returns the last value seen.
-    pub fn wait_for_metric(&self, series: &str, timeout: Duration, pred: impl Fn(f64) -> bool) -> Option<f64> {
+    /// Polls `GET /metrics` until `series` is what `want` says; returns that value. Panics
+    /// after `timeout` naming the series, what was wanted and the last value read (a wait
+    /// that returned the last value instead let callers pass on a time-out).
+    #[track_caller]
+    pub fn wait_for_metric(&self, series: &str, timeout: Duration, want: Want) -> f64 {
         let deadline = Instant::now() + timeout;
         loop {
             let value = self.metric(series);
-            if value.is_some_and(&pred) || Instant::now() >= deadline {
-                return value;
+            if let Some(v) = value.filter(|&v| want.holds(v)) {
+                return v;
+            }
+            if Instant::now() >= deadline {
+                let tail = self.stderr_lines();
+                let tail = tail[tail.len().saturating_sub(20)..].join("\n");
+                panic!("{series} did not become {want} within {timeout:?}: last value {value:?}\n--- hubcast log (tail) ---\n{tail}");
             }
             std::thread::sleep(Duration::from_millis(50));
         }
