@@ -331,3 +331,49 @@ fn readme_is_a_front_door() {
     let second = readme.find("bash scripts/test.sh").expect("the test command");
     assert!(first < second && readme[..first].lines().count() < 20, "the two commands come first");
 }
+
+/// The names of `[dependencies]` and `[dev-dependencies]` in Cargo.toml.
+fn cargo_dependencies(manifest: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut in_deps = false;
+    for line in manifest.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_deps = line == "[dependencies]" || line == "[dev-dependencies]";
+            continue;
+        }
+        if in_deps && !line.is_empty() && !line.starts_with('#') {
+            if let Some((name, _)) = line.split_once('=') {
+                names.push(name.trim().to_string());
+            }
+        }
+    }
+    names
+}
+
+/// `name` as a whole word of `text` (`tokio` is not mentioned by `tokio-rustls`).
+fn mentions(text: &str, name: &str) -> bool {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
+    text.match_indices(name).any(|(at, _)| {
+        !text[..at].chars().next_back().is_some_and(word)
+            && !text[at + name.len()..].chars().next().is_some_and(word)
+    })
+}
+
+#[test]
+fn every_dependency_is_in_the_dependencies_table() {
+    let architecture = read("docs/ARCHITECTURE.md");
+    let start = architecture
+        .find("\n## Dependencies")
+        .expect("docs/ARCHITECTURE.md has no '## Dependencies' section");
+    let section = &architecture[start..];
+    let section = &section[..section[1..].find("\n## ").map_or(section.len(), |end| end + 1)];
+    let names = cargo_dependencies(&read("Cargo.toml"));
+    assert!(names.len() > 30, "only {} dependencies read from Cargo.toml: {names:?}", names.len());
+    let missing: Vec<_> = names.iter().filter(|n| !mentions(section, n)).collect();
+    assert!(
+        missing.is_empty(),
+        "Cargo.toml dependencies not in docs/ARCHITECTURE.md's Dependencies (say what each does \
+         here): {missing:?}"
+    );
+}
