@@ -7,7 +7,7 @@
 //! 1. **Stopping** ([`STOPPING`]): `GET /status` answers 503 "shutting down" so a load
 //!    balancer takes the node out; every core and the AMQP consumer, which await it, wake up
 //!    (closing a channel wakes every waiter on every thread: nobody polls).
-//! 2. **Each core** ([`core_task`]) closes its listener (new connections are refused by the
+//! 2. **Each core** (`app::stop::core_task`) closes its listener (new connections are refused by the
 //!    kernel), says goodbye to every socket it holds and waits until its in-flight requests
 //!    have been answered and its sockets are gone ([`CoreDrain`]). New WebSocket upgrades and
 //!    Engine.IO handshakes are refused with 503 meanwhile; a request on a kept-alive connection
@@ -25,10 +25,15 @@
 //!    closed), ends its sessions and closes the connection. It goes before the flush so that
 //!    the flushed state holds everything it handed to the cores and nothing arrives after.
 //! 4. **Flush**: once every core is drained and the consumer is gone, each core applies what
-//!    is left in its ingress queue and flushes its state ([`flush_state`], the hook the
-//!    durable store plugs into).
+//!    is left in its ingress queue and flushes its state (`app::stop::flush_state`, the hook
+//!    the durable store plugs into).
 //! 5. Exit 0. Past `--shutdown-timeout` the process exits anyway, with a log line and status
 //!    1; a second signal exits at once (status 128 + signal number).
+//!
+//! This module holds what the sequence needs of no core: the flag, the per-core drain
+//! bookkeeping ([`CoreDrain`]), the reports and the main thread's half ([`drive`]). The
+//! per-core half needs a core (`app::Core`), so it lives in the application (`app::stop`),
+//! which imports this module and not the other way round: no import cycle.
 //!
 //! Signals are read with `signal-hook`: its handler only writes to a self-pipe (the one thing
 //! that is async-signal-safe to do) and a plain thread reads the pipe, so none of our code runs
@@ -43,7 +48,6 @@ use std::task::{Poll, Waker};
 use std::time::Instant;
 
 use crate::push::outlet::{CloseReason, Outlet};
-use crate::app::Core;
 
 /// The process's one "stopping" flag, set once by the signal thread.
 pub struct Stopping {
@@ -153,7 +157,7 @@ impl CoreDrain {
 
     /// The polling sessions' goodbye: their pending long poll is answered with what is
     /// queued and the Engine.IO close packet. Returns how many.
-    fn say_goodbye_to_polls(&self) -> usize {
+    pub fn say_goodbye_to_polls(&self) -> usize {
         let outlets: Vec<Rc<Outlet>> = self.polls.borrow().values().filter_map(Weak::upgrade).collect();
         for outlet in &outlets {
             outlet.finish(goodbye());
@@ -162,7 +166,7 @@ impl CoreDrain {
     }
 
     /// Asks every WebSocket to close with 1001 after what is already queued; returns how many.
-    fn say_goodbye(&self) -> usize {
+    pub fn say_goodbye(&self) -> usize {
         self.said_goodbye.set(true);
         let outlets: Vec<Rc<Outlet>> = self.sockets.borrow().values().filter_map(|(o, _)| o.upgrade()).collect();
         for outlet in &outlets {
@@ -173,7 +177,7 @@ impl CoreDrain {
 
     /// Shuts down the sockets still open (a client that does not read, so the goodbye write
     /// is stuck): their tasks see the error and end. Returns how many.
-    fn cut_sockets(&self) -> usize {
+    pub fn cut_sockets(&self) -> usize {
         let sockets = self.sockets.borrow();
         for (_, fd) in sockets.values() {
             // Safety: the descriptor is open: an entry is removed before its socket is closed,
@@ -184,7 +188,7 @@ impl CoreDrain {
     }
 
     /// Resolves when nothing is in hand.
-    async fn idle(&self) {
+    pub async fn idle(&self) {
         std::future::poll_fn(|cx| {
             if self.busy.get() == 0 {
                 return Poll::Ready(());
@@ -203,70 +207,6 @@ pub enum Report {
     Drained(usize),
     /// Ingress applied and state flushed: the process may exit.
     Flushed(usize),
-}
-
-/// The per-core half of the sequence: waits for [`STOPPING`], closes the listener, says
-/// goodbye, waits until drained, then (told by `flush`) flushes; then it parks.
-pub async fn core_task(
-    core: Rc<Core>,
-    listener: Rc<monoio::net::TcpListener>,
-    report: std::sync::mpsc::Sender<Report>,
-    flush: async_channel::Receiver<()>,
-) {
-    STOPPING.wait().await;
-    let index = core.index;
-    // Refuse new connections at once (the kernel answers RST); the accept loops see an error
-    // and end, and the last of them closes the socket.
-    // Safety: shutdown(2) on a descriptor this core owns and keeps open until it returns.
-    unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&*listener), libc::SHUT_RDWR) };
-    drop(listener);
-    tracing::info!(core = index, "stopped accepting connections");
-
-    let websockets = core.drain.say_goodbye();
-    let polling = core.drain.say_goodbye_to_polls();
-    tracing::info!(core = index, websockets, polling, "goodbye sent to every socket (close 1001 / Engine.IO close)");
-
-    // A client that stops reading must not hold the shutdown until its write-stall limit:
-    // after half the shutdown timeout its socket is cut.
-    let grace = std::time::Duration::from_secs(core.settings.config.shutdown_timeout) / 2;
-    if monoio::time::timeout(grace, core.drain.idle()).await.is_err() {
-        let cut = core.drain.cut_sockets();
-        if cut > 0 {
-            tracing::warn!(core = index, sockets = cut, "sockets still open after the goodbye; closed without waiting");
-        }
-        core.drain.idle().await;
-    }
-    tracing::info!(core = index, "in-flight requests answered, sockets closed");
-    let _ = report.send(Report::Drained(index));
-
-    // Every core drained and the AMQP consumer gone: nothing feeds this core any more.
-    let _ = flush.recv().await;
-    let ingress = core.queues.borrow().as_ref().map(|(_, ingress)| ingress.clone());
-    if let Some(ingress) = ingress {
-        let mut applied = 0;
-        while let Some(batch) = ingress.try_recv() {
-            applied += batch.messages.len();
-            crate::app::ingress::apply(&core, batch);
-        }
-        if applied > 0 {
-            tracing::info!(core = index, messages = applied, "applied the event hub messages still queued");
-        }
-    }
-    flush_state(&core);
-    tracing::info!(core = index, "state flushed");
-    let _ = report.send(Report::Flushed(index));
-    // The core stays parked until the process exits: ending its runtime while other threads
-    // still hold wakers of its tasks (channels shared with the main and AMQP threads) would
-    // wake tasks of a runtime that is gone.
-    std::future::pending::<()>().await;
-}
-
-/// The durable store's per-core flush plugs in here (state and AMQP positions, on the core
-/// that owns them): commit what is pending and sync it to disk. Without a store: a no-op.
-pub fn flush_state(core: &Rc<Core>) {
-    if let Err(e) = core.flush_store() {
-        tracing::error!(core = core.index, error = %e, "cannot sync the durable state to disk");
-    }
 }
 
 /// The main thread's half: drives the sequence once the first signal arrived. Returns when

@@ -15,6 +15,7 @@ pub mod ingress;
 pub mod mesh;
 pub mod record;
 pub mod relay;
+pub mod stop;
 
 pub use self::core::Core;
 pub use self::ingress::Ingress;
@@ -166,7 +167,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>, wiring: Wiring) -> io
                 tracing::debug!(core = index, "core started");
                 ready.serving();
                 // The core runs until its part of a graceful shutdown is done.
-                crate::shutdown::core_task(core, listener, report, flush_rx).await;
+                stop::core_task(core, listener, report, flush_rx).await;
             })
         }));
     }
