@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""Layer check: every module of src/ imports only from its own layer or the ones below.
+"""Layer check: every module of src/ imports only from its own layer or the ones below, and no
+two top-level modules import each other (directly or round a longer loop), within a layer too.
 
 The layers are listed leaf first in scripts/layers.toml. Each `crate::x` path in a file of
 src/ (a `use` or a path in code, `use crate::{a, b}` groups included) is an edge from that
 file to the top-level module `x`; an edge to a module of a higher layer goes the wrong way.
 `crate::Name` (an item of lib.rs itself) is an edge to the layer of `lib`.
 
+An import cycle is a set of top-level modules each reachable from every other through such
+edges (a strongly connected component of more than one module): the layers cannot tell it
+(both ends may sit in one layer), yet it ties the modules into one unit nobody can read or
+test apart.
+
 The wrong-way edges that exist today are listed in scripts/layers-baseline.txt, one
-`<file> -> <module>` per line: a ratchet. The check fails on any wrong-way edge that is not
-in the baseline, and on a baseline line that no longer holds (delete it: the baseline only
-shrinks). `--write-baseline` rewrites the baseline from the tree (for the commit that adds a
+`<file> -> <module>` per line, and the cycles as `cycle: <module>, <module>, …` (sorted): a
+ratchet. The check fails on any wrong-way edge or cycle that is not in the baseline, and on a
+baseline line that no longer holds (delete it: the baseline only shrinks). `--write-baseline` rewrites the baseline from the tree (for the commit that adds a
 layer or reviews the list, never to let a new edge in quietly).
 
 Usage: python3 scripts/layers.py [--root DIR] [--write-baseline]
@@ -95,8 +101,16 @@ def load_layers(path: pathlib.Path) -> dict[str, int]:
 
 def wrong_way(src: pathlib.Path, rank: dict[str, int]) -> tuple[set[str], list[str]]:
     """(`file -> module` edges that go up, problems such as a module no layer names)."""
+    edges, problems, _ = scan(src, rank)
+    return edges, problems
+
+
+def scan(src: pathlib.Path, rank: dict[str, int]) -> tuple[set[str], list[str], dict[str, dict[str, list[str]]]]:
+    """Wrong-way edges and problems as [`wrong_way`], and every module-to-module edge with the
+    files that make it (`imports[a][b]` = files of `a` naming `crate::b`)."""
     edges: set[str] = set()
     problems: list[str] = []
+    imports: dict[str, dict[str, list[str]]] = {}
     for file in sorted(src.rglob("*.rs")):
         rel = pathlib.PurePosixPath(file.relative_to(src).as_posix())
         own = module_of(rel)
@@ -109,9 +123,70 @@ def wrong_way(src: pathlib.Path, rank: dict[str, int]) -> tuple[set[str], list[s
             if target not in rank:
                 # Not a module (a macro or a re-export at the root): nothing to rank.
                 continue
+            imports.setdefault(own, {}).setdefault(target, []).append(f"src/{rel}")
             if rank[target] > rank[own]:
                 edges.add(f"src/{rel} -> {target}")
-    return edges, problems
+    return edges, problems, imports
+
+
+def cycles(imports: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The import cycles: each strongly connected component of more than one module, sorted
+    (Tarjan's algorithm, iterative so a deep graph cannot hit Python's recursion limit)."""
+    nodes = sorted(set(imports) | {b for targets in imports.values() for b in targets})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(imports.get(root, {}))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(imports.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def cycle_line(component: list[str]) -> str:
+    return "cycle: " + ", ".join(component)
+
+
+def cycle_detail(component: list[str], imports: dict[str, dict[str, list[str]]]) -> str:
+    """The edges inside a cycle and the files that make them, for the failure message."""
+    members = set(component)
+    parts = []
+    for a in component:
+        for b, files in sorted(imports.get(a, {}).items()):
+            if b in members:
+                parts.append(f"{a} -> {b} ({', '.join(sorted(files))})")
+    return "; ".join(parts)
 
 
 def main() -> int:
@@ -121,26 +196,37 @@ def main() -> int:
     args = ap.parse_args()
     root = pathlib.Path(args.root)
     rank = load_layers(root / "scripts" / "layers.toml")
-    edges, problems = wrong_way(root / "src", rank)
+    edges, problems, imports = scan(root / "src", rank)
+    found = {cycle_line(c): c for c in cycles(imports)}
     baseline_path = root / "scripts" / "layers-baseline.txt"
     if args.write_baseline:
-        header = "# Wrong-way imports that exist today (scripts/layers.py). This list only shrinks.\n"
-        baseline_path.write_text(header + "".join(f"{e}\n" for e in sorted(edges)))
-        print(f"wrote {len(edges)} edges to {baseline_path}")
+        header = "# Wrong-way imports and import cycles that exist today (scripts/layers.py). This list only shrinks.\n"
+        baseline_path.write_text(header + "".join(f"{e}\n" for e in sorted(edges) + sorted(found)))
+        print(f"wrote {len(edges)} edges and {len(found)} cycles to {baseline_path}")
         return 0
     baseline = set()
     if baseline_path.exists():
         baseline = {l.strip() for l in baseline_path.read_text().splitlines() if l.strip() and not l.startswith("#")}
-    new = sorted(edges - baseline)
-    gone = sorted(baseline - edges)
+    base_edges = {l for l in baseline if not l.startswith("cycle:")}
+    base_cycles = {l for l in baseline if l.startswith("cycle:")}
+    new = sorted(edges - base_edges)
+    gone = sorted(base_edges - edges)
+    new_cycles = sorted(set(found) - base_cycles)
+    gone_cycles = sorted(base_cycles - set(found))
     for p in problems:
         print(p)
     for e in new:
         print(f"new wrong-way import: {e} (a module may import only from its own layer or below; see scripts/layers.toml)")
     for e in gone:
         print(f"fixed: {e} no longer holds; delete its line from scripts/layers-baseline.txt")
-    ok = not (problems or new or gone)
-    print(f"layers: {len(edges)} known wrong-way imports, {len(new)} new, {len(gone)} gone: {'ok' if ok else 'FAILED'}")
+    for c in new_cycles:
+        print(f"new import {c}: {cycle_detail(found[c], imports)} (modules must not import each other, "
+              "even within a layer: move what one needs down, or invert the call with a trait)")
+    for c in gone_cycles:
+        print(f"fixed: {c} no longer holds; delete its line from scripts/layers-baseline.txt")
+    ok = not (problems or new or gone or new_cycles or gone_cycles)
+    print(f"layers: {len(edges)} known wrong-way imports, {len(new)} new, {len(gone)} gone; "
+          f"{len(found)} import cycles, {len(new_cycles)} new, {len(gone_cycles)} gone: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 
