@@ -89,8 +89,8 @@ type CoreStore = Option<(Box<dyn crate::store::StateStore + Send>, crate::store:
 
 /// Opens `--data-dir` (unless memory only): one store and its loaded state per core, and the
 /// stored source positions handed to the ingress.
-fn open_store(settings: &Settings, ingress: Ingress) -> io::Result<(Ingress, Vec<CoreStore>)> {
-    let crate::store::DataDir::Dir(dir) = &settings.config.data_dir else {
+fn open_store(settings: &Settings, lock: Option<crate::store::DirLock>, ingress: Ingress) -> io::Result<(Ingress, Vec<CoreStore>)> {
+    let (crate::store::DataDir::Dir(dir), Some(lock)) = (&settings.config.data_dir, lock) else {
         tracing::info!("memory only (--data-dir none): nothing is kept across a restart");
         return Ok((ingress, (0..settings.cores).map(|_| None).collect()));
     };
@@ -98,7 +98,7 @@ fn open_store(settings: &Settings, ingress: Ingress) -> io::Result<(Ingress, Vec
         fsync_interval: std::time::Duration::from_millis(settings.config.fsync_interval),
         snapshot_log_bytes: settings.config.snapshot_log_bytes,
     };
-    let opened = crate::store::open(dir, settings.cores, options).map_err(io::Error::other)?;
+    let opened = crate::store::open_locked(dir, lock, settings.cores, options).map_err(io::Error::other)?;
     let prefix = source_prefix(settings);
     let resume = opened
         .resume_positions()
@@ -126,13 +126,21 @@ pub fn source_prefix(settings: &Settings) -> String {
 /// Starts every core; returns once all of them are serving.
 pub fn start(settings: Arc<Settings>, shared: Arc<Shared>, wiring: Wiring) -> io::Result<Running> {
     let bind = SocketAddr::new(settings.config.bind, settings.config.port);
-    let bound = crate::runtime::bind(bind, settings.cores, settings.config.max_connections + 1024)?;
+    // The data dir's lock before the port: once it is ours, no other live hubcast owns this
+    // data dir, and a held port is most likely our own previous run's listener that the kernel
+    // is still closing after a kill -9 (src/owner.rs): it is waited for, within a bound.
+    let lock = match &settings.config.data_dir {
+        crate::store::DataDir::Dir(dir) => Some(crate::store::lock(dir).map_err(io::Error::other)?),
+        crate::store::DataDir::Memory => None,
+    };
+    let patience = if lock.is_some() { crate::owner::RESTART_PATIENCE } else { std::time::Duration::ZERO };
+    let bound = crate::runtime::bind(bind, settings.cores, settings.config.max_connections + 1024, patience)?;
     let addr = bound.addr();
     let (report_tx, reports) = mpsc::channel();
     let (flush, flush_rx): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded::<()>(1)).unzip();
     let mut flush_rx = flush_rx.into_iter();
     let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
-    let (ingress, mut stores) = open_store(&settings, ingress)?;
+    let (ingress, mut stores) = open_store(&settings, lock, ingress)?;
     let (inboxes, receivers) = mesh::inboxes(settings.cores);
     let limits = mesh::MeshLimits::new(
         settings.config.mesh_inbox_messages as usize,

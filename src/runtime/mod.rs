@@ -46,11 +46,11 @@ impl Bound {
     }
 }
 
-/// Raises the open-file limit to `max_files`, claims `addr` for this process and binds
-/// `cores` listeners on it.
-pub fn bind(addr: SocketAddr, cores: usize, max_files: u64) -> io::Result<Bound> {
+/// Raises the open-file limit to `max_files`, claims `addr` for this process (a held port
+/// tried again for `patience`, see [`crate::owner`]) and binds `cores` listeners on it.
+pub fn bind(addr: SocketAddr, cores: usize, max_files: u64, patience: std::time::Duration) -> io::Result<Bound> {
     raise_file_limit(max_files);
-    let claim = crate::owner::claim(addr)?;
+    let claim = crate::owner::claim(addr, patience)?;
     let listeners = (0..cores).map(|_| reuseport_listener(claim.addr)).collect::<io::Result<_>>()?;
     Ok(Bound { listeners, claim })
 }

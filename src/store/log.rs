@@ -101,11 +101,13 @@ impl StoreStats {
 }
 
 /// The `flock` on `LOCK`; released when the last store of the process is dropped.
-struct DirLock {
+pub struct DirLock {
     _file: File,
 }
 
-fn lock_dir(dir: &Path) -> Result<DirLock, String> {
+/// Creates `dir` if needed and takes its lock (one owner per data dir).
+pub fn lock_dir(dir: &Path) -> Result<DirLock, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("cannot create data dir {}: {e}", dir.display()))?;
     let path = dir.join("LOCK");
     let mut file = OpenOptions::new()
         .read(true)
@@ -333,9 +335,13 @@ fn write_file_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
 
 /// Opens the data dir (see the module docs).
 pub fn open(dir: &Path, cores: usize, options: Options) -> Result<Opened, String> {
+    open_locked(dir, lock_dir(dir)?, cores, options)
+}
+
+/// [`open`] with the data dir's lock already taken ([`lock_dir`]).
+pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) -> Result<Opened, String> {
     let fsync_interval = options.fsync_interval;
-    fs::create_dir_all(dir).map_err(|e| format!("cannot create data dir {}: {e}", dir.display()))?;
-    let lock = Arc::new(lock_dir(dir)?);
+    let lock = Arc::new(lock);
     let manifest = read_manifest(dir)?;
     let (epoch, old_cores) = manifest.unwrap_or((1, cores));
     // Every store file, by epoch; files of other epochs are left-overs of a re-shard.

@@ -178,3 +178,17 @@ impl Options {
 pub fn open(dir: &Path, cores: usize, options: Options) -> Result<Opened, String> {
     log::open(dir, cores, options)
 }
+
+pub use log::DirLock;
+
+/// Takes `dir`'s lock (creating it if needed) without loading anything: start-up takes it
+/// before the port, so that a port still held after a `kill -9` of the previous owner of this
+/// data dir can be waited for (src/owner.rs).
+pub fn lock(dir: &Path) -> Result<DirLock, String> {
+    log::lock_dir(dir)
+}
+
+/// [`open`] with the lock already taken by [`lock`].
+pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) -> Result<Opened, String> {
+    log::open_locked(dir, lock, cores, options)
+}
