@@ -14,7 +14,7 @@ use hubcast::app::Shared;
 /// buffers) and fe2o3 decodes every AMQP message into owned maps and strings, some freed on
 /// another thread; glibc spent 9-21 % of a core in `_int_malloc`, `unlink_chunk`,
 /// `malloc_consolidate` and `_int_free` in the fan-out and ingest profiles. Measured side by side
-/// in docs/BENCHMARKS.md ("The allocator"): fan-out 1.3-1.5x per CPU-second, idle sockets alike,
+/// in docs/benchmarks/2026-11-27-allocator.md: fan-out 1.3-1.5x per CPU-second, idle sockets alike,
 /// 8.5 MB more at start. `cargo build --no-default-features` keeps glibc's.
 #[cfg(feature = "mimalloc")]
 #[global_allocator]

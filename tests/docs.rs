@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 /// Column of the description; entries start left of it, continuation lines at it.
 const DESCRIPTION_COLUMN: usize = 24;
 const README_MAX_LINES: usize = 250;
+const BENCHMARKS_MAX_LINES: usize = 300;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -260,10 +261,10 @@ fn anchors_of(text: &str) -> BTreeSet<String> {
     anchors
 }
 
-/// README.md, docs/*.md and docs/benchmarks/*.md.
+/// README.md and the .md files of docs/, docs/benchmarks/ and docs/upstream/.
 fn doc_pages() -> Vec<PathBuf> {
     let mut pages = vec![PathBuf::from("README.md")];
-    for dir in ["docs", "docs/benchmarks"] {
+    for dir in ["docs", "docs/benchmarks", "docs/upstream"] {
         let mut found: Vec<_> = fs::read_dir(root().join(dir))
             .unwrap()
             .map(|e| e.unwrap().path())
@@ -330,6 +331,38 @@ fn readme_is_a_front_door() {
     let first = readme.find("cargo run --release -- --simulate 100").expect("the run command");
     let second = readme.find("bash scripts/test.sh").expect("the test command");
     assert!(first < second && readme[..first].lines().count() < 20, "the two commands come first");
+}
+
+#[test]
+fn benchmarks_page_is_a_reference() {
+    let benchmarks = read("docs/BENCHMARKS.md");
+    let lines = benchmarks.lines().count();
+    assert!(
+        lines <= BENCHMARKS_MAX_LINES,
+        "docs/BENCHMARKS.md has {lines} lines, at most {BENCHMARKS_MAX_LINES}: keep one current \
+         table per workload there and put a dated run in docs/benchmarks/YYYY-MM-DD-NAME.md, \
+         listed under 'Dated runs'"
+    );
+    // Every dated run is listed on the page, so none is orphaned.
+    let mut runs: Vec<String> = fs::read_dir(root().join("docs/benchmarks"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".md"))
+        .collect();
+    runs.sort();
+    assert!(runs.len() >= 20, "only {} dated runs in docs/benchmarks/", runs.len());
+    let unlisted: Vec<_> =
+        runs.iter().filter(|n| !benchmarks.contains(&format!("(benchmarks/{n})"))).collect();
+    assert!(unlisted.is_empty(), "dated runs not linked from docs/BENCHMARKS.md: {unlisted:?}");
+    for name in &runs {
+        let date = name.get(..11).unwrap_or("");
+        let dated = date.len() == 11
+            && date.as_bytes()[10] == b'-'
+            && date[..10].chars().enumerate().all(|(i, c)| {
+                if i == 4 || i == 7 { c == '-' } else { c.is_ascii_digit() }
+            });
+        assert!(dated, "docs/benchmarks/{name}: a run's page is named YYYY-MM-DD-NAME.md");
+    }
 }
 
 /// The names of `[dependencies]` and `[dev-dependencies]` in Cargo.toml.

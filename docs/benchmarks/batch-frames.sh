@@ -1,5 +1,5 @@
 #!/bin/sh
-# Issue 13 items 1-2 (docs/BENCHMARKS.md, "Batched frames"): old hubcast (one envelope per frame)
+# Issue 13 items 1-2 (docs/benchmarks/2026-11-25-batched-frames.md): old hubcast (one envelope per frame)
 # against new with the ws client and the batched ws-batch client, interleaved, each run on a
 # fresh hubcast --cores 1 pinned to CPU 0 (the harness on CPU 1).
 #   docs/benchmarks/batch-frames.sh OLD_HUBCAST NEW_HUBCAST [HUBCAST_LOAD] > out.txt

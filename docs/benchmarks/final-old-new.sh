@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issues 10 and 13, final side-by-side figures on a quiet machine (docs/BENCHMARKS.md,
-# "Final figures, 2026-11-26"). Release builds of three commits, each in its own worktree:
+# Issues 10 and 13, final side-by-side figures on a quiet machine
+# (docs/benchmarks/2026-11-27-issues-10-13-old-new.md). Release builds of three commits, each
+# in its own worktree:
 #   OLD10 = 2d7a317 (the last commit before issue 10), OLD13 = 405737f (main before the flush
 #   policy and the one-pass ingest), NEW = main.
 # Every run is a fresh `hubcast --cores 1` pinned to CPU 0 with the harness on CPU 1 (--pin),

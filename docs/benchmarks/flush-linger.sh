@@ -1,5 +1,5 @@
 #!/bin/sh
-# Issue 13 item 1 (docs/BENCHMARKS.md, "Flush policy"): OLD hubcast (no flush policy) against
+# Issue 13 item 1 (docs/benchmarks/2026-11-25-flush-policy.md): OLD hubcast (no flush policy) against
 # NEW with the policy off (--socket-linger-us 0), at 500 µs and at 5 ms (the default),
 # interleaved, each run on a fresh hubcast --cores 1 pinned to CPU 0 (the harness on CPU 1),
 # the fan-out of batch-frames.sh: C=1000 clients x S=10 of D=1000 devices, POST /ingest batches

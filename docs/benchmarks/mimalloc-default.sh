@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# glibc malloc vs mimalloc as hubcast's allocator (docs/BENCHMARKS.md, "The allocator"):
+# glibc malloc vs mimalloc as hubcast's allocator (docs/benchmarks/2026-11-27-allocator.md):
 # the same source built twice (`cargo build --release` and `--features mimalloc`) and OLD10
 # (2d7a317) for issue 10's ratios; alternating, fresh `hubcast --cores 1` pinned to CPU 0, harness
 # on CPU 1, memory-only.

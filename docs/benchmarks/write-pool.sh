@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Write buffers from a per-core pool and queues that reserve their last drain's size
-# (docs/BENCHMARKS.md, "Final figures, 2026-11-26"): OLD and NEW alternating, fresh
+# (docs/benchmarks/2026-11-27-write-pool.md): OLD and NEW alternating, fresh
 # `hubcast --cores 1` pinned to CPU 0, harness on CPU 1, memory-only; issue 10's fan-out shape
 # and issue 13's at max rate with 4 publishers.
 #   docs/benchmarks/write-pool.sh OLD_BIN NEW_BIN HUBCAST_LOAD [ROUNDS] > out.txt

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Instructions per AMQP device message of a whole hubcast process, counted by callgrind
-# (deterministic, unlike CPU time on a shared machine). docs/BENCHMARKS.md, "AMQP ingest".
+# (deterministic, unlike CPU time on a shared machine). docs/benchmarks/2026-11-25-amqp-encoded-branch.md.
 #
 #   loadtest/scripts/amqp-instructions.sh HUBCAST_BINARY [HUBCAST_LOAD_BINARY]
 #

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Instructions per `POST /ingest` device message of a whole hubcast process, counted by
-# callgrind (deterministic, unlike CPU time on a shared machine). docs/BENCHMARKS.md, "Issue 10:
-# the ingest path, instructions per message". Same method as amqp-instructions.sh.
+# callgrind (deterministic, unlike CPU time on a shared machine). See
+# docs/benchmarks/2026-11-25-ingest-one-pass.md. Same method as amqp-instructions.sh.
 #
 #   loadtest/scripts/ingest-instructions.sh HUBCAST_BINARY [HUBCAST_LOAD_BINARY]
 #

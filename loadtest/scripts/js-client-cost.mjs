@@ -1,5 +1,5 @@
 // CPU a JavaScript client spends per delivered message, one envelope per frame against batched
-// frames (/ws?batch=1). docs/BENCHMARKS.md, "Batched frames". Driven by js-client-cost.sh.
+// frames (/ws?batch=1). docs/benchmarks/2026-11-25-batched-frames.md. Driven by js-client-cost.sh.
 //
 //   node js-client-cost.mjs BASE_URL ADMIN_KEY CLIENTS SUBS DEVICES plain|batch WARMUP_S WINDOW_S
 //

@@ -1,7 +1,7 @@
 #!/bin/bash
 # A JavaScript client's CPU per delivered message: one envelope per frame vs batched frames
 # (/ws?batch=1), against one hubcast pinned to CPU 0 (--cores 1); the Node client and the
-# fleet (hubcast-load ingest, POST /ingest) on CPU 1. docs/BENCHMARKS.md, "Batched frames".
+# fleet (hubcast-load ingest, POST /ingest) on CPU 1. docs/benchmarks/2026-11-25-batched-frames.md.
 #
 #   loadtest/scripts/js-client-cost.sh HUBCAST_BINARY [HUBCAST_LOAD_BINARY]
 #

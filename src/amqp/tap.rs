@@ -2,8 +2,8 @@
 //!
 //! fe2o3's receiver moves every delivery through its connection, session and link tasks as a
 //! decoded frame and a large `Delivery` value: most of the AMQP thread's CPU, even with the
-//! message itself left undecoded (docs/BENCHMARKS.md, "AMQP: the receivers' links served
-//! under fe2o3"). fe2o3 stays an unpatched dependency: it opens the connection (TLS, SASL,
+//! message itself left undecoded (docs/benchmarks/2026-11-27-amqp-links-served.md). fe2o3
+//! stays an unpatched dependency: it opens the connection (TLS, SASL,
 //! CBS tokens, `$management`), begins the sessions, attaches and detaches every link, sends
 //! heartbeats and reports every error. [`Tap`] sits between fe2o3 and the socket (TCP or TLS)
 //! and parses both directions frame by frame (AMQP 1.0 §2.3), whatever way the bytes are split.

@@ -2,7 +2,7 @@
 //! bounded moment so that it carries more frames (`--socket-linger-us`, 0: off).
 //!
 //! Most of what a live socket costs its core is per write, not per frame: the syscall and the
-//! loopback or network path behind it (docs/BENCHMARKS.md, "Where the missed targets stop":
+//! loopback or network path behind it (docs/benchmarks/2026-11-23-missed-targets.md:
 //! about 9 µs per write, two thirds in the kernel). A writer always sends everything queued
 //! in one write, so under load a write carries what the fan-out queued during the previous
 //! one; this policy lets a busy socket skip a turn of its core now and then so the next write
@@ -49,7 +49,7 @@
 //! writes, since the inbound work of a turn is applied in one stretch before it. An idle core
 //! never holds a write and adds no latency.
 //!
-//! **The default linger, 5 ms, is measured** (docs/BENCHMARKS.md, "Flush policy"): with a
+//! **The default linger, 5 ms, is measured** (docs/benchmarks/2026-11-25-flush-policy.md): with a
 //! thousand sockets each getting a message every millisecond or so, a sub-millisecond hold
 //! adds about one frame to a write; 5 ms nearly doubled the frames per write of the one-core
 //! fan-out at 4 publishers without raising its p99, while a core that keeps up (5,000

@@ -435,7 +435,7 @@ fn skip_device(r: &mut Reader<'_>) -> Result<(), String> {
 /// is skipped after one lookup. Records are whole states, so this gives what replaying every
 /// record in order gives, but builds each device once: a device written many times in the
 /// logs, or in the logs and the snapshot, costs one lookup per older record instead of an
-/// update (measured: docs/BENCHMARKS.md, "Durable state").
+/// update (measured: docs/benchmarks/2026-11-23-durable-state.md).
 #[derive(Default)]
 pub struct NewestFirst {
     /// Devices whose newest record says they are gone.

@@ -22,10 +22,9 @@
 //! **Why not fe2o3's acceptor.** It was the endpoint until the harness, not hubcast, turned
 //! out to set the pace of every AMQP run: ~0.97 of a CPU for ~115,000 msgs/s, each message
 //! built as a map of `Value`s, serialized, passed through three tasks and written on its own
-//! (docs/BENCHMARKS.md, "AMQP ingest with a sender that is not the bottleneck"). The endpoint
-//! is now one task per connection ([`conn`]) that decodes and encodes the performatives with
-//! fe2o3-amqp-types and serde_amqp and writes telemetry transfers by hand ([`wire`]), many
-//! per socket write. [`telemetry`] stays as the reference the hand-written bytes are tested
+//! (docs/benchmarks/2026-11-27-amqp-sender.md). The endpoint is now one task per connection
+//! ([`conn`]) that decodes and encodes the performatives with fe2o3-amqp-types and serde_amqp
+//! and writes telemetry transfers by hand ([`wire`]), many per socket write. [`telemetry`] stays as the reference the hand-written bytes are tested
 //! against.
 
 mod conn;
