@@ -68,7 +68,17 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "socket_linger_us",
         ],
     ),
-    ("Limits", &["max_body_bytes", "max_connections", "max_sessions", "mesh_inbox_messages", "mesh_inbox_bytes"]),
+    (
+        "Limits",
+        &[
+            "max_body_bytes",
+            "max_connections",
+            "fd_reserve",
+            "max_sessions",
+            "mesh_inbox_messages",
+            "mesh_inbox_bytes",
+        ],
+    ),
     ("Logs", &["log_level", "log_format"]),
     ("Durable state", &["data_dir", "fsync_interval", "snapshot_log_bytes", "snapshot_slice_devices"]),
     ("Several instances (Redis)", &["redis_url", "redis_prefix", "instance_id", "lease_ttl", "redis_ca_file"]),

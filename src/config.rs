@@ -182,6 +182,14 @@ pub struct Config {
           default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_sessions: u64,
 
+    /// Open files kept back from client connections for the process's own use (store logs
+    /// and snapshots, Redis, the IoT Hub client, TLS reloads, a health check over the cap):
+    /// client connections are capped at the open-file limit minus this, or at
+    /// --max-connections if lower.
+    #[arg(long = "fd-reserve", env = "FD_RESERVE", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(32..))]
+    pub fd_reserve: u64,
+
     /// Milliseconds between server pings on live sockets (Engine.IO `pingInterval`).
     #[arg(long = "ping-interval", visible_alias = "pingInterval", env = "PING_INTERVAL",
           default_value_t = 25_000, value_parser = clap::value_parser!(u64).range(100..=MAX_MILLIS as u64))]

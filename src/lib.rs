@@ -24,7 +24,8 @@
 //! - [`cluster`]: several instances on Redis (`--redis-url`): shared sessions and grants,
 //!   live data across instances.
 //! - the network protocols: [`tls`], [`http`] (HTTP/1.1 connections, handing requests to an
-//!   [`http::Service`]), [`transport`] (WebSocket, Engine.IO); above them [`api`], the REST
+//!   [`http::Service`]), [`transport`] (WebSocket, Engine.IO), [`admission`] (the connection
+//!   cap and its descriptor reserve); above them [`api`], the REST
 //!   endpoints of SPEC.md ([`api::Rest`]).
 //! - sources: [`amqp`] (the IoT Hub / Event Hubs consumer, fe2o3-amqp on its own tokio
 //!   thread, feeding the cores through [`app::Ingress`]) and [`simulate`] (`--simulate N`).
@@ -34,6 +35,7 @@
 //! `scripts/layers.py` checks the layers in the test suite; `scripts/layers-baseline.txt`
 //! (the wrong-way imports allowed to remain) is empty.
 
+pub mod admission;
 pub mod amqp;
 pub mod api;
 pub mod app;

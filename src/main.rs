@@ -118,6 +118,7 @@ fn main() -> ExitCode {
     let with_store = settings.config.data_dir != hubcast::store::DataDir::Memory;
     let _ = shared.external_metrics.set(Box::new(move || {
         let mut series = hubcast::ingest::faults::FAULTS.series();
+        series.extend(hubcast::admission::STATS.series());
         if let Some(hub) = &hub_metrics {
             series.extend(hub.series());
         }

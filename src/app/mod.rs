@@ -134,7 +134,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>, wiring: Wiring) -> io
         crate::store::DataDir::Memory => None,
     };
     let patience = if lock.is_some() { crate::owner::RESTART_PATIENCE } else { std::time::Duration::ZERO };
-    let bound = crate::runtime::bind(bind, settings.cores, settings.config.max_connections + 1024, patience)?;
+    let bound = crate::runtime::bind(bind, settings.cores, settings.config.max_connections + settings.config.fd_reserve, patience)?;
     let addr = bound.addr();
     let (report_tx, reports) = mpsc::channel();
     let (flush, flush_rx): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded::<()>(1)).unzip();

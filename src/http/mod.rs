@@ -37,6 +37,7 @@
 //! connection is abandoned if the timeout wins.
 
 pub mod codec;
+mod over_cap;
 pub mod request;
 pub mod response;
 
@@ -45,7 +46,6 @@ use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -107,35 +107,7 @@ pub fn write_stall_limit(idle: Duration) -> Duration {
     idle.min(Duration::from_secs(10))
 }
 
-/// Open client connections of the whole process (HTTP and live sockets), against
-/// `maxConnections`. One atomic touched at accept and close only, never per message.
-static OPEN_CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
-
-/// One counted connection; the count goes down when it is dropped, whatever path ends it.
-#[must_use]
-pub struct ConnectionSlot(());
-
-impl ConnectionSlot {
-    /// Takes a slot if fewer than `max` connections are open.
-    pub fn try_acquire(max: usize) -> Option<Self> {
-        OPEN_CONNECTIONS
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
-            .ok()
-            .map(|_| Self(()))
-    }
-
-    /// Counts a connection accepted before (a socket taken over after its upgrade).
-    pub fn acquire() -> Self {
-        OPEN_CONNECTIONS.fetch_add(1, Ordering::AcqRel);
-        Self(())
-    }
-}
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        OPEN_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
-    }
-}
+pub use crate::admission::descriptors::ConnectionSlot;
 
 /// The read side of a connection and the bytes read but not used yet.
 pub struct Framed {
@@ -725,16 +697,17 @@ pub async fn serve<S: Service>(core: Rc<Core>, stream: Stream) {
     }
 }
 
-/// Accepts connections on this core's listener, within the process-wide limit; `S` answers
-/// their requests.
+/// Accepts connections on this core's listener, within the process-wide connection cap
+/// (`admission::descriptors`: what happens at it and when accept fails); `S` answers their
+/// requests.
 pub async fn accept_loop<S: Service>(core: Rc<Core>, listener: Rc<TcpListener>) {
-    let cap = core.settings.config.max_connections as usize;
+    let cap = crate::admission::descriptors::connection_cap(&core.settings.config);
+    let mut errors = crate::admission::descriptors::AcceptErrors::new(core.index);
     loop {
         match listener.accept().await {
             Ok((stream, _peer)) => {
                 let Some(slot) = ConnectionSlot::try_acquire(cap) else {
-                    tracing::warn!(core = core.index, cap, "connection limit reached; refusing a connection");
-                    monoio::spawn(refuse(stream));
+                    monoio::spawn(over_cap::answer::<S>(core.clone(), stream));
                     continue;
                 };
                 let core = core.clone();
@@ -747,9 +720,17 @@ pub async fn accept_loop<S: Service>(core: Rc<Core>, listener: Rc<TcpListener>) 
             }
             Err(_) if crate::shutdown::STOPPING.is_stopping() => return, // listener shut down
             Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!(error = %e, "accept failed");
-                monoio::time::sleep(Duration::from_millis(20)).await;
+                if errors.failed(&e) {
+                    // Out of descriptors, the spare given up: the waiting connection is taken
+                    // and closed at once rather than left in the backlog.
+                    if let Ok((stream, _)) = listener.accept().await {
+                        drop(stream);
+                    }
+                    errors.restore_spare();
+                } else {
+                    // Back off instead of spinning.
+                    monoio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }
     }
@@ -769,18 +750,6 @@ async fn handshake(core: &Core, stream: TcpStream) -> Option<Stream> {
         }
         Err(_) => None,
     }
-}
-
-/// Answers 503 to a connection over the limit (plain HTTP only: over TLS it is closed at
-/// once, since a handshake is the expensive part the limit protects against).
-async fn refuse(stream: TcpStream) {
-    if crate::tls::enabled() {
-        return;
-    }
-    let mut out = Vec::new();
-    Response::error(503, "connection limit reached (maxConnections)").closing().encode(&mut out, false);
-    let (_, mut write) = Stream::Plain(stream).into_split();
-    let _ = flush(&mut write, out, Duration::from_secs(1), Duration::from_secs(1)).await;
 }
 
 #[cfg(test)]

@@ -157,10 +157,11 @@ fn text(body: impl Into<Vec<u8>>) -> Response {
 /// Polling sessions per core that are not yet connected to a session (their handshake was
 /// answered, their CONNECT has not come): a client connects within one round trip, so a
 /// small cap stops a flood of handshakes without a session. At most 1024, and at most a
-/// quarter of the core's share of `--max-connections`, so such a flood cannot take the
+/// quarter of the core's share of the connection cap (`--max-connections`, or the open-file
+/// limit less `--fd-reserve`), so such a flood cannot take the
 /// connection budget from real clients.
 pub fn max_pending(core: &Core) -> usize {
-    (core.settings.config.max_connections as usize / core.cores() / 4).clamp(1, 1024)
+    (crate::admission::descriptors::connection_cap(&core.settings.config) / core.cores() / 4).clamp(1, 1024)
 }
 
 /// How long after its handshake a polling session may go without its first poll: a
@@ -179,8 +180,8 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
     }
     // A polling session holds no TCP connection of its own but costs as much: it takes a
     // slot of the connection budget until it ends.
-    let Some(slot) = ConnectionSlot::try_acquire(c.max_connections as usize) else {
-        return Response::error(503, "connection limit reached (maxConnections)");
+    let Some(slot) = ConnectionSlot::try_acquire(crate::admission::descriptors::connection_cap(c)) else {
+        return Response::error(503, "connection limit reached (maxConnections, or the open-file limit less fdReserve)");
     };
     let sid: Box<str> = format!("{}-{}", core.index, random_token(15)).into();
     let socket = Rc::new(PollingSocket {
