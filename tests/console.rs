@@ -16,7 +16,8 @@ fn values_published_with_ingest_appear_in_the_console_in_a_real_browser() {
     let script = tools::repo().join("tests/js/console-check.mjs");
     let mut cmd = Command::new("node");
     cmd.arg(&script).arg(&server.base).arg(ADMIN_KEY).env("CHROMIUM", tools::on_path("chromium"));
-    // HUBCAST_CONSOLE_SCREENSHOT=docs/console.png (with --simulate in the server) renews the console screenshot (README, docs/PROTOCOL.md).
+    // HUBCAST_CONSOLE_SCREENSHOT=docs/console.png (with --simulate in the server) renews the
+    // console screenshot (README, docs/PROTOCOL.md).
     if let Ok(path) = std::env::var("HUBCAST_CONSOLE_SCREENSHOT") {
         cmd.arg(path);
     }
