@@ -13,7 +13,8 @@
 //! - **never dropped**: connection state, twin, device-to-cloud messages and protocol packets;
 //! - **refused**: past `hard` messages or `hard_bytes` bytes waiting the socket is closed
 //!   (1008, "slow consumer"), and what it held is freed at once (a single frame larger than
-//!   `hard_bytes` may still wait alone).
+//!   `hard_bytes` may still wait alone). The close frame goes out after what the writer had
+//!   already begun to write, within a bounded wait the transport sets ([`Outlet::set_on_overflow`]).
 //!
 //! A slow socket therefore costs bounded memory and never slows the others.
 //!
@@ -214,8 +215,9 @@ pub struct Outlet {
     limits: QueueLimits,
     state: RefCell<State>,
     waker: RefCell<Option<Waker>>,
-    /// Ends the transport at once (a WebSocket's shutdown); set while the socket is open.
-    hangup: RefCell<Option<Box<dyn FnOnce()>>>,
+    /// What the transport does when the socket goes past a hard limit (bound the wait for
+    /// its close frame); set while the socket is open.
+    on_overflow: RefCell<Option<Box<dyn FnOnce()>>>,
     /// Closed for going past a hard limit, not yet counted in metrics.
     overflowed: Cell<bool>,
     /// The writer holds its write back ([`super::linger`]): a delivery wakes it only once
@@ -258,18 +260,19 @@ impl Outlet {
             limits,
             state: RefCell::default(),
             waker: RefCell::new(None),
-            hangup: RefCell::new(None),
+            on_overflow: RefCell::new(None),
             overflowed: Cell::new(false),
             held: Cell::new(false),
             listed: Cell::new(false),
         })
     }
 
-    /// What ends the transport at once when the socket overflows its hard limits: a consumer
-    /// that far behind will not read a close frame soon, and whatever it holds in kernel
-    /// buffers and in our writer is freed right away. Clear it (`None`) when the transport ends.
-    pub fn set_hangup(&self, hangup: Option<Box<dyn FnOnce()>>) {
-        *self.hangup.borrow_mut() = hangup;
+    /// What the transport does, once, when the socket goes past its hard limits: the queue is
+    /// freed and the close (1008) queued already; the transport bounds how long the close frame
+    /// may take to go out after what it is writing (a consumer that far behind may not read it
+    /// soon). Clear it (`None`) when the transport ends.
+    pub fn set_on_overflow(&self, on_overflow: Option<Box<dyn FnOnce()>>) {
+        *self.on_overflow.borrow_mut() = on_overflow;
     }
 
     /// True once after the socket was closed for going past a hard limit (for metrics).
@@ -313,9 +316,9 @@ impl Outlet {
         };
         self.close(CloseReason::new(1008, why));
         self.overflowed.set(true);
-        let hangup = self.hangup.borrow_mut().take();
-        if let Some(hangup) = hangup {
-            hangup();
+        let on_overflow = self.on_overflow.borrow_mut().take();
+        if let Some(on_overflow) = on_overflow {
+            on_overflow();
         }
         true
     }

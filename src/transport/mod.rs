@@ -10,6 +10,16 @@
 //! client, a stalled write) are entries on the core's socket timers ([`timers`]): two tasks
 //! per socket, and no runtime timer armed per socket, read or write.
 //!
+//! **Closing a slow consumer** (past its queue's hard limits, [`crate::push::outlet`]): its
+//! queue is freed at once, and the close frame (1008 "slow consumer") is written after what the
+//! writer had already begun to write (a frame is never cut), then the write side is shut down
+//! (FIN after the close frame) and the reader reads and drops what the client still sends (at
+//! most [`CLOSE_DRAIN_BYTES`]) until the client closes, so its answers (pongs, its close
+//! frame) cannot make the kernel reset the connection and drop the close frame before the
+//! client read it. The whole close is bounded: [`SLOW_CONSUMER_CLOSE_WAIT`] after the overflow
+//! the socket is shut down, wherever it is (a socket timer, [`timers::close_by`]). Other closes
+//! shut the socket down right after their close frame.
+//!
 //! A plain WebSocket opened with `batch=1` gets the envelopes queued at write time packed
 //! into JSON-array text frames (`[env1,env2,…]`, each frame's payload at most
 //! [`BATCH_FRAME_BYTES`] unless one envelope alone is bigger); see [`encode`]. The queue, its
@@ -71,6 +81,13 @@ async fn waited<F: std::future::Future>(fut: F) -> (F::Output, bool) {
     .await;
     (output, waited)
 }
+
+/// How long a socket closed as a slow consumer may take to get its close frame out (after the
+/// write in progress) and to see the client close, before it is shut down anyway.
+pub const SLOW_CONSUMER_CLOSE_WAIT: Duration = Duration::from_secs(3);
+/// The most client bytes read and dropped while waiting for a slow consumer to close: a client
+/// answering a close sends a few control frames; one still streaming is not answering.
+const CLOSE_DRAIN_BYTES: usize = 64 * 1024;
 
 pub(crate) static NEXT_SOCKET_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -244,6 +261,12 @@ pub struct Conn {
     /// Its ping, answer, silence and write deadlines, on the core's socket timers.
     pub timed: timers::Timed,
     fd: RawFd,
+    /// Closed as a slow consumer with a bounded close: after its close frame the writer shuts
+    /// only the write side and waits for the reader to see the client close (module docs).
+    lingering_close: Cell<bool>,
+    /// The reader has ended; the writer waiting for it ([`Conn::reader_ended`]).
+    reader_done: Cell<bool>,
+    writer_waiting: std::cell::RefCell<Option<std::task::Waker>>,
 }
 
 impl Conn {
@@ -265,6 +288,36 @@ impl Conn {
     fn shutdown(&self) {
         // Wakes a reader blocked on this socket and refuses further writes.
         unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+    }
+
+    /// The outlet went past its hard limits (its close is queued): count it, and bound the
+    /// close by [`SLOW_CONSUMER_CLOSE_WAIT`] (module docs).
+    fn slow_consumer(&self) {
+        if self.outlet.take_overflow() {
+            self.core.metrics.slow_consumer_closed();
+        }
+        let bounded = timers::close_by(self, Instant::now() + SLOW_CONSUMER_CLOSE_WAIT);
+        self.lingering_close.set(bounded);
+        tracing::debug!(core = self.core.index, socket = self.outlet.id, "closing a slow consumer");
+    }
+
+    fn reader_ends(&self) {
+        self.reader_done.set(true);
+        if let Some(w) = self.writer_waiting.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Waits until the reader has ended.
+    async fn reader_ended(&self) {
+        std::future::poll_fn(|cx| {
+            if self.reader_done.get() {
+                return std::task::Poll::Ready(());
+            }
+            *self.writer_waiting.borrow_mut() = Some(cx.waker().clone());
+            std::task::Poll::Pending
+        })
+        .await
     }
 }
 
@@ -299,6 +352,9 @@ async fn run(
         upgrading: Default::default(),
         timed: timers::Timed::new(Instant::now()),
         fd,
+        lingering_close: Cell::new(false),
+        reader_done: Cell::new(false),
+        writer_waiting: Default::default(),
     });
     conn.core.metrics.socket_opened(conn.transport());
     // A live socket counts towards the connection limit (released however this ends).
@@ -307,9 +363,12 @@ async fn run(
     // Counted until the reader ends (declared after `read`, so it drops first: no entry
     // outlives the descriptor); a graceful shutdown closes it with 1001 and waits.
     let _live = conn.core.drain.socket(&conn.outlet, fd);
-    // Safety: the fd stays open while either task holds its half; both clear this on exit.
-    conn.outlet.set_hangup(Some(Box::new(move || unsafe {
-        libc::shutdown(fd, libc::SHUT_RDWR);
+    // Weak: the outlet (in the conn) holds this; both tasks clear it on exit.
+    let weak = Rc::downgrade(&conn);
+    conn.outlet.set_on_overflow(Some(Box::new(move || {
+        if let Some(conn) = weak.upgrade() {
+            conn.slow_consumer();
+        }
     })));
     // A greeting that fails closes the socket (its close frame is then the only write).
     match &kind {
@@ -399,6 +458,20 @@ async fn run(
             }
         }
     }
+    if conn.lingering_close.get() {
+        // A slow consumer's close (module docs): read and drop until the client closes; the
+        // close's deadline shuts the socket down, which ends this read.
+        let mut drained = 0;
+        while drained < CLOSE_DRAIN_BYTES {
+            chunk.clear();
+            let (result, buf) = read.read(chunk).await;
+            chunk = buf;
+            match result {
+                Ok(n) if n > 0 => drained += n,
+                _ => break,
+            }
+        }
+    }
     if !conn.outlet.is_closing() {
         conn.outlet.close(CloseReason::new(1000, "closed"));
     }
@@ -407,11 +480,12 @@ async fn run(
             conn.core.detach_socket(s, conn.outlet.id);
         }
     }
-    conn.outlet.set_hangup(None);
+    conn.outlet.set_on_overflow(None);
     if conn.outlet.take_overflow() {
         conn.core.metrics.slow_consumer_closed();
     }
     conn.core.metrics.socket_closed(conn.transport());
+    conn.reader_ends();
 }
 
 /// Drains the outlet into coalesced writes; sends the close frame and shuts the socket down.
@@ -421,7 +495,7 @@ async fn writer(conn: Rc<Conn>, write: WriteHalf, handshake: Vec<u8>) {
     // The writer ends last (it shuts the socket down, which ends the reader): the socket's
     // timers end with it.
     timers::unregister(&conn.core, &conn.timed);
-    conn.outlet.set_hangup(None);
+    conn.outlet.set_on_overflow(None);
     if conn.outlet.take_overflow() {
         conn.core.metrics.slow_consumer_closed();
     }
@@ -493,6 +567,12 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
             }
         }
         if drained.closing.is_some() {
+            if conn.lingering_close.get() {
+                // A slow consumer's close frame is out: FIN after it, and the reader waits for
+                // the client to close, within the close's deadline (module docs).
+                unsafe { libc::shutdown(conn.fd, libc::SHUT_WR) };
+                conn.reader_ended().await;
+            }
             conn.shutdown();
             return;
         }

@@ -2,7 +2,8 @@
 //!
 //! A live socket needs four deadlines: the next ping (`pingInterval` after the client's last
 //! answer, as Engine.IO does), the answer to that ping (`pingTimeout` after it), the silence
-//! limit of its reader, and the stall limit of a write in progress. None of them gets a task
+//! limit of its reader, and the stall limit of a write in progress; a socket closed as a slow
+//! consumer gets a fifth, the end of its close ([`close_by`]). None of them gets a task
 //! or a runtime timer of its own: each socket keeps its state in a few `Cell`s ([`Timed`]),
 //! and this core's [`SocketTimers`] holds a min-heap of `(instant, slot, generation, kind)`
 //! entries with one task sleeping until the earliest ([`Clock`], as the shard's clock does).
@@ -24,8 +25,8 @@
 //!   a timeout may therefore come up to one tick late (the previous per-socket pong wait
 //!   polled every `pingTimeout/8`, 10–250 ms).
 //!
-//! Bounds: one slot per open socket (bounded by `--max-connections`) and at most two live heap
-//! entries per slot; stale entries (of closed sockets) are at most one per socket closed
+//! Bounds: one slot per open socket (bounded by `--max-connections`) and at most three live heap
+//! entries per slot (liveness, write, close); stale entries (of closed sockets) are at most one per socket closed
 //! within the last `pingInterval + pingTimeout`, each popped when its instant comes.
 //!
 //! Each wake-up of the task counts in `hubcast_core_timer_wakeups_total` with the shard
@@ -61,6 +62,8 @@ pub struct Timed {
     writing_since: Cell<Option<Instant>>,
     /// A write entry of this socket is in the heap.
     write_watched: Cell<bool>,
+    /// The instant of its close entry in the heap: the socket is shut down then ([`close_by`]).
+    close_by: Cell<Option<Instant>>,
 }
 
 impl Timed {
@@ -73,6 +76,7 @@ impl Timed {
             next_ping: Cell::new(now),
             writing_since: Cell::new(None),
             write_watched: Cell::new(false),
+            close_by: Cell::new(None),
         }
     }
 
@@ -112,6 +116,8 @@ enum Kind {
     Liveness,
     /// The stall limit of a write in progress.
     Write,
+    /// The end of a closing socket's wait for its close frame to go out ([`close_by`]).
+    Close,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
@@ -227,6 +233,7 @@ impl SocketTimers {
         };
         timed.due.set(None);
         timed.write_watched.set(false);
+        timed.close_by.set(None);
         self.free.borrow_mut().push(index);
         // Dropped after the borrows end: a socket's last reference may go with it.
         drop(target);
@@ -263,6 +270,7 @@ impl SocketTimers {
         match (&slot.target, e.kind) {
             (Some(t), Kind::Liveness) if slot.generation == e.generation => t.timed().due.get() == Some(e.at),
             (Some(t), Kind::Write) if slot.generation == e.generation => t.timed().write_watched.get(),
+            (Some(t), Kind::Close) if slot.generation == e.generation => t.timed().close_by.get() == Some(e.at),
             _ => false,
         }
     }
@@ -302,7 +310,13 @@ impl SocketTimers {
                         None => {}
                     }
                 }
-                (Kind::Write, Target::Polling(_)) => {}
+                (Kind::Write | Kind::Close, Target::Polling(_)) => {}
+                (Kind::Close, Target::WebSocket(conn)) => {
+                    // Whatever the close still waits for (the write before it, the close frame,
+                    // the client's answer): the socket is shut down now.
+                    timed.close_by.set(None);
+                    conn.shutdown();
+                }
                 (Kind::Liveness, Target::WebSocket(conn)) => {
                     timed.due.set(None);
                     if let Some(at) = self.websocket_liveness(conn, now) {
@@ -395,6 +409,20 @@ pub fn write_begins(conn: &Conn) {
         timed.write_watched.set(true);
         timers(&conn.core).push(now + WRITE_STALL_LIMIT, timed.slot.get(), Kind::Write);
     }
+}
+
+/// The socket is shut down at `at` (rounded up to the tick) unless it ended before; false when
+/// it has no timers (then nothing bounds a wait for its close).
+pub fn close_by(conn: &Conn, at: Instant) -> bool {
+    let timed = &conn.timed;
+    if timed.slot.get() == u32::MAX {
+        return false;
+    }
+    if timed.close_by.get().is_none() {
+        let at = timers(&conn.core).push(at, timed.slot.get(), Kind::Close);
+        timed.close_by.set(Some(at));
+    }
+    true
 }
 
 /// The write in progress completed (or failed).
