@@ -32,6 +32,8 @@
 //! - main.rs wires them: settings, services, the HTTP accept loop and the plugins started
 //!   beside every core.
 //!
+//! - [`fuzzing`] (hidden): the entry points of the fuzz targets in `fuzz/` (docs/FUZZING.md).
+//!
 //! `scripts/layers.py` checks the layers in the test suite; `scripts/layers-baseline.txt`
 //! (the wrong-way imports allowed to remain) is empty.
 
@@ -43,6 +45,8 @@ pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod connection_string;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http;
 pub mod hub;
 pub mod ids;

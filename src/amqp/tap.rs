@@ -860,6 +860,13 @@ fn parse_transfer(body: &[u8]) -> Option<TransferHead> {
     (r.pos == list.len()).then_some(head)
 }
 
+/// [`parse_transfer`] for the fuzz target (src/fuzzing.rs): (bytes of the performative,
+/// handle, delivery-id, settled, more, aborted).
+#[doc(hidden)]
+pub fn parse_transfer_fields(body: &[u8]) -> Option<(usize, u32, Option<u32>, bool, bool, bool)> {
+    parse_transfer(body).map(|t| (t.len, t.handle, t.delivery_id, t.settled, t.more, t.aborted))
+}
+
 /// The first field of a performative's list if it is a uint (a `detach`'s handle).
 fn first_uint(list: &[u8]) -> Option<u32> {
     let skip = match *list.first()? {
