@@ -26,9 +26,13 @@ def common(resp, body_too_large=False):
     if body_too_large:
         resp.setdefault("413", err("The body is larger than `--max-body-bytes` (checked before it is read)."))
     return resp
-dev = {"name": "deviceId", "in": "path", "required": True, "description": "Device id (percent-encoded), at most 128 bytes.",
+def in_bytes(n):
+    """The note on a length limit in bytes, which JSON Schema cannot state."""
+    return (f"At most {n} bytes of UTF-8, as IoT Hub counts. JSON Schema's `maxLength` counts characters and no keyword counts bytes, "
+            f"so `maxLength` is {n} too: a longer value is invalid, and a value within it but over {n} bytes (e.g. four-byte characters) is refused with 400 all the same.")
+dev = {"name": "deviceId", "in": "path", "required": True, "description": "Device id (percent-encoded). " + in_bytes(128),
        "schema": {"type": "string", "minLength": 1, "maxLength": 128}}
-key_param = {"name": "telemetryKey", "in": "path", "required": True, "description": "One telemetry key, at most 256 bytes.",
+key_param = {"name": "telemetryKey", "in": "path", "required": True, "description": "One telemetry key. " + in_bytes(256),
              "schema": {"type": "string", "minLength": 1, "maxLength": 256}}
 bad_json = "Body is empty, not JSON, or a field is missing or of the wrong type (the message names it)."
 paths = {
@@ -80,7 +84,7 @@ paths = {
 bulk_body = {"oneOf": [{"type": "array", "items": ref("BulkSubscriptionRequest")},
                        {"type": "object", "required": ["subscriptionRequests"],
                         "properties": {"subscriptionRequests": {"type": "array", "items": ref("BulkSubscriptionRequest")}}}]}
-sess_hdr = {"name": "sessionId", "in": "header", "required": False, "description": "Session of elements that name none.", "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"}}
+sess_hdr = {"name": "sessionId", "in": "header", "required": False, "description": "The session of elements that name none (see BulkSubscriptionRequest).", "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]+$"}}
 for m, op, summ in [("put", "subscribeBulk", "Bulk subscribe (SPEC 11)"), ("delete", "unsubscribeBulk", "Bulk unsubscribe (SPEC 12)")]:
     paths.setdefault("/subscriptions", {})[m] = {"operationId": op, "tags": ["subscriptions"],
       "summary": summ + ": every element is validated first (one bad element: 400, nothing applied); elements without a grant are skipped.",
@@ -111,7 +115,8 @@ paths["/deviceTwin/{deviceId}"] = {
 paths["/connectionState/{deviceId}"] = {
   "get": {"operationId": "getConnectionState", "tags": ["last values"], "summary": "Last connection state (SPEC 16).", "security": KEY_OR_SESSION,
     "parameters": [dev], "responses": {"200": ok_json("The state.", ref("ConnectionStateRecord")), **reader_errors("connection state", "`No device found`"), **hub_errors}}}
-hub_disabled = "`IoT Hub API disabled, …` (no IoT Hub service connection string configured), or a malformed body (the message names the field)."
+hub_disabled = ("`IoT Hub API disabled, …`: this server has no IoT Hub service connection string (its configuration, not the request: every request gets it, "
+                "as in ux4iot); or a malformed body (the message names the field).")
 caller = {"401": err("Neither header, or an invalid `Shared-Access-Key`."), "403": err("`Forbidden: missing grant`."),
           "404": err("`No such sessionId`, or the hub's 404 (device unknown or offline).")}
 fwd = "Any other 4xx/5xx the IoT Hub answered is forwarded with its status and message."
@@ -132,8 +137,8 @@ paths["/ingest"] = {"post": {"operationId": "ingest", "tags": ["hubcast"], "summ
 paths["/metrics"] = {"get": {"operationId": "getMetrics", "tags": ["hubcast"], "summary": "Prometheus text format, summed over all cores. Open with `--metrics-open`.", "security": KEY,
    "responses": {"200": ok_text("Prometheus exposition format 0.0.4."), "401": err("Missing or invalid `Shared-Access-Key`.")}}}
 paths["/devices"] = {"get": {"operationId": "listDevices", "tags": ["hubcast"], "summary": "The console's device list: devices whose id contains `q`, in id order, paged by cursor (`after` = the previous page's `next`).", "security": KEY,
-   "parameters": [{"name": "q", "in": "query", "required": False, "description": "Substring of the device id (case-sensitive), at most 128 bytes.", "schema": {"type": "string", "maxLength": 128}},
-                  {"name": "after", "in": "query", "required": False, "description": "Only devices whose id sorts after this one.", "schema": {"type": "string", "maxLength": 128}},
+   "parameters": [{"name": "q", "in": "query", "required": False, "description": "Substring of the device id (case-sensitive). " + in_bytes(128), "schema": {"type": "string", "maxLength": 128}},
+                  {"name": "after", "in": "query", "required": False, "description": "Only devices whose id sorts after this one. " + in_bytes(128), "schema": {"type": "string", "maxLength": 128}},
                   {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1, "maximum": 200, "default": 50}}],
    "responses": {"200": ok_json("One page.", ref("DevicePage")),
                  "400": err("`query parameter `limit` is `N`; it must be a whole number from 1 to 200` / `query parameter `q` is longer than 128 bytes`."),
@@ -147,20 +152,23 @@ S = {}
 S["Error"] = {"type": "object", "required": ["errorMessage"], "properties": {"errorMessage": {"type": "string", "description": "What was wrong, naming the field or limit."}}}
 S["LogLevel"] = {"type": "string", "enum": ["error", "warn", "info", "verbose", "debug"]}
 S["Session"] = {"type": "object", "required": ["sessionId"], "properties": {"sessionId": {"type": "string", "description": "128 random bits, 22 URL-safe characters."}}}
-grant_types = ["telemetry", "deviceTwin", "connectionState", "d2cMessages", "desiredProperties", "directMethod",
-               "modifyDesiredProperties", "invokeDirectMethod", "subscribeToTelemetry", "subscribeToConnectionState",
-               "subscribeToDeviceTwin", "subscribeToD2CMessages", "subscribeToD2cMessages"]
+grant_types = ["telemetry", "deviceTwin", "connectionState", "d2cMessages", "desiredProperties", "directMethod"]
 S["GrantRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"],
-  "description": "`grantType` is accepted in place of `type` (ux4iot v1/v2). `telemetryKey` applies to telemetry grants, `directMethodName` to directMethod grants; null or absent = every key.",
-  "properties": {"sessionId": {"type": "string"}, "deviceId": {"type": "string", "minLength": 1, "maxLength": 128},
+  "description": "The ux4iot 3.x grant. `telemetryKey` applies to telemetry grants, `directMethodName` to directMethod grants; null or absent = every key. "
+                 "A ux4iot 1.x/2.x grant (a `grantType` field, or a 2.x type such as `subscribeToTelemetry`, `modifyDesiredProperties`, `invokeDirectMethod`) "
+                 "is refused with 400 naming the 3.x type to send: in 2.x a grant also subscribed, in 3.x it only permits.",
+  "properties": {"sessionId": {"type": "string"}, "deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": in_bytes(128)},
                  "type": {"type": "string", "enum": grant_types},
-                 "telemetryKey": {"type": ["string", "null"], "maxLength": 256},
-                 "directMethodName": {"type": ["string", "null"], "maxLength": 256}}}
-sub_props = {"sessionId": {"type": "string"}, "deviceId": {"type": "string", "minLength": 1, "maxLength": 128},
+                 "telemetryKey": {"type": ["string", "null"], "maxLength": 256, "description": in_bytes(256)},
+                 "directMethodName": {"type": ["string", "null"], "maxLength": 256, "description": in_bytes(256)}}}
+sub_props = {"sessionId": {"type": "string"}, "deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": in_bytes(128)},
              "type": {"type": "string", "enum": ["telemetry", "deviceTwin", "connectionState", "d2cMessages"]},
-             "telemetryKey": {"type": ["string", "null"], "maxLength": 256, "description": "Telemetry only; null or absent = every key (needs the wildcard grant)."}}
+             "telemetryKey": {"type": ["string", "null"], "maxLength": 256, "description": "Telemetry only; null or absent = every key (needs the wildcard grant). " + in_bytes(256)}}
 S["SubscriptionRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"], "properties": sub_props}
-S["BulkSubscriptionRequest"] = {"type": "object", "required": ["deviceId", "type"], "description": "Without `sessionId`, the `sessionId` header's session.", "properties": sub_props}
+S["BulkSubscriptionRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"],
+  "description": "An element may also leave out `sessionId` when the request has a `sessionId` header (the Node admin SDK's form): the header's session is taken. "
+                 "OpenAPI cannot make a body field depend on a header, so this schema states the form that stands alone; an element with neither is refused with 400 (`missing field `sessionId``).",
+  "properties": sub_props}
 ts = {"type": "string", "description": "ISO 8601 UTC time with milliseconds (empty in the all-keys record)."}
 S["LastValue"] = {"type": "object", "required": ["deviceId", "data", "timestamp"],
   "properties": {"deviceId": {"type": "string"}, "data": {"type": "object", "description": "`{key: value}`"}, "timestamp": ts}}
@@ -170,18 +178,19 @@ S["AllLastValues"] = {"type": "object", "required": ["deviceId", "data", "timest
 S["TwinRecord"] = {"type": "object", "required": ["deviceId", "data", "timestamp"], "properties": {"deviceId": {"type": "string"}, "data": {"description": "The twin document."}, "timestamp": ts}}
 S["ConnectionStateRecord"] = {"type": "object", "required": ["deviceId", "data", "timestamp"], "properties": {"deviceId": {"type": "string"}, "data": {"type": "boolean"}, "timestamp": ts}}
 S["DirectMethodRequest"] = {"type": "object", "required": ["deviceId", "methodParams"],
-  "properties": {"deviceId": {"type": "string", "minLength": 1, "maxLength": 128},
+  "properties": {"deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": in_bytes(128)},
                  "methodParams": {"type": "object", "required": ["methodName"],
-                   "properties": {"methodName": {"type": "string", "maxLength": 256}, "payload": {"description": "At most 128 KiB as JSON."},
+                   "properties": {"methodName": {"type": "string", "maxLength": 256, "description": in_bytes(256)}, "payload": {"description": "At most 128 KiB as JSON text (a size JSON Schema cannot state; larger: 413)."},
                                   "responseTimeoutInSeconds": {"type": ["number", "null"]}, "connectTimeoutInSeconds": {"type": ["number", "null"]}}}}}
 S["DesiredPropertiesRequest"] = {"type": "object", "required": ["deviceId", "desiredPropertyPatch"],
-  "properties": {"deviceId": {"type": "string", "minLength": 1, "maxLength": 128}, "desiredPropertyPatch": {"type": "object", "description": "At most 32 KiB as JSON."}}}
+  "properties": {"deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": in_bytes(128)}, "desiredPropertyPatch": {"type": "object", "description": "At most 32 KiB as JSON text (a size JSON Schema cannot state; larger: 413)."}}}
 S["HubResult"] = {"type": "object", "required": ["status", "payload"], "properties": {"status": {}, "payload": {}}}
 S["IngestMessage"] = {"type": "object", "required": ["deviceId", "body"],
-  "properties": {"deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": "May be left out when the body holds it under `customDeviceIdKey`."},
+  "properties": {"deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": "May be left out when the body holds it under `customDeviceIdKey`. " + in_bytes(128)},
                  "source": {"enum": ["Telemetry", "twinChangeEvents", "deviceConnectionStateEvents", "deviceLifecycleEvents", None], "default": "Telemetry", "description": "null or absent: Telemetry."},
                  "properties": {"type": ["object", "null"], "additionalProperties": {"type": ["string", "number", "boolean"]}},
-                 "enqueuedTime": {"type": ["string", "null"], "format": "date-time"},
+                 "enqueuedTime": {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "null"}],
+                                  "description": "RFC 3339 date-time (ISO 8601 with an offset; one without is taken as UTC), or null: absent or null = the time it arrived. Any other string is refused with 400."},
                  "body": {"description": "The message body (any JSON)."}}}
 S["DevicePage"] = {"type": "object", "required": ["total", "devices", "next"],
   "properties": {"total": {"type": "integer", "minimum": 0, "description": "Devices matching `q`, on all pages."},
