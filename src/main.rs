@@ -136,7 +136,7 @@ fn main() -> ExitCode {
     // The network face: every core serves its listener with the HTTP server (WebSocket and
     // Engine.IO upgrades, the REST API).
     let wiring = hubcast::app::Wiring {
-        accept: |core, listener| Box::pin(hubcast::http::accept_loop::<hubcast::api::Rest>(core, listener)),
+        accept: |core, listener| Box::pin(hubcast::http::accept_loop::<hubcast::api::Rest, hubcast::transport::Sockets>(core, listener)),
         tls: hubcast::tls::enabled(),
     };
     match hubcast::app::start(settings.clone(), shared.clone(), wiring) {

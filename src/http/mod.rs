@@ -64,7 +64,7 @@ pub use request::Request;
 pub use response::Response;
 
 /// What the connection loop hands each request to: the REST API (`src/api`), the layer above,
-/// chosen by main.rs (`http::accept_loop::<api::Rest>`). HTTP frames requests and answers
+/// chosen by main.rs (`http::accept_loop::<api::Rest, transport::Sockets>`). HTTP frames requests and answers
 /// (and recognises upgrades); the service decides what a request means.
 #[allow(async_fn_in_trait)] // one core's tasks: never sent to another thread
 pub trait Service: 'static {
@@ -76,6 +76,30 @@ pub trait Service: 'static {
     async fn begin(core: &Rc<Core>, req: Request) -> Pin<Box<dyn Future<Output = Response>>>;
     /// Answers a request.
     async fn handle(core: &Rc<Core>, req: Request) -> Response;
+}
+
+/// What takes a connection over when it asks for a protocol upgrade (`Upgrade: websocket`):
+/// the WebSocket and Engine.IO transports (`src/transport`, `transport::Sockets`), a layer that
+/// builds on this one, plugged in by main.rs (`http::accept_loop::<api::Rest, transport::Sockets>`)
+/// so that HTTP names nothing above it. Static dispatch, like [`Service`]: nothing per request
+/// but the header test of [`is_upgrade`].
+#[allow(async_fn_in_trait)] // one core's tasks: never sent to another thread
+pub trait Upgrades: 'static {
+    /// What a checked upgrade asks for (which protocol), carried to [`Upgrades::upgrade`].
+    type Kind;
+    /// Checks an upgrade request; the error is the HTTP answer to give instead (the connection
+    /// is then closed).
+    fn check(head: &RequestHead) -> Result<Self::Kind, Response>;
+    /// Takes the connection over, once every earlier answer on it is written: the read side
+    /// with any bytes read past the request, and the write side.
+    async fn upgrade(core: Rc<Core>, head: RequestHead, kind: Self::Kind, framed: Framed, write: WriteHalf);
+}
+
+/// Whether a request asks for a WebSocket upgrade.
+pub fn is_upgrade(head: &RequestHead) -> bool {
+    head.headers
+        .get(http::header::UPGRADE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"))
 }
 
 /// Most bytes asked of one read.
@@ -480,12 +504,12 @@ impl Pipeline {
 }
 
 /// Why the reader stopped.
-enum ReaderEnd {
+enum ReaderEnd<K> {
     /// The client closed or went quiet, asked to close, or sent something that ends the
     /// connection (its answer is queued).
     Stopped,
     /// A WebSocket or Engine.IO upgrade, to take over once every earlier answer is written.
-    Upgrade { head: Box<RequestHead>, kind: crate::transport::SocketKind, in_hand: Busy },
+    Upgrade { head: Box<RequestHead>, kind: K, in_hand: Busy },
 }
 
 /// Why the writer stopped.
@@ -500,7 +524,12 @@ enum WriterEnd {
 
 /// The reader: reads requests in order, begins `POST /ingest` at once and runs any other
 /// request once every earlier answer is written, and queues the answers for the writer.
-async fn read_requests<S: Service>(core: &Rc<Core>, framed: &mut Framed, pipe: &Pipeline, idle: Duration) -> ReaderEnd {
+async fn read_requests<S: Service, U: Upgrades>(
+    core: &Rc<Core>,
+    framed: &mut Framed,
+    pipe: &Pipeline,
+    idle: Duration,
+) -> ReaderEnd<U::Kind> {
     let limit = core.settings.config.max_body_bytes;
     loop {
         if pipe.full() {
@@ -521,8 +550,8 @@ async fn read_requests<S: Service>(core: &Rc<Core>, framed: &mut Framed, pipe: &
             }
             Ok(request) => request,
         };
-        if crate::transport::is_upgrade(&head) {
-            match crate::transport::check_upgrade(&head) {
+        if is_upgrade(&head) {
+            match U::check(&head) {
                 Ok(kind) => return ReaderEnd::Upgrade { head: Box::new(head), kind, in_hand },
                 Err(response) => {
                     let answer = Answer { response: response.closing(), keep_alive: false, head_only: false, unread_input: false };
@@ -645,8 +674,9 @@ async fn write_answers(core: &Rc<Core>, write: &mut WriteHalf, pipe: &Pipeline, 
 }
 
 /// Serves one client connection (plain or TLS) until it closes, errs or idles out: its
-/// reader and writer run together until one ends (module docs).
-pub async fn serve<S: Service>(core: Rc<Core>, stream: Stream) {
+/// reader and writer run together until one ends (module docs). `S` answers its requests, `U`
+/// takes over an upgrade.
+pub async fn serve<S: Service, U: Upgrades>(core: Rc<Core>, stream: Stream) {
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
     let mut framed = Framed::new(read);
@@ -654,7 +684,7 @@ pub async fn serve<S: Service>(core: Rc<Core>, stream: Stream) {
     let pipe = Pipeline::new();
     let (reader_end, writer_end) = {
         let mut reader = pin!(async {
-            let end = read_requests::<S>(&core, &mut framed, &pipe, idle).await;
+            let end = read_requests::<S, U>(&core, &mut framed, &pipe, idle).await;
             pipe.finish_reading();
             end
         });
@@ -689,7 +719,7 @@ pub async fn serve<S: Service>(core: Rc<Core>, stream: Stream) {
     };
     match (reader_end, writer_end) {
         (Some(ReaderEnd::Upgrade { head, kind, in_hand }), WriterEnd::Open) => {
-            crate::transport::upgrade(core, *head, kind, framed, write).await;
+            U::upgrade(core, *head, kind, framed, write).await;
             drop(in_hand);
         }
         (_, WriterEnd::Closed { linger: true }) => linger(framed, write).await,
@@ -699,8 +729,8 @@ pub async fn serve<S: Service>(core: Rc<Core>, stream: Stream) {
 
 /// Accepts connections on this core's listener, within the process-wide connection cap
 /// (`admission::descriptors`: what happens at it and when accept fails); `S` answers their
-/// requests.
-pub async fn accept_loop<S: Service>(core: Rc<Core>, listener: Rc<TcpListener>) {
+/// requests, `U` takes over their upgrades (WebSocket, Engine.IO).
+pub async fn accept_loop<S: Service, U: Upgrades>(core: Rc<Core>, listener: Rc<TcpListener>) {
     let cap = crate::admission::descriptors::connection_cap(&core.settings.config);
     let mut errors = crate::admission::descriptors::AcceptErrors::new(core.index);
     loop {
@@ -713,7 +743,7 @@ pub async fn accept_loop<S: Service>(core: Rc<Core>, listener: Rc<TcpListener>) 
                 let core = core.clone();
                 monoio::spawn(async move {
                     if let Some(stream) = handshake(&core, stream).await {
-                        serve::<S>(core, stream).await;
+                        serve::<S, U>(core, stream).await;
                     }
                     drop(slot);
                 });

@@ -124,11 +124,21 @@ pub struct MovedSocket {
     pub tls: Option<Box<TlsState>>,
 }
 
-/// Whether a request asks for a WebSocket upgrade.
-pub fn is_upgrade(head: &RequestHead) -> bool {
-    head.headers
-        .get(http::header::UPGRADE)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"))
+/// The live-data transports as the HTTP connection loop sees them: what takes over a
+/// connection that asks for an upgrade (plugged in by main.rs:
+/// `http::accept_loop::<api::Rest, transport::Sockets>`).
+pub struct Sockets;
+
+impl crate::http::Upgrades for Sockets {
+    type Kind = SocketKind;
+
+    fn check(head: &RequestHead) -> Result<SocketKind, Response> {
+        check_upgrade(head)
+    }
+
+    async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, write: WriteHalf) {
+        upgrade(core, head, kind, framed, write).await
+    }
 }
 
 fn query_param(head: &RequestHead, name: &str) -> Option<String> {
