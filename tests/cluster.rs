@@ -101,7 +101,10 @@ fn a_device_no_other_instance_watches_never_crosses_redis() {
     }
     let frame = remote.next_json(WAIT).expect("the watched device's message reaches B");
     assert_eq!((frame["deviceId"].as_str(), frame["telemetry"]["x"].as_i64()), (Some("watched"), Some(2)));
-    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 1.0, "the unwatched device was not published");
+    // Counted once the PUBLISH is answered, which may be after B got the message; the
+    // unwatched device comes first in the batch, so it would be counted by then.
+    let published = a.wait_for_metric("hubcast_redis_published_total{instance=\"a\"}", WAIT, Want::AtLeast(1.0));
+    assert_eq!(published, 1.0, "the unwatched device was not published");
 }
 
 #[test]
@@ -234,6 +237,9 @@ fn a_password_protected_redis_is_reached_with_the_password_in_the_url_and_refuse
     let keys = redis.command("AUTH s3cret\r\nKEYS hubcast:session:*").unwrap_or_default();
     assert!(keys.contains(&session), "the session is stored under the default prefix: {keys}");
     let wrong = Server::start(&["--redis-url", &redis.url(), "--instance-id", "w"]);
+    // The link connects in the background: wait for its refused attempt, then its reason.
+    let refused = wrong.wait_for_stderr(WAIT, |l| l.contains("Redis unreachable")).expect("the connect without the password fails");
+    assert!(refused.contains("NOAUTH"), "refused for want of the password: {refused}");
     let (status, body, _) = wrong.call("GET", "/status", &[], None);
     assert_error(status, &body, 503, "redis");
     assert_eq!(wrong.metric("hubcast_redis_connected{instance=\"w\"}"), Some(0.0));
@@ -262,12 +268,23 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     // TLS in front of a plain redis-server (Debian's is built without TLS): socat terminates it.
     let redis = Redis::start();
     let tls_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut socat = std::process::Command::new("socat")
-        .arg(format!("OPENSSL-LISTEN:{tls_port},bind=127.0.0.1,reuseaddr,fork,cert={cert},key={key},verify=0"))
-        .arg(format!("TCP:127.0.0.1:{}", redis.port))
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("socat is installed (scripts/services.sh installs it)");
+    // Killed on drop, also when an assertion fails (it would hold the test's output open).
+    struct Socat(std::process::Child);
+    impl Drop for Socat {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _socat = Socat(
+        std::process::Command::new("socat")
+            .arg(format!("OPENSSL-LISTEN:{tls_port},bind=127.0.0.1,reuseaddr,fork,cert={cert},key={key},verify=0"))
+            .arg(format!("TCP:127.0.0.1:{}", redis.port))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("socat is installed (scripts/services.sh installs it)"),
+    );
     let deadline = std::time::Instant::now() + WAIT;
     while std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_err() {
         assert!(std::time::Instant::now() < deadline, "socat listens");
@@ -278,15 +295,16 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0)); // TLS to Redis with the private CA
     let session = a.new_session();
     a.grant(&session, json!({"type": "telemetry", "deviceId": "d"}));
-    // Without the CA the server's certificate is not trusted: 503 naming Redis.
+    // Without the CA the server's certificate is not trusted: the link fails, 503 naming Redis.
     let untrusting = Server::start(&["--redis-url", &url, "--instance-id", "u"]);
+    // The link connects in the background: wait for its failed attempt, then its reason.
+    let refused = untrusting.wait_for_stderr(WAIT, |l| l.contains("Redis unreachable")).expect("the TLS connect without the CA fails");
+    assert!(refused.contains("invalid peer certificate: UnknownIssuer"), "refused for the untrusted certificate: {refused}");
     let (status, body, _) = untrusting.call("GET", "/status", &[], None);
     assert_error(status, &body, 503, "redis");
     let args = common::full_args(&["--redis-url", &url, "--redis-ca-file", "/nonexistent/ca.pem"], true);
     let (ok, _, stderr) = common::run_expecting_exit(&args, &[]);
     assert!(!ok && stderr.contains("--redis-ca-file"), "{stderr}");
-    let _ = socat.kill();
-    let _ = socat.wait();
 }
 
 #[test]
