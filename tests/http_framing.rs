@@ -347,3 +347,52 @@ fn a_lingering_close_ends_within_its_time_bound() {
     assert!(failed_after > Duration::from_millis(500), "closed at once ({failed_after:?}): no lingering");
     server.assert_alive();
 }
+
+#[test]
+fn at_most_64_connections_linger_per_core_and_one_more_is_closed_at_once() {
+    // One core, so every connection counts against the same budget (LINGER_PER_CORE).
+    let server = Server::start(&["--cores", "1", "--max-body-bytes", "65536"]);
+    let refused = |what: &str| {
+        let mut stream = server.connect();
+        stream.write_all(b"POST /version HTTP/1.1\r\nHost: a\r\nContent-Length: 100000000\r\n\r\n").unwrap();
+        assert_413(&read_response(&mut stream), what);
+        stream
+    };
+    // How long a client that keeps sending after its 413 can go on (at most `limit`).
+    let sends_for = |stream: &mut TcpStream, limit: Duration| {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if stream.write_all(&[b'x'; 256]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        started.elapsed()
+    };
+    // Within the budget a connection lingers (the positive case, on a connection of its own).
+    let mut first = refused("the first refused upload");
+    let lingered = sends_for(&mut first, Duration::from_millis(1500));
+    assert!(lingered >= Duration::from_millis(1500), "a connection within the budget lingers: closed after {lingered:?}");
+    drop(first);
+    // 64 connections linger at once, kept sending by one thread …
+    let mut lingering: Vec<TcpStream> = (0..64).map(|_| refused("a refused upload")).collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let feeder = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for stream in &mut lingering {
+                    let _ = stream.write_all(&[b'x'; 256]);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    // … so the next one is closed right after its answer: its writes soon fail.
+    let mut extra = refused("one refused upload past the budget");
+    let closed_after = sends_for(&mut extra, Duration::from_secs(3));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    feeder.join().unwrap();
+    assert!(closed_after < Duration::from_secs(1), "past the budget the connection lingered for {closed_after:?}");
+    server.assert_alive();
+}
