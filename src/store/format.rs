@@ -359,10 +359,15 @@ fn fill_device(r: &mut Reader<'_>, payload: &[u8], into: &mut super::Loaded, id:
     // A record holds the device's whole telemetry: other keys go.
     let start = r.at;
     let mut same_keys = telemetry.len() == n;
+    // The entries found while no key was new (addresses: stable until an insert).
+    let mut found: smallvec::SmallVec<[usize; 32]> = smallvec::SmallVec::new();
     for _ in 0..n {
         let (k, v, at) = (r.str()?, r.str()?, r.i64()?);
         match telemetry.get_mut(k) {
             Some(last) => {
+                if same_keys {
+                    found.push(last as *const LastValue as usize);
+                }
                 // An unchanged value keeps its allocation (measured: faster).
                 if *last.json != *v {
                     last.json = JsonText::new(v);
@@ -375,7 +380,15 @@ fn fill_device(r: &mut Reader<'_>, payload: &[u8], into: &mut super::Loaded, id:
             }
         }
     }
-    if !same_keys && telemetry.len() != n {
+    // The map holds exactly the record's keys only if each was found, none twice: the encoder
+    // never writes a key twice, but a record that does must load as [`Loaded::apply`] loads it
+    // (the last value of the key, and no other key), or the start-up paths disagree
+    // (fuzz/corpus/store/crash-duplicate-telemetry-key).
+    let exact = same_keys && {
+        found.sort_unstable();
+        found.windows(2).all(|w| w[0] != w[1])
+    };
+    if !exact {
         let mut keep = Reader { bytes: payload, at: start };
         let mut keys = hashbrown::HashSet::with_capacity(n);
         for _ in 0..n {
@@ -678,6 +691,49 @@ mod tests {
         assert!(matches!(tail, Tail::Bad { .. }));
         assert_eq!(&*partial.devices["d1"].telemetry["a"].json, "3", "the cut frame left d1 as the frame before made it");
         assert!(partial.devices.contains_key("d2"));
+    }
+
+    /// A device record holding a key twice (never written, but a checksum cannot tell) loads
+    /// on every start-up path as applying it whole does: the key's last value, no other key.
+    /// Found by the `store` fuzz target: in place, the device kept a key the record dropped.
+    #[test]
+    fn a_record_holding_a_key_twice_loads_the_same_on_every_path() {
+        fn str(b: &mut Vec<u8>, s: &str) {
+            put_str(b, s);
+        }
+        let record = |values: &[(&str, &str)]| {
+            let mut b = vec![TAG_DEVICE];
+            str(&mut b, "d");
+            b.extend_from_slice(&(values.len() as u32).to_le_bytes());
+            for (k, v) in values {
+                str(&mut b, k);
+                str(&mut b, v);
+                b.extend_from_slice(&1i64.to_le_bytes());
+            }
+            b.extend_from_slice(&[0, 0]);
+            b
+        };
+        for (first, second) in [
+            (&[("a", "1"), ("b", "2")][..], &[("a", "3"), ("a", "4")][..]),
+            (&[("a", "1"), ("c", "2")][..], &[("a", "3"), ("b", "4"), ("b", "5")][..]),
+        ] {
+            let mut bytes = header(KIND_LOG).to_vec();
+            for payload in [record(first), record(second)] {
+                let at = begin_frame(&mut bytes);
+                bytes.extend_from_slice(&payload);
+                end_frame(&mut bytes, at);
+            }
+            let mut whole = super::super::Loaded::default();
+            assert_eq!(read_frames(&bytes, &mut |r| whole.apply(r)), Tail::Clean);
+            let mut in_place = super::super::Loaded::default();
+            assert_eq!(read_frames_into(&bytes, &mut in_place, false), (Tail::Clean, false));
+            let mut newest = super::super::Loaded::default();
+            assert_eq!(NewestFirst::default().apply_log(&bytes, &mut newest), Tail::Clean);
+            let want = super::super::data_of_device(&whole.devices["d"]);
+            assert_eq!(want.telemetry.len(), second.iter().map(|(k, _)| k).collect::<std::collections::BTreeSet<_>>().len());
+            assert_eq!(super::super::data_of_device(&in_place.devices["d"]), want, "in place, after {first:?}");
+            assert_eq!(super::super::data_of_device(&newest.devices["d"]), want, "newest first");
+        }
     }
 
     /// Newest record first (start-up) ends in the state that applying every record in order
