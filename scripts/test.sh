@@ -28,9 +28,12 @@ fi
 # schemathesis (PyPI, in a venv under target/tools/venv); skipped quickly when already present.
 bash scripts/operator-tools.sh
 
-# Local brokers some tests talk to (started when present and stopped).
-if [ -x scripts/services.sh ]; then
-  scripts/services.sh
+# Local brokers some tests talk to: RabbitMQ for tests/amqp_rabbitmq.rs, Redis and socat for
+# tests/cluster*.rs. Started before the tests; if they cannot be, nothing runs (under CI=1 a
+# test whose broker is missing fails rather than skips).
+if ! bash scripts/services.sh; then
+  echo "test.sh: scripts/services.sh could not start RabbitMQ or Redis; the tests were not run" >&2
+  exit 1
 fi
 
 # Unit and integration tests (each integration test drives the real binary over sockets).
