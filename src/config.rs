@@ -190,6 +190,30 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(32..))]
     pub fd_reserve: u64,
 
+    /// New sessions and live-socket handshakes (`POST /session`, Engine.IO and WebSocket
+    /// handshakes, none of which need a key) allowed per second per client address, shared
+    /// out over the cores (a fraction is allowed: 0.5 is one every two seconds); 0 turns the
+    /// limit off. Beyond it: 429 with Retry-After.
+    #[arg(long = "client-rate", env = "CLIENT_RATE", default_value_t = 50.0, value_parser = parse_rate)]
+    pub client_rate: f64,
+
+    /// How many of those a client address may make at once before the rate applies (the
+    /// token bucket's size), shared out over the cores.
+    #[arg(long = "client-burst", env = "CLIENT_BURST", default_value_t = 500,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub client_burst: u64,
+
+    /// Proxies whose `X-Forwarded-For` names the client (addresses or CIDRs, comma-separated);
+    /// from any other peer the header is ignored and the TCP peer is the client.
+    #[arg(long = "trusted-proxies", env = "TRUSTED_PROXIES", value_delimiter = ',', value_parser = parse_proxy)]
+    pub trusted_proxies: Vec<TrustedProxy>,
+
+    /// Seconds a session that never got a grant nor a socket is kept without activity (at
+    /// most --session-grace-period), so unused sessions cannot pile up to --max-sessions.
+    #[arg(long = "unused-session-ttl", env = "UNUSED_SESSION_TTL", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_SECONDS as u64))]
+    pub unused_session_ttl: u64,
+
     /// Milliseconds between server pings on live sockets (Engine.IO `pingInterval`).
     #[arg(long = "ping-interval", visible_alias = "pingInterval", env = "PING_INTERVAL",
           default_value_t = 25_000, value_parser = clap::value_parser!(u64).range(100..=MAX_MILLIS as u64))]
@@ -400,6 +424,52 @@ fn parse_redis_prefix(s: &str) -> Result<String, String> {
     } else {
         Err("expected 1 to 64 of A-Z, a-z, 0-9, '-', '_', '.'".into())
     }
+}
+
+/// A proxy named by `--trusted-proxies`: an address, or a network in CIDR form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrustedProxy {
+    pub net: IpAddr,
+    pub prefix: u8,
+}
+
+impl TrustedProxy {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        fn masked(bytes: &[u8], prefix: u8) -> impl Iterator<Item = u8> + '_ {
+            bytes.iter().enumerate().map(move |(i, b)| {
+                let bits = (prefix as usize).saturating_sub(i * 8).min(8) as u32;
+                b & (0xffu16 << (8 - bits)) as u8
+            })
+        }
+        let ip = match (self.net, ip) {
+            (IpAddr::V6(_), IpAddr::V4(v4)) => IpAddr::V6(v4.to_ipv6_mapped()),
+            (IpAddr::V4(_), IpAddr::V6(v6)) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            _ => ip,
+        };
+        match (self.net, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => masked(&n.octets(), self.prefix).eq(masked(&a.octets(), self.prefix)),
+            (IpAddr::V6(n), IpAddr::V6(a)) => masked(&n.octets(), self.prefix).eq(masked(&a.octets(), self.prefix)),
+            _ => false,
+        }
+    }
+}
+
+/// A rate per second: finite, not negative.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    s.trim().parse::<f64>().ok().filter(|r| r.is_finite() && *r >= 0.0).ok_or_else(|| format!("{s:?} is not a rate per second (a number, 0 or more)"))
+}
+
+/// `10.0.0.1`, `10.0.0.0/8`, `::1`, `fd00::/8`.
+fn parse_proxy(s: &str) -> Result<TrustedProxy, String> {
+    let s = s.trim();
+    let (addr, prefix) = s.split_once('/').map_or((s, None), |(a, p)| (a, Some(p)));
+    let net: IpAddr = addr.parse().map_err(|_| format!("{s:?} is not an IP address or a CIDR (10.0.0.0/8, fd00::/8)"))?;
+    let max = if net.is_ipv4() { 32 } else { 128 };
+    let prefix = match prefix {
+        None => max,
+        Some(p) => p.parse::<u8>().ok().filter(|p| *p <= max).ok_or_else(|| format!("{s:?}: the prefix length must be 0 to {max}"))?,
+    };
+    Ok(TrustedProxy { net, prefix })
 }
 
 /// The parts of the configuration derived once at start-up.

@@ -25,7 +25,7 @@
 //!   live data across instances.
 //! - the network protocols: [`tls`], [`http`] (HTTP/1.1 connections, handing requests to an
 //!   [`http::Service`]), [`transport`] (WebSocket, Engine.IO), [`admission`] (the connection
-//!   cap and its descriptor reserve); above them [`api`], the REST
+//!   cap and its descriptor reserve, per-client rate limits); above them [`api`], the REST
 //!   endpoints of SPEC.md ([`api::Rest`]).
 //! - sources: [`amqp`] (the IoT Hub / Event Hubs consumer, fe2o3-amqp on its own tokio
 //!   thread, feeding the cores through [`app::Ingress`]) and [`simulate`] (`--simulate N`).

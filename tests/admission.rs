@@ -1,17 +1,33 @@
-//! Issue 26, item 13, over real sockets against the real binary: client connections never
-//! take the descriptors the process needs (a lowered open-file limit, more idle connections
-//! than it allows). Every wait is on an answer, a metric or a log line, with a deadline.
+//! Issue 26, items 13 and 14, over real sockets against the real binary: client connections
+//! never take the descriptors the process needs (a lowered open-file limit, more idle
+//! connections than it allows), and unauthenticated work is rate-limited per client address
+//! (a second address is 127.0.0.2, the client socket bound to it; a trusted proxy's forwarded
+//! addresses count apart). Every wait is on an answer, a metric or a log line, with a deadline.
 
 mod common;
 
 use std::io::{ErrorKind, Read};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(30);
+
+/// A connection to the server from `source` (a loopback address: 127.0.0.2 is another client).
+fn connect_from(server: &Server, source: &str) -> TcpStream {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    let local: SocketAddr = format!("{source}:0").parse().unwrap();
+    socket.bind(&local.into()).unwrap_or_else(|e| panic!("bind {source}: {e}"));
+    let remote: SocketAddr = format!("127.0.0.1:{}", server.port).parse().unwrap();
+    socket.connect(&remote.into()).expect("connect to server");
+    let stream: TcpStream = socket.into();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream.set_nodelay(true).unwrap();
+    stream
+}
 
 fn request(method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Vec<u8> {
     let mut out = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n", body.len());
@@ -28,6 +44,14 @@ fn exchange(stream: &mut TcpStream, req: &[u8]) -> RawResponse {
         RawOutcome::Response(r) => r,
         other => panic!("no answer: {other:?}"),
     }
+}
+
+/// The value of a header in a raw response head.
+fn header<'a>(r: &'a RawResponse, name: &str) -> Option<&'a str> {
+    r.head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
 }
 
 /// The value of `series` in a `/metrics` text.
@@ -125,4 +149,97 @@ fn idle_connections_beyond_the_open_file_limit_leave_status_and_the_store_workin
     let accept_lines = stderr.iter().filter(|l| l.contains("accept failed")).count();
     assert!(accept_lines as u64 <= started.elapsed().as_secs() + 1, "{accept_lines} accept warnings");
     drop(idle);
+}
+
+/// `POST /session` from `stream` until the first 429 (at most `tries`): the 200s before it.
+fn sessions_until_limited(stream: &mut TcpStream, headers: &[(&str, &str)], tries: usize) -> (usize, Option<RawResponse>) {
+    for made in 0..tries {
+        let r = exchange(stream, &request("POST", "/session", headers, ""));
+        match r.status {
+            200 => {}
+            429 => return (made, Some(r)),
+            other => panic!("POST /session answered {other}: {}", r.body),
+        }
+    }
+    (tries, None)
+}
+
+fn assert_rate_limited(r: &RawResponse) {
+    assert_eq!(r.status, 429);
+    let retry: u64 = header(r, "retry-after").expect("Retry-After").parse().expect("Retry-After in seconds");
+    assert!(retry >= 1, "{}", r.head);
+    let body: Value = serde_json::from_str(&r.body).expect("a JSON error");
+    assert!(body["errorMessage"].as_str().is_some_and(|m| m.contains("client-rate")), "{body}");
+}
+
+#[test]
+fn one_client_address_cannot_make_sessions_or_handshakes_beyond_its_rate() {
+    // One token per 100 s after a burst of 5: nothing refills while the test runs.
+    let server = Server::start(&["--cores", "1", "--client-rate", "0.01", "--client-burst", "5"]);
+    let mut one = connect_from(&server, "127.0.0.1");
+    let (made, limited) = sessions_until_limited(&mut one, &[], 20);
+    assert_eq!(made, 5, "the burst, then no more");
+    assert_rate_limited(&limited.expect("a 429 beyond the burst"));
+    // The same address's Engine.IO and WebSocket handshakes draw on the same bucket.
+    let r = exchange(&mut one, &request("GET", "/socket.io/?EIO=4&transport=polling", &[], ""));
+    assert_rate_limited(&r);
+    let mut ws = connect_from(&server, "127.0.0.1");
+    let upgrade = [("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Sec-WebSocket-Version", "13"), ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")];
+    let r = exchange(&mut ws, &request("GET", "/socket.io/?EIO=4&transport=websocket", &upgrade, ""));
+    assert_rate_limited(&r);
+
+    // Another client address is unaffected.
+    let mut two = connect_from(&server, "127.0.0.2");
+    let r = exchange(&mut two, &request("POST", "/session", &[], ""));
+    assert_eq!(r.status, 200, "another address: {}", r.body);
+    let r = exchange(&mut two, &request("GET", "/socket.io/?EIO=4&transport=polling", &[], ""));
+    assert_eq!(r.status, 200, "another address's handshake: {}", r.body);
+    assert!(r.body.contains("\"sid\""), "{}", r.body);
+
+    let r = exchange(&mut two, &request("GET", "/metrics", &[ADMIN], ""));
+    assert_eq!(metric_in(&r.body, "hubcast_rate_limited_total{work=\"session\"}"), Some(1.0), "{}", r.body);
+    assert_eq!(metric_in(&r.body, "hubcast_rate_limited_total{work=\"engineio\"}"), Some(2.0), "{}", r.body);
+}
+
+#[test]
+fn forwarded_addresses_count_apart_only_behind_a_trusted_proxy() {
+    let server = Server::start(&["--cores", "1", "--client-rate", "0.01", "--client-burst", "2", "--trusted-proxies", "127.0.0.3,10.0.0.0/8"]);
+    let via = |client: &str| [("X-Forwarded-For", client.to_string())];
+    // Through the trusted proxy: each forwarded client has its own bucket.
+    let mut proxy = connect_from(&server, "127.0.0.3");
+    let xff = via("203.0.113.1, 10.1.2.3");
+    let h: Vec<(&str, &str)> = xff.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (made, limited) = sessions_until_limited(&mut proxy, &h, 10);
+    assert_eq!(made, 2);
+    assert_rate_limited(&limited.unwrap());
+    let xff = via("203.0.113.2");
+    let h: Vec<(&str, &str)> = xff.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (made, _) = sessions_until_limited(&mut proxy, &h, 10);
+    assert_eq!(made, 2, "another forwarded client counts apart");
+
+    // From a peer that is not a trusted proxy, X-Forwarded-For is ignored: one bucket.
+    let mut untrusted = connect_from(&server, "127.0.0.4");
+    let xff = via("198.51.100.1");
+    let h: Vec<(&str, &str)> = xff.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (made, _) = sessions_until_limited(&mut untrusted, &h, 10);
+    assert_eq!(made, 2);
+    let xff = via("198.51.100.2");
+    let h: Vec<(&str, &str)> = xff.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (made, limited) = sessions_until_limited(&mut untrusted, &h, 10);
+    assert_eq!(made, 0, "a forged X-Forwarded-For does not make a new client");
+    assert_rate_limited(&limited.unwrap());
+}
+
+#[test]
+fn a_session_never_used_expires_at_the_shorter_ttl_and_a_granted_one_lives() {
+    let server = Server::start(&["--unused-session-ttl", "1", "--session-grace-period", "600"]);
+    let unused = server.new_session();
+    let granted = server.new_session();
+    let grant = json!({"type": "telemetry", "deviceId": "dev-1", "telemetryKey": "n"});
+    server.grant(&granted, grant);
+    server.wait_for_metric("hubcast_sessions_expired_unused_total", WAIT, Want::Eq(1.0));
+    let (status, body) = server.call_json("DELETE", &format!("/sessions/{unused}"), &[ADMIN], None);
+    assert_eq!(status, 404, "the unused session is gone: {body}");
+    let (status, body) = server.call_json("DELETE", &format!("/sessions/{granted}"), &[ADMIN], None);
+    assert_eq!(status, 204, "the granted session lives: {body}");
 }

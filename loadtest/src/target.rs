@@ -93,6 +93,9 @@ impl Target {
     fn spawn(path: &str, spec: &TargetSpec, more_args: &[String]) -> io::Result<Target> {
         let mut cmd = Command::new(path);
         cmd.args(["--bind", "127.0.0.1", "--port", "0", "--primary-admin-secret", &spec.admin_key, "--log-level", "warn"]);
+        // Every simulated client comes from 127.0.0.1: the per-client rate limit on new
+        // sessions and handshakes (hubcast's --client-rate) is off for a spawned target.
+        cmd.args(["--client-rate", "0"]);
         if let Some(c) = spec.cores {
             cmd.args(["--cores", &c.to_string()]);
         }

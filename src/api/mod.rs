@@ -244,7 +244,7 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
         (Route::Status, &M::GET) => Ok(meta::status(core)),
         (Route::StatusDetails, &M::GET) => meta::status_details(core, &req),
         (Route::LogLevel(level), &M::PUT) => meta::set_log_level(core, &req, level),
-        (Route::Session, &M::POST) => sessions::create(core).await,
+        (Route::Session, &M::POST) => sessions::create(core, &req).await,
         (Route::AllSessions, &M::DELETE) => sessions::delete_all(core, &req).await,
         (Route::OneSession(id), &M::DELETE) => sessions::delete(core, &req, id).await,
         (Route::Grants, &M::PUT) => grants::change(core, &req, true).await,

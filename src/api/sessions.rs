@@ -8,7 +8,12 @@ use crate::ids::SessionId;
 use crate::model::{Checked, Rejection};
 use crate::app::Core;
 
-pub async fn create(core: &Rc<Core>) -> Checked<Response> {
+/// `POST /session`: no key needed (browsers call it), so rate-limited per client address
+/// (`admission::rate`: 429 with Retry-After beyond it).
+pub async fn create(core: &Rc<Core>, req: &Request) -> Checked<Response> {
+    if let Err(retry) = crate::admission::rate::admit(core, req.peer, &req.headers, crate::admission::rate::Work::Session) {
+        return Ok(Response::rate_limited(retry));
+    }
     let id = SessionId::generate();
     match crate::cluster::create_session(core, id).await? {
         true => Ok(Response::json(200, serde_json::json!({ "sessionId": id.to_string() }).to_string())),

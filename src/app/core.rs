@@ -88,7 +88,9 @@ impl Core {
             connection_ttl: settings.connection_state_ttl(),
         };
         let linger = crate::push::linger::Linger::new(Duration::from_micros(c.socket_linger_us));
-        let sessions = SessionTable::new(settings.session_grace_period(), c.max_sessions as usize).process_total();
+        let sessions = SessionTable::new(settings.session_grace_period(), c.max_sessions as usize)
+            .with_unused_ttl(Duration::from_secs(c.unused_session_ttl))
+            .process_total();
         let mut devices = DeviceTable::new(ingest, timing);
         if shared.hub.is_some() {
             devices = devices.with_hub_twins(settings.twin_cache_ttl());
@@ -416,6 +418,7 @@ impl Core {
         let first = match self.sessions.borrow_mut().touch(session, Instant::now()) {
             Some(record) => {
                 record.sockets.push(outlet);
+                record.had_socket = true;
                 (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>())
             }
             None => return false,

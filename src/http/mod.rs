@@ -90,6 +90,12 @@ pub trait Upgrades: 'static {
     /// Checks an upgrade request; the error is the HTTP answer to give instead (the connection
     /// is then closed).
     fn check(head: &RequestHead) -> Result<Self::Kind, Response>;
+    /// Admits a checked upgrade from `peer` (the TCP peer) or refuses it with the answer to give
+    /// instead (the per-client rate limit of `admission::rate`); admitted unless overridden.
+    fn admit(core: &Core, peer: Option<std::net::IpAddr>, head: &RequestHead, kind: &Self::Kind) -> Result<(), Response> {
+        let _ = (core, peer, head, kind);
+        Ok(())
+    }
     /// Takes the connection over, once every earlier answer on it is written: the read side
     /// with any bytes read past the request, and the write side.
     async fn upgrade(core: Rc<Core>, head: RequestHead, kind: Self::Kind, framed: Framed, write: WriteHalf);
@@ -529,6 +535,7 @@ async fn read_requests<S: Service, U: Upgrades>(
     framed: &mut Framed,
     pipe: &Pipeline,
     idle: Duration,
+    peer: Option<std::net::IpAddr>,
 ) -> ReaderEnd<U::Kind> {
     let limit = core.settings.config.max_body_bytes;
     loop {
@@ -552,7 +559,14 @@ async fn read_requests<S: Service, U: Upgrades>(
         };
         if is_upgrade(&head) {
             match U::check(&head) {
-                Ok(kind) => return ReaderEnd::Upgrade { head: Box::new(head), kind, in_hand },
+                Ok(kind) => match U::admit(core, peer, &head, &kind) {
+                    Ok(()) => return ReaderEnd::Upgrade { head: Box::new(head), kind, in_hand },
+                    Err(limited) => {
+                        let answer = Answer { response: limited.closing(), keep_alive: false, head_only: false, unread_input: false };
+                        pipe.push_ready(answer, in_hand);
+                        return ReaderEnd::Stopped;
+                    }
+                },
                 Err(response) => {
                     let answer = Answer { response: response.closing(), keep_alive: false, head_only: false, unread_input: false };
                     pipe.push_ready(answer, in_hand);
@@ -587,6 +601,7 @@ async fn read_requests<S: Service, U: Upgrades>(
             method: if head_only { http::Method::GET } else { head.method },
             headers: head.headers,
             body,
+            peer,
         };
         let answer = if S::pipelines(&request) {
             let applied = S::begin(core, request).await;
@@ -676,7 +691,7 @@ async fn write_answers(core: &Rc<Core>, write: &mut WriteHalf, pipe: &Pipeline, 
 /// Serves one client connection (plain or TLS) until it closes, errs or idles out: its
 /// reader and writer run together until one ends (module docs). `S` answers its requests, `U`
 /// takes over an upgrade.
-pub async fn serve<S: Service, U: Upgrades>(core: Rc<Core>, stream: Stream) {
+pub async fn serve<S: Service, U: Upgrades>(core: Rc<Core>, stream: Stream, peer: Option<std::net::IpAddr>) {
     let _ = stream.set_nodelay(true);
     let (read, mut write) = stream.into_split();
     let mut framed = Framed::new(read);
@@ -684,7 +699,7 @@ pub async fn serve<S: Service, U: Upgrades>(core: Rc<Core>, stream: Stream) {
     let pipe = Pipeline::new();
     let (reader_end, writer_end) = {
         let mut reader = pin!(async {
-            let end = read_requests::<S, U>(&core, &mut framed, &pipe, idle).await;
+            let end = read_requests::<S, U>(&core, &mut framed, &pipe, idle, peer).await;
             pipe.finish_reading();
             end
         });
@@ -735,15 +750,15 @@ pub async fn accept_loop<S: Service, U: Upgrades>(core: Rc<Core>, listener: Rc<T
     let mut errors = crate::admission::descriptors::AcceptErrors::new(core.index);
     loop {
         match listener.accept().await {
-            Ok((stream, _peer)) => {
+            Ok((stream, peer)) => {
                 let Some(slot) = ConnectionSlot::try_acquire(cap) else {
-                    monoio::spawn(over_cap::answer::<S>(core.clone(), stream));
+                    monoio::spawn(over_cap::answer::<S>(core.clone(), stream, peer.ip()));
                     continue;
                 };
                 let core = core.clone();
                 monoio::spawn(async move {
                     if let Some(stream) = handshake(&core, stream).await {
-                        serve::<S, U>(core, stream).await;
+                        serve::<S, U>(core, stream, Some(peer.ip())).await;
                     }
                     drop(slot);
                 });

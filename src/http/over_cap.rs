@@ -4,6 +4,7 @@
 //! past those few, gets 503 with a JSON error and `Connection: close`. Over TLS it is closed
 //! at once: the handshake is the expensive part the cap protects against.
 
+use std::net::IpAddr;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -20,7 +21,7 @@ fn full() -> Response {
         .closing()
 }
 
-pub(super) async fn answer<S: Service>(core: Rc<Core>, stream: TcpStream) {
+pub(super) async fn answer<S: Service>(core: Rc<Core>, stream: TcpStream, peer: IpAddr) {
     crate::admission::STATS.over_cap();
     if crate::tls::enabled() {
         return;
@@ -39,6 +40,7 @@ pub(super) async fn answer<S: Service>(core: Rc<Core>, stream: TcpStream) {
                         query: head.uri.query().map(str::to_string),
                         headers: head.headers,
                         body: Default::default(),
+                        peer: Some(peer),
                     };
                     S::handle(&core, request).await.closing()
                 }

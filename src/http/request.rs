@@ -12,6 +12,8 @@ pub struct Request {
     pub query: Option<String>,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The TCP peer's address (`None` where there is no socket), for per-client limits.
+    pub peer: Option<std::net::IpAddr>,
 }
 
 impl Request {

@@ -35,6 +35,15 @@ impl Response {
         Self::json(status, serde_json::json!({ "errorMessage": message }).to_string())
     }
 
+    /// 429 for unauthenticated work over the client's rate (`admission::rate`), with the
+    /// seconds until it may try again.
+    pub fn rate_limited(retry_after_s: u64) -> Self {
+        let message = format!(
+            "too many new sessions or socket handshakes from this client address (--client-rate, --client-burst); retry after {retry_after_s} s"
+        );
+        Self::error(429, &message).with_header("retry-after", retry_after_s.to_string())
+    }
+
     pub fn rejection(r: Rejection) -> Self {
         Self::error(r.status, &r.message)
     }

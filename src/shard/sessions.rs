@@ -5,13 +5,17 @@
 //! since is pushed back with its new deadline instead of expiring. A session with an open socket
 //! holds no deadline; detaching its last socket arms one. No periodic full scan, and the core's
 //! clock ([`crate::app::clock`]) sleeps until [`SessionTable::next_deadline`].
+//!
+//! A session that never got a grant nor a socket (`POST /session` needs no key, so anyone can
+//! make one) is kept only `--unused-session-ttl` without activity, not the whole grace period,
+//! so unused sessions cannot pile up to `--max-sessions` ([`SessionTable::with_unused_ttl`]).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
@@ -26,12 +30,23 @@ pub struct SessionRecord {
     pub devices: HashSet<Box<str>>,
     /// Open sockets (each gets the session's data); a session with a socket never expires.
     pub sockets: SmallVec<[Rc<Outlet>; 1]>,
+    /// A socket was attached once (with a grant, in `devices`: the session is in use).
+    pub had_socket: bool,
+}
+
+impl SessionRecord {
+    /// Whether the session ever got a grant or a socket (restored sessions count as used).
+    pub fn used(&self) -> bool {
+        self.had_socket || !self.devices.is_empty()
+    }
 }
 
 pub struct SessionTable {
     sessions: HashMap<SessionId, SessionRecord>,
     deadlines: BinaryHeap<Reverse<(Instant, SessionId)>>,
     grace: Duration,
+    /// How long a session never used ([`SessionRecord::used`]) is kept (at most `grace`).
+    unused: Duration,
     capacity: usize,
     /// `capacity` bounds the sessions of every core together ([`PROCESS_SESSIONS`]), not this table's.
     process_total: bool,
@@ -58,9 +73,31 @@ impl SessionDirty {
 /// session is created or ends, never per message.
 static PROCESS_SESSIONS: AtomicUsize = AtomicUsize::new(0);
 
+/// Sessions expired unused, in the whole process (for metrics; touched only at expiry).
+static EXPIRED_UNUSED: AtomicU64 = AtomicU64::new(0);
+
+pub fn expired_unused() -> u64 {
+    EXPIRED_UNUSED.load(Ordering::Relaxed)
+}
+
 impl SessionTable {
     pub fn new(grace: Duration, capacity: usize) -> Self {
-        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, capacity, process_total: false, dirty: SessionDirty::default() }
+        Self { sessions: HashMap::new(), deadlines: BinaryHeap::new(), grace, unused: grace, capacity, process_total: false, dirty: SessionDirty::default() }
+    }
+
+    /// Sessions never used are kept `ttl` without activity (at most the grace period).
+    pub fn with_unused_ttl(mut self, ttl: Duration) -> Self {
+        self.unused = ttl.min(self.grace);
+        self
+    }
+
+    /// How long `record` is kept without activity.
+    fn keep(&self, record: &SessionRecord) -> Duration {
+        if record.used() {
+            self.grace
+        } else {
+            self.unused
+        }
     }
 
     /// Counts against `capacity` together with every other core's table.
@@ -94,11 +131,11 @@ impl SessionTable {
         if full {
             return false;
         }
-        let record = SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new() };
+        let record = SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new(), had_socket: false };
         if self.sessions.insert(id, record).is_some() {
             self.released(1);
         }
-        self.deadlines.push(Reverse((now + self.grace, id)));
+        self.deadlines.push(Reverse((now + self.unused, id)));
         self.dirty.mark(id);
         true
     }
@@ -161,16 +198,20 @@ impl SessionTable {
             }
             self.deadlines.pop();
             let Some(record) = self.sessions.get(&id) else { continue };
-            let due = record.last_active + self.grace;
+            let keep = self.keep(record);
+            let due = record.last_active + keep;
             if !record.sockets.is_empty() {
                 // No deadline while a socket is open: `detach_socket` arms one when the last goes.
                 continue;
             }
             if due <= now {
                 self.dirty.mark(id);
+                if keep < self.grace {
+                    EXPIRED_UNUSED.fetch_add(1, Ordering::Relaxed);
+                }
                 expired.push((id, self.sessions.remove(&id).expect("present")));
             } else {
-                self.deadlines.push(Reverse((due.max(now + self.grace / 4), id)));
+                self.deadlines.push(Reverse((due.max(now + keep / 4), id)));
             }
         }
         self.released(expired.len());
@@ -200,7 +241,8 @@ impl SessionTable {
     pub fn restore(&mut self, sessions: impl Iterator<Item = (SessionId, Vec<Box<str>>)>, now: Instant) {
         let mut added = 0;
         for (id, devices) in sessions {
-            let record = SessionRecord { last_active: now, devices: devices.into_iter().collect(), sockets: SmallVec::new() };
+            // A restored session was kept before: it counts as used (the full grace period).
+            let record = SessionRecord { last_active: now, devices: devices.into_iter().collect(), sockets: SmallVec::new(), had_socket: true };
             if self.sessions.insert(id, record).is_none() {
                 added += 1;
             }
@@ -242,6 +284,23 @@ mod tests {
         assert_eq!(table.expire(t0 + Duration::from_secs(11)).len(), 1);
         assert!(table.create(SessionId(0xfeed_0002), t0), "a new session after a restored one expired");
         assert!(table.remove(SessionId(0xfeed_0002)).is_some());
+    }
+
+    #[test]
+    fn a_session_never_used_expires_at_the_shorter_ttl() {
+        let t0 = Instant::now();
+        let mut table = SessionTable::new(Duration::from_secs(120), 10).with_unused_ttl(Duration::from_secs(60));
+        let (unused, granted, socket) = (SessionId(1), SessionId(2), SessionId(3));
+        for id in [unused, granted, socket] {
+            table.create(id, t0);
+        }
+        table.touch(granted, t0).unwrap().devices.insert("d".into());
+        table.touch(socket, t0).unwrap().had_socket = true;
+        assert_eq!(table.next_deadline(), Some(t0 + Duration::from_secs(60)));
+        let gone = table.expire(t0 + Duration::from_secs(61));
+        assert_eq!(gone.iter().map(|(id, _)| *id).collect::<Vec<_>>(), vec![unused]);
+        let gone = table.expire(t0 + Duration::from_secs(121));
+        assert_eq!(gone.len(), 2, "the used ones keep the whole grace period");
     }
 
     #[test]

@@ -136,6 +136,10 @@ impl crate::http::Upgrades for Sockets {
         check_upgrade(head)
     }
 
+    fn admit(core: &Core, peer: Option<std::net::IpAddr>, head: &RequestHead, kind: &SocketKind) -> Result<(), Response> {
+        admit_upgrade(core, peer, head, kind)
+    }
+
     async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed: Framed, write: WriteHalf) {
         upgrade(core, head, kind, framed, write).await
     }
@@ -148,6 +152,7 @@ fn query_param(head: &RequestHead, name: &str) -> Option<String> {
         query: head.uri.query().map(str::to_string),
         headers: Default::default(),
         body: Default::default(),
+        peer: None,
     };
     req.query_param(name)
 }
@@ -188,6 +193,19 @@ pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
         return Err(Response::error(400, "Sec-WebSocket-Key must be the base64 of 16 bytes (RFC 6455 §4.1)"));
     }
     Ok(kind)
+}
+
+/// Rate-limits an upgrade that makes new work per client address (`admission::rate`): a
+/// plain WebSocket, or a Socket.IO one that is not the upgrade of a polling session (that
+/// session's handshake was counted). The error is the 429 to answer instead.
+pub fn admit_upgrade(core: &Core, peer: Option<std::net::IpAddr>, head: &RequestHead, kind: &SocketKind) -> Result<(), Response> {
+    use crate::admission::rate::{admit, Work};
+    let work = match kind {
+        SocketKind::Plain { .. } => Work::WebSocket,
+        SocketKind::SocketIo { upgrade_sid: None } => Work::EngineIo,
+        SocketKind::SocketIo { upgrade_sid: Some(_) } => return Ok(()),
+    };
+    admit(core, peer, &head.headers, work).map_err(Response::rate_limited)
 }
 
 /// RFC 6455 §4.1: the key is 16 random bytes, base64-encoded (24 characters with padding).

@@ -126,6 +126,12 @@ pub async fn http(core: &Rc<Core>, req: &Request) -> Response {
         // leaves it unknown: the CONNECT then answers so).
         let _ = crate::cluster::ensure_session(core, s).await;
     }
+    if sid.is_none() {
+        // A handshake makes an Engine.IO session: rate-limited per client (`admission::rate`).
+        if let Err(retry) = crate::admission::rate::admit(core, req.peer, &req.headers, crate::admission::rate::Work::EngineIo) {
+            return Response::rate_limited(retry);
+        }
+    }
     let request = PollRequest { sid, session, post };
     if target == core.index {
         return serve(core.clone(), request).await;
