@@ -155,22 +155,27 @@ S["Error"] = {"type": "object", "required": ["errorMessage"], "properties": {"er
 S["LogLevel"] = {"type": "string", "enum": ["error", "warn", "info", "verbose", "debug"]}
 S["Session"] = {"type": "object", "required": ["sessionId"], "properties": {"sessionId": {"type": "string", "description": "128 random bits, 22 URL-safe characters."}}}
 grant_types = ["telemetry", "deviceTwin", "connectionState", "d2cMessages", "desiredProperties", "directMethod"]
+key_field = {"type": ["string", "null"], "maxLength": 256}
+def only_for(kind, field):
+    """`field` is read (and checked) only when `type` is `kind`; the server ignores it otherwise, whatever it holds."""
+    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": {"properties": {field: key_field}}}
 S["GrantRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"],
   "description": "The ux4iot 3.x grant. `telemetryKey` applies to telemetry grants, `directMethodName` to directMethod grants; null or absent = every key. "
                  "A ux4iot 1.x/2.x grant (a `grantType` field, or a 2.x type such as `subscribeToTelemetry`, `modifyDesiredProperties`, `invokeDirectMethod`) "
                  "is refused with 400 naming the 3.x type to send: in 2.x a grant also subscribed, in 3.x it only permits.",
   "properties": {"sessionId": {"type": "string"}, "deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": in_bytes(128)},
                  "type": {"type": "string", "enum": grant_types},
-                 "telemetryKey": {"type": ["string", "null"], "maxLength": 256, "description": in_bytes(256)},
-                 "directMethodName": {"type": ["string", "null"], "maxLength": 256, "description": in_bytes(256)}}}
+                 "telemetryKey": {"description": "Telemetry grants: a string or null (null or absent = every key). " + in_bytes(256) + " Ignored for other types."},
+                 "directMethodName": {"description": "directMethod grants: a string or null (null or absent = every method). " + in_bytes(256) + " Ignored for other types."}},
+  "allOf": [only_for("telemetry", "telemetryKey"), only_for("directMethod", "directMethodName")]}
 sub_props = {"sessionId": {"type": "string"}, "deviceId": {"type": "string", "minLength": 1, "maxLength": 128, "description": in_bytes(128)},
              "type": {"type": "string", "enum": ["telemetry", "deviceTwin", "connectionState", "d2cMessages"]},
-             "telemetryKey": {"type": ["string", "null"], "maxLength": 256, "description": "Telemetry only; null or absent = every key (needs the wildcard grant). " + in_bytes(256)}}
-S["SubscriptionRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"], "properties": sub_props}
+             "telemetryKey": {"description": "Telemetry subscriptions: a string or null (null or absent = every key, which needs the wildcard grant). " + in_bytes(256) + " Ignored for other types."}}
+S["SubscriptionRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"], "properties": sub_props, "allOf": [only_for("telemetry", "telemetryKey")]}
 S["BulkSubscriptionRequest"] = {"type": "object", "required": ["sessionId", "deviceId", "type"],
   "description": "An element may also leave out `sessionId` when the request has a `sessionId` header (the Node admin SDK's form): the header's session is taken. "
                  "OpenAPI cannot make a body field depend on a header, so this schema states the form that stands alone; an element with neither is refused with 400 (`missing field `sessionId``).",
-  "properties": sub_props}
+  "properties": sub_props, "allOf": [only_for("telemetry", "telemetryKey")]}
 ts = {"type": "string", "description": "ISO 8601 UTC time with milliseconds (empty in the all-keys record)."}
 S["LastValue"] = {"type": "object", "required": ["deviceId", "data", "timestamp"],
   "properties": {"deviceId": {"type": "string"}, "data": {"type": "object", "description": "`{key: value}`"}, "timestamp": ts}}

@@ -93,6 +93,8 @@ keep = lambda *a: hooks.filter_failure(None, *a)
 assert keep(valid, case(body=[{"deviceId": "a"}, {"deviceId": wide}]), response(400, msg)) is False
 assert keep(valid, case(path={"deviceId": wide}), response(400, "deviceId is longer than 128 bytes")) is False
 assert keep(valid, case(query={"q": wide}), response(400, "query parameter `q` is longer than 128 bytes")) is False
+from urllib.parse import quote
+assert keep(valid, case(path={"telemetryKey": quote("\u00e9" * 200, safe="")}), response(400, "telemetryKey is longer than 256 bytes")) is False, "a path value kept percent-encoded"
 assert keep(valid, case(body={"deviceId": "a" * 129}), response(400, msg)) is True, "over in characters: the schema's own limit"
 assert keep(valid, case(body={"deviceId": "a"}), response(400, msg)) is True, "no value over the limit"
 assert keep(valid, case(body={"telemetryKey": wide}), response(400, msg)) is True, "another field is over"

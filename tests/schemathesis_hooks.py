@@ -16,6 +16,7 @@ still fails the run.
 
 import json
 import re
+from urllib.parse import unquote
 
 import schemathesis
 
@@ -38,12 +39,22 @@ def _values(data, field):
             yield from _values(item, field)
 
 
+def _candidates(case, field):
+    """The values of `field` as the server reads them: body strings as they are; path and query
+    values also percent-decoded (Schemathesis keeps a path value percent-encoded in the case)."""
+    yield from _values(case.body, field)
+    for place in (case.path_parameters or {}, case.query or {}):
+        for value in _values(place, field):
+            yield value
+            if "%" in value:
+                yield unquote(value, errors="surrogatepass")
+
+
 def _over_in_bytes_only(case, field, limit):
     """The first value of `field` in the request within `limit` characters but over `limit` bytes."""
-    for place in (case.body, case.path_parameters or {}, case.query or {}):
-        for value in _values(place, field):
-            if len(value) <= limit < len(value.encode("utf-8", "surrogatepass")):
-                return value
+    for value in _candidates(case, field):
+        if len(value) <= limit < len(value.encode("utf-8", "surrogatepass")):
+            return value
     return None
 
 
@@ -62,6 +73,9 @@ def filter_failure(context, failure, case, response):
     field, limit = match.group(1), int(match.group(2))
     value = _over_in_bytes_only(case, field, limit)
     if value is None:
+        seen = [(len(v), len(v.encode("utf-8", "surrogatepass"))) for v in _candidates(case, field)]
+        print(f"schemathesis_hooks: {case.operation.label}: `{field}` refused for its {limit}-byte limit, but no value "
+              f"of it is within {limit} characters and over {limit} bytes ((characters, bytes): {seen}): counted")
         return True
     # Said in the test's output, so each dropped failure can be seen to be this case.
     print(f"schemathesis_hooks: {case.operation.label}: `{field}` of {len(value)} characters, "
