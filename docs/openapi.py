@@ -56,7 +56,7 @@ paths = {
                  "401": err("`Unauthorized: no Shared-Access-Key header` / `… invalid Shared-Access-Key header`.")}}},
  "/session": {"post": {"operationId": "createSession", "tags": ["sessions"], "summary": "Open a session (SPEC 4).", "security": OPEN,
    "responses": {"200": ok_json("The new session.", ref("Session")),
-                 "429": dict(err("Past the client address's rate of new sessions and handshakes (`--client-rate`, `--client-burst`; the address is the TCP peer, or `X-Forwarded-For` from a `--trusted-proxies` peer): `too many new sessions or socket handshakes from this client address …`."),
+                 "429": dict(err("Past the client address's rate of new sessions and handshakes (`--client-rate`, `--client-burst`; the address is the TCP peer, or `X-Forwarded-For` from a `--trusted-proxies` peer; not with the admin key): `too many new sessions or socket handshakes from this client address …`."),
                              headers={"Retry-After": {"description": "Whole seconds until the client may make one again.", "schema": {"type": "integer", "minimum": 1}}}),
                  "503": err("`session limit reached (maxSessions)`.")}}},
  "/sessions": {"delete": {"operationId": "deleteAllSessions", "tags": ["sessions"], "summary": "Delete every session (SPEC 6); their sockets close.", "security": KEY,

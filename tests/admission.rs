@@ -180,6 +180,9 @@ fn one_client_address_cannot_make_sessions_or_handshakes_beyond_its_rate() {
     let (made, limited) = sessions_until_limited(&mut one, &[], 20);
     assert_eq!(made, 5, "the burst, then no more");
     assert_rate_limited(&limited.expect("a 429 beyond the burst"));
+    // With the admin key (a backend making sessions for its users) it is not limited.
+    let r = exchange(&mut one, &request("POST", "/session", &[ADMIN], ""));
+    assert_eq!(r.status, 200, "with the admin key: {}", r.body);
     // The same address's Engine.IO and WebSocket handshakes draw on the same bucket.
     let r = exchange(&mut one, &request("GET", "/socket.io/?EIO=4&transport=polling", &[], ""));
     assert_rate_limited(&r);
