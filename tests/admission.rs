@@ -190,6 +190,9 @@ fn one_client_address_cannot_make_sessions_or_handshakes_beyond_its_rate() {
     let upgrade = [("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Sec-WebSocket-Version", "13"), ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ==")];
     let r = exchange(&mut ws, &request("GET", "/socket.io/?EIO=4&transport=websocket", &upgrade, ""));
     assert_rate_limited(&r);
+    let mut ws = connect_from(&server, "127.0.0.1");
+    let r = exchange(&mut ws, &request("GET", "/ws?sessionId=AAAAAAAAAAAAAAAAAAAAAA", &upgrade, ""));
+    assert_rate_limited(&r);
 
     // Another client address is unaffected.
     let mut two = connect_from(&server, "127.0.0.2");
@@ -202,6 +205,7 @@ fn one_client_address_cannot_make_sessions_or_handshakes_beyond_its_rate() {
     let r = exchange(&mut two, &request("GET", "/metrics", &[ADMIN], ""));
     assert_eq!(metric_in(&r.body, "hubcast_rate_limited_total{work=\"session\"}"), Some(1.0), "{}", r.body);
     assert_eq!(metric_in(&r.body, "hubcast_rate_limited_total{work=\"engineio\"}"), Some(2.0), "{}", r.body);
+    assert_eq!(metric_in(&r.body, "hubcast_rate_limited_total{work=\"websocket\"}"), Some(1.0), "{}", r.body);
 }
 
 #[test]
