@@ -177,11 +177,11 @@ fn the_broker_sends_no_more_than_the_link_credit_while_hubcast_takes_nothing() {
     for i in 0..200 {
         hub.publish("0", NewEvent::telemetry("slow", json!({ format!("k{i}"): i })));
     }
-    // A frozen gateway can send nothing, so no sentinel can follow: the window is the test.
-    std::thread::sleep(Duration::from_millis(500));
-    let sent = hub.stats().deliveries;
+    // The event: the fake's sender waits for credit, after what the credit let through.
+    let stats = hub.wait_for_stats(WAIT, |s| s.sends_waiting > 0);
+    let sent = stats.deliveries;
     server.freeze(false);
-    assert!(sent > 0 && sent <= PREFETCH, "{sent} messages sent to a gateway that accepted none (credit {PREFETCH})");
+    assert!(sent > 0 && sent <= PREFETCH, "{sent} messages sent to a gateway that accepted none (credit {PREFETCH}): {stats:?}");
     server.wait_for("/lastValue/slow", WAIT, |s, b| {
         s == 200 && serde_json::from_str::<serde_json::Value>(b).unwrap()["data"].as_object().unwrap().len() == 200
     });

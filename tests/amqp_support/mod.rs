@@ -325,6 +325,9 @@ pub struct Stats {
     pub expired: usize,
     /// Events sent on partition links (each needs a unit of link credit).
     pub deliveries: usize,
+    /// Sends on partition links that could not go at once: the link had no credit left (or,
+    /// rarely, fe2o3's session queue was full), so the fake waits for the peer's `flow`.
+    pub sends_waiting: usize,
     /// Connections dropped (FIN) by [`FakeHub::drop_at_lag_read`], with when.
     pub lag_read_drops: Vec<Instant>,
     /// Partition links the client closed with a detach (closed=true) while idle.
@@ -840,7 +843,15 @@ async fn serve_outgoing(inner: Arc<Inner>, conn: Arc<Conn>, mut sender: Sender) 
             }
         };
         let message = to_message(&event);
-        if sender.send(Sendable::builder().message(message).settled(true).build()).await.is_err() {
+        let mut send = std::pin::pin!(sender.send(Sendable::builder().message(message).settled(true).build()));
+        let sent = match std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(send.as_mut(), cx))).await {
+            std::task::Poll::Ready(sent) => sent,
+            std::task::Poll::Pending => {
+                inner.state.lock().unwrap().stats.sends_waiting += 1;
+                send.await
+            }
+        };
+        if sent.is_err() {
             return;
         }
         next += 1;
