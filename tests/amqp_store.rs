@@ -1,7 +1,7 @@
 //! AMQP positions kept with the state: after `kill -9` in the middle of a stream and a
-//! restart, consumption resumes right after the last applied event. The state equals that
-//! of a fresh instance that read every event once from `earliest`, and a live client gets
-//! each event once.
+//! restart, consumption resumes right after the last applied event (the batches handed to
+//! the cores start there, from the `verbose` log). The state equals that of a fresh instance
+//! that read every event once from `earliest`, and a live client gets each event once.
 
 mod amqp_support;
 mod common;
@@ -16,12 +16,34 @@ const WAIT: Duration = Duration::from_secs(20);
 const PARTITIONS: [&str; 2] = ["0", "1"];
 
 fn start(hub: &FakeHub, dir: &str, extra: &[&str]) -> Server {
+    let server = start_unconnected(hub, dir, extra);
+    server.wait_connected();
+    server
+}
+
+/// Started, not yet connected to the hub (it may refuse).
+fn start_unconnected(hub: &FakeHub, dir: &str, extra: &[&str]) -> Server {
     let cs = hub.connection_string();
     let mut args = vec!["--iot-hub-event-hub-connection-string", cs.as_str(), "--data-dir", dir];
     args.extend_from_slice(extra);
-    let server = Server::start(&args);
-    server.wait_connected();
-    server
+    Server::start(&args)
+}
+
+/// The batches handed to the cores, per partition: (count, first, last sequence number),
+/// from the `verbose` log lines `handed to the cores partition=P count=N first_seq=A last_seq=B`.
+fn handed_over(server: &Server) -> HashMap<String, Vec<(i64, i64, i64)>> {
+    let mut out: HashMap<String, Vec<(i64, i64, i64)>> = HashMap::new();
+    for line in server.stderr_lines().iter().filter(|l| l.contains("handed to the cores")) {
+        let field = |name: &str| -> Option<String> {
+            let rest = line.split(&format!(" {name}=")).nth(1)?;
+            Some(rest.split_whitespace().next()?.trim_matches('"').to_string())
+        };
+        let (Some(p), Some(n), Some(a), Some(b)) = (field("partition"), field("count"), field("first_seq"), field("last_seq")) else {
+            continue;
+        };
+        out.entry(p).or_default().push((n.parse().unwrap(), a.parse().unwrap(), b.parse().unwrap()));
+    }
+    out
 }
 
 /// Event `i` of partition `p`: telemetry key `k<i>` of one of three devices, and now and
@@ -111,41 +133,68 @@ fn kill_9_mid_stream_then_restart_applies_every_event_once() {
     drop(first); // kill -9 in the middle of the stream
 
     // More events arrive while hubcast is down; the restart says `latest`, which must not
-    // apply: the stored positions win.
+    // apply: the stored positions win. The hub refuses at first, so that the live client is
+    // connected before anything is read again.
     publish(&hub, 300, 400);
-    let second = start(&hub, dir.path(), &["--event-hub-start-position", "latest"]);
+    hub.set_refusing(true);
+    let second = start_unconnected(&hub, dir.path(), &["--event-hub-start-position", "latest", "--log-level", "verbose"]);
     let resumed = second.wait_for_log("resuming at the stored position", WAIT);
     assert!(resumed.contains("after_sequence_number"), "{resumed}");
-    let stored: Vec<i64> = second
+    let stored: HashMap<String, i64> = second
         .stderr_lines()
         .iter()
         .filter(|l| l.contains("resuming at the stored position"))
-        .filter_map(|l| l.split("after_sequence_number=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .filter_map(|l| {
+            let value = |key: &str| l.split(&format!("{key}=")).nth(1)?.split_whitespace().next().map(|v| v.trim_matches('"').to_string());
+            Some((value("partition")?, value("after_sequence_number")?.parse().ok()?))
+        })
         .collect();
-    assert_eq!(stored.len(), 2, "both partitions resume from the store");
-    // The live client, back with its old session: every event after it connected comes once.
+    assert_eq!(stored.len(), 2, "both partitions resume from the store: {stored:?}");
+    // The kill landed mid-stream: on each partition some events, not all 300, were committed.
+    for p in PARTITIONS {
+        assert!((0..299).contains(&stored[p]), "partition {p}: committed up to {} of 0..299 at the kill", stored[p]);
+    }
+    // The live client, back with its old session: every event it gets comes once, and none
+    // that was committed before the crash comes again.
     let mut live = common::ws::connect(&second.base, &format!("/ws?sessionId={session}"));
+    hub.set_refusing(false);
+    second.wait_connected();
     publish(&hub, 400, 460);
     wait_all_applied(&second, 460);
-    let mut seen: HashMap<String, usize> = HashMap::new();
+    // Resumed exactly after the stored position: the batches handed to the cores start at
+    // stored + 1 and cover every later event once, in order (no gap, no overlap).
+    let batches = handed_over(&second);
+    for p in PARTITIONS {
+        let mut next = stored[p] + 1;
+        for &(count, first, last) in batches.get(p).unwrap_or_else(|| panic!("no batch for partition {p}")) {
+            assert_eq!(first, next, "partition {p}: a batch starts at {first}, expected {next}: {:?}", batches[p]);
+            assert_eq!(count, last - first + 1, "partition {p}: every message of the batch handed over");
+            next = last + 1;
+        }
+        assert_eq!(next, 460, "partition {p}: handed over up to the last event");
+    }
+    let mut seen: HashMap<i64, usize> = HashMap::new();
+    let take = |seen: &mut HashMap<i64, usize>, frame: Value| {
+        for key in frame["telemetry"].as_object().into_iter().flat_map(|o| o.keys()) {
+            *seen.entry(key.trim_start_matches('k').parse().unwrap()).or_default() += 1;
+        }
+    };
     let deadline = Instant::now() + WAIT;
-    let wanted: Vec<String> = (400..460).filter(|i| i % 3 == 1 && i % 10 != 3 && i % 10 != 7).map(|i| format!("k{i}")).collect();
-    while !wanted.iter().all(|k| seen.contains_key(k)) {
+    let wanted: Vec<i64> = (400..460).filter(|i| i % 3 == 1 && i % 10 != 3 && i % 10 != 7).collect();
+    while !wanted.iter().all(|i| seen.contains_key(i)) {
         assert!(Instant::now() < deadline, "live client got {seen:?}");
         if let Some(frame) = live.next_json(Duration::from_millis(200)) {
-            for key in frame["telemetry"].as_object().into_iter().flat_map(|o| o.keys()) {
-                *seen.entry(key.clone()).or_default() += 1;
-            }
+            take(&mut seen, frame);
         }
     }
     // Drain what is still on its way, then check nothing came twice.
     while let Some(frame) = live.next_json(Duration::from_millis(300)) {
-        for key in frame["telemetry"].as_object().into_iter().flat_map(|o| o.keys()) {
-            *seen.entry(key.clone()).or_default() += 1;
-        }
+        take(&mut seen, frame);
     }
     let twice: Vec<_> = seen.iter().filter(|(_, &n)| n > 1).collect();
     assert!(twice.is_empty(), "delivered more than once: {twice:?}");
+    let again: Vec<_> = seen.keys().filter(|&&i| i <= stored["0"]).collect();
+    assert!(again.is_empty(), "committed before the kill (up to {}), delivered again: {again:?}", stored["0"]);
 
     // A fresh instance reading everything once from `earliest` ends in the same state.
     let fresh_dir = common::TempDir::new();
@@ -155,7 +204,7 @@ fn kill_9_mid_stream_then_restart_applies_every_event_once() {
     for (a, b) in restarted.iter().zip(&once) {
         assert_eq!(a, b, "restarted vs read once from earliest");
     }
-    eprintln!("stored positions at restart: {stored:?} (of 300 events per partition)");
+    eprintln!("stored positions at restart: {stored:?} (of 300 events per partition); live client got {} events", seen.len());
 }
 
 #[test]
