@@ -75,10 +75,12 @@ impl Server {
             cmd.arg("--data-dir").arg(dir);
         }
         cmd.args(args);
-        for (k, _) in std::env::vars() {
-            let upper = k.to_ascii_uppercase();
-            if upper.contains("EVENT_HUB") || upper.contains("EVENTHUB") || upper.starts_with("CUSTOM_") || upper.starts_with("MAX_") {
-                cmd.env_remove(&k);
+        // Every setting comes from the arguments: hubcast reads its configuration from the
+        // environment too (REDIS_URL, LOG_LEVEL, …), so the developer's must not reach it.
+        cmd.env_clear();
+        for keep in ["PATH", "HOME", "TMPDIR", "RUST_BACKTRACE"] {
+            if let Some(value) = std::env::var_os(keep) {
+                cmd.env(keep, value);
             }
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());

@@ -84,30 +84,21 @@ const DEFAULT_FLAGS: &[(&str, &str)] = &[("--bind", "127.0.0.1"), ("--port", "0"
 const SECRET_FLAGS: &[(&str, &str)] =
     &[("--primary-admin-secret", ADMIN_KEY), ("--secondary-admin-secret", SECONDARY_KEY)];
 
-/// Environment variables that would change the server's configuration behind a test's back.
-const CONFIG_ENV: &[&str] = &[
-    "REDIS_URL",
-    "REDIS_PREFIX",
-    "INSTANCE_ID",
-    "LEASE_TTL",
-    "REDIS_CA_FILE",
-    "TLS_CERT",
-    "TLS_KEY",
-    "PRIMARY_ADMIN_SECRET",
-    "SECONDARY_ADMIN_SECRET",
-    "primaryAdminSecret",
-    "secondaryAdminSecret",
-    "IOT_HUB_EVENT_HUB_CONNECTION_STRING",
-    "iotHubEventHubConnectionString",
-    "IOT_HUB_SERVICE_CONNECTION_STRING",
-    "iotHubServiceConnectionString",
-    "CONNECTION_STATE_CACHE_TTL",
-    "connectionStateCacheTTL",
-    "SESSION_GRACE_PERIOD",
-    "MAX_BODY_BYTES",
-    "MAX_CONNECTIONS",
-    "SIMULATE",
-];
+/// The only environment variables the binary gets from the test's environment: hubcast reads
+/// its configuration from the environment too (every flag has one, e.g. `REDIS_URL`,
+/// `LOG_LEVEL`, and the ux4iot camelCase names), so a developer's settings must not reach it.
+/// A test passes the ones it means explicitly.
+const KEPT_ENV: &[&str] = &["PATH", "HOME", "TMPDIR", "RUST_BACKTRACE"];
+
+/// Clears `cmd`'s environment but for [`KEPT_ENV`].
+fn neutral_env(cmd: &mut Command) {
+    cmd.env_clear();
+    for var in KEPT_ENV {
+        if let Some(value) = std::env::var_os(var) {
+            cmd.env(var, value);
+        }
+    }
+}
 
 /// Response headers (names compared case-insensitively).
 #[derive(Debug, Clone, Default)]
@@ -168,9 +159,7 @@ impl Server {
         let args = full_args(args, true);
         let mut cmd = Command::new(program);
         cmd.args(wrapper_args).arg(BIN).args(&args);
-        for var in CONFIG_ENV {
-            cmd.env_remove(var);
-        }
+        neutral_env(&mut cmd);
         Self::launch_command(cmd, harness_data_dir(&args))
     }
 
@@ -538,9 +527,7 @@ pub fn full_args(args: &[&str], with_secrets: bool) -> Vec<String> {
 pub fn command(args: &[String]) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args(args);
-    for var in CONFIG_ENV {
-        cmd.env_remove(var);
-    }
+    neutral_env(&mut cmd);
     cmd
 }
 
