@@ -373,6 +373,15 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub snapshot_log_bytes: u64,
 
+    /// Start even when a store file is damaged (a checksum mismatch in a snapshot or inside a
+    /// log, a cut-off snapshot, a bad manifest, a file the manifest names missing): each damaged
+    /// file is renamed aside (`<name>.damaged-<time>`), what is valid is loaded and the loss is
+    /// logged and counted in /metrics. Without it such a start stops, naming the file and offset.
+    /// A log whose last commit was cut by a crash is loaded either way.
+    #[arg(long = "store-start-damaged", env = "STORE_START_DAMAGED", default_value_t = false,
+          action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    pub store_start_damaged: bool,
+
     /// Devices a core writes into a snapshot per turn of its event loop before it serves
     /// what waits (bounds the pause a snapshot adds to live delivery).
     #[arg(long = "snapshot-slice-devices", env = "SNAPSHOT_SLICE_DEVICES", default_value_t = 2000,

@@ -529,7 +529,7 @@ pub fn amqp(input: &[u8]) {
 /// A log file of frames from the input (each piece between `FRAME_MARK`s a payload with its
 /// checksum made right, so the records are reached), or of the raw input when it starts with
 /// an odd byte: the start-up paths (records decoded whole, in place, newest first) end in the
-/// same state and the same tail; what was loaded, written again by the encoder and read back,
+/// same state and read the file alike (the same damaged spans skipped, the same tail); what was loaded, written again by the encoder and read back,
 /// is the same state.
 pub fn store(input: &[u8]) {
     use crate::store::format::{begin_frame, end_frame, header, read_frames, read_frames_into, NewestFirst, KIND_LOG};
@@ -559,7 +559,7 @@ pub fn store(input: &[u8]) {
     // Round trip: the state as the encoder writes it reads back the same.
     let written = store_write(&in_order);
     let mut again = Loaded::default();
-    assert_eq!(read_frames(&written, &mut |r| again.apply(r)), crate::store::format::Tail::Clean);
+    assert!(read_frames(&written, &mut |r| again.apply(r)).is_clean());
     assert_eq!(store_view(&again), view, "written again and read back");
 }
 

@@ -97,6 +97,7 @@ fn open_store(settings: &Settings, lock: Option<crate::store::DirLock>, ingress:
     let options = crate::store::Options {
         fsync_interval: std::time::Duration::from_millis(settings.config.fsync_interval),
         snapshot_log_bytes: settings.config.snapshot_log_bytes,
+        start_damaged: settings.config.store_start_damaged,
     };
     let opened = crate::store::open_locked(dir, lock, settings.cores, options).map_err(io::Error::other)?;
     let prefix = source_prefix(settings);

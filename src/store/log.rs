@@ -2,7 +2,8 @@
 //!
 //! Files (`E` epoch, `C` core, `G` generation):
 //! - `LOCK`: held with `flock` for the life of the process (one owner per data dir);
-//! - `MANIFEST`: `hubcast-store 1`, the epoch and the core count the files belong to;
+//! - `MANIFEST`: `hubcast-store 1`, the epoch and the core count the files belong to, and each
+//!   core's current snapshot (`snap C G`: a snapshot it names must be there);
 //! - `eE-cC-G.log`: core C's commits, one CRC-checked frame each, appended with one `write`;
 //! - `eE-cC-G.snap`: core C's whole state when log `G` was started (logs before `G` are gone).
 //!
@@ -17,9 +18,16 @@
 //! renames it and deletes the older files. A crash at any step leaves either the old snapshot
 //! and logs or the new ones.
 //!
-//! **Recovery.** A frame that is cut off or whose checksum fails ends the reading of that file:
-//! what comes before it is kept, the rest is logged and left out; writing always goes on in a
-//! new log. A file of another format version is refused by name, never guessed at.
+//! **Recovery.** Damage at rest is never silently survived. The one damage a start expects is a
+//! log whose last commit a crash cut off (a bad frame with no valid frame after it, see
+//! [`format::scan`]): the commits before it are loaded, a WARN line says so. Anything else (a
+//! bad frame followed by valid ones, in a log or a snapshot; a cut-off snapshot; a bad or
+//! missing manifest; a snapshot the manifest names missing; a bad header) stops the start
+//! naming the file, the offset and what to do, unless `--store-start-damaged`
+//! ([`Options::start_damaged`]): then the damaged files are renamed aside
+//! (`<name>.damaged-<ms>`), the valid frames loaded, each damaged core's state written as a new
+//! snapshot, and the loss logged and counted ([`STATS`]). Writing always goes on in a new log.
+//! A file of another format version is refused by name, never guessed at.
 //!
 //! **Re-sharding.** When `--cores` differs from the manifest, every core's files are read,
 //! their records are routed to the new cores by the routing hash, written as snapshots of a
@@ -54,6 +62,9 @@ pub static STATS: StoreStats = StoreStats {
     snapshots: AtomicU64::new(0),
     snapshot_slices: AtomicU64::new(0),
     snapshot_slow_slices: AtomicU64::new(0),
+    damaged_files: AtomicU64::new(0),
+    dropped_bytes: AtomicU64::new(0),
+    dropped_devices: AtomicU64::new(0),
 };
 
 pub struct StoreStats {
@@ -68,6 +79,11 @@ pub struct StoreStats {
     /// longest of each snapshot is in its "store snapshot encoded" log line).
     pub snapshot_slices: AtomicU64,
     pub snapshot_slow_slices: AtomicU64,
+    /// Damage the start found and went past (`--store-start-damaged`): files kept aside, bytes
+    /// left out, devices a damaged snapshot announced and did not yield.
+    pub damaged_files: AtomicU64,
+    pub dropped_bytes: AtomicU64,
+    pub dropped_devices: AtomicU64,
 }
 
 impl StoreStats {
@@ -92,6 +108,17 @@ impl StoreStats {
                 "hubcast_store_snapshot_slow_slices_total",
                 "Turns of writing a snapshot that kept a core from its other work for over 10 ms.",
                 get(&self.snapshot_slow_slices),
+            ),
+            (
+                "hubcast_store_damaged_files",
+                "Damaged or missing store files this start went past (--store-start-damaged); each kept aside as <name>.damaged-<time>.",
+                get(&self.damaged_files),
+            ),
+            ("hubcast_store_dropped_bytes", "Bytes of damaged store files left out at this start.", get(&self.dropped_bytes)),
+            (
+                "hubcast_store_dropped_devices",
+                "Devices damaged snapshots announced but did not yield at this start (newer log records may have restored some).",
+                get(&self.dropped_devices),
             ),
         ]
         .into_iter()
@@ -151,39 +178,77 @@ fn sync_dir(dir: &Path) {
     }
 }
 
-fn read_manifest(dir: &Path) -> Result<Option<(u64, usize)>, String> {
+/// What `MANIFEST` says: the epoch and core count the files belong to and, per core, the
+/// snapshot it was last switched to (`snap C G` lines, written once the snapshot is in place
+/// and before the files it replaces are removed, so a snapshot it names must be there).
+/// Readers that predate the `snap` lines ignore them.
+#[derive(Clone, Debug)]
+pub(crate) struct Manifest {
+    epoch: u64,
+    cores: usize,
+    snaps: Vec<Option<u64>>,
+}
+
+enum ManifestRead {
+    Missing,
+    Good(Manifest),
+    /// Unreadable as a manifest of this format: why.
+    Damaged(String),
+}
+
+fn read_manifest(dir: &Path) -> Result<ManifestRead, String> {
     let path = dir.join(MANIFEST);
-    let text = match fs::read_to_string(&path) {
+    let bytes = match fs::read(&path) {
         Ok(t) => t,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(ManifestRead::Missing),
         Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
     };
+    let Ok(text) = String::from_utf8(bytes) else { return Ok(ManifestRead::Damaged("not UTF-8 text".into())) };
     let mut lines = text.lines();
     let head = lines.next().unwrap_or("");
     if head != MANIFEST_HEAD {
-        return Err(format!(
-            "{}: format {head:?}, this hubcast reads {MANIFEST_HEAD:?} only; move the data dir away or run the hubcast that wrote it",
-            path.display()
-        ));
+        if head.starts_with("hubcast-store ") {
+            return Err(format!(
+                "{}: format {head:?}, this hubcast reads {MANIFEST_HEAD:?} only; move the data dir away or run the hubcast that wrote it",
+                path.display()
+            ));
+        }
+        return Ok(ManifestRead::Damaged(format!("first line {head:?} where {MANIFEST_HEAD:?} was expected")));
     }
     let mut epoch = None;
     let mut cores = None;
+    let mut snaps = Vec::new();
     for line in lines {
         match line.split_once(' ') {
             Some(("epoch", v)) => epoch = v.trim().parse().ok(),
             Some(("cores", v)) => cores = v.trim().parse().ok(),
+            Some(("snap", v)) => match v.split_once(' ').and_then(|(c, g)| Some((c.parse::<usize>().ok()?, g.trim().parse::<u64>().ok()?))) {
+                Some(cg) => snaps.push(cg),
+                None => return Ok(ManifestRead::Damaged(format!("a bad line {line:?}"))),
+            },
             _ => {}
         }
     }
     match (epoch, cores) {
-        (Some(e), Some(c)) if c > 0 => Ok(Some((e, c))),
-        _ => Err(format!("{}: no valid epoch and cores lines", path.display())),
+        (Some(epoch), Some(cores)) if cores > 0 && snaps.iter().all(|&(c, _)| c < cores) => {
+            let mut m = Manifest { epoch, cores, snaps: vec![None; cores] };
+            for (c, g) in snaps {
+                m.snaps[c] = Some(g);
+            }
+            Ok(ManifestRead::Good(m))
+        }
+        _ => Ok(ManifestRead::Damaged("no valid epoch and cores lines".into())),
     }
 }
 
-fn write_manifest(dir: &Path, epoch: u64, cores: usize) -> Result<(), String> {
+fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), String> {
     let tmp = dir.join("MANIFEST.tmp");
-    let text = format!("{MANIFEST_HEAD}\nepoch {epoch}\ncores {cores}\n");
+    let mut text = format!("{MANIFEST_HEAD}\nepoch {}\ncores {}\n", m.epoch, m.cores);
+    for (c, g) in m.snaps.iter().enumerate() {
+        if let Some(g) = g {
+            text.push_str(&format!("snap {c} {g}\n"));
+        }
+    }
     let write = || -> io::Result<()> {
         let mut f = File::create(&tmp)?;
         f.write_all(text.as_bytes())?;
@@ -195,32 +260,104 @@ fn write_manifest(dir: &Path, epoch: u64, cores: usize) -> Result<(), String> {
     write().map_err(|e| format!("data dir {}: cannot write the manifest: {e}", dir.display()))
 }
 
-/// Reads one store file whole and checks its header.
-fn read_file(path: &Path, kind: u8) -> Result<Vec<u8>, String> {
-    let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    format::check_header(&bytes, kind).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(bytes)
+/// Damage found at start in one file (or a file missing): see the module docs, "Recovery".
+#[derive(Debug)]
+struct Damage {
+    path: PathBuf,
+    /// Where the first damaged span starts.
+    offset: usize,
+    /// Bytes left out (every damaged span and a snapshot's cut-off end).
+    bytes: u64,
+    why: String,
+    /// Devices the file's header announced that were not read (snapshots).
+    devices: u64,
+    missing: bool,
 }
 
-/// Logs a file's damage: what precedes it is loaded, the rest is left out.
-fn report_tail(path: &Path, len: usize, tail: Tail) {
-    if let Tail::Bad { offset, why } = tail {
-        tracing::error!(
-            file = %path.display(),
-            offset,
-            dropped_bytes = len - offset,
-            "store file damaged ({why}): what precedes the damage is loaded, the rest is left out"
-        );
+impl Damage {
+    /// `spans`: (offset, bytes, why) of each damaged span, in file order (at least one).
+    fn new(path: &Path, spans: &[(usize, usize, String)], devices: usize) -> Damage {
+        let more = match spans.len() {
+            1 => String::new(),
+            n => format!(", and {} more damaged spans", n - 1),
+        };
+        Damage {
+            path: path.to_path_buf(),
+            offset: spans[0].0,
+            bytes: spans.iter().map(|s| s.1 as u64).sum(),
+            why: format!("{}{more}", spans[0].2),
+            devices: devices as u64,
+            missing: false,
+        }
+    }
+
+    fn describe(&self) -> String {
+        if self.missing {
+            format!("store file {} is missing ({})", self.path.display(), self.why)
+        } else {
+            format!("store file {} is damaged at byte {} ({})", self.path.display(), self.offset, self.why)
+        }
+    }
+}
+
+/// Start-up refuses damaged state unless told otherwise: what it says.
+fn refusal(damages: &[Damage]) -> String {
+    let more = match damages.len() {
+        1 => String::new(),
+        n => format!(" (and {} more damaged or missing store files, listed in the log)", n - 1),
+    };
+    for d in &damages[1..] {
+        tracing::error!("{}", d.describe());
+    }
+    format!(
+        "{}{more}. hubcast does not start on damaged state: what it cannot read would be lost for good at the next \
+         snapshot. Restore the data dir from a backup, or start with --store-start-damaged to keep each damaged file \
+         aside (renamed <name>.damaged-<time>, never overwritten), load what is valid, and log and count what was \
+         dropped (hubcast_store_dropped_bytes in /metrics)",
+        damages[0].describe()
+    )
+}
+
+/// Renames a damaged file aside (`<name>.damaged-<unix ms>`); returns the new name.
+fn keep_aside(path: &Path) -> Option<PathBuf> {
+    if !path.exists() {
+        return None;
+    }
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let mut name = path.file_name()?.to_os_string();
+    name.push(format!(".damaged-{ms}"));
+    let aside = path.with_file_name(name);
+    match fs::rename(path, &aside) {
+        Ok(()) => Some(aside),
+        Err(e) => {
+            tracing::error!(file = %path.display(), error = %e, "cannot rename a damaged store file aside");
+            None
+        }
+    }
+}
+
+/// Reads one store file whole and checks its header: another format version is refused by
+/// name (`Err`); any other bad header is damage.
+fn read_file(path: &Path, kind: u8) -> Result<Result<Vec<u8>, Damage>, String> {
+    let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    match format::check_header(&bytes, kind) {
+        Ok(()) => Ok(Ok(bytes)),
+        Err(e) if bytes.len() >= format::HEADER_LEN && &bytes[..8] == format::MAGIC && bytes[8..12] != format::VERSION.to_le_bytes() => {
+            Err(format!("{}: {e}", path.display()))
+        }
+        Err(e) => Ok(Err(Damage::new(path, &[(0, bytes.len(), e)], 0))),
     }
 }
 
 /// Every file of one core of one epoch: the logs newest first, then the snapshot
 /// ([`format::NewestFirst`]: each key's newest record wins, each device is built once).
-/// Returns the state and the highest generation seen.
-fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64), String> {
+/// Returns the state, the highest generation seen and the damage found (what is valid is
+/// loaded either way; a log's cut-off end is no damage).
+fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64, Vec<Damage>), String> {
     let mine: Vec<_> = files.iter().filter(|f| f.0 == core).collect();
     let snap = mine.iter().filter(|f| f.2 == "snap").map(|f| f.1).max();
     let mut loaded = Loaded::default();
+    let mut damages = Vec::new();
     let mut top = snap.unwrap_or(0);
     let mut logs: Vec<_> = mine.iter().filter(|f| f.2 == "log" && snap.is_none_or(|s| f.1 >= s)).collect();
     logs.sort_by_key(|f| f.1);
@@ -228,30 +365,61 @@ fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Lo
     let snapshot = match snap {
         Some(g) => {
             let path = file_name_of(&mine, g, "snap");
-            let bytes = read_file(&path, KIND_SNAPSHOT)?;
-            // Sized once, before the logs add to it.
-            let hint = format::device_hint(&bytes).min(bytes.len() / 16);
-            loaded.devices.reserve(hint);
-            Some((path, bytes))
+            match read_file(&path, KIND_SNAPSHOT)? {
+                Ok(bytes) => {
+                    // Sized once, before the logs add to it.
+                    let hint = format::device_hint(&bytes).min(bytes.len() / 16);
+                    loaded.devices.reserve(hint);
+                    Some((path, bytes))
+                }
+                Err(damage) => {
+                    damages.push(damage);
+                    None
+                }
+            }
         }
         None => None,
     };
     let mut newest = format::NewestFirst::default();
     for f in logs.iter().rev() {
-        let bytes = read_file(&f.3, KIND_LOG)?;
-        let tail = newest.apply_log(&bytes, &mut loaded);
-        report_tail(&f.3, bytes.len(), tail);
         top = top.max(f.1);
-    }
-    if let Some((path, bytes)) = snapshot {
-        let (tail, ended) = newest.apply_snapshot(&bytes, &mut loaded);
-        let clean = tail == Tail::Clean;
-        report_tail(&path, bytes.len(), tail);
-        if clean && !ended {
-            tracing::error!(file = %path.display(), "snapshot has no end mark: loaded what it holds");
+        let bytes = match read_file(&f.3, KIND_LOG)? {
+            Ok(bytes) => bytes,
+            Err(damage) => {
+                damages.push(damage);
+                continue;
+            }
+        };
+        let scan = newest.apply_log(&bytes, &mut loaded);
+        if let Tail::Bad { offset, why } = &scan.tail {
+            tracing::warn!(
+                file = %f.3.display(),
+                offset,
+                dropped_bytes = bytes.len() - offset,
+                why = %why,
+                "store log ends in a cut-off commit (a crash while it was written): the whole commits before it are loaded"
+            );
+        }
+        if !scan.damaged.is_empty() {
+            let spans: Vec<_> = scan.damaged.into_iter().map(|d| (d.offset, d.len, d.why)).collect();
+            damages.push(Damage::new(&f.3, &spans, 0));
         }
     }
-    Ok((loaded, top))
+    if let Some((path, bytes)) = snapshot {
+        let (scan, ended, devices) = newest.apply_snapshot(&bytes, &mut loaded);
+        // A snapshot is written whole (temporary file, sync, rename): any bad frame, and a
+        // missing end, is damage.
+        let mut spans: Vec<_> = scan.damaged.into_iter().map(|d| (d.offset, d.len, d.why)).collect();
+        match scan.tail {
+            Tail::Bad { offset, why } => spans.push((offset, bytes.len() - offset, format!("{why}; the snapshot is cut off there"))),
+            Tail::Clean if !ended => spans.push((bytes.len(), 0, "no end mark: the snapshot is cut off after a whole frame".into())),
+            Tail::Clean => {}
+        }
+        if !spans.is_empty() {
+            damages.push(Damage::new(&path, &spans, format::device_hint(&bytes).saturating_sub(devices)));
+        }
+    }
+    Ok((loaded, top, damages))
 }
 
 fn file_name_of(files: &[&(usize, u64, String, PathBuf)], gen: u64, ext: &str) -> PathBuf {
@@ -291,7 +459,7 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
     format::set_device_hint(&mut buf, loaded.devices.len());
     let mut frame = format::begin_frame(&mut buf);
     let split = |buf: &mut Vec<u8>, frame: &mut usize| {
-        if buf.len() - *frame > (4 << 20) {
+        if buf.len() - *frame > format::SNAPSHOT_FRAME {
             format::end_frame(buf, *frame);
             *frame = format::begin_frame(buf);
         }
@@ -342,10 +510,8 @@ pub fn open(dir: &Path, cores: usize, options: Options) -> Result<Opened, String
 pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) -> Result<Opened, String> {
     let fsync_interval = options.fsync_interval;
     let lock = Arc::new(lock);
-    let manifest = read_manifest(dir)?;
-    let (epoch, old_cores) = manifest.unwrap_or((1, cores));
-    // Every store file, by epoch; files of other epochs are left-overs of a re-shard.
-    let mut files = Vec::new();
+    // Every store file of every epoch ( .tmp left-overs of a crash are removed).
+    let mut listed = Vec::new();
     for entry in fs::read_dir(dir).map_err(|e| format!("cannot list data dir {}: {e}", dir.display()))? {
         let Ok(entry) = entry else { continue };
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -354,23 +520,74 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
             continue;
         }
         let Some((e, core, gen, ext)) = parse_name(&name) else { continue };
+        if ext == "log" || ext == "snap" {
+            let len = entry.metadata().map_or(0, |m| m.len());
+            listed.push((e, core, gen, ext.to_string(), entry.path(), len));
+        }
+    }
+    let mut damages = Vec::new();
+    let manifest = match read_manifest(dir)? {
+        ManifestRead::Good(m) => Some(m),
+        ManifestRead::Missing if listed.is_empty() => None,
+        damaged => {
+            let why = match damaged {
+                ManifestRead::Damaged(why) => why,
+                _ => "the data dir holds store files but no manifest".into(),
+            };
+            let len = fs::metadata(dir.join(MANIFEST)).map_or(0, |m| m.len() as usize);
+            let mut d = Damage::new(&dir.join(MANIFEST), &[(0, len, why)], 0);
+            d.missing = len == 0 && !dir.join(MANIFEST).exists();
+            if !options.start_damaged {
+                return Err(refusal(&[d]));
+            }
+            // Started anyway: the newest epoch's files, as many cores as they name.
+            let epoch = listed.iter().map(|f| f.0).max().unwrap_or(1);
+            let cores_seen = listed.iter().filter(|f| f.0 == epoch).map(|f| f.1 + 1).max().unwrap_or(cores);
+            let aside = keep_aside(&d.path);
+            tracing::error!(
+                file = %d.path.display(),
+                kept_as = %aside.as_ref().map_or_else(|| "-".to_string(), |p| p.display().to_string()),
+                epoch,
+                cores = cores_seen,
+                "{}; started anyway (--store-start-damaged): taking the newest files' epoch and core count",
+                d.describe()
+            );
+            damages.push(d);
+            Some(Manifest { epoch, cores: cores_seen, snaps: vec![None; cores_seen] })
+        }
+    };
+    let (epoch, old_cores) = manifest.as_ref().map_or((1, cores), |m| (m.epoch, m.cores));
+    // Files of other epochs are left-overs of a re-shard.
+    let mut files = Vec::new();
+    for (e, core, gen, ext, path, len) in listed {
         if e != epoch || core >= old_cores {
-            tracing::info!(file = %name, "removing a store file of an earlier layout");
-            let _ = fs::remove_file(entry.path());
+            tracing::info!(file = %path.display(), "removing a store file of an earlier layout");
+            let _ = fs::remove_file(&path);
             continue;
         }
         // A log holding only its header has no commit (each start begins a log): gone, so
         // restarts do not pile up empty files until the next snapshot.
-        if ext == "log" && entry.metadata().is_ok_and(|m| m.len() == format::HEADER_LEN as u64) {
-            let _ = fs::remove_file(entry.path());
+        if ext == "log" && len == format::HEADER_LEN as u64 {
+            let _ = fs::remove_file(&path);
             continue;
         }
-        if ext == "log" || ext == "snap" {
-            files.push((core, gen, ext.to_string(), entry.path()));
+        files.push((core, gen, ext, path));
+    }
+    // A snapshot the manifest names must be there (it is named once in place, and the files it
+    // replaces are removed only after that).
+    if let Some(m) = &manifest {
+        for (core, gen) in m.snaps.iter().enumerate() {
+            let Some(gen) = *gen else { continue };
+            if !files.iter().any(|f| f.0 == core && f.1 == gen && f.2 == "snap") {
+                let path = dir.join(file_name(epoch, core, gen, "snap"));
+                let mut d = Damage::new(&path, &[(0, 0, format!("MANIFEST names it as core {core}'s snapshot"))], 0);
+                d.missing = true;
+                damages.push(d);
+            }
         }
     }
     let started = std::time::Instant::now();
-    let results: Vec<Result<(Loaded, u64), String>> = std::thread::scope(|s| {
+    let results: Vec<Result<(Loaded, u64, Vec<Damage>), String>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..old_cores).map(|c| s.spawn({
             let files = &files;
             move || load_core(files, c)
@@ -379,14 +596,31 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
     });
     let mut loaded = Vec::new();
     let mut gens = Vec::new();
-    for r in results {
-        let (l, g) = r.map_err(|e| format!("data dir {}: {e}", dir.display()))?;
+    let mut damaged_cores = Vec::new();
+    for (core, r) in results.into_iter().enumerate() {
+        let (l, g, d) = r.map_err(|e| format!("data dir {}: {e}", dir.display()))?;
         loaded.push(l);
         gens.push(g);
+        if !d.is_empty() {
+            damaged_cores.push(core);
+        }
+        damages.extend(d);
+    }
+    // A missing snapshot damages its core too.
+    for d in damages.iter().filter(|d| d.missing) {
+        if let Some((_, core, _, _)) = d.path.file_name().and_then(|n| n.to_str()).and_then(parse_name) {
+            if !damaged_cores.contains(&core) {
+                damaged_cores.push(core);
+            }
+        }
+    }
+    if !damages.is_empty() && !options.start_damaged {
+        return Err(refusal(&damages));
     }
     let devices: usize = loaded.iter().map(|l| l.devices.len()).sum();
     let sessions: usize = loaded.iter().map(|l| l.sessions.len()).sum();
-    let (epoch, loaded, gens) = if manifest.is_some() && old_cores != cores {
+    let mut manifest = manifest.unwrap_or(Manifest { epoch, cores, snaps: vec![None; cores] });
+    let (loaded, gens) = if old_cores != cores {
         tracing::info!(from = old_cores, to = cores, "the core count changed: re-sharding the stored state");
         let new_epoch = epoch + 1;
         let loaded = reshard(loaded, cores);
@@ -394,16 +628,32 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
             write_loaded_snapshot(&dir.join(file_name(new_epoch, c, 1, "snap")), l)
                 .map_err(|e| format!("data dir {}: cannot write a re-sharded snapshot: {e}", dir.display()))?;
         }
-        write_manifest(dir, new_epoch, cores)?;
+        manifest = Manifest { epoch: new_epoch, cores, snaps: vec![Some(1); cores] };
+        write_manifest(dir, &manifest)?;
+        keep_damaged_aside(&damages);
         for f in &files {
             let _ = fs::remove_file(&f.3);
         }
-        (new_epoch, loaded, vec![1; cores])
+        (loaded, vec![1; cores])
     } else {
-        if manifest.is_none() {
-            write_manifest(dir, epoch, cores)?;
+        manifest.cores = cores;
+        manifest.snaps.resize(cores, None);
+        let mut gens = gens;
+        // A damaged core's valid state becomes a new snapshot before its damaged files are
+        // renamed aside, so the next start finds it without them.
+        for &c in &damaged_cores {
+            let gen = gens[c] + 1;
+            write_loaded_snapshot(&dir.join(file_name(epoch, c, gen, "snap")), &loaded[c])
+                .map_err(|e| format!("data dir {}: cannot write the valid state of a damaged core: {e}", dir.display()))?;
+            manifest.snaps[c] = Some(gen);
+            gens[c] = gen;
         }
-        (epoch, loaded, gens)
+        write_manifest(dir, &manifest)?;
+        keep_damaged_aside(&damages);
+        for f in files.iter().filter(|f| damaged_cores.contains(&f.0) && f.1 < gens[f.0]) {
+            let _ = fs::remove_file(&f.3);
+        }
+        (loaded, gens)
     };
     tracing::info!(
         dir = %dir.display(),
@@ -412,24 +662,60 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
         ms = started.elapsed().as_millis() as u64,
         "stored state loaded"
     );
+    let epoch = manifest.epoch;
+    let manifest = Arc::new(Mutex::new(manifest));
     let slots: Vec<Arc<SyncSlot>> = (0..cores).map(|_| Arc::new(SyncSlot::default())).collect();
     let mut stores: Vec<Box<dyn StateStore + Send>> = Vec::new();
     for (core, gen) in gens.into_iter().enumerate() {
-        let snapshot_size = files
-            .iter()
-            .filter(|f| f.0 == core && f.2 == "snap")
-            .filter_map(|f| fs::metadata(&f.3).ok().map(|m| m.len()))
-            .max()
-            .unwrap_or(0);
+        let snapshot_size = newest_snapshot_size(dir, epoch, core);
         let mut store = LogStore::create(dir, epoch, core, gen + 1, slots[core].clone(), lock.clone(), fsync_interval, snapshot_size)
             .map_err(|e| format!("data dir {}: cannot start a log: {e}", dir.display()))?;
         store.snapshot_min_log = options.snapshot_log_bytes;
+        store.manifest = Some(manifest.clone());
         stores.push(Box::new(store));
     }
     if !fsync_interval.is_zero() {
         start_syncer(slots, fsync_interval);
     }
     Ok(Opened { stores, loaded })
+}
+
+/// The size of a core's newest snapshot (0: none).
+fn newest_snapshot_size(dir: &Path, epoch: u64, core: usize) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let (e2, c, g, ext) = parse_name(&name)?;
+            (e2 == epoch && c == core && ext == "snap").then(|| (g, e.metadata().map_or(0, |m| m.len())))
+        })
+        .max()
+        .map_or(0, |(_, len)| len)
+}
+
+/// Started with `--store-start-damaged`: every damaged file renamed aside, its loss logged and
+/// counted (`/metrics`).
+fn keep_damaged_aside(damages: &[Damage]) {
+    for d in damages {
+        STATS.damaged_files.fetch_add(1, Ordering::Relaxed);
+        STATS.dropped_bytes.fetch_add(d.bytes, Ordering::Relaxed);
+        STATS.dropped_devices.fetch_add(d.devices, Ordering::Relaxed);
+        // The manifest is renamed aside (and logged) before a new one is written.
+        if d.path.file_name().is_some_and(|n| n == MANIFEST) {
+            continue;
+        }
+        let aside = if d.missing { None } else { keep_aside(&d.path) };
+        tracing::error!(
+            file = %d.path.display(),
+            kept_as = %aside.as_ref().map_or_else(|| "-".to_string(), |p| p.display().to_string()),
+            offset = d.offset,
+            dropped_bytes = d.bytes,
+            dropped_devices = d.devices,
+            "{}; started anyway (--store-start-damaged): what is valid is loaded, the damaged file is kept aside",
+            d.describe()
+        );
+    }
 }
 
 /// A core's current log as the sync thread sees it.
@@ -488,6 +774,8 @@ pub struct LogStore {
     snapshot_min_log: u64,
     snapshot: Option<(Vec<u8>, usize, u64)>,
     snapshot_running: Arc<AtomicBool>,
+    /// Told of each snapshot once it is in place, before the files it replaces are removed.
+    manifest: Option<Arc<Mutex<Manifest>>>,
     slot: Arc<SyncSlot>,
     commits: u64,
     fsync_each: bool,
@@ -522,6 +810,7 @@ impl LogStore {
             snapshot_min_log: SNAPSHOT_MIN_LOG,
             snapshot: None,
             snapshot_running: Arc::new(AtomicBool::new(false)),
+            manifest: None,
             slot,
             commits: 0,
             fsync_each: fsync_interval.is_zero(),
@@ -643,7 +932,7 @@ impl StateStore for LogStore {
     fn put_snapshot(&mut self, change: Change<'_>) {
         let Some((buf, frame, _)) = self.snapshot.as_mut() else { return };
         format::encode(buf, change);
-        if buf.len() - *frame > (4 << 20) {
+        if buf.len() - *frame > format::SNAPSHOT_FRAME {
             format::end_frame(buf, *frame);
             *frame = format::begin_frame(buf);
         }
@@ -668,7 +957,7 @@ impl StateStore for LogStore {
         self.snapshot_size = buf.len() as u64;
         let running = self.snapshot_running.clone();
         running.store(true, Ordering::Release);
-        let (dir, epoch, core) = (self.dir.clone(), self.epoch, self.core);
+        let (dir, epoch, core, manifest) = (self.dir.clone(), self.epoch, self.core, self.manifest.clone());
         // The log since the snapshot point holds what changed while the snapshot was built:
         // it must be on disk before the snapshot replaces anything (see `end_snapshot`'s docs).
         let log = self.file.as_ref().and_then(|f| f.try_clone().ok());
@@ -681,8 +970,21 @@ impl StateStore for LogStore {
             match written {
                 Ok(()) => {
                     STATS.snapshots.fetch_add(1, Ordering::Relaxed);
+                    // Named in the manifest before what it replaces goes: a named snapshot
+                    // must be there at the next start.
+                    let named = match &manifest {
+                        Some(m) => {
+                            let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+                            m.snaps[core] = Some(gen);
+                            write_manifest(&dir, &m)
+                        }
+                        None => Ok(()),
+                    };
+                    if let Err(e) = &named {
+                        tracing::error!(core, error = %e, "cannot name the new snapshot in the manifest; the older store files are kept");
+                    }
                     // Everything older than this snapshot is replaced by it.
-                    if let Ok(entries) = fs::read_dir(&dir) {
+                    if let Some(entries) = named.ok().and_then(|()| fs::read_dir(&dir).ok()) {
                         for entry in entries.flatten() {
                             let name = entry.file_name().to_string_lossy().into_owned();
                             if let Some((e, c, g, _)) = parse_name(&name) {
@@ -804,6 +1106,7 @@ mod tests {
         let dir = temp_dir("torn");
         fs::create_dir_all(&dir).unwrap();
         let lock = Arc::new(lock_dir(&dir).unwrap());
+        write_manifest(&dir, &Manifest { epoch: 1, cores: 1, snaps: vec![None] }).unwrap();
         let mut store = LogStore::create(&dir, 1, 0, 1, Arc::default(), lock, Duration::ZERO, 0).unwrap();
         store.put(Change::Device { id: "before", device: Some(&device(1.0, "01")) });
         store.commit();
@@ -858,18 +1161,30 @@ mod tests {
     }
 
     #[test]
-    fn a_corrupted_byte_ends_the_file_there() {
+    fn a_corrupted_byte_inside_a_log_stops_the_start_unless_told_to_start_damaged() {
         let dir = temp_dir("corrupt");
         write_some(&dir, 1);
         let log = log_files(&dir).pop().unwrap();
         let mut bytes = fs::read(&log).unwrap();
-        // Inside the payload of the second frame.
+        // Inside the payload of the second frame (valid frames follow: damage, not a cut-off end).
         let first_len = u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
         bytes[16 + 8 + first_len + 8 + 2] ^= 0x55;
         fs::write(&log, bytes).unwrap();
-        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
-        let devices = all_devices(&o);
-        assert_eq!(devices.len(), 1, "only the first commit is trusted: {devices:?}");
+        let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
+        let name = log.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(err.contains(&name) && err.contains(&format!("at byte {}", 16 + 8 + first_len)) && err.contains("--store-start-damaged"), "{err}");
+        let mut options = Options::new(Duration::ZERO);
+        options.start_damaged = true;
+        let o = open(&dir, 1, options).unwrap();
+        let ids: Vec<Box<str>> = all_devices(&o).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(ids, vec![Box::<str>::from("dev-0-0"), "dev-0-2".into()], "only the damaged commit is lost");
+        drop(o);
+        assert!(!log.exists(), "renamed aside");
+        let aside = fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with(&format!("{name}.damaged-"))).count();
+        assert_eq!(aside, 1);
+        // The valid state was written anew: the next start needs no flag and finds the same.
+        let again = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(all_devices(&again).len(), 2);
         let _ = fs::remove_dir_all(&dir);
     }
 

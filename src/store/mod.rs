@@ -166,11 +166,14 @@ pub struct Options {
     /// A core writes a snapshot once its log has grown past this and past twice its last
     /// snapshot ([`log::SNAPSHOT_MIN_LOG`] by default).
     pub snapshot_log_bytes: u64,
+    /// `--store-start-damaged`: start on damaged store files (kept aside, the loss logged and
+    /// counted) instead of refusing to.
+    pub start_damaged: bool,
 }
 
 impl Options {
     pub fn new(fsync_interval: Duration) -> Self {
-        Self { fsync_interval, snapshot_log_bytes: log::SNAPSHOT_MIN_LOG }
+        Self { fsync_interval, snapshot_log_bytes: log::SNAPSHOT_MIN_LOG, start_damaged: false }
     }
 }
 
