@@ -288,7 +288,7 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     let deadline = std::time::Instant::now() + WAIT;
     while std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_err() {
         assert!(std::time::Instant::now() < deadline, "socat listens");
-        std::thread::yield_now();
+        std::thread::sleep(Duration::from_millis(10));
     }
     let url = format!("rediss://localhost:{tls_port}");
     let a = Server::start(&["--redis-url", &url, "--redis-ca-file", &ca_pem, "--instance-id", "a"]);

@@ -126,5 +126,8 @@ fn hubcast_under_a_memory_limit_survives_every_hostile_socket_and_keeps_serving(
     server.ingest(json!({"deviceId": "dev-ok", "body": {"after": true}}));
     let frame = live.next_json(WAIT).expect("the normal client is still served after the attack");
     assert_eq!(frame["telemetry"], json!({"after": true}));
-    assert!(server.wait_for_stderr(Duration::from_millis(10), |l| l.contains("memory allocation")).is_none());
+    // The normal client was served after the attack, so a failed allocation would be logged
+    // by now (and would have aborted the process).
+    let failed: Vec<String> = server.stderr_lines().into_iter().filter(|l| l.contains("memory allocation")).collect();
+    assert!(failed.is_empty(), "{failed:?}");
 }

@@ -239,16 +239,17 @@ fn silent_devices_go_offline_after_the_connection_ttl() {
 
 #[test]
 fn devices_that_keep_talking_stay_online() {
-    let server = Server::start(&["--connection-state-cache-ttl-ms", "400", "--connection-state-on-telemetry", "false"]);
+    let server = Server::start(&["--connection-state-cache-ttl-ms", "1000", "--connection-state-on-telemetry", "false"]);
     let session = subscribed(&server, "dev-1", &[only("connectionState"), telemetry_sub(None)]);
     let mut live = server.live(&session);
     server.ingest(json!({"deviceId": "dev-1", "source": "deviceConnectionStateEvents",
         "properties": {"opType": "deviceConnected"}, "body": {"sequenceNumber": "01"}}));
     assert_eq!(live.next_json(WAIT).unwrap()["connectionState"], json!(true));
-    // A device that talks every 100 ms for 1.2 s, three times its 400 ms TTL: the pause between
+    // A device that talks every 100 ms for 2.5 s, more than twice its 1 s TTL (10 times the
+    // pause, so a busy machine's late wake-up does not take it offline): the pause between
     // messages is the behaviour under test, not synchronisation. Each message's own telemetry
     // frame is the sentinel: an offline state would arrive before it (same device, same path).
-    for n in 0..12 {
+    for n in 0..25 {
         std::thread::sleep(Duration::from_millis(100));
         server.ingest(json!({"deviceId": "dev-1", "body": {"n": n}}));
         let frame = live.next_json(WAIT).expect("the message's telemetry");

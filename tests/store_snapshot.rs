@@ -174,10 +174,13 @@ fn a_connected_device_read_back_at_start_goes_offline_after_the_ttl() {
     }
     drop(server); // kill -9
 
-    let server = Server::start(&["--data-dir", dir.path(), "--connection-state-cache-ttl-ms", "300"]);
+    // The TTL is armed at start-up: the read and the live socket must come before it fires
+    // (2 s: room for a busy machine; a late read fails, it cannot pass by accident).
+    let server = Server::start(&["--data-dir", dir.path(), "--connection-state-cache-ttl-ms", "2000"]);
+    let started = std::time::Instant::now();
     let mut live = server.live(&session);
     let (_, state) = server.call_json("GET", "/connectionState/on", &[ADMIN], None);
-    assert_eq!(state["data"], json!(true), "read back connected");
+    assert_eq!(state["data"], json!(true), "read back connected ({:?} after the start)", started.elapsed());
     let offline = live.next_json(Duration::from_secs(10)).expect("offline after the TTL");
     assert_eq!((&offline["deviceId"], &offline["connectionState"]), (&json!("on"), &json!(false)), "{offline}");
     let (_, state) = server.call_json("GET", "/connectionState/on", &[ADMIN], None);
