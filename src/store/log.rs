@@ -1189,6 +1189,24 @@ mod tests {
     }
 
     #[test]
+    fn a_bad_manifest_stops_the_start_unless_told_to_start_damaged() {
+        let dir = temp_dir("manifest");
+        write_some(&dir, 2);
+        fs::write(dir.join(MANIFEST), "hubcast-store 1\nepoch x\n").unwrap();
+        let err = open(&dir, 2, Options::new(Duration::ZERO)).err().expect("refused");
+        assert!(err.contains("MANIFEST is damaged at byte 0") && err.contains("--store-start-damaged"), "{err}");
+        let mut options = Options::new(Duration::ZERO);
+        options.start_damaged = true;
+        let o = open(&dir, 2, options).unwrap();
+        assert_eq!(all_devices(&o).len(), 6, "the files' epoch and core count are taken");
+        drop(o);
+        let aside = fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("MANIFEST.damaged-")).count();
+        assert_eq!(aside, 1, "kept aside");
+        assert_eq!(all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap()).len(), 6, "a good manifest written anew");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn another_format_version_is_refused_by_name() {
         let dir = temp_dir("version");
         write_some(&dir, 1);
@@ -1248,6 +1266,11 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "old logs removed");
             std::thread::sleep(Duration::from_millis(10));
         }
+        // Named in the manifest before the logs it replaces went.
+        let snap = fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).find(|n| n.ends_with(".snap")).unwrap();
+        let (_, _, gen, _) = parse_name(&snap).unwrap();
+        let manifest = fs::read_to_string(dir.join(MANIFEST)).unwrap();
+        assert!(manifest.contains(&format!("snap 0 {gen}\n")), "{manifest}");
         o.stores[0].close().unwrap();
         drop(o);
         let again = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
