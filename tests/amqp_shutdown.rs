@@ -24,5 +24,9 @@ fn sigterm_detaches_every_partition_link_and_closes_the_connection() {
     let exit = server.wait_exit(WAIT).expect("exits");
     assert_eq!(exit.code(), Some(0), "{}", server.log_tail(30));
     assert_eq!(hub.stats().closed_links, 2, "each partition link closed with a detach");
+    // The connection ended with an AMQP close, not a dropped socket (the fake sees it as its
+    // connection task ends, after the process exited).
+    let stats = hub.wait_for_stats(WAIT, |s| s.closed_connections > 0);
+    assert_eq!(stats.closed_connections, 1, "{stats:?}");
     server.wait_for_log("partition links detached, connection closed", WAIT);
 }

@@ -336,6 +336,8 @@ pub struct Stats {
     pub closed_links: usize,
     /// Connections refused (closed at once) while [`FakeHub::set_refusing`] was on.
     pub refused: usize,
+    /// Connections the client ended with an AMQP `close` (answered), not by dropping the socket.
+    pub closed_connections: usize,
 }
 
 struct State {
@@ -727,6 +729,10 @@ async fn serve_connection(inner: Arc<Inner>, tcp: tokio::net::TcpStream) {
         let sessions = SessionAcceptor::new();
         while let Ok(session) = sessions.accept(&mut connection).await {
             tokio::spawn(serve_session(inner.clone(), conn.clone(), session));
+        }
+        // `RemoteClosed`: the client sent `close` (no error); a dropped socket ends otherwise.
+        if matches!(connection.on_close().await, Err(fe2o3_amqp::connection::Error::RemoteClosed)) {
+            inner.state.lock().unwrap().stats.closed_connections += 1;
         }
     }
     if let Some(socket) = inner.state.lock().unwrap().open.remove(&id) {
