@@ -12,6 +12,11 @@ edges (a strongly connected component of more than one module): the layers canno
 (both ends may sit in one layer), yet it ties the modules into one unit nobody can read or
 test apart.
 
+A module may also be sealed (`[[sealed]]` in layers.toml: `module` and the `importers` that
+may name it): any other module that names it fails, whatever the layers allow, and the baseline
+cannot excuse it. `cluster` is sealed so that only the wiring (lib.rs, main.rs) names the Redis
+engine and everything else goes through the session directory (app/directory.rs).
+
 The wrong-way edges that exist today are listed in scripts/layers-baseline.txt, one
 `<file> -> <module>` per line, and the cycles as `cycle: <module>, <module>, …` (sorted): a
 ratchet. The check fails on any wrong-way edge or cycle that is not in the baseline, and on a
@@ -97,6 +102,30 @@ def load_layers(path: pathlib.Path) -> dict[str, int]:
                 sys.exit(f"layers.toml: module {module} is in two layers")
             rank[module] = i
     return rank
+
+
+def load_sealed(path: pathlib.Path, rank: dict[str, int]) -> dict[str, set[str]]:
+    """Sealed module → the modules that may import it (`[[sealed]]` entries)."""
+    with open(path, "rb") as f:
+        doc = tomllib.load(f)
+    sealed: dict[str, set[str]] = {}
+    for entry in doc.get("sealed", []):
+        module, importers = entry["module"], set(entry["importers"])
+        for name in [module, *sorted(importers)]:
+            if name not in rank:
+                sys.exit(f"layers.toml: sealed entry names {name}, which is in no layer")
+        sealed[module] = importers
+    return sealed
+
+
+def seal_breaks(sealed: dict[str, set[str]], imports: dict[str, dict[str, list[str]]]) -> list[str]:
+    """`file -> module` for each file naming a sealed module it may not import."""
+    out = []
+    for importer, targets in sorted(imports.items()):
+        for module, files in sorted(targets.items()):
+            if module in sealed and importer not in sealed[module]:
+                out.extend(f"{f} -> {module} (only {', '.join(sorted(sealed[module]))} may import it)" for f in sorted(files))
+    return out
 
 
 def wrong_way(src: pathlib.Path, rank: dict[str, int]) -> tuple[set[str], list[str]]:
@@ -197,6 +226,7 @@ def main() -> int:
     root = pathlib.Path(args.root)
     rank = load_layers(root / "scripts" / "layers.toml")
     edges, problems, imports = scan(root / "src", rank)
+    breaks = seal_breaks(load_sealed(root / "scripts" / "layers.toml", rank), imports)
     found = {cycle_line(c): c for c in cycles(imports)}
     baseline_path = root / "scripts" / "layers-baseline.txt"
     if args.write_baseline:
@@ -217,6 +247,8 @@ def main() -> int:
         print(p)
     for e in new:
         print(f"new wrong-way import: {e} (a module may import only from its own layer or below; see scripts/layers.toml)")
+    for b in breaks:
+        print(f"sealed module imported: {b}; see [[sealed]] in scripts/layers.toml")
     for e in gone:
         print(f"fixed: {e} no longer holds; delete its line from scripts/layers-baseline.txt")
     for c in new_cycles:
@@ -224,9 +256,10 @@ def main() -> int:
               "even within a layer: move what one needs down, or invert the call with a trait)")
     for c in gone_cycles:
         print(f"fixed: {c} no longer holds; delete its line from scripts/layers-baseline.txt")
-    ok = not (problems or new or gone or new_cycles or gone_cycles)
+    ok = not (problems or breaks or new or gone or new_cycles or gone_cycles)
     print(f"layers: {len(edges)} known wrong-way imports, {len(new)} new, {len(gone)} gone; "
-          f"{len(found)} import cycles, {len(new_cycles)} new, {len(gone_cycles)} gone: {'ok' if ok else 'FAILED'}")
+          f"{len(found)} import cycles, {len(new_cycles)} new, {len(gone_cycles)} gone; "
+          f"{len(breaks)} imports of sealed modules: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

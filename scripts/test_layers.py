@@ -29,10 +29,10 @@ def run(root: pathlib.Path) -> tuple[int, str]:
     return p.returncode, p.stdout + p.stderr
 
 
-def tree(files: dict[str, str], baseline: str = "") -> pathlib.Path:
+def tree(files: dict[str, str], baseline: str = "", layers: str = LAYERS) -> pathlib.Path:
     root = pathlib.Path(tempfile.mkdtemp())
     (root / "scripts").mkdir()
-    (root / "scripts" / "layers.toml").write_text(LAYERS)
+    (root / "scripts" / "layers.toml").write_text(layers)
     (root / "scripts" / "layers-baseline.txt").write_text(baseline)
     for name, text in files.items():
         path = root / "src" / name
@@ -41,8 +41,8 @@ def tree(files: dict[str, str], baseline: str = "") -> pathlib.Path:
     return root
 
 
-def check(name: str, files: dict[str, str], baseline: str, want_ok: bool, want_text: str) -> None:
-    root = tree(files, baseline)
+def check(name: str, files: dict[str, str], baseline: str, want_ok: bool, want_text: str, layers: str = LAYERS) -> None:
+    root = tree(files, baseline, layers)
     try:
         code, out = run(root)
     finally:
@@ -73,3 +73,22 @@ check("a cycle round three modules fails", ring, "", False, "new import cycle: i
 check("a one-way chain in a layer passes", dict(down, **{"ids.rs": "pub fn f() { crate::timefmt::g() }", "timefmt.rs": "use crate::sas::h;"}), "", True, "0 import cycles")
 check("an upward import that closes a loop is also a cycle", dict(down, **{"shard/devices.rs": "use crate::api::Thing;"}),
       "src/shard/devices.rs -> api\n", False, "new import cycle: api, shard")
+
+# A sealed module: only the importers it names may import it, even from a higher layer, and the
+# baseline cannot excuse it (how `cluster` is kept behind app::directory).
+SEALED = LAYERS + '''
+[[sealed]]
+module = "store"
+importers = ["lib"]
+'''
+check("a sealed module imported by its importer passes", dict(down, **{"lib.rs": "use crate::store::Log;", "store.rs": ""}), "", True,
+      "0 imports of sealed modules: ok", SEALED)
+check("a sealed module imported from a higher layer fails", dict(down, **{"store.rs": "", "api.rs": "fn f() { crate::store::open() }"}), "", False,
+      "sealed module imported: src/api.rs -> store (only lib may import it)", SEALED)
+SEALED_API = LAYERS + '''
+[[sealed]]
+module = "api"
+importers = ["lib"]
+'''
+check("a baseline line cannot excuse a sealed import", dict(down, **{"shard/devices.rs": "use crate::api::Thing;", "api.rs": "use crate::ids::f;"}),
+      "src/shard/devices.rs -> api\n", False, "sealed module imported: src/shard/devices.rs -> api (only lib may import it)", SEALED_API)

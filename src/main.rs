@@ -113,6 +113,8 @@ fn main() -> ExitCode {
         tracing::info!(instance = %cluster.instance, "running as one of several instances on Redis");
     }
     let cluster_metrics = cluster.map(|(c, _)| c);
+    // The event stream consumer reads only the partitions leased to this instance.
+    let leases = cluster_metrics.clone().map(|c| c as Arc<dyn hubcast::app::directory::Leases>);
     let metrics_cluster = cluster_metrics.clone();
     let with_amqp = consumer.is_some();
     let with_store = settings.config.data_dir != hubcast::store::DataDir::Memory;
@@ -148,7 +150,7 @@ fn main() -> ExitCode {
                     Ok(()) => board.status.source(source).set_connected(),
                     Err(reason) => board.status.source(source).set_connecting(reason),
                 });
-                match hubcast::amqp::start(plan, status, cluster_metrics.clone(), running.ingress.clone()) {
+                match hubcast::amqp::start(plan, status, leases.clone(), running.ingress.clone()) {
                     Ok(thread) => amqp = Some(thread),
                     Err(e) => {
                         eprintln!("hubcast: cannot start the event hub consumer: {e}");

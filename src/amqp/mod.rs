@@ -41,7 +41,7 @@ use tokio::time::{sleep, timeout, Instant};
 use crate::config::Settings;
 use crate::connection_string::EventHubConnection;
 use crate::app::Ingress;
-use crate::cluster::Cluster;
+use crate::app::directory::{Leases, Owned, StreamPlan};
 use crate::timefmt::now_millis;
 use connect::{Endpoint, IotHubHost, NodeError, NodeLink};
 use map::MapSettings;
@@ -239,8 +239,9 @@ pub fn is_queue_address(entity: &str) -> bool {
 /// `Ok(())` connected, `Err(reason)` not (or no longer) connected.
 pub type ReportStatus = Arc<dyn Fn(Result<(), String>) + Send + Sync>;
 
-/// Starts the consumer thread. `cluster`: scale-out on Redis (partitions are leased).
-pub fn start(plan: Plan, status: ReportStatus, cluster: Option<Arc<Cluster>>, ingress: Ingress) -> std::io::Result<std::thread::JoinHandle<()>> {
+/// Starts the consumer thread. `leases`: several instances share the stream (scale-out on
+/// Redis): it reads only the partitions leased to this instance.
+pub fn start(plan: Plan, status: ReportStatus, leases: Option<Arc<dyn Leases>>, ingress: Ingress) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("hubcast-amqp".into()).spawn(move || {
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(rt) => rt,
@@ -255,7 +256,7 @@ pub fn start(plan: Plan, status: ReportStatus, cluster: Option<Arc<Cluster>>, in
             map: Arc::new(plan.map.clone()),
             plan,
             status,
-            cluster,
+            leases,
             positions: Arc::new(Mutex::new(stored_positions(&ingress))),
             ingress,
         };
@@ -292,7 +293,7 @@ pub struct Supervisor {
     plan: Plan,
     map: Arc<MapSettings>,
     status: ReportStatus,
-    cluster: Option<Arc<Cluster>>,
+    leases: Option<Arc<dyn Leases>>,
     ingress: Ingress,
     container_id: String,
     positions: Positions,
@@ -314,7 +315,7 @@ pub fn backoff(failures: u32) -> Duration {
 }
 
 /// Resolves (true) when the set of leased partitions differs from the one being read.
-async fn lease_change(leases: &mut Option<(tokio::sync::watch::Receiver<crate::cluster::Owned>, crate::cluster::Owned)>) -> bool {
+async fn lease_change(leases: &mut Option<(tokio::sync::watch::Receiver<Owned>, Owned)>) -> bool {
     let Some((rx, reading)) = leases.as_mut() else { return std::future::pending().await };
     loop {
         if rx.changed().await.is_err() {
@@ -333,23 +334,23 @@ impl Supervisor {
     /// here and the checkpoint in Redis (where the instance that held it before stopped).
     async fn leased_partitions(
         &self,
-        cluster: &crate::cluster::Cluster,
+        holder: &dyn Leases,
         ids: &[String],
-    ) -> (crate::cluster::Owned, tokio::sync::watch::Receiver<crate::cluster::Owned>) {
+    ) -> (Owned, tokio::sync::watch::Receiver<Owned>) {
         let positions = self.positions.clone();
         let handed = move || {
             let positions = positions.lock().unwrap_or_else(|e| e.into_inner());
             positions.iter().filter_map(|(p, pos)| Some((p.clone(), pos.sequence?))).collect()
         };
-        let mut rx = cluster.owned();
+        let mut rx = holder.owned();
         rx.borrow_and_update();
-        let plan = crate::cluster::StreamPlan {
+        let plan = StreamPlan {
             key: self.plan.stream_key.clone(),
             ids: ids.to_vec(),
             positions: Arc::new(handed),
             marks: self.ingress.has_source(),
         };
-        if cluster.stream(plan) {
+        if holder.stream(plan) {
             // The first balance follows at once unless Redis is down; the set may also be
             // unchanged (a reconnect), so do not wait long.
             let _ = timeout(Duration::from_secs(2), rx.changed()).await;
@@ -502,7 +503,7 @@ impl Supervisor {
         }
 
         // Several instances on Redis: the partitions this instance holds leases on.
-        let mut leases: Option<(tokio::sync::watch::Receiver<crate::cluster::Owned>, crate::cluster::Owned)> = None;
+        let mut leases: Option<(tokio::sync::watch::Receiver<Owned>, Owned)> = None;
         // The partitions, or the entity itself when it is a queue of a plain AMQP broker.
         let mut addresses: Vec<(String, String, Option<String>)> = Vec::new(); // (label, address, filter)
         let mut lag_link: Option<NodeLink> = None;
@@ -517,8 +518,8 @@ impl Supervisor {
                     Ok(ids) => ids,
                     Err(e) => return retry(format!("cannot list partitions: {e}")),
                 };
-                if let Some(cluster) = &self.cluster {
-                    let (owned, rx) = self.leased_partitions(cluster, &ids).await;
+                if let Some(holder) = &self.leases {
+                    let (owned, rx) = self.leased_partitions(holder.as_ref(), &ids).await;
                     ids.retain(|id| owned.partitions.contains_key(id));
                     leases = Some((rx, owned));
                 }

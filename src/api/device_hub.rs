@@ -100,7 +100,7 @@ async fn authorize(core: &Rc<Core>, req: &Request, device: &str, grant: Grant) -
     let check = || ask(|permitted| DeviceOp::CheckGrant { device: device.into(), session, grant: grant.clone(), permitted });
     let mut permitted = super::on_device(core, Viewer::Session(session), check()).await?;
     // Several instances: a grant just given on another one may not have reached this copy.
-    if !permitted && crate::cluster::refresh_session(core, session).await? {
+    if !permitted && core.directory().refresh(core, session).await? {
         permitted = super::on_device(core, Viewer::Session(session), check()).await?;
     }
     if permitted {

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::auth::viewer;
 use super::{on_device, path_device};
-use crate::cluster::ReadKind;
+use crate::app::directory::ReadKind;
 use crate::config::MAX_KEY_LEN;
 use crate::http::{Request, Response};
 use crate::hub::HubCall;
@@ -42,7 +42,7 @@ fn refused(denial: Denial, what: &str, not_found: &str) -> Rejection {
 async fn read<T>(core: &Rc<Core>, viewer: Viewer, mut make: impl FnMut() -> (DeviceOp, Receiver<Read<T>>)) -> Checked<Read<T>> {
     let answer = on_device(core, viewer, make()).await?;
     if let (Err(Denial::Forbidden), Viewer::Session(session)) = (&answer, viewer) {
-        if crate::cluster::refresh_session(core, session).await? {
+        if core.directory().refresh(core, session).await? {
             return on_device(core, viewer, make()).await;
         }
     }
@@ -51,7 +51,7 @@ async fn read<T>(core: &Rc<Core>, viewer: Viewer, mut make: impl FnMut() -> (Dev
 
 /// What nothing here answered: with several instances, the freshest holder elsewhere.
 async fn elsewhere(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind, what: &str, not_found: &str) -> Checked<String> {
-    crate::cluster::read_elsewhere(core, viewer, device, kind).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))
+    core.directory().read_elsewhere(core, viewer, device, kind).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))
 }
 
 /// A hub 404 (unknown device) becomes our 404 with `message`; other hub errors pass unchanged.

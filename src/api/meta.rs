@@ -31,12 +31,12 @@ pub fn status_details(core: &Rc<Core>, req: &Request) -> Checked<Response> {
     if let Err(answer) = health(core) {
         return Ok(answer);
     }
-    let body = match crate::cluster::of(core) {
-        Some(cluster) => serde_json::json!({
+    let body = match core.directory().membership() {
+        Some(m) => serde_json::json!({
             "status": "OK",
-            "instance": &*cluster.instance,
-            "instances": cluster.stats.instances.load(std::sync::atomic::Ordering::Relaxed),
-            "partitions": cluster.owned().borrow().partitions.keys().collect::<Vec<_>>(),
+            "instance": &*m.instance,
+            "instances": m.instances,
+            "partitions": m.partitions,
         }),
         None => serde_json::json!({ "status": "OK" }),
     };

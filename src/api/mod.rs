@@ -171,7 +171,7 @@ pub(crate) async fn on_device<T>(
 /// Sends `ops` through the session's core (which keeps the session alive, and with
 /// `register_devices` remembers their devices); 404 when there is no such session.
 pub(crate) async fn scoped(core: &Rc<Core>, session: crate::ids::SessionId, register_devices: bool, ops: Vec<crate::shard::DeviceOp>) -> Checked<()> {
-    match crate::cluster::scoped(core, session, register_devices, ops).await? {
+    match core.directory().scoped(core, session, register_devices, ops).await? {
         true => Ok(()),
         false => Err(auth::no_such_session()),
     }

@@ -19,7 +19,7 @@ pub async fn create(core: &Rc<Core>, req: &Request) -> Checked<Response> {
         }
     }
     let id = SessionId::generate();
-    match crate::cluster::create_session(core, id).await? {
+    match core.directory().create(core, id).await? {
         true => Ok(Response::json(200, serde_json::json!({ "sessionId": id.to_string() }).to_string())),
         false => Err(Rejection::new(503, "session limit reached (maxSessions)")),
     }
@@ -29,7 +29,7 @@ pub async fn delete(core: &Rc<Core>, req: &Request, raw: &str) -> Checked<Respon
     require_admin(&core.settings, req)?;
     let not_found = || Rejection::new(404, "The session was not found");
     let id = SessionId::parse(raw).ok_or_else(not_found)?;
-    match crate::cluster::delete_session(core, id).await? {
+    match core.directory().delete(core, id).await? {
         true => Ok(Response::no_content()),
         false => Err(not_found()),
     }
@@ -37,6 +37,6 @@ pub async fn delete(core: &Rc<Core>, req: &Request, raw: &str) -> Checked<Respon
 
 pub async fn delete_all(core: &Rc<Core>, req: &Request) -> Checked<Response> {
     require_admin(&core.settings, req)?;
-    crate::cluster::delete_all(core).await?;
+    core.directory().delete_all(core).await?;
     Ok(Response::no_content())
 }

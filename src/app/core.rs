@@ -43,6 +43,8 @@ pub struct Core {
     pub clock: crate::runtime::clock::Clock,
     /// Scale-out: the link to the other instances (`None`: one instance). app/relay.rs.
     pub relay: RefCell<Option<Rc<dyn crate::app::relay::Relay>>>,
+    /// Where sessions live (app/directory.rs): this process alone, or Redis scale-out.
+    directory: RefCell<Rc<dyn crate::app::directory::Directory>>,
     /// This core's state of the layers above the application (the Engine.IO polling
     /// sessions, the cluster handle), one value per type.
     pub ext: Extensions,
@@ -110,6 +112,7 @@ impl Core {
             applied: RefCell::default(),
             clock: Default::default(),
             relay: RefCell::default(),
+            directory: RefCell::new(Rc::new(crate::app::directory::Local)),
             ext: Extensions::default(),
             linger,
             deliveries_hint: Cell::new(0),
@@ -125,6 +128,16 @@ impl Core {
                 relay.watch(changes);
             }
         }
+    }
+
+    /// The session directory of this core (app/directory.rs).
+    pub fn directory(&self) -> Rc<dyn crate::app::directory::Directory> {
+        self.directory.borrow().clone()
+    }
+
+    /// Installs a scale-out engine of the session directory; at start, before the core serves.
+    pub fn set_directory(&self, directory: Rc<dyn crate::app::directory::Directory>) {
+        *self.directory.borrow_mut() = directory;
     }
 
     pub fn cores(&self) -> usize {

@@ -6,10 +6,12 @@
 //! generic runtime (threads, io drivers, listeners, routing). Above it, and plugged in at
 //! start ([`Wiring`], [`relay::CorePlugin`]): the network face (HTTP, WebSocket, Engine.IO,
 //! the REST API), which serves the connections a core accepts and sends the cores its own
-//! work as [`mesh::CoreTask`]s; scale-out on Redis; the sources (AMQP, the simulator).
+//! work as [`mesh::CoreTask`]s; scale-out on Redis (which implements [`directory::Directory`],
+//! the session directory every core holds); the sources (AMQP, the simulator).
 
 pub mod clock;
 pub mod core;
+pub mod directory;
 pub mod durable;
 pub mod ingress;
 pub mod mesh;

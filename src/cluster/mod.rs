@@ -4,7 +4,7 @@
 //! - **Sessions are shared.** A session lives in Redis (`<prefix>:session:<id>`: its access
 //!   on every device, in the durable store's encoding) and as a copy on each instance that
 //!   uses it. An instance that meets an unknown session id (a REST call, a socket) loads it
-//!   from Redis first ([`ensure_session`]). Every change (grant, revoke, subscribe,
+//!   from Redis first (`ensure_session`). Every change (grant, revoke, subscribe,
 //!   unsubscribe, delete) is applied here, written to Redis and published on `<prefix>:ops`
 //!   in one transaction before the client is answered; the other instances apply it to
 //!   their copies, so a grant revoked on one instance stops delivery on every other.
@@ -16,6 +16,12 @@
 //!   once, whose device core applies it as a replica (last values, then its own sockets).
 //! - A session's key expires `grace + 2 × refresh` after the last instance holding a copy
 //!   stopped refreshing it (copies expire locally after `--session-grace-period` idle).
+//!
+//! The rest of the gateway never names this module: each core holds the session directory
+//! (`app::directory::Directory`), which the plugin here replaces on every core with its Redis
+//! engine ([`Redis`]: the functions below, each falling back to `app::directory::local` for the
+//! copy here), and the event stream consumer holds [`Cluster`] as its `app::directory::Leases`.
+//! Only main.rs names it, to start it with `--redis-url`.
 //!
 //! The Redis client runs on its own thread ([`link`]); cores reach it through one bounded
 //! command queue and it reaches them through one bounded queue per core. Back-pressure:
@@ -42,9 +48,10 @@ use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
 use crate::app::relay::{CorePlugin, Relay};
 use crate::app::Core;
+use crate::app::directory::{local, Directory, Leases, Membership, Pending};
 use crate::app::record;
-use crate::shard::{ask, ask_session, DeviceOp, Grants, SessionOp, Subscriptions, Viewer};
-pub use wire::ReadKind;
+use crate::shard::{ask, DeviceOp, Grants, Subscriptions, Viewer};
+pub use crate::app::directory::{Owned, ReadKind, StreamPlan};
 pub use wire::SharedOp;
 
 /// Commands waiting for the Redis thread.
@@ -144,27 +151,6 @@ pub struct Stats {
     pub leases: AtomicU64,
     pub takeovers: AtomicU64,
     pub replayed: AtomicU64,
-}
-
-/// The partitions of the event stream this instance holds a lease on, each with the
-/// checkpoint found in Redis when the lease was taken (the consumer resumes after it).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Owned {
-    pub partitions: std::collections::BTreeMap<String, Option<i64>>,
-}
-
-/// What the event stream consumer tells the link at every connect.
-pub struct StreamPlan {
-    /// Names the stream and consumer group (`app::source_prefix`); leases and
-    /// checkpoints are kept per stream.
-    pub key: String,
-    /// Every partition of the stream.
-    pub ids: Vec<String>,
-    /// Partition → the last sequence number handed to the cores.
-    pub positions: Arc<dyn Fn() -> std::collections::HashMap<String, i64> + Send + Sync>,
-    /// With a durable store, the cores' applied marks are kept under `key + partition`: the
-    /// checkpoint is the lowest of them (what every core applied), else `positions`.
-    pub marks: bool,
 }
 
 pub struct Cluster {
@@ -320,7 +306,7 @@ fn unavailable(reason: String) -> Rejection {
 /// Per core: the relay (app/relay.rs) and the task applying what other instances send.
 impl CorePlugin for Cluster {
     fn start(self: Arc<Self>, core: &Rc<Core>) {
-        core.ext.set(Here(Some(self.clone())));
+        core.set_directory(Rc::new(Redis(self.clone())));
         let Some(inbound) = self.inbound.lock().unwrap_or_else(|e| e.into_inner()).get_mut(core.index).and_then(Option::take) else {
             return;
         };
@@ -479,53 +465,20 @@ async fn apply_remote(core: &Rc<Core>, op: SharedOp) {
     match op {
         SharedOp::Create(_) => {}
         SharedOp::Delete(id) => {
-            local_delete(core, id).await;
+            local::delete(core, id).await;
         }
         SharedOp::DeleteAll => {
-            local_delete_all(core).await;
+            local::delete_all(core).await;
         }
         SharedOp::Access { session, device, access } => {
             // Waits until it is in force (the link's ordering barrier); a session this
             // instance holds no copy of drops it unanswered.
             let (op, done) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
-            if local_scoped(core, session, true, vec![op]).await {
+            if local::scoped(core, session, true, vec![op]).await {
                 let _ = done.await;
             }
         }
     }
-}
-
-/// The session table of this instance, without Redis: create on the session's core.
-async fn local_create(core: &Rc<Core>, id: SessionId) -> bool {
-    let target = core.session_core(id);
-    core.ask_session(target, ask_session(|created| SessionOp::Create { id, created })).await.unwrap_or(false)
-}
-
-async fn local_delete(core: &Rc<Core>, id: SessionId) -> bool {
-    let target = core.session_core(id);
-    core.ask_session(target, ask_session(|found| SessionOp::Delete { id, found })).await.unwrap_or(false)
-}
-
-/// Every core at once, then every answer.
-async fn local_delete_all(core: &Rc<Core>) -> bool {
-    let answers: Vec<_> = (0..core.cores())
-        .map(|target| {
-            let (op, answer) = ask_session(|any| SessionOp::DeleteAll { any });
-            core.session_op_on(target, op);
-            answer
-        })
-        .collect();
-    let mut any = false;
-    for answer in answers {
-        any |= answer.await.unwrap_or(false);
-    }
-    any
-}
-
-async fn local_scoped(core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> bool {
-    let target = core.session_core(session);
-    let asked = ask_session(|found| SessionOp::Scoped { session, register_devices, ops, found });
-    core.ask_session(target, asked).await.unwrap_or(false)
 }
 
 /// Keeps the Redis keys of this core's sessions alive.
@@ -542,29 +495,70 @@ async fn refresh(core: Rc<Core>, commands: async_channel::Sender<Command>, every
     }
 }
 
-/// The cluster of this process, if any, as a core holds it (set when the cluster starts on
-/// the core, before it serves).
-#[derive(Default)]
-struct Here(Option<Arc<Cluster>>);
+/// The Redis engine of the session directory (app/directory.rs), installed on every core
+/// by the plugin: each call is one of the functions below.
+struct Redis(Arc<Cluster>);
 
-/// The cluster of this process, if any.
-pub fn of(core: &Core) -> Option<Arc<Cluster>> {
-    core.ext.get::<Here>().0.clone()
+impl Directory for Redis {
+    fn ensure<'a>(&'a self, core: &'a Rc<Core>, session: SessionId) -> Pending<'a, bool> {
+        Box::pin(ensure_session(&self.0, core, session))
+    }
+
+    fn refresh<'a>(&'a self, core: &'a Rc<Core>, session: SessionId) -> Pending<'a, bool> {
+        Box::pin(refresh_session(&self.0, core, session))
+    }
+
+    fn create<'a>(&'a self, core: &'a Rc<Core>, id: SessionId) -> Pending<'a, bool> {
+        Box::pin(create_session(&self.0, core, id))
+    }
+
+    fn delete<'a>(&'a self, core: &'a Rc<Core>, id: SessionId) -> Pending<'a, bool> {
+        Box::pin(delete_session(&self.0, core, id))
+    }
+
+    fn delete_all<'a>(&'a self, core: &'a Rc<Core>) -> Pending<'a, ()> {
+        Box::pin(delete_all(&self.0, core))
+    }
+
+    fn scoped<'a>(&'a self, core: &'a Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Pending<'a, bool> {
+        Box::pin(scoped(&self.0, core, session, register_devices, ops))
+    }
+
+    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<String>> {
+        Box::pin(read_elsewhere(&self.0, core, viewer, device, kind))
+    }
+
+    fn membership(&self) -> Option<Membership> {
+        Some(Membership {
+            instance: self.0.instance.clone(),
+            instances: self.0.stats.instances.load(Ordering::Relaxed),
+            partitions: self.0.owned.borrow().partitions.keys().cloned().collect(),
+        })
+    }
+}
+
+/// The event stream consumer's partition leases, kept in Redis.
+impl Leases for Cluster {
+    fn stream(&self, plan: StreamPlan) -> bool {
+        Cluster::stream(self, plan)
+    }
+
+    fn owned(&self) -> tokio::sync::watch::Receiver<Owned> {
+        Cluster::owned(self)
+    }
 }
 
 /// Makes sure this instance holds its copy of `session`, loading it from Redis when it does
-/// not; false when the session exists nowhere. Always true without Redis (the caller's own
-/// check answers).
-pub async fn ensure_session(core: &Rc<Core>, session: SessionId) -> Checked<bool> {
-    let Some(cluster) = of(core) else { return Ok(true) };
-    if local_scoped(core, session, false, Vec::new()).await {
+/// not; false when the session exists nowhere.
+async fn ensure_session(cluster: &Cluster, core: &Rc<Core>, session: SessionId) -> Checked<bool> {
+    if local::scoped(core, session, false, Vec::new()).await {
         return Ok(true);
     }
     let loaded = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)?;
     let Some(accesses) = loaded else { return Ok(false) };
     // `false` is a session created meanwhile by a concurrent request, or the process at
     // maxSessions; the fill below tells them apart.
-    local_create(core, session).await;
+    local::create(core, session).await;
     if !install(core, session, accesses).await {
         return Err(Rejection::new(503, "session limit reached (maxSessions)"));
     }
@@ -583,7 +577,7 @@ async fn install(core: &Rc<Core>, session: SessionId, accesses: Vec<SharedOp>) -
             _ => None,
         })
         .unzip();
-    if !local_scoped(core, session, true, ops).await {
+    if !local::scoped(core, session, true, ops).await {
         return false;
     }
     for done in done {
@@ -601,9 +595,8 @@ enum Answer {
 /// A permission was refused here: with Redis, this instance's copy of the session may lag a
 /// change another instance has just made (it answered after writing Redis; the published
 /// change is on its way). Reads the session again from Redis and applies it; true when the
-/// caller should try once more. Without Redis: false.
-pub async fn refresh_session(core: &Rc<Core>, session: SessionId) -> Checked<bool> {
-    let Some(cluster) = of(core) else { return Ok(false) };
+/// caller should try once more.
+async fn refresh_session(cluster: &Cluster, core: &Rc<Core>, session: SessionId) -> Checked<bool> {
     let Some(accesses) = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)? else {
         return Ok(false);
     };
@@ -615,35 +608,28 @@ pub async fn refresh_session(core: &Rc<Core>, session: SessionId) -> Checked<boo
 
 /// `POST /session`: with Redis the new session is written there too (a failure undoes it
 /// here and answers 503). `false`: `maxSessions` reached.
-pub async fn create_session(core: &Rc<Core>, id: SessionId) -> Checked<bool> {
-    if !local_create(core, id).await {
+async fn create_session(cluster: &Cluster, core: &Rc<Core>, id: SessionId) -> Checked<bool> {
+    if !local::create(core, id).await {
         return Ok(false);
     }
-    if let Some(cluster) = of(core) {
-        if let Err(e) = cluster.save(SharedOp::Create(id)).await {
-            local_delete(core, id).await;
-            return Err(e);
-        }
+    if let Err(e) = cluster.save(SharedOp::Create(id)).await {
+        local::delete(core, id).await;
+        return Err(e);
     }
     Ok(true)
 }
 
 /// `DELETE /sessions/:id`: gone from Redis (published: every instance closes its sockets) and
 /// from here; whether it existed anywhere.
-pub async fn delete_session(core: &Rc<Core>, id: SessionId) -> Checked<bool> {
-    let existed = match of(core) {
-        Some(cluster) => cluster.save(SharedOp::Delete(id)).await?,
-        None => false,
-    };
-    Ok(local_delete(core, id).await || existed)
+async fn delete_session(cluster: &Cluster, core: &Rc<Core>, id: SessionId) -> Checked<bool> {
+    let existed = cluster.save(SharedOp::Delete(id)).await?;
+    Ok(local::delete(core, id).await || existed)
 }
 
 /// `DELETE /sessions`: every session, on every instance.
-pub async fn delete_all(core: &Rc<Core>) -> Checked<()> {
-    if let Some(cluster) = of(core) {
-        cluster.save(SharedOp::DeleteAll).await?;
-    }
-    local_delete_all(core).await;
+async fn delete_all(cluster: &Cluster, core: &Rc<Core>) -> Checked<()> {
+    cluster.save(SharedOp::DeleteAll).await?;
+    local::delete_all(core).await;
     Ok(())
 }
 
@@ -654,9 +640,8 @@ pub async fn delete_all(core: &Rc<Core>) -> Checked<()> {
 /// the Redis link applies it when its publication comes back on the `ops` channel, in the
 /// order Redis gave every instance's changes, so an earlier change of another instance can
 /// never be applied here after it and undo it.
-pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Checked<bool> {
-    let Some(cluster) = of(core) else { return Ok(local_scoped(core, session, register_devices, ops).await) };
-    if !ensure_session(core, session).await? {
+async fn scoped(cluster: &Cluster, core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Checked<bool> {
+    if !ensure_session(cluster, core, session).await? {
         return Ok(false);
     }
     let mut local = Vec::with_capacity(ops.len());
@@ -684,7 +669,7 @@ pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool,
             done => done,
         });
     }
-    let found = local_scoped(core, session, register_devices, local).await;
+    let found = local::scoped(core, session, register_devices, local).await;
     for answer in answers {
         match answer {
             Answer::Done(tx) => {
@@ -701,9 +686,8 @@ pub async fn scoped(core: &Rc<Core>, session: SessionId, register_devices: bool,
 /// A read that found nothing here (404): with Redis, the instances that hold the device are
 /// asked (the freshest answer wins), so reads answer the same on every instance. The grant
 /// was checked here; an all-keys telemetry read keeps only the keys the session's grants
-/// cover. `None` without Redis, or when no instance holds the device.
-pub async fn read_elsewhere(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<Option<String>> {
-    let Some(cluster) = of(core) else { return Ok(None) };
+/// cover. `None` when no instance holds the device.
+async fn read_elsewhere(cluster: &Cluster, core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<Option<String>> {
     let found = cluster.call(|reply| Command::Read { device: device.into(), kind: kind.clone(), reply }).await.map_err(unavailable)?;
     let Some(body) = found else { return Ok(None) };
     match (viewer, kind) {

@@ -127,14 +127,8 @@ pub fn decode_op(bytes: &[u8]) -> Option<(&str, SharedOp)> {
     Some((origin, op))
 }
 
-/// A read another instance may answer: what the device's holders are asked for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReadKind {
-    /// One telemetry key, or every key (`None`).
-    Telemetry(Option<Box<str>>),
-    Twin,
-    ConnectionState,
-}
+/// A read another instance may answer (defined with the session directory it is asked through).
+pub use crate::app::directory::ReadKind;
 
 /// `P:read`: "who holds `device`? answer on my channel, quoting `id`".
 pub fn encode_read(origin: &str, id: u64, device: &str, kind: &ReadKind) -> Vec<u8> {

@@ -4,8 +4,11 @@
 //! sessions); after each unit of work the core hands the new states to its [`StateStore`]
 //! as [`Change`]s and commits them, together with the source position that produced them,
 //! as one atomic unit. Every core has its own store: no lock is shared between cores on the
-//! message path. The first engine is [`log::LogStore`], per-core append logs with snapshots
-//! in `--data-dir`; a distributed engine (Redis, issue 12) implements the same trait.
+//! message path. The one engine is [`log::LogStore`], per-core append logs with snapshots
+//! in `--data-dir`. Redis (`--redis-url`, `src/cluster`) does not implement this trait: it
+//! shares sessions between instances as an engine of the session directory
+//! (`app::directory::Directory`), beside the store, and keeps its session keys in the
+//! encoding of [`format`].
 //!
 //! At start [`open`] takes the data dir (one owner: an `flock` on `LOCK`), reads every
 //! core's snapshot and log, and re-shards by the routing hash when `--cores` changed.

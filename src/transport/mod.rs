@@ -238,7 +238,7 @@ pub async fn upgrade(core: Rc<Core>, head: RequestHead, kind: SocketKind, framed
     };
     if let (None, Some(s)) = (polling_core, session) {
         // Scale-out: a session opened on another instance is loaded here first.
-        let _ = crate::cluster::ensure_session(&core, s).await;
+        let _ = core.directory().ensure(&core, s).await;
     }
     let target = polling_core.unwrap_or_else(|| session.map_or(core.index, |s| core.session_core(s)));
     if target == core.index {

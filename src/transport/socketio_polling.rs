@@ -124,7 +124,7 @@ pub async fn http(core: &Rc<Core>, req: &Request) -> Response {
     if let (None, Some(s)) = (&sid, session) {
         // Scale-out: a session opened on another instance is loaded here first (an error
         // leaves it unknown: the CONNECT then answers so).
-        let _ = crate::cluster::ensure_session(core, s).await;
+        let _ = core.directory().ensure(core, s).await;
     }
     if sid.is_none() {
         // A handshake makes an Engine.IO session: rate-limited per client (`admission::rate`).
