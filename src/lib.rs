@@ -20,9 +20,10 @@
 //!   type), the routing function ([`runtime::routing`]).
 //! - [`app`]: the per-core application the runtime runs — [`app::Core`], the one enum of
 //!   cross-core messages ([`app::mesh::CoreMsg`]), clock, store, the door for outside sources
-//!   ([`app::Ingress`]); [`shutdown`]: graceful SIGTERM/SIGINT shutdown of the cores.
+//!   ([`app::Ingress`]), the session directory every core holds ([`app::directory`]);
+//!   [`shutdown`]: graceful SIGTERM/SIGINT shutdown of the cores.
 //! - [`cluster`]: several instances on Redis (`--redis-url`): shared sessions and grants,
-//!   live data across instances.
+//!   live data across instances; the Redis engine of [`app::directory`], named only by main.rs.
 //! - the network protocols: [`tls`], [`http`] (HTTP/1.1 connections, handing requests to an
 //!   [`http::Service`]), [`transport`] (WebSocket, Engine.IO), [`admission`] (the connection
 //!   cap and its descriptor reserve, per-client rate limits); above them [`api`], the REST
