@@ -46,7 +46,7 @@ pub struct Core {
     /// Where sessions live (app/directory.rs): this process alone, or Redis scale-out.
     directory: RefCell<Rc<dyn crate::app::directory::Directory>>,
     /// This core's state of the layers above the application (the Engine.IO polling
-    /// sessions, the cluster handle), one value per type.
+    /// sessions), one value per type.
     pub ext: Extensions,
     /// Socket writes held back while the core is saturated (src/push/linger.rs).
     pub linger: Rc<crate::push::linger::Linger>,

@@ -19,7 +19,7 @@
 //!
 //! The rest of the gateway never names this module: each core holds the session directory
 //! (`app::directory::Directory`), which the plugin here replaces on every core with its Redis
-//! engine ([`Redis`]: the functions below, each falling back to `app::directory::local` for the
+//! engine (`Redis`: the functions below, each falling back to `app::directory::local` for the
 //! copy here), and the event stream consumer holds [`Cluster`] as its `app::directory::Leases`.
 //! Only main.rs names it, to start it with `--redis-url`.
 //!
