@@ -158,9 +158,16 @@ fn post_ingest_is_committed_when_answered_and_synced_within_the_interval() {
 fn memory_only_keeps_nothing() {
     let server = Server::start(&["--data-dir", "none"]);
     server.ingest(json!([{"deviceId": "x", "body": {"t": 1}}]));
+    assert_eq!(server.call("GET", "/lastValue/x/t", &[ADMIN], None).0, 200, "served from memory");
     let (_, text, _) = server.call("GET", "/metrics", &[ADMIN], None);
     assert!(!text.contains("hubcast_store_commits_total"), "no store metrics without a store");
     assert!(server.stderr_lines().iter().any(|l| l.contains("memory only")));
+    drop(server); // kill -9
+    // "none" is no directory name: nothing was written in the working directory, and a
+    // restart knows nothing of the device.
+    assert!(!std::path::Path::new("none").exists(), "a store was made in ./none");
+    let server = Server::start(&["--data-dir", "none"]);
+    assert_eq!(server.call("GET", "/lastValue/x/t", &[ADMIN], None).0, 404, "nothing kept across a restart");
 }
 
 #[test]
