@@ -175,6 +175,9 @@ pub fn device_id_in_body(body: &[u8], key: &str) -> Option<String> {
     serde_json::from_str::<String>(raw).ok()
 }
 
+#[doc(hidden)]
+pub mod oracle;
+
 #[cfg(test)]
 mod property_tests;
 
