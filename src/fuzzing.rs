@@ -38,7 +38,7 @@ fn pieces(len: usize, seed: u8) -> Vec<std::ops::Range<usize>> {
     let mut i = 0usize;
     while at < len {
         // Uneven pieces: 1, step, 2, step+1, ...
-        let n = if i % 2 == 0 { i / 2 + 1 } else { step + i / 2 };
+        let n = if i.is_multiple_of(2) { i / 2 + 1 } else { step + i / 2 };
         let end = (at + n).min(len);
         out.push(at..end);
         at = end;
@@ -589,8 +589,11 @@ pub fn store_write(l: &crate::store::Loaded) -> Vec<u8> {
     file
 }
 
+/// A fuzz target: its name and its entry point.
+pub type Target = (&'static str, fn(&[u8]));
+
 /// The targets by name (the directories of `fuzz/corpus/`).
-pub const TARGETS: [(&str, fn(&[u8])); 5] = [("json", json), ("http", http), ("engine_io", engine_io), ("amqp", amqp), ("store", store)];
+pub const TARGETS: [Target; 5] = [("json", json), ("http", http), ("engine_io", engine_io), ("amqp", amqp), ("store", store)];
 
 #[cfg(test)]
 mod tests {

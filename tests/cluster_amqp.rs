@@ -167,7 +167,7 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
                 since_kill.iter().filter(|l| l.contains("partition lease taken") && field(l, "partition") == Some(p.as_str())).collect();
             assert_eq!(taken.len(), 1, "partition {p} taken over once: {taken:?}");
             let line = taken[0];
-            let seq = field(&line, "after_sequence_number").and_then(|v| v.strip_prefix("Some(")?.strip_suffix(')')?.parse().ok());
+            let seq = field(line, "after_sequence_number").and_then(|v| v.strip_prefix("Some(")?.strip_suffix(')')?.parse().ok());
             (p.clone(), seq.unwrap_or_else(|| panic!("partition {p} taken over without a checkpoint: {line}")))
         })
         .collect();

@@ -214,8 +214,8 @@ fn store(dir: &Path) {
         Change::Session { id: SessionId(1), devices: None },
     ]);
     let changed = records(&[Change::Device { id: "a", device: Some(&b) }]);
-    put(dir, "devices", &frames(&[devices.clone()]));
-    put(dir, "access-session-applied", &frames(&[access.clone()]));
+    put(dir, "devices", &frames(std::slice::from_ref(&devices)));
+    put(dir, "access-session-applied", &frames(std::slice::from_ref(&access)));
     put(dir, "log", &frames(&[devices.clone(), access.clone(), changed, gone]));
     put(dir, "end-mark", &frames(&[devices.clone(), vec![TAG_END]]));
     // A file as written (odd first byte: the bytes after the header as they are).

@@ -587,7 +587,9 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
         }
     }
     let started = std::time::Instant::now();
-    let results: Vec<Result<(Loaded, u64, Vec<Damage>), String>> = std::thread::scope(|s| {
+    // Per old core: what it loaded, its next log number, the damage found; or why it stopped.
+    type CoreLoad = Result<(Loaded, u64, Vec<Damage>), String>;
+    let results: Vec<CoreLoad> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..old_cores).map(|c| s.spawn({
             let files = &files;
             move || load_core(files, c)
