@@ -261,10 +261,10 @@ fn anchors_of(text: &str) -> BTreeSet<String> {
     anchors
 }
 
-/// README.md and the .md files of docs/, docs/benchmarks/ and docs/upstream/.
+/// README.md and the .md files of docs/, docs/benchmarks/, docs/design/ and docs/upstream/.
 fn doc_pages() -> Vec<PathBuf> {
     let mut pages = vec![PathBuf::from("README.md")];
-    for dir in ["docs", "docs/benchmarks", "docs/upstream"] {
+    for dir in ["docs", "docs/benchmarks", "docs/design", "docs/upstream"] {
         let mut found: Vec<_> = fs::read_dir(root().join(dir))
             .unwrap()
             .map(|e| e.unwrap().path())
