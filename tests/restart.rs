@@ -71,17 +71,26 @@ fn without_a_data_dir_a_held_port_is_refused_at_once() {
 }
 
 /// What a killed io_uring run leaves for a moment, made deterministic: the port is held by a
-/// listener that goes away 1 s after the start began. The start, owning its data dir, waits
-/// for it (logged) and serves.
+/// listener that goes away once the start has taken its data dir's lock (the step right before
+/// it claims the port) and a moment has passed. The start, owning its data dir, waits for the
+/// port (logged) and serves.
 #[test]
 fn a_port_freed_within_the_bound_is_waited_for_and_then_served() {
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = held.local_addr().unwrap().port();
+    let dir = TempDir::new();
+    let lock = std::path::Path::new(dir.path()).join("LOCK");
     let release = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_secs(1));
+        // The event: the lock is taken, so the first claim of the port follows at once; the
+        // held port is then kept for 300 ms (within the 5 s bound) so that claim finds it taken
+        // however slow the start-up before the lock was.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !lock.exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(300));
         drop(held);
     });
-    let dir = TempDir::new();
     let server = Server::start(&["--data-dir", dir.path(), "--port", &port.to_string()]);
     release.join().unwrap();
     assert_eq!(server.port, port);
