@@ -140,15 +140,24 @@ fn kill_9_mid_stream_then_restart_applies_every_event_once() {
     let second = start_unconnected(&hub, dir.path(), &["--event-hub-start-position", "latest", "--log-level", "verbose"]);
     let resumed = second.wait_for_log("resuming at the stored position", WAIT);
     assert!(resumed.contains("after_sequence_number"), "{resumed}");
-    let stored: HashMap<String, i64> = second
-        .stderr_lines()
-        .iter()
-        .filter(|l| l.contains("resuming at the stored position"))
-        .filter_map(|l| {
-            let value = |key: &str| l.split(&format!("{key}=")).nth(1)?.split_whitespace().next().map(|v| v.trim_matches('"').to_string());
-            Some((value("partition")?, value("after_sequence_number")?.parse().ok()?))
-        })
-        .collect();
+    // Each partition logs its own line: wait for both (the event), then read them.
+    let read_stored = || -> HashMap<String, i64> {
+        second
+            .stderr_lines()
+            .iter()
+            .filter(|l| l.contains("resuming at the stored position"))
+            .filter_map(|l| {
+                let value = |key: &str| l.split(&format!("{key}=")).nth(1)?.split_whitespace().next().map(|v| v.trim_matches('"').to_string());
+                Some((value("partition")?, value("after_sequence_number")?.parse().ok()?))
+            })
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut stored = read_stored();
+    while stored.len() < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(25));
+        stored = read_stored();
+    }
     assert_eq!(stored.len(), 2, "both partitions resume from the store: {stored:?}");
     // The kill landed mid-stream: on each partition some events, not all 300, were committed.
     for p in PARTITIONS {

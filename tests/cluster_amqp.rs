@@ -289,7 +289,16 @@ fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated()
 
 /// The partitions `server` reads, from `GET /status/details`.
 fn partitions_of(server: &Server) -> Vec<String> {
-    let (status, body, _) = server.call("GET", "/status/details", &[ADMIN], None);
+    // 503 "still initializing" while the consumer (re)connects, e.g. after a Redis restart:
+    // asked again until it answers 200, within a deadline.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (status, body) = loop {
+        let (status, body, _) = server.call("GET", "/status/details", &[ADMIN], None);
+        if status != 503 || std::time::Instant::now() > deadline {
+            break (status, body);
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    };
     assert_eq!(status, 200, "{body}");
     let mut partitions: Vec<String> = serde_json::from_value(common::parse_json(&body)["partitions"].clone()).unwrap();
     partitions.sort();
