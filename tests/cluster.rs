@@ -419,3 +419,32 @@ fn a_grant_given_on_one_instance_holds_at_once_on_another() {
         assert_eq!(status, 403, "round {round}: revoked on B");
     }
 }
+
+/// The Redis Cluster harness itself (tests/common/redis.rs): a key is found wherever it
+/// lives (`MOVED` followed), a reshard moves slots with their keys, a killed node restarts
+/// as itself and the cluster is whole again.
+#[test]
+fn the_cluster_harness_routes_reshards_and_restarts() {
+    let mut cluster = common::redis::RedisCluster::start(3, 0);
+    assert_eq!(cluster.masters().len(), 3);
+    for i in 0..30 {
+        assert_eq!(cluster.command(&format!("SET k{i} {i}")).as_deref(), Some("+OK\r\n"));
+    }
+    let on = |c: &common::redis::RedisCluster, node: usize| c.command_on(node, "DBSIZE").unwrap_or_default();
+    let before: Vec<String> = (0..3).map(|n| on(&cluster, n)).collect();
+    assert!(before.iter().all(|n| n != ":0\r\n" && n != ":30\r\n"), "keys spread over the masters: {before:?}");
+    cluster.reshard(0, 1, 16384 / 3);
+    assert_eq!(on(&cluster, 0), ":0\r\n", "every slot of node 0 and its keys moved");
+    for i in 0..30 {
+        assert!(cluster.command(&format!("GET k{i}")).is_some_and(|r| r.ends_with(&format!("\r\n{i}\r\n"))), "k{i} found after the reshard");
+    }
+    assert_eq!(cluster.keys("k*").len(), 30);
+    // Redis 7: a master left without slots becomes a replica of the one that took them.
+    let masters = cluster.masters();
+    assert!(masters.contains(&2), "{masters:?}");
+    cluster.kill(2);
+    cluster.restart(2);
+    cluster.wait_ok();
+    assert_eq!(cluster.masters(), masters, "node 2 came back as the master of its slots");
+    assert_eq!(on(&cluster, 2), ":0\r\n", "empty (nothing persisted)");
+}

@@ -118,3 +118,429 @@ impl Drop for Redis {
         self.down();
     }
 }
+
+/// One inline command (or several, `\r\n`-separated: `replies` of them) to the server on
+/// `port`; the raw replies, read until they are complete.
+fn raw_n(port: u16, line: &str, replies: usize) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
+    let mut text = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        let n = s.read(&mut buf).ok().filter(|&n| n > 0)?;
+        text.extend_from_slice(&buf[..n]);
+        let mut at = Some(0);
+        for _ in 0..replies {
+            at = at.and_then(|i| resp_end(&text, i));
+        }
+        if at.is_some() {
+            return Some(String::from_utf8_lossy(&text).into_owned());
+        }
+    }
+}
+
+fn raw(port: u16, line: &str) -> Option<String> {
+    raw_n(port, line, 1)
+}
+
+/// Where the RESP2 reply starting at `i` ends, if all of it is in `b`.
+fn resp_end(b: &[u8], i: usize) -> Option<usize> {
+    let eol = i + b.get(i..)?.windows(2).position(|w| w == b"\r\n")?;
+    let head = std::str::from_utf8(&b[i + 1..eol]).ok()?;
+    let next = eol + 2;
+    match b.get(i)? {
+        b'+' | b'-' | b':' => Some(next),
+        b'$' => {
+            let len: i64 = head.parse().ok()?;
+            if len < 0 {
+                return Some(next);
+            }
+            let end = next + len as usize + 2;
+            (b.len() >= end).then_some(end)
+        }
+        b'*' => {
+            let n: i64 = head.parse().ok()?;
+            let mut at = next;
+            for _ in 0..n.max(0) {
+                at = resp_end(b, at)?;
+            }
+            Some(at)
+        }
+        _ => None,
+    }
+}
+
+/// The `field:value` of an `INFO`-style reply.
+fn info_field(text: &str, field: &str) -> Option<String> {
+    text.lines().find_map(|l| l.strip_prefix(&format!("{field}:"))).map(|v| v.trim().to_string())
+}
+
+/// The bulk strings of a RESP array reply (`KEYS`, `SMEMBERS`), or the one bulk string.
+pub fn bulk_strings(reply: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut lines = reply.split("\r\n");
+    while let Some(l) = lines.next() {
+        if l.starts_with('$') && l != "$-1" {
+            if let Some(v) = lines.next() {
+                out.push(v.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// One node of a [`RedisCluster`]: its client port and cluster bus port.
+struct Node {
+    port: u16,
+    bus: u16,
+    child: Option<Child>,
+}
+
+/// A throwaway Redis Cluster (Redis 7: sharded pub/sub) for the scale-out tests: `masters`
+/// masters with `replicas` replicas each, every node on free ports (client and bus, so the
+/// bus is not `port + 10000`), node configs in a temp dir, nothing else on disk; killed with
+/// the test. Nodes are killed and restarted (same ports and config file: the same node) to
+/// test outages; slots are moved with `redis-cli --cluster reshard`.
+pub struct RedisCluster {
+    nodes: Vec<Node>,
+    dir: super::TempDir,
+}
+
+impl RedisCluster {
+    /// Starts the nodes, creates the cluster, and returns once every node says
+    /// `cluster_state:ok` and they agree on the slot map.
+    pub fn start(masters: usize, replicas: usize) -> RedisCluster {
+        assert!(masters >= 3, "redis-cli --cluster create needs at least 3 masters");
+        let dir = super::TempDir::new();
+        std::fs::create_dir_all(dir.path()).expect("the cluster's temp dir");
+        let mut c = RedisCluster { nodes: Vec::new(), dir };
+        for _ in 0..masters * (1 + replicas) {
+            let mut node = Node { port: 0, bus: 0, child: None };
+            // The free ports may be taken again before redis-server binds them: fresh ones.
+            let started = (0..5).any(|_| {
+                node.port = free_port();
+                node.bus = free_port();
+                node.port != node.bus && c.try_up(&mut node)
+            });
+            assert!(started, "a cluster node did not start on any of 5 pairs of free ports");
+            c.nodes.push(node);
+        }
+        let addrs: Vec<String> = c.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli is installed");
+        assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
+        c.wait_ok();
+        c
+    }
+
+    fn conf(&self, port: u16) -> String {
+        format!("{}/nodes-{port}.conf", self.dir.path())
+    }
+
+    /// Starts a node's server (again: same config file, same ports); `false` if it exited
+    /// (a port was taken). Ready once the server on the port is this process.
+    fn try_up(&self, node: &mut Node) -> bool {
+        let mut child = Command::new("redis-server")
+            .args(["--port", &node.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--cluster-enabled", "yes", "--cluster-port", &node.bus.to_string()])
+            .args(["--cluster-config-file", &self.conf(node.port), "--cluster-node-timeout", "1000"])
+            .args(["--dir", self.dir.path()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (scripts/services.sh installs it)");
+        let pid = child.id();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(child.try_wait(), Ok(Some(_))) {
+                return false;
+            }
+            let answered = raw(node.port, "INFO server").and_then(|t| info_field(&t, "process_id")).and_then(|p| p.parse().ok());
+            if answered == Some(pid) {
+                node.child = Some(child);
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("cluster node on port {} did not answer within 10 s", node.port);
+    }
+
+    /// Waits until every running node says `cluster_state:ok` and agrees on who serves
+    /// every slot (a reshard or failover is over everywhere).
+    pub fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let running: Vec<u16> = self.nodes.iter().filter(|n| n.child.is_some()).map(|n| n.port).collect();
+            let ok = running
+                .iter()
+                .all(|p| raw(*p, "CLUSTER INFO").and_then(|t| info_field(&t, "cluster_state")).as_deref() == Some("ok"));
+            let maps: Vec<Vec<(u16, u16, u16)>> = running.iter().map(|p| slot_map_at(*p)).collect();
+            if ok && !maps.is_empty() && maps.iter().all(|m| *m == maps[0] && !m.is_empty()) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the cluster is ok and agreed on every node within 30 s: {maps:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `--redis-cluster-nodes`: every node as a seed.
+    pub fn seeds(&self) -> String {
+        self.nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",")
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn port(&self, node: usize) -> u16 {
+        self.nodes[node].port
+    }
+
+    /// The node's id (`CLUSTER MYID`).
+    pub fn id(&self, node: usize) -> String {
+        let reply = raw(self.nodes[node].port, "CLUSTER MYID").unwrap_or_default();
+        bulk_strings(&reply).into_iter().next().unwrap_or_else(|| panic!("node {node} has an id: {reply}"))
+    }
+
+    /// The running nodes that are masters now.
+    pub fn masters(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|i| self.nodes[*i].child.is_some())
+            .filter(|i| raw(self.nodes[*i].port, "ROLE").is_some_and(|r| r.contains("master")))
+            .collect()
+    }
+
+    /// Kills node `i` (SIGKILL: an outage, nothing flushed).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts node `i` again (same ports, same config file: it rejoins as itself, empty).
+    /// Returns once it answers; [`RedisCluster::wait_ok`] waits for the cluster.
+    pub fn restart(&mut self, i: usize) {
+        let mut node = std::mem::replace(&mut self.nodes[i], Node { port: 0, bus: 0, child: None });
+        let up = self.try_up(&mut node);
+        let port = node.port;
+        self.nodes[i] = node;
+        assert!(up, "cluster node {i} could not start again on port {port} (taken meanwhile?)");
+    }
+
+    /// Kills every node (the whole Redis side goes away).
+    pub fn down(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+    }
+
+    /// Starts every stopped node again and waits for the cluster to be ok.
+    pub fn up(&mut self) {
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].child.is_none() {
+                self.restart(i);
+            }
+        }
+        self.wait_ok();
+    }
+
+    /// Moves `slots` hash slots from master `from` to master `to` (`redis-cli --cluster
+    /// reshard`, with their keys), and waits until every node agrees.
+    pub fn reshard(&self, from: usize, to: usize, slots: usize) {
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{}", self.nodes[from].port)])
+            .args(["--cluster-from", &self.id(from), "--cluster-to", &self.id(to)])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli is installed");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster reshard: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.wait_ok();
+    }
+
+    /// One inline command on node `i`; the raw reply.
+    pub fn command_on(&self, i: usize, line: &str) -> Option<String> {
+        raw(self.nodes[i].port, line)
+    }
+
+    /// One inline command on whichever node serves its key: sent to a running node and
+    /// sent again where a `MOVED` or `ASK` points; the raw reply.
+    pub fn command(&self, line: &str) -> Option<String> {
+        let mut port = self.nodes.iter().find(|n| n.child.is_some())?.port;
+        let mut asking = false;
+        for _ in 0..5 {
+            let mut reply = if asking { raw_n(port, &format!("ASKING\r\n{line}"), 2)? } else { raw(port, line)? };
+            if asking {
+                reply = reply.strip_prefix("+OK\r\n").unwrap_or(&reply).to_string();
+            }
+            let redirect = reply.strip_prefix("-MOVED ").map(|r| (r, false)).or_else(|| reply.strip_prefix("-ASK ").map(|r| (r, true)));
+            let Some((rest, ask)) = redirect else { return Some(reply) };
+            port = rest.split_whitespace().nth(1)?.rsplit(':').next()?.parse().ok()?;
+            asking = ask;
+        }
+        None
+    }
+
+    /// The keys matching `pattern` on every master (`KEYS` on each: a node holds only the
+    /// keys of its own slots).
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .masters()
+            .into_iter()
+            .flat_map(|i| bulk_strings(&raw(self.nodes[i].port, &format!("KEYS {pattern}")).unwrap_or_default()))
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+/// `(first slot, last slot, master port)` ranges as the node on `port` sees them (sorted).
+fn slot_map_at(port: u16) -> Vec<(u16, u16, u16)> {
+    let Some(text) = raw(port, "CLUSTER NODES") else { return Vec::new() };
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        if f.len() < 8 || !f[2].contains("master") || f[2].contains("fail") {
+            continue;
+        }
+        let Some(node_port) = f[1].split(['@', ':']).nth(1).and_then(|p| p.parse().ok()) else { continue };
+        for range in &f[8..] {
+            if range.starts_with('[') {
+                continue; // a slot being migrated
+            }
+            let (a, b) = range.split_once('-').unwrap_or((range, range));
+            if let (Ok(a), Ok(b)) = (a.trim().parse(), b.trim().parse()) {
+                out.push((a, b, node_port));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        self.down();
+    }
+}
+
+/// The Redis side of a scale-out test: one Redis or a Redis Cluster (3 masters), so one
+/// test body runs on both (see [`both_engines!`](crate::both_engines)).
+pub enum Engine {
+    Single(Redis),
+    Cluster(RedisCluster),
+}
+
+impl Engine {
+    pub fn single() -> Engine {
+        Engine::Single(Redis::start())
+    }
+
+    pub fn cluster() -> Engine {
+        Engine::Cluster(RedisCluster::start(3, 0))
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Engine::Cluster(_))
+    }
+
+    /// The hubcast flags that reach it.
+    pub fn flags(&self) -> Vec<String> {
+        match self {
+            Engine::Single(r) => vec!["--redis-url".into(), r.url()],
+            Engine::Cluster(c) => vec!["--redis-cluster-nodes".into(), c.seeds()],
+        }
+    }
+
+    /// The whole Redis side goes away (SIGKILL: everything it held is lost).
+    pub fn down(&mut self) {
+        match self {
+            Engine::Single(r) => r.down(),
+            Engine::Cluster(c) => c.down(),
+        }
+    }
+
+    /// And comes back, empty (a cluster keeps its slot map: nodes restart with their config).
+    pub fn up(&mut self) {
+        match self {
+            Engine::Single(r) => r.up(),
+            Engine::Cluster(c) => c.up(),
+        }
+    }
+
+    /// One inline command (on a cluster: on the node serving its key); the raw reply.
+    pub fn command(&self, line: &str) -> Option<String> {
+        match self {
+            Engine::Single(r) => r.command(line),
+            Engine::Cluster(c) => c.command(line),
+        }
+    }
+
+    /// The keys matching `pattern` (on a cluster: on every master).
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        match self {
+            Engine::Single(r) => bulk_strings(&r.command(&format!("KEYS {pattern}")).unwrap_or_default()),
+            Engine::Cluster(c) => c.keys(pattern),
+        }
+    }
+
+    /// A session's key under `prefix` (docs/OPERATIONS.md: hash-tagged on a cluster).
+    pub fn session_key(&self, prefix: &str, session: &str) -> String {
+        match self {
+            Engine::Single(_) => format!("{prefix}:session:{session}"),
+            Engine::Cluster(_) => format!("{prefix}:session:{{{session}}}"),
+        }
+    }
+
+    /// A control key under `prefix` (`watching:<instance>`, `checkpoint:…`): in the prefix's
+    /// one slot on a cluster (`{prefix}:…`).
+    pub fn control_key(&self, prefix: &str, rest: &str) -> String {
+        match self {
+            Engine::Single(_) => format!("{prefix}:{rest}"),
+            Engine::Cluster(_) => format!("{{{prefix}}}:{rest}"),
+        }
+    }
+
+    /// The time of instance `id`'s last heartbeat as Redis holds it (its instance key on one
+    /// Redis, its score in the `instances` sorted set on a cluster).
+    pub fn heartbeat(&self, prefix: &str, id: &str) -> Option<String> {
+        let reply = match self {
+            Engine::Single(_) => self.command(&format!("GET {prefix}:instance:{id}"))?,
+            Engine::Cluster(_) => self.command(&format!("ZSCORE {{{prefix}}}:instances {id}"))?,
+        };
+        bulk_strings(&reply).into_iter().next()
+    }
+}
+
+/// Runs a scale-out test on both engines: `both_engines!(name, …)` makes the tests
+/// `name::single` and `name::cluster`, each calling `fn name(engine: Engine)` with its own
+/// freshly started Redis side.
+#[macro_export]
+macro_rules! both_engines {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn single() {
+                    super::$name($crate::common::redis::Engine::single())
+                }
+                #[test]
+                fn cluster() {
+                    super::$name($crate::common::redis::Engine::cluster())
+                }
+            }
+        )*
+    };
+}
