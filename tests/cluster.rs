@@ -218,6 +218,21 @@ fn reads_answer_the_same_on_an_instance_that_neither_ingests_nor_watches_the_dev
     assert_eq!(data.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()), Some(vec!["a".to_string()]), "{body}");
     let (status, body, _) = b.call("GET", "/lastValue/far/b", &[("sessionId", &session)], None);
     assert_eq!(status, 403, "{body}");
+    // Typed across: B renders what A holds as A renders it, byte for byte (values as the
+    // device wrote them, `2.50` and `1e2`; keys in A's order; only the granted keys).
+    let raw = br#"{"deviceId":"exact","body":{"z":2.50,"n":1e2,"s":"caf\u00e9","hidden":[1, 2]}}"#;
+    let (status, body, _) = a.call_raw("POST", "/ingest", &[ADMIN, ("content-type", "application/json")], raw);
+    assert_eq!(status, 200, "{body}");
+    for key in ["z", "n", "s"] {
+        b.grant(&session, json!({"type": "telemetry", "deviceId": "exact", "telemetryKey": key}));
+    }
+    for path in ["/lastValue/exact", "/lastValue/exact/z"] {
+        let (status, on_b, _) = b.call("GET", path, &[("sessionId", &session)], None);
+        assert_eq!(status, 200, "{on_b}");
+        let (_, on_a, _) = a.call("GET", path, &[("sessionId", &session)], None);
+        assert_eq!(on_b, on_a, "{path}: B answers from A what A answers");
+        assert!(on_b.contains("2.50") && !on_b.contains("hidden"), "{on_b}");
+    }
     // A device no instance holds answers as on one node.
     let (status, body, _) = b.call("GET", "/lastValue/nowhere", &[ADMIN], None);
     let (one_status, one_body, _) = a.call("GET", "/lastValue/nowhere", &[ADMIN], None);

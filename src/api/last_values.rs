@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::auth::viewer;
 use super::{on_device, path_device};
-use crate::app::directory::ReadKind;
+use crate::app::directory::{ReadKind, View};
 use crate::config::MAX_KEY_LEN;
 use crate::http::{Request, Response};
 use crate::hub::HubCall;
@@ -49,9 +49,19 @@ async fn read<T>(core: &Rc<Core>, viewer: Viewer, mut make: impl FnMut() -> (Dev
     Ok(answer)
 }
 
-/// What nothing here answered: with several instances, the freshest holder elsewhere.
+/// What nothing here answered: with several instances, the freshest holder elsewhere,
+/// rendered here as a read answered here is.
 async fn elsewhere(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind, what: &str, not_found: &str) -> Checked<String> {
-    core.directory().read_elsewhere(core, viewer, device, kind).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))
+    let (_, view) = core.directory().read_elsewhere(core, viewer, device, kind).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))?;
+    Ok(render(device, &view))
+}
+
+fn render(device: &str, view: &View) -> String {
+    match view {
+        View::Telemetry(v) => record::telemetry(device, v),
+        View::Twin(v) => record::twin(device, v),
+        View::Connection(v) => record::connection(device, v),
+    }
 }
 
 /// A hub 404 (unknown device) becomes our 404 with `message`; other hub errors pass unchanged.

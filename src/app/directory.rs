@@ -38,7 +38,8 @@ use std::sync::Arc;
 use crate::app::Core;
 use crate::ids::SessionId;
 use crate::model::Checked;
-use crate::shard::{ask_session, DeviceOp, SessionOp, Viewer};
+use crate::shard::{ask_session, ConnectionView, DeviceOp, SessionOp, TelemetryView, TwinView, Viewer};
+use crate::timefmt::Millis;
 
 /// What a [`Directory`] call returns: a future on the calling core.
 pub type Pending<'a, T> = Pin<Box<dyn Future<Output = Checked<T>> + 'a>>;
@@ -50,6 +51,28 @@ pub enum ReadKind {
     Telemetry(Option<Box<str>>),
     Twin,
     ConnectionState,
+}
+
+/// What another instance answers to a read, typed as the device's core here would answer it;
+/// the REST layer renders it once (`app::record`), as for a read answered here.
+#[derive(Debug, Clone, PartialEq)]
+pub enum View {
+    Telemetry(TelemetryView),
+    Twin(TwinView),
+    Connection(ConnectionView),
+}
+
+impl View {
+    /// Whether this is an answer to `kind` (an all-keys telemetry read may answer one key's
+    /// shape only when asked for that key).
+    pub fn answers(&self, kind: &ReadKind) -> bool {
+        match (self, kind) {
+            (View::Telemetry(TelemetryView::One { key, .. }), ReadKind::Telemetry(Some(asked))) => key == asked,
+            (View::Telemetry(TelemetryView::All(_)), ReadKind::Telemetry(None)) => true,
+            (View::Twin(_), ReadKind::Twin) | (View::Connection(_), ReadKind::ConnectionState) => true,
+            _ => false,
+        }
+    }
 }
 
 /// This instance among the others (`GET /status/details`).
@@ -81,9 +104,10 @@ pub trait Directory {
     fn delete_all<'a>(&'a self, core: &'a Rc<Core>) -> Pending<'a, ()>;
     /// A session-scoped batch of device operations from the REST API; false: no such session.
     fn scoped<'a>(&'a self, core: &'a Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Pending<'a, bool>;
-    /// A read that found nothing here (404): the body another instance holding the device
-    /// answers, filtered by `viewer`'s grants. `None` on one instance, or when nobody holds it.
-    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<String>>;
+    /// A read that found nothing here (404): what the freshest other instance holding the
+    /// device answers (with when its newest data was produced), filtered by `viewer`'s
+    /// grants. `None` on one instance, or when nobody holds it.
+    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<(Millis, View)>>;
     /// This instance among the others; `None` on one instance.
     fn membership(&self) -> Option<Membership>;
 }
@@ -119,7 +143,7 @@ impl Directory for Local {
         Box::pin(async move { Ok(local::scoped(core, session, register_devices, ops).await) })
     }
 
-    fn read_elsewhere<'a>(&'a self, _: &'a Rc<Core>, _: Viewer, _: &'a str, _: ReadKind) -> Pending<'a, Option<String>> {
+    fn read_elsewhere<'a>(&'a self, _: &'a Rc<Core>, _: Viewer, _: &'a str, _: ReadKind) -> Pending<'a, Option<(Millis, View)>> {
         Box::pin(async { Ok(None) })
     }
 

@@ -44,10 +44,10 @@ const READS_PENDING: usize = 4096;
 
 /// A read sent to the other instances, waiting for their answers.
 struct PendingRead {
-    reply: futures_channel::oneshot::Sender<Result<Option<String>, String>>,
+    reply: futures_channel::oneshot::Sender<Result<Option<(i64, wire::View)>, String>>,
     expected: usize,
     got: usize,
-    best: Option<(i64, String)>,
+    best: Option<(i64, wire::View)>,
     deadline: tokio::time::Instant,
 }
 
@@ -429,7 +429,7 @@ impl Link {
         let due: Vec<u64> = self.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(id, _)| *id).collect();
         for id in due {
             if let Some(read) = self.reads.remove(&id) {
-                let _ = read.reply.send(Ok(read.best.map(|(_, body)| body)));
+                let _ = read.reply.send(Ok(read.best));
             }
         }
     }
@@ -957,7 +957,7 @@ impl Link {
             Ok(()) => tokio::time::timeout(READ_DEADLINE, answer).await.ok().and_then(Result::ok).flatten(),
             Err(_) => None,
         };
-        let payload = wire::encode_answer(id, found.as_ref().map(|(newest, body)| (*newest, body.as_str())));
+        let payload = wire::encode_answer(id, found.as_ref().map(|(newest, view)| (*newest, view)));
         Some((self.key("answer", origin), payload))
     }
 
@@ -968,14 +968,14 @@ impl Link {
         };
         let Some(read) = self.reads.get_mut(&id) else { return };
         read.got += 1;
-        if let Some((newest, body)) = found {
+        if let Some((newest, view)) = found {
             if read.best.as_ref().is_none_or(|(n, _)| newest > *n) {
-                read.best = Some((newest, body));
+                read.best = Some((newest, view));
             }
         }
         if read.got >= read.expected {
             if let Some(read) = self.reads.remove(&id) {
-                let _ = read.reply.send(Ok(read.best.map(|(_, body)| body)));
+                let _ = read.reply.send(Ok(read.best));
             }
         }
     }

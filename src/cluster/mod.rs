@@ -48,9 +48,9 @@ use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
 use crate::app::relay::{CorePlugin, Relay};
 use crate::app::Core;
-use crate::app::directory::{local, Directory, Leases, Membership, Pending};
-use crate::app::record;
-use crate::shard::{ask, DeviceOp, Grants, Subscriptions, Viewer};
+use crate::app::directory::{local, Directory, Leases, Membership, Pending, View};
+use crate::shard::{ask, DeviceOp, Grants, Subscriptions, TelemetryView, Viewer};
+use crate::timefmt::Millis;
 pub use crate::app::directory::{Owned, ReadKind, StreamPlan};
 pub use wire::SharedOp;
 
@@ -90,8 +90,9 @@ pub(crate) enum Command {
     /// Graceful shutdown: checkpoint, give every lease up, leave (answered when done).
     Leave(std::sync::mpsc::Sender<()>),
     /// Ask the other instances for a device this instance holds nothing of: the freshest
-    /// holder's answer, `None` when no instance holds it.
-    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Result<Option<String>, String>> },
+    /// holder's answer (typed) and when its newest data was produced, `None` when no
+    /// instance holds it.
+    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Result<Option<(Millis, View)>, String>> },
 }
 
 pub(crate) enum Inbound {
@@ -105,8 +106,9 @@ pub(crate) enum Inbound {
     Reconnected(oneshot::Sender<()>),
     /// This core's applied marks (source partition → sequence number), for checkpoints.
     Applied(oneshot::Sender<Vec<(Box<str>, i64)>>),
-    /// Another instance's read of a device of this core: the body and how new the data is.
-    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Option<(i64, String)>> },
+    /// Another instance's read of a device of this core: the typed view (as the admin key
+    /// reads it; the asking instance filters by its session's grants) and how new the data is.
+    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Option<(Millis, View)>> },
 }
 
 /// A change to one session's access on one device (see [`Command::Mutate`]).
@@ -415,24 +417,24 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 let _ = reply.send(core.applied.borrow().iter().map(|(k, v)| (k.clone(), *v)).collect());
             }
             Inbound::Read { device, kind, reply } => {
-                // On this, the device's core: read as the admin, rendered as one node would.
+                // On this, the device's core: read as the admin, typed (the link encodes it).
                 let newest = core.devices.borrow().newest(&device);
                 let viewer = Viewer::Admin;
-                let body = match kind {
+                let view = match kind {
                     wire::ReadKind::Telemetry(key) => {
                         let asked = ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key, viewer, reply });
-                        core.ask_device(asked).await.and_then(Result::ok).map(|v| record::telemetry(&device, &v))
+                        core.ask_device(asked).await.and_then(Result::ok).map(View::Telemetry)
                     }
                     wire::ReadKind::Twin => {
                         let asked = ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
-                        core.ask_device(asked).await.and_then(Result::ok).map(|v| record::twin(&device, &v))
+                        core.ask_device(asked).await.and_then(Result::ok).map(View::Twin)
                     }
                     wire::ReadKind::ConnectionState => {
                         let asked = ask(|reply| DeviceOp::ReadConnectionState { device: device.clone(), viewer, reply });
-                        core.ask_device(asked).await.and_then(Result::ok).map(|v| record::connection(&device, &v))
+                        core.ask_device(asked).await.and_then(Result::ok).map(View::Connection)
                     }
                 };
-                let _ = reply.send(newest.zip(body));
+                let _ = reply.send(newest.zip(view));
             }
             Inbound::Reconnected(done) => {
                 let forgotten = core.devices.borrow_mut().forget_replicas();
@@ -524,7 +526,7 @@ impl Directory for Redis {
         Box::pin(scoped(&self.0, core, session, register_devices, ops))
     }
 
-    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<String>> {
+    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<(Millis, View)>> {
         Box::pin(read_elsewhere(&self.0, core, viewer, device, kind))
     }
 
@@ -686,24 +688,22 @@ async fn scoped(cluster: &Cluster, core: &Rc<Core>, session: SessionId, register
 /// A read that found nothing here (404): with Redis, the instances that hold the device are
 /// asked (the freshest answer wins), so reads answer the same on every instance. The grant
 /// was checked here; an all-keys telemetry read keeps only the keys the session's grants
-/// cover. `None` when no instance holds the device.
-async fn read_elsewhere(cluster: &Cluster, core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<Option<String>> {
+/// cover (on the typed values: nothing is parsed or rendered here). `None` when no instance
+/// holds the device, or holds nothing the session may see.
+async fn read_elsewhere(cluster: &Cluster, core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<Option<(Millis, View)>> {
     let found = cluster.call(|reply| Command::Read { device: device.into(), kind: kind.clone(), reply }).await.map_err(unavailable)?;
-    let Some(body) = found else { return Ok(None) };
-    match (viewer, kind) {
-        (Viewer::Session(session), ReadKind::Telemetry(None)) => {
-            let asked = ask(|reply| DeviceOp::ReadAccess { device: device.into(), session, reply });
-            let Some(Some((grants, _))) = core.ask_device(asked).await else { return Ok(None) };
-            let mut record: serde_json::Value =
-                serde_json::from_str(&body).map_err(|_| Rejection::new(502, "an instance answered a read with invalid JSON"))?;
-            if let Some(data) = record.get_mut("data").and_then(serde_json::Value::as_object_mut) {
-                data.retain(|k, _| grants.telemetry.contains_key(k));
-                if data.is_empty() {
-                    return Ok(None);
-                }
-            }
-            Ok(Some(record.to_string()))
-        }
-        _ => Ok(Some(body)),
+    let Some((newest, mut view)) = found else { return Ok(None) };
+    if !view.answers(&kind) {
+        tracing::warn!(device, ?kind, "another instance answered a read with data of another kind; ignored");
+        return Ok(None);
     }
+    if let (Viewer::Session(session), View::Telemetry(TelemetryView::All(values))) = (viewer, &mut view) {
+        let asked = ask(|reply| DeviceOp::ReadAccess { device: device.into(), session, reply });
+        let Some(Some((grants, _))) = core.ask_device(asked).await else { return Ok(None) };
+        values.retain(|(key, _, _)| grants.telemetry.contains_key(key));
+        if values.is_empty() {
+            return Ok(None);
+        }
+    }
+    Ok(Some((newest, view)))
 }

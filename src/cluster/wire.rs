@@ -6,9 +6,9 @@
 //! durable store's own encoding (`store::format`), so both engines keep grants alike.
 
 use crate::ids::SessionId;
-use crate::ingest::{IngestMessage, Properties, SourceKind};
+use crate::ingest::{IngestMessage, JsonText, Properties, SourceKind};
 use crate::shard::access::Access;
-use crate::shard::{Grants, Subscriptions};
+use crate::shard::{ConnectionView, Grants, Subscriptions, TelemetryView, TwinView};
 use crate::store::{format, Change, Record};
 
 const VERSION: u8 = 1;
@@ -63,6 +63,9 @@ impl<'a> Reader<'a> {
     }
     fn str(&mut self) -> Option<&'a str> {
         std::str::from_utf8(self.bytes()?).ok()
+    }
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
     }
     fn rest(&mut self) -> &'a [u8] {
         let out = &self.bytes[self.at..];
@@ -166,33 +169,129 @@ pub fn decode_read(bytes: &[u8]) -> Option<(&str, u64, Box<str>, ReadKind)> {
     Some((origin, id, device, kind))
 }
 
-/// The answer to a read: the holder's body (`None`: it holds nothing) and how new its data is.
-pub fn encode_answer(id: u64, found: Option<(i64, &str)>) -> Vec<u8> {
+/// The answer to a read: what the holder holds (`None`: nothing) and how new its data is.
+///
+/// Found byte: 0 nothing, 2 a typed view ([`encode_view`]). 1 was a rendered JSON body
+/// (hubcast before typed reads); decoded as "holds nothing usable", so a read asked during
+/// a rolling upgrade does not wait for the deadline on an older instance.
+pub fn encode_answer(id: u64, found: Option<(i64, &View)>) -> Vec<u8> {
     let mut buf = vec![VERSION];
     buf.extend_from_slice(&id.to_le_bytes());
     match found {
-        Some((newest, body)) => {
-            buf.push(1);
+        Some((newest, view)) => {
+            buf.push(2);
             buf.extend_from_slice(&newest.to_le_bytes());
-            put_str(&mut buf, body.as_bytes());
+            encode_view(&mut buf, view);
         }
         None => buf.push(0),
     }
     buf
 }
 
-pub fn decode_answer(bytes: &[u8]) -> Option<(u64, Option<(i64, String)>)> {
+pub fn decode_answer(bytes: &[u8]) -> Option<(u64, Option<(i64, View)>)> {
     let mut r = Reader { bytes, at: 0 };
     if r.u8()? != VERSION {
         return None;
     }
     let id = r.i64()? as u64;
     let found = match r.u8()? {
-        0 => None,
-        1 => Some((r.i64()?, r.str()?.to_string())),
+        0 | 1 => None,
+        2 => {
+            let newest = r.i64()?;
+            Some((newest, read_view(&mut r)?))
+        }
         _ => return None,
     };
     Some((id, found))
+}
+
+/// A read's answer, typed (defined with the session directory it is returned through).
+pub use crate::app::directory::View;
+
+const VIEW_ONE: u8 = 1;
+const VIEW_ALL: u8 = 2;
+const VIEW_TWIN: u8 = 3;
+const VIEW_CONNECTION: u8 = 4;
+
+/// Appends `view`: telemetry values as their JSON text bytes, as the device sent them (not
+/// re-serialised); a twin as its JSON text (serialised once, here).
+pub fn encode_view(buf: &mut Vec<u8>, view: &View) {
+    match view {
+        View::Telemetry(TelemetryView::One { key, json, at }) => {
+            buf.push(VIEW_ONE);
+            put_str(buf, key.as_bytes());
+            put_str(buf, json.as_str().as_bytes());
+            buf.extend_from_slice(&at.to_le_bytes());
+        }
+        View::Telemetry(TelemetryView::All(values)) => {
+            buf.push(VIEW_ALL);
+            buf.extend_from_slice(&(values.len() as u32).to_le_bytes());
+            for (key, json, at) in values {
+                put_str(buf, key.as_bytes());
+                put_str(buf, json.as_str().as_bytes());
+                buf.extend_from_slice(&at.to_le_bytes());
+            }
+        }
+        View::Twin(twin) => {
+            buf.push(VIEW_TWIN);
+            put_str(buf, twin.doc.to_string().as_bytes());
+            buf.extend_from_slice(&twin.at.to_le_bytes());
+        }
+        View::Connection(c) => {
+            buf.push(VIEW_CONNECTION);
+            buf.push(c.connected as u8);
+            buf.extend_from_slice(&c.at.to_le_bytes());
+        }
+    }
+}
+
+/// A view as [`encode_view`] wrote it, the whole of `bytes`; `None` for anything else (cut,
+/// trailing bytes, a value that is not one JSON text).
+pub fn decode_view(bytes: &[u8]) -> Option<View> {
+    let mut r = Reader { bytes, at: 0 };
+    let view = read_view(&mut r)?;
+    r.rest().is_empty().then_some(view)
+}
+
+/// One telemetry value's JSON text, checked (it is rendered into a record as it is).
+fn json_text(r: &mut Reader<'_>) -> Option<JsonText> {
+    let text = r.str()?;
+    serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
+    Some(JsonText::new(text))
+}
+
+fn read_view(r: &mut Reader<'_>) -> Option<View> {
+    Some(match r.u8()? {
+        VIEW_ONE => {
+            let key = r.str()?.into();
+            let json = json_text(r)?;
+            View::Telemetry(TelemetryView::One { key, json, at: r.i64()? })
+        }
+        VIEW_ALL => {
+            let n = r.u32()? as usize;
+            // Each value takes at least 16 bytes: never reserve more than the payload holds.
+            let mut values = Vec::with_capacity(n.min(r.remaining() / 16));
+            for _ in 0..n {
+                let key = r.str()?.into();
+                let json = json_text(r)?;
+                values.push((key, json, r.i64()?));
+            }
+            View::Telemetry(TelemetryView::All(values))
+        }
+        VIEW_TWIN => {
+            let doc = serde_json::from_str(r.str()?).ok()?;
+            View::Twin(TwinView { doc, at: r.i64()? })
+        }
+        VIEW_CONNECTION => {
+            let connected = match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            };
+            View::Connection(ConnectionView { connected, at: r.i64()? })
+        }
+        _ => return None,
+    })
 }
 
 fn source_code(s: SourceKind) -> u8 {
@@ -290,8 +389,96 @@ mod tests {
         let kind = ReadKind::Telemetry(Some("t".into()));
         let bytes = encode_read("i3", 5, "d", &kind);
         assert_eq!(decode_read(&bytes), Some(("i3", 5, "d".into(), kind)));
-        assert_eq!(decode_answer(&encode_answer(5, Some((9, "{}")))), Some((5, Some((9, "{}".to_string())))));
         assert_eq!(decode_answer(&encode_answer(6, None)), Some((6, None)));
         assert!(decode_read(&bytes[..bytes.len() - 1]).is_none());
+    }
+
+    fn views() -> Vec<View> {
+        vec![
+            View::Telemetry(TelemetryView::One { key: "t".into(), json: JsonText::new(r#"{"deep":[1,2.50,"x"]}"#), at: 1_700_000_000_123 }),
+            View::Telemetry(TelemetryView::All(vec![
+                ("a".into(), JsonText::new("1.0e3"), 5),
+                ("b\u{e9}".into(), JsonText::new(r#""caf\u00e9""#), -1),
+                ("c".into(), JsonText::new("null"), i64::MAX),
+            ])),
+            View::Telemetry(TelemetryView::All(Vec::new())),
+            View::Twin(TwinView { doc: serde_json::json!({"version": 3, "properties": {"reported": {"n": 1}}}), at: 7 }),
+            View::Connection(ConnectionView { connected: true, at: 8 }),
+            View::Connection(ConnectionView { connected: false, at: 0 }),
+        ]
+    }
+
+    /// Typed answers cross as they are: telemetry values keep their exact text (`2.50`,
+    /// `1.0e3`, escapes), and an answer cut anywhere, or with a byte more, does not decode
+    /// (and never panics).
+    #[test]
+    fn views_round_trip_byte_for_byte_and_cut_answers_are_refused() {
+        for view in views() {
+            let mut bytes = Vec::new();
+            encode_view(&mut bytes, &view);
+            assert_eq!(decode_view(&bytes).as_ref(), Some(&view));
+            for cut in 0..bytes.len() {
+                assert_eq!(decode_view(&bytes[..cut]), None, "{view:?} cut at {cut}");
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert_eq!(decode_view(&longer), None, "{view:?} with a trailing byte");
+
+            let answer = encode_answer(42, Some((99, &view)));
+            assert_eq!(decode_answer(&answer), Some((42, Some((99, view.clone())))));
+            for cut in 0..answer.len() {
+                assert!(decode_answer(&answer[..cut]).is_none(), "{view:?}: the answer cut at {cut} must not decode");
+            }
+        }
+        if let View::Telemetry(TelemetryView::One { json, .. }) = &views()[0] {
+            assert_eq!(json.as_str(), r#"{"deep":[1,2.50,"x"]}"#);
+        }
+    }
+
+    /// A value that is not JSON, a count larger than the payload, unknown tags: refused
+    /// without reserving what the count claims.
+    #[test]
+    fn views_that_lie_are_refused() {
+        let mut bad = vec![VIEW_ONE];
+        put_str(&mut bad, b"k");
+        put_str(&mut bad, b"{not json");
+        bad.extend_from_slice(&1i64.to_le_bytes());
+        assert_eq!(decode_view(&bad), None);
+        let mut huge = vec![VIEW_ALL];
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode_view(&huge), None);
+        assert_eq!(decode_view(&[VIEW_CONNECTION, 2, 0, 0, 0, 0, 0, 0, 0, 0]), None);
+        assert_eq!(decode_view(&[9]), None);
+        let mut twin = vec![VIEW_TWIN];
+        put_str(&mut twin, b"[1,");
+        twin.extend_from_slice(&0i64.to_le_bytes());
+        assert_eq!(decode_view(&twin), None);
+        // An older instance's rendered body: answered, holding nothing usable.
+        let mut old = vec![VERSION];
+        old.extend_from_slice(&3u64.to_le_bytes());
+        old.push(1);
+        old.extend_from_slice(&5i64.to_le_bytes());
+        put_str(&mut old, b"{}");
+        assert_eq!(decode_answer(&old), Some((3, None)));
+    }
+
+    /// Every byte string: the decoders answer or refuse, never panic (what a fuzzer would
+    /// find first): each prefix of every answer with each byte flipped.
+    #[test]
+    fn no_input_makes_a_decoder_panic() {
+        for view in views() {
+            let answer = encode_answer(1, Some((2, &view)));
+            for at in 0..answer.len() {
+                for flip in [0x01u8, 0x80, 0xff] {
+                    let mut b = answer.clone();
+                    b[at] ^= flip;
+                    let _ = decode_answer(&b);
+                    let _ = decode_view(&b[9.min(b.len())..]);
+                    let _ = decode_read(&b);
+                    let _ = decode_op(&b);
+                    let _ = decode_message(&b);
+                }
+            }
+        }
     }
 }
