@@ -66,6 +66,9 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "socket_queue_soft_bytes",
             "socket_queue_hard_bytes",
             "socket_linger_us",
+            "recovery_window",
+            "recovery_session_bytes",
+            "recovery_core_bytes",
         ],
     ),
     (

@@ -251,6 +251,24 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(0..=10_000))]
     pub socket_linger_us: u64,
 
+    /// Seconds a Socket.IO client that lost its connection may come back with its pid and
+    /// offset and get every event it missed (connection state recovery; Socket.IO's
+    /// `maxDisconnectionDuration`). 0: off (no pid, no offsets: today's bytes).
+    #[arg(long = "recovery-window", env = "RECOVERY_WINDOW", default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub recovery_window: u64,
+
+    /// Bytes of recovery history kept per session (frame + 40 each); also the most one replay sends.
+    #[arg(long = "recovery-session-bytes", env = "RECOVERY_SESSION_BYTES", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub recovery_session_bytes: u64,
+
+    /// Bytes of recovery history kept per core, all sessions together; beyond, the largest
+    /// histories are trimmed first (their clients then come back with `recovered` false).
+    #[arg(long = "recovery-core-bytes", env = "RECOVERY_CORE_BYTES", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
+    pub recovery_core_bytes: u64,
+
     /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
     /// senders keep a backlog, conflate telemetry and slow their sources down.
     #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,
@@ -518,6 +536,12 @@ impl Settings {
             (Some(ms), _) => Some(std::time::Duration::from_millis(ms)),
             (None, secs) => (secs > 0).then(|| std::time::Duration::from_secs(secs as u64)),
         }
+    }
+
+    /// How long a Socket.IO client may be away and still recover (`--recovery-window`);
+    /// `None`: recovery is off.
+    pub fn recovery_window(&self) -> Option<std::time::Duration> {
+        (self.config.recovery_window > 0).then(|| std::time::Duration::from_secs(self.config.recovery_window))
     }
 
     /// How long a session without activity is kept (`sessionGracePeriod`).

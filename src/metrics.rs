@@ -29,6 +29,10 @@ pub const ROUTES: [&str; 21] = [
 
 pub const SOURCES: [&str; 4] = ["Telemetry", "twinChangeEvents", "deviceConnectionStateEvents", "deviceLifecycleEvents"];
 pub const TRANSPORTS: [&str; 3] = ["websocket", "socketio_websocket", "socketio_polling"];
+/// Why a connection state recovery failed (`push::stream::Failure`, same order).
+pub const RECOVERY_FAILURES: [&str; 6] = ["window", "bound", "unknown_pid", "unknown_offset", "history_lost", "off"];
+/// Why recovery history was trimmed (`push::stream::TrimCause`, same order).
+pub const RECOVERY_TRIMS: [&str; 3] = ["window", "session_bound", "core_bound"];
 /// Index of `socketio_polling` in [`TRANSPORTS`]: no WebSocket writer of its own.
 const POLLING: usize = 2;
 
@@ -123,6 +127,13 @@ pub struct CoreMetrics {
     pub socket_writes: [Cell<u64>; TRANSPORTS.len()],
     /// WebSocket frames those writes carried (data and control), by transport.
     pub socket_frames_written: [Cell<u64>; TRANSPORTS.len()],
+    /// Connection state recovery (push/stream.rs): restores asked and made, by transport;
+    /// failed, by [`RECOVERY_FAILURES`]; frames replayed; history trimmed, by [`RECOVERY_TRIMS`].
+    pub recovery_attempts: [Cell<u64>; TRANSPORTS.len()],
+    pub recovery_succeeded: [Cell<u64>; TRANSPORTS.len()],
+    pub recovery_failed: [Cell<u64>; RECOVERY_FAILURES.len()],
+    pub recovery_replayed: Cell<u64>,
+    pub recovery_trimmed: [Cell<u64>; RECOVERY_TRIMS.len()],
 }
 
 impl CoreMetrics {
@@ -187,6 +198,11 @@ impl CoreMetrics {
             deliveries: self.deliveries.iter().map(Histogram::snapshot).collect(),
             socket_writes: self.socket_writes.iter().map(get).collect(),
             socket_frames_written: self.socket_frames_written.iter().map(get).collect(),
+            recovery_attempts: self.recovery_attempts.iter().map(get).collect(),
+            recovery_succeeded: self.recovery_succeeded.iter().map(get).collect(),
+            recovery_failed: self.recovery_failed.iter().map(get).collect(),
+            recovery_replayed: self.recovery_replayed.get(),
+            recovery_trimmed: self.recovery_trimmed.iter().map(get).collect(),
         }
     }
 }
@@ -212,6 +228,8 @@ pub struct StateCounts {
     pub timer_wakeups: u64,
     /// Socket writes held back under load (push/linger.rs).
     pub socket_writes_held: u64,
+    /// Charged bytes of the core's recovery histories (push/stream.rs).
+    pub recovery_history_bytes: u64,
 }
 
 /// A core's metrics, sent to the core answering the scrape.
@@ -229,6 +247,36 @@ pub struct Snapshot {
     pub deliveries: Vec<HistogramSnapshot>,
     pub socket_writes: Vec<u64>,
     pub socket_frames_written: Vec<u64>,
+    pub recovery_attempts: Vec<u64>,
+    pub recovery_succeeded: Vec<u64>,
+    pub recovery_failed: Vec<u64>,
+    pub recovery_replayed: u64,
+    pub recovery_trimmed: Vec<u64>,
+}
+
+/// Connection state recovery (push/stream.rs).
+fn render_recovery(out: &mut String, cores: &[Snapshot]) {
+    let sum = |pick: &dyn Fn(&Snapshot) -> u64| cores.iter().map(pick).sum::<u64>();
+    family(out, "hubcast_recovery_attempts_total", "counter", "Socket.IO CONNECTs that asked to recover a connection (pid and offset), by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate().filter(|(i, _)| *i != 0) {
+        let _ = writeln!(out, "hubcast_recovery_attempts_total{{transport=\"{t}\"}} {}", sum(&|c| c.recovery_attempts[i]));
+    }
+    family(out, "hubcast_recovery_succeeded_total", "counter", "Connections recovered: every missed event replayed, same pid answered, by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate().filter(|(i, _)| *i != 0) {
+        let _ = writeln!(out, "hubcast_recovery_succeeded_total{{transport=\"{t}\"}} {}", sum(&|c| c.recovery_succeeded[i]));
+    }
+    family(out, "hubcast_recovery_failed_total", "counter", "Recoveries refused (the client gets recovered false and live data), by reason.");
+    for (i, reason) in RECOVERY_FAILURES.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_recovery_failed_total{{reason=\"{reason}\"}} {}", sum(&|c| c.recovery_failed[i]));
+    }
+    family(out, "hubcast_recovery_replayed_frames_total", "counter", "Events replayed to recovered connections.");
+    let _ = writeln!(out, "hubcast_recovery_replayed_frames_total {}", sum(&|c| c.recovery_replayed));
+    family(out, "hubcast_recovery_history_bytes", "gauge", "Bytes of recovery history held (frame + 40 per entry), all cores (bounded per core by --recovery-core-bytes).");
+    let _ = writeln!(out, "hubcast_recovery_history_bytes {}", sum(&|c| c.state.recovery_history_bytes));
+    family(out, "hubcast_recovery_trimmed_bytes_total", "counter", "Bytes of recovery history dropped before a client asked for them, by cause.");
+    for (i, cause) in RECOVERY_TRIMS.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_recovery_trimmed_bytes_total{{cause=\"{cause}\"}} {}", sum(&|c| c.recovery_trimmed[i]));
+    }
 }
 
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.
@@ -355,6 +403,7 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
         render_histogram(&mut out, "hubcast_delivery_duration_seconds", &label, cores, |c| &c.deliveries[t]);
     }
     render_mesh(&mut out, cores);
+    render_recovery(&mut out, cores);
     let mut last = String::new();
     for (name, help, labels, value) in external {
         if *name != last {

@@ -24,7 +24,8 @@ impl Core {
     fn next_deadline(&self) -> Option<Instant> {
         let devices = self.devices.borrow().next_deadline();
         let sessions = self.sessions.borrow().next_deadline();
-        devices.into_iter().chain(sessions).min()
+        let recovery = self.recovery.next_deadline();
+        devices.into_iter().chain(sessions).chain(recovery).min()
     }
 
     /// Call after a change that may have added a deadline (telemetry held back by throttling, a
@@ -43,6 +44,7 @@ impl Core {
             self.clock.sleep(self.next_deadline()).await;
             let now = Instant::now();
             let expired = self.sessions.borrow_mut().expire(now);
+            self.expire_recovery(now);
             let mut deliveries = Vec::new();
             {
                 let mut devices = self.devices.borrow_mut();

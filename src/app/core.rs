@@ -53,6 +53,8 @@ pub struct Core {
     /// How many deliveries the last ingest batch made (at most [`DELIVERIES_RESERVE`]): the
     /// next batch's list starts that large instead of doubling its way up from empty.
     deliveries_hint: Cell<usize>,
+    /// Connection state recovery: settings, the streams' byte total and deadlines (app/recovery.rs).
+    pub recovery: crate::app::recovery::CoreRecovery,
 }
 
 /// The most deliveries an ingest batch reserves room for up front (~40 bytes each).
@@ -97,6 +99,7 @@ impl Core {
         if shared.hub.is_some() {
             devices = devices.with_hub_twins(settings.twin_cache_ttl());
         }
+        let recovery = crate::app::recovery::CoreRecovery::new(&settings);
         Rc::new(Self {
             index,
             shared,
@@ -116,6 +119,7 @@ impl Core {
             ext: Extensions::default(),
             linger,
             deliveries_hint: Cell::new(0),
+            recovery,
         })
     }
 
@@ -298,6 +302,7 @@ impl Core {
         for outlet in &record.sockets {
             outlet.close(CloseReason::disconnect(1000, why));
         }
+        self.recovery_session_gone(id);
         self.forget_session(id, record.devices);
     }
 
@@ -410,17 +415,26 @@ impl Core {
         }
     }
 
-    /// Hands deliveries to the sockets of sessions this core owns.
+    /// Hands deliveries to the sockets of sessions this core owns; a session with a recovery
+    /// stream keeps each frame there first, and its sockets get the frame's seq
+    /// (app/recovery.rs).
     pub fn deliver_local(&self, deliveries: Vec<Delivery>) {
-        let sessions = self.sessions.borrow();
+        let mut sessions = self.sessions.borrow_mut();
+        let mut now = None;
+        let mut trimmed = crate::push::stream::Trimmed::default();
         for d in &deliveries {
-            if let Some(record) = sessions.get(d.session) {
+            if let Some(record) = sessions.get_mut(d.session) {
+                let seq = self.recovery_push(record, &d.frame, &mut now, &mut trimmed);
                 for outlet in &record.sockets {
-                    if outlet.deliver(d) == Delivered::Conflated {
+                    if outlet.deliver_seq(d, seq) == Delivered::Conflated {
                         self.metrics.conflated(1);
                     }
                 }
             }
+        }
+        drop(sessions);
+        if now.is_some() {
+            self.recovery_after_batch(trimmed);
         }
         // Held socket writes wait for the core's next inbound batch (push/linger.rs).
         self.linger.inbound_applied();
@@ -445,8 +459,12 @@ impl Core {
     /// Detaches a closed socket; the session's grace period starts when its last socket goes.
     pub fn detach_socket(self: &Rc<Self>, session: SessionId, outlet_id: u64) {
         let last = {
+            let now = Instant::now();
             let mut sessions = self.sessions.borrow_mut();
-            sessions.detach_socket(session, outlet_id, Instant::now());
+            sessions.detach_socket(session, outlet_id, now);
+            if let Some(record) = sessions.get_mut(session) {
+                self.recovery_left(record, session, outlet_id, now);
+            }
             sessions.get(session).filter(|r| r.sockets.is_empty()).map(|r| r.devices.iter().cloned().collect::<Vec<_>>())
         };
         self.arm_clock();
@@ -456,7 +474,7 @@ impl Core {
     }
 
     /// Scale-out: tells the session's devices whether it has a socket on this instance.
-    fn presence(self: &Rc<Self>, session: SessionId, devices: Vec<Box<str>>, here: bool) {
+    pub(crate) fn presence(self: &Rc<Self>, session: SessionId, devices: Vec<Box<str>>, here: bool) {
         if self.relay.borrow().is_none() || devices.is_empty() {
             return;
         }
@@ -574,6 +592,7 @@ impl Core {
             mesh_conflated: self.mesh.conflated.get(),
             timer_wakeups: self.clock.wakeups.get(),
             socket_writes_held: self.linger.holds.get(),
+            recovery_history_bytes: self.recovery.total.get() as u64,
         };
         self.metrics.snapshot(state)
     }

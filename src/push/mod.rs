@@ -4,7 +4,8 @@
 //! The device's core builds each envelope once (shared by every session whose filter gives
 //! the same content) and posts per-core batches of [`Delivery`]s to the sessions' cores.
 //! There each socket has an [`outlet::Outlet`]: a bounded queue its writer task drains in
-//! coalesced writes, held back a bounded moment under load ([`linger`]).
+//! coalesced writes, held back a bounded moment under load ([`linger`]). A session with a
+//! recovery socket also keeps the [`stream`] of what it was given, for a client that comes back.
 //!
 //! It sits below the shard (`scripts/layers.toml`): the shard's fan-out produces deliveries
 //! and its sessions hold outlets; push itself knows nothing of devices, grants or sessions'
@@ -13,6 +14,7 @@
 pub mod envelope;
 pub mod linger;
 pub mod outlet;
+pub mod stream;
 
 use std::sync::Arc;
 

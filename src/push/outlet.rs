@@ -45,8 +45,9 @@ use crate::metrics::Arrival;
 /// Something for the writer to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Out {
-    /// A `data` envelope (JSON); the transport wraps it.
-    Envelope(Arc<str>),
+    /// A `data` envelope (JSON) and its seq in the session's recovery stream (0: none); the
+    /// transport wraps it, with the offset when the socket has offsets ([`Outlet::set_offsets`]).
+    Envelope(Arc<str>, u64),
     /// A transport-level text packet sent as is (Engine.IO packets).
     Packet(Box<str>),
     /// WebSocket control frames.
@@ -62,7 +63,7 @@ impl Out {
     pub fn charged_bytes(&self) -> usize {
         ITEM_OVERHEAD
             + match self {
-                Out::Envelope(frame) => frame.len(),
+                Out::Envelope(frame, _) => frame.len(),
                 Out::Packet(p) => p.len(),
                 Out::Ping => 0,
                 Out::Pong(payload) => payload.len(),
@@ -126,10 +127,20 @@ struct State {
     /// memory, and the next message reserves this much at once instead of growing the queue
     /// 4, 8, 16 … item by item.
     refill: u8,
+    /// A recovery replay ([`Outlet::start_replay`]): written before the queue, a batch per
+    /// drain. Not counted against the queue's limits (the replay is bounded by the session's
+    /// recovery bound, `--recovery-session-bytes`) and never conflated: the client asked for
+    /// all of it. Live frames queue behind it as usual.
+    replay: VecDeque<Out>,
 }
 
 /// The most items an emptied queue reserves on its next message.
 const REFILL_RESERVE: usize = 64;
+
+/// One drain of a replay takes at most this many frames ...
+const REPLAY_BATCH_FRAMES: usize = 256;
+/// ... or about this many bytes, so a long replay goes out in writes of the usual size.
+const REPLAY_BATCH_BYTES: usize = 64 * 1024;
 
 #[derive(Clone, Copy)]
 struct Slot {
@@ -143,7 +154,7 @@ impl State {
             self.queue.reserve(usize::from(self.refill));
             self.arrivals.reserve(usize::from(self.refill));
         }
-        self.urgent |= !matches!(item, Out::Envelope(_));
+        self.urgent |= !matches!(item, Out::Envelope(..));
         self.bytes += item.charged_bytes();
         self.live += 1;
         self.queue.push_back(Some(item));
@@ -189,6 +200,27 @@ impl State {
         items
     }
 
+    /// The next batch of a replay, when one is running (no close with it: the close waits
+    /// until the replay is out).
+    fn replay_batch(&mut self) -> Option<Drained> {
+        if self.replay.is_empty() {
+            return None;
+        }
+        let (mut n, mut bytes) = (0, 0);
+        for item in &self.replay {
+            if n == REPLAY_BATCH_FRAMES || (n > 0 && bytes + item.charged_bytes() > REPLAY_BATCH_BYTES) {
+                break;
+            }
+            n += 1;
+            bytes += item.charged_bytes();
+        }
+        let items = self.replay.drain(..n).collect();
+        if self.replay.is_empty() {
+            self.replay = VecDeque::new();
+        }
+        Some(Drained { items, closing: None, arrivals: Vec::new() })
+    }
+
     /// Drops the holes once they outnumber the live items (amortised O(1) per conflation).
     fn compact(&mut self) {
         let holes = self.queue.len() - self.live;
@@ -225,6 +257,9 @@ pub struct Outlet {
     held: Cell<bool>,
     /// On its core's [`Linger`](super::linger::Linger) list (so it is listed once however often it is held).
     listed: Cell<bool>,
+    /// `h1.<epoch>.`: the socket gets each envelope's offset (connection state recovery,
+    /// [`super::stream`]); `None`: no offsets.
+    offsets: RefCell<Option<Rc<str>>>,
 }
 
 /// What the writer got from one drain.
@@ -264,6 +299,7 @@ impl Outlet {
             overflowed: Cell::new(false),
             held: Cell::new(false),
             listed: Cell::new(false),
+            offsets: RefCell::new(None),
         })
     }
 
@@ -330,12 +366,18 @@ impl Outlet {
 
     /// Queues a delivery, conflating telemetry when the consumer is behind.
     pub fn deliver(&self, d: &Delivery) -> Delivered {
+        self.deliver_seq(d, 0)
+    }
+
+    /// Queues a delivery with its seq in the session's recovery stream (0: none). A conflated
+    /// frame takes the newer frame's seq: the keys it merged are older.
+    pub fn deliver_seq(&self, d: &Delivery, seq: u64) -> Delivered {
         let mut s = self.state.borrow_mut();
         if s.closing.is_some() {
             return Delivered::Dropped;
         }
         let behind = s.live >= self.limits.soft || s.bytes >= self.limits.soft_bytes;
-        let item = Out::Envelope(d.frame.clone());
+        let item = Out::Envelope(d.frame.clone(), seq);
         let mut outcome = Delivered::Queued;
         if d.kind != FrameKind::Telemetry {
             if let Some(slot) = s.slots.get_mut(&d.device) {
@@ -382,11 +424,52 @@ impl Outlet {
         outcome
     }
 
+    /// The offsets this socket's envelopes carry: `h1.<epoch>.` of its session's stream.
+    pub fn set_offsets(&self, prefix: Option<Rc<str>>) {
+        *self.offsets.borrow_mut() = prefix;
+    }
+
+    /// See [`Outlet::set_offsets`].
+    pub fn offsets(&self) -> Option<Rc<str>> {
+        self.offsets.borrow().clone()
+    }
+
+    /// Starts a recovery replay: what is queued now (the handshake's packets) goes first, then
+    /// `items`, then everything queued later. See [`State::replay`] for its bounds.
+    pub fn start_replay(&self, items: impl IntoIterator<Item = Out>) {
+        let mut s = self.state.borrow_mut();
+        if s.closing.is_some() {
+            return;
+        }
+        let before = s.take_all();
+        let replay = std::mem::take(&mut s.replay);
+        s.replay = before.into_iter().chain(replay).chain(items).collect();
+        drop(s);
+        self.held.set(false);
+        self.wake();
+    }
+
+    /// Takes the replay left and everything queued, in order (a polling socket's queue moving
+    /// to the WebSocket that upgrades it); arrivals as in [`Drained`].
+    pub fn take_everything(&self) -> Drained {
+        let mut s = self.state.borrow_mut();
+        let replay: Vec<Out> = std::mem::take(&mut s.replay).into();
+        let (items, arrivals) = s.take_all_arrived();
+        let arrivals = if arrivals.is_empty() || replay.is_empty() {
+            arrivals
+        } else {
+            std::iter::repeat_n(None, replay.len()).chain(arrivals).collect()
+        };
+        let items = if replay.is_empty() { items } else { replay.into_iter().chain(items).collect() };
+        Drained { items, closing: s.closing.clone(), arrivals }
+    }
+
     /// Asks the writer to close the socket now; what is still queued is dropped.
     pub fn close(&self, reason: CloseReason) {
         let mut s = self.state.borrow_mut();
         if s.closing.is_none() {
             drop(s.take_all());
+            s.replay = VecDeque::new();
             s.closing = Some(reason);
         }
         drop(s);
@@ -409,7 +492,7 @@ impl Outlet {
     pub async fn ready(&self) {
         poll_fn(|cx| {
             let s = self.state.borrow();
-            if s.closing.is_some() || (s.live > 0 && !self.held.get()) {
+            if s.closing.is_some() || !s.replay.is_empty() || (s.live > 0 && !self.held.get()) {
                 return Poll::Ready(());
             }
             *self.waker.borrow_mut() = Some(cx.waker().clone());
@@ -423,7 +506,7 @@ impl Outlet {
     /// held; `Some(true)`: held and to be listed on the core's [`Linger`](super::linger::Linger) (it was not yet).
     pub(super) fn hold(&self) -> Option<bool> {
         let s = self.state.borrow();
-        if s.closing.is_some() || s.live == 0 || s.urgent || s.live >= LINGER_FRAMES || s.bytes >= LINGER_BYTES {
+        if s.closing.is_some() || s.live == 0 || s.urgent || s.live >= LINGER_FRAMES || s.bytes >= LINGER_BYTES || !s.replay.is_empty() {
             return None;
         }
         self.held.set(true);
@@ -447,6 +530,9 @@ impl Outlet {
     pub async fn drain(&self) -> Drained {
         poll_fn(|cx| {
             let mut s = self.state.borrow_mut();
+            if let Some(replayed) = s.replay_batch() {
+                return Poll::Ready(replayed);
+            }
             if s.closing.is_some() || s.live > 0 {
                 let (items, arrivals) = s.take_all_arrived();
                 return Poll::Ready(Drained { items, closing: s.closing.clone(), arrivals });
@@ -460,6 +546,9 @@ impl Outlet {
     /// Takes what is queued without waiting (long-polling).
     pub fn try_drain(&self) -> Drained {
         let mut s = self.state.borrow_mut();
+        if let Some(replayed) = s.replay_batch() {
+            return replayed;
+        }
         let (items, arrivals) = s.take_all_arrived();
         Drained { items, closing: s.closing.clone(), arrivals }
     }
@@ -480,7 +569,7 @@ impl Outlet {
 /// had, so conflation drops superseded values, never a key's newest one.
 fn merged_with(older: Option<&Out>, newer: Out) -> Out {
     match (older, newer) {
-        (Some(Out::Envelope(old)), Out::Envelope(new)) => Out::Envelope(merge_telemetry(old, &new)),
+        (Some(Out::Envelope(old, _)), Out::Envelope(new, seq)) => Out::Envelope(merge_telemetry(old, &new), seq),
         (_, newer) => newer,
     }
 }
@@ -499,7 +588,7 @@ mod tests {
     }
 
     fn frames(d: Drained) -> Vec<String> {
-        d.items.iter().map(|i| match i { Out::Envelope(f) => f.to_string(), _ => unreachable!() }).collect()
+        d.items.iter().map(|i| match i { Out::Envelope(f, _) => f.to_string(), _ => unreachable!() }).collect()
     }
 
     #[test]
@@ -606,6 +695,57 @@ mod tests {
         assert_eq!(o.hold(), None);
     }
 
+    #[test]
+    fn a_replay_goes_after_what_was_queued_before_it_and_before_later_frames() {
+        let o = Outlet::new(1, limits(1, 3));
+        o.push(Out::Packet("40".into()));
+        o.start_replay((1..=600).map(|i| Out::Envelope(format!("r{i}").into(), i)));
+        assert_eq!(o.hold(), None, "a replay is never held");
+        assert_eq!(o.deliver_seq(&delivery("a", FrameKind::Telemetry, "live"), 601), Delivered::Queued);
+        let mut got = Vec::new();
+        loop {
+            let d = o.try_drain();
+            if d.items.is_empty() {
+                break;
+            }
+            assert!(d.items.len() <= REPLAY_BATCH_FRAMES);
+            assert!(d.arrivals.is_empty() || d.arrivals.len() == d.items.len());
+            got.extend(d.items);
+        }
+        assert!(!o.is_closing(), "a replay past the queue's hard limit does not close the socket");
+        assert_eq!(got.len(), 602);
+        assert_eq!(got[0], Out::Packet("40".into()));
+        let seqs: Vec<u64> = got[1..].iter().map(|i| match i { Out::Envelope(_, s) => *s, _ => 0 }).collect();
+        assert_eq!(seqs, (1..=601).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_finish_waits_for_the_replay_and_a_close_drops_it() {
+        let o = Outlet::new(1, limits(10, 100));
+        o.start_replay((1..=300).map(|i| Out::Envelope("r".into(), i)));
+        o.finish(CloseReason::new(1000, "bye"));
+        let first = o.try_drain();
+        assert!(first.closing.is_none() && first.items.len() == REPLAY_BATCH_FRAMES);
+        let second = o.try_drain();
+        assert!(second.closing.is_none() && second.items.len() == 300 - REPLAY_BATCH_FRAMES);
+        assert!(o.try_drain().closing.is_some());
+        let o = Outlet::new(2, limits(10, 100));
+        o.start_replay((1..=300).map(|i| Out::Envelope("r".into(), i)));
+        o.close(CloseReason::new(1000, "gone"));
+        let d = o.try_drain();
+        assert!(d.items.is_empty() && d.closing.is_some());
+    }
+
+    #[test]
+    fn take_everything_gives_the_replay_then_the_queue_with_aligned_arrivals() {
+        let o = Outlet::new(1, limits(10, 100));
+        o.start_replay([Out::Envelope("r".into(), 1)]);
+        o.deliver(&arrived("a", FrameKind::Message, "m", 7));
+        let d = o.take_everything();
+        assert_eq!(d.items.len(), 2);
+        assert_eq!(d.arrivals, vec![None, Some(Arrival::at(7))]);
+    }
+
     fn arrived(device: &str, kind: FrameKind, frame: &str, at: u32) -> Delivery {
         Delivery { arrived: Some(Arrival::at(at)), ..delivery(device, kind, frame) }
     }
@@ -655,7 +795,7 @@ mod tests {
             .iter()
             .zip(&d.arrivals)
             .map(|(i, a)| match i {
-                Out::Envelope(f) => (f.to_string(), a.expect("every frame has its arrival")),
+                Out::Envelope(f, _) => (f.to_string(), a.expect("every frame has its arrival")),
                 _ => unreachable!(),
             })
             .collect();

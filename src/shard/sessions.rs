@@ -22,6 +22,7 @@ use smallvec::SmallVec;
 
 use crate::ids::SessionId;
 use crate::push::outlet::Outlet;
+use crate::push::stream::SessionRecovery;
 use crate::shard::change::Change;
 
 pub struct SessionRecord {
@@ -32,6 +33,9 @@ pub struct SessionRecord {
     pub sockets: SmallVec<[Rc<Outlet>; 1]>,
     /// A socket was attached once (with a grant, in `devices`: the session is in use).
     pub had_socket: bool,
+    /// Connection state recovery: its Socket.IO pids and the stream of what it was given
+    /// (`None` until a recovery socket attaches: no cost for other sessions).
+    pub recovery: Option<Box<SessionRecovery>>,
 }
 
 impl SessionRecord {
@@ -131,7 +135,7 @@ impl SessionTable {
         if full {
             return false;
         }
-        let record = SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new(), had_socket: false };
+        let record = SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new(), had_socket: false, recovery: None };
         if self.sessions.insert(id, record).is_some() {
             self.released(1);
         }
@@ -149,6 +153,11 @@ impl SessionTable {
 
     pub fn get(&self, id: SessionId) -> Option<&SessionRecord> {
         self.sessions.get(&id)
+    }
+
+    /// The session's record to change, without marking it active (a delivery is not activity).
+    pub fn get_mut(&mut self, id: SessionId) -> Option<&mut SessionRecord> {
+        self.sessions.get_mut(&id)
     }
 
     pub fn remove(&mut self, id: SessionId) -> Option<SessionRecord> {
@@ -242,7 +251,13 @@ impl SessionTable {
         let mut added = 0;
         for (id, devices) in sessions {
             // A restored session was kept before: it counts as used (the full grace period).
-            let record = SessionRecord { last_active: now, devices: devices.into_iter().collect(), sockets: SmallVec::new(), had_socket: true };
+            let record = SessionRecord {
+                last_active: now,
+                devices: devices.into_iter().collect(),
+                sockets: SmallVec::new(),
+                had_socket: true,
+                recovery: None,
+            };
             if self.sessions.insert(id, record).is_none() {
                 added += 1;
             }

@@ -553,7 +553,7 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         }
         let drained = conn.outlet.try_drain();
         let metrics = &conn.core.metrics;
-        let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
+        let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(..))).count();
         metrics.messages_out(conn.transport(), envelopes as u64);
         if buf.capacity() == 0 {
             buf = write_pool::take();
@@ -561,8 +561,10 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         buf.clear();
         // Every frame fits in its item's charged bytes (payload + 32), a close in 160 more: one
         // allocation at most, no regrowth frame by frame.
+        // (An offset adds at most 28 bytes: within the 32 as well.)
         buf.reserve(drained.items.iter().map(Out::charged_bytes).sum::<usize>() + 160);
-        let mut frames = encode(&conn.kind, &drained.items, &mut buf);
+        let offsets = conn.outlet.offsets();
+        let mut frames = encode(&conn.kind, &drained.items, offsets.as_deref(), &mut buf);
         if let Some(reason) = &drained.closing {
             if reason.server_disconnect && conn.attached.get() && matches!(conn.kind, SocketKind::SocketIo { .. }) {
                 // Socket.IO DISCONNECT: the client reports "io server disconnect".
@@ -653,8 +655,10 @@ mod write_pool {
 /// One frame per item, except on a batching plain socket (`/ws?batch=1`), where each run of
 /// envelopes becomes JSON-array frames of at most [`BATCH_FRAME_BYTES`] payload (a bigger
 /// envelope alone). A control frame (ping, pong) between envelopes ends the array before it,
-/// so frames leave in queue order.
-fn encode(kind: &SocketKind, items: &[Out], buf: &mut Vec<u8>) -> u64 {
+/// so frames leave in queue order. With `offsets` (`h1.<epoch>.`, connection state recovery)
+/// a Socket.IO event carries its envelope's offset as its last argument:
+/// `42["data",<envelope>,"h1.<epoch>.<seq>"]`.
+fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec<u8>) -> u64 {
     let batch = matches!(kind, SocketKind::Plain { batch: true });
     let mut frames = 0;
     // The batch being gathered: its envelopes and its payload length so far.
@@ -662,7 +666,7 @@ fn encode(kind: &SocketKind, items: &[Out], buf: &mut Vec<u8>) -> u64 {
     let mut run_len = 0;
     for item in items {
         match (kind, item) {
-            (SocketKind::Plain { .. }, Out::Envelope(e)) if batch => {
+            (SocketKind::Plain { .. }, Out::Envelope(e, _)) if batch => {
                 let added = e.len() + 1; // the envelope and its `[` or `,`
                 if !run.is_empty() && run_len + added + 1 > BATCH_FRAME_BYTES {
                     frames += frame::write_text_array(buf, &run, run_len + 1);
@@ -682,10 +686,16 @@ fn encode(kind: &SocketKind, items: &[Out], buf: &mut Vec<u8>) -> u64 {
         }
         frames += 1;
         match (kind, item) {
-            (SocketKind::Plain { .. }, Out::Envelope(e)) => frame::write_text(buf, &[e.as_bytes()]),
-            (SocketKind::SocketIo { .. }, Out::Envelope(e)) => {
-                frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), b"]"])
-            }
+            (SocketKind::Plain { .. }, Out::Envelope(e, _)) => frame::write_text(buf, &[e.as_bytes()]),
+            (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
+                Some(prefix) => {
+                    let seq = crate::push::stream::Base36::new(*seq);
+                    let parts: [&[u8]; 6] =
+                        [socketio::EVENT_PREFIX, e.as_bytes(), b",\"", prefix.as_bytes(), seq.as_bytes(), b"\"]"];
+                    frame::write_text(buf, &parts)
+                }
+                None => frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), b"]"]),
+            },
             (_, Out::Packet(p)) => frame::write_text(buf, &[p.as_bytes()]),
             (_, Out::Ping) => frame::write_ping(buf),
             (_, Out::Pong(payload)) => frame::write_pong(buf, payload),
@@ -733,14 +743,14 @@ mod tests {
     }
 
     fn env(body: &str) -> Out {
-        Out::Envelope(Arc::from(format!("{{\"v\":\"{body}\"}}")))
+        Out::Envelope(Arc::from(format!("{{\"v\":\"{body}\"}}")), 0)
     }
 
     #[test]
     fn a_batching_socket_gets_runs_of_envelopes_as_arrays_in_queue_order() {
         let items = [env("a"), env("b"), env("c"), Out::Ping, env("d"), Out::Pong(b"p".to_vec()), env("e")];
         let mut buf = Vec::new();
-        let n = encode(&SocketKind::Plain { batch: true }, &items, &mut buf);
+        let n = encode(&SocketKind::Plain { batch: true }, &items, None, &mut buf);
         let got = frames(&buf);
         assert_eq!(n as usize, got.len());
         let texts: Vec<&str> = got.iter().map(|(_, p)| p.as_str()).collect();
@@ -753,7 +763,7 @@ mod tests {
         let (small, big) = ("x".repeat(30_000), "y".repeat(BATCH_FRAME_BYTES + 10));
         let items = [env(&small), env(&small), env(&small), env(&big), env(&small), env(&small)];
         let mut buf = Vec::new();
-        let n = encode(&SocketKind::Plain { batch: true }, &items, &mut buf);
+        let n = encode(&SocketKind::Plain { batch: true }, &items, None, &mut buf);
         let got = frames(&buf);
         let sizes: Vec<usize> = got
             .iter()
@@ -767,11 +777,27 @@ mod tests {
     }
 
     #[test]
+    fn a_socketio_event_carries_its_offset_as_its_last_argument_only_with_offsets() {
+        let items = [Out::Envelope(Arc::from("{\"v\":1}"), 36 * 36 + 1), Out::Envelope(Arc::from("{\"v\":2}"), 0)];
+        let kind = SocketKind::SocketIo { upgrade_sid: None };
+        let mut buf = Vec::new();
+        encode(&kind, &items, Some("h1.k3f."), &mut buf);
+        let got: Vec<String> = frames(&buf).into_iter().map(|(_, p)| p).collect();
+        assert_eq!(got, [r#"42["data",{"v":1},"h1.k3f.101"]"#, r#"42["data",{"v":2}]"#]);
+        let mut buf = Vec::new();
+        encode(&kind, &items, None, &mut buf);
+        assert_eq!(frames(&buf)[0].1, r#"42["data",{"v":1}]"#, "no offsets: today's bytes");
+        let mut buf = Vec::new();
+        encode(&SocketKind::Plain { batch: false }, &items, Some("h1.k3f."), &mut buf);
+        assert_eq!(frames(&buf)[0].1, r#"{"v":1}"#, "a plain socket is unchanged");
+    }
+
+    #[test]
     fn without_batch_every_envelope_is_its_own_frame() {
         let items = [env("a"), env("b"), Out::Ping];
         for kind in [SocketKind::Plain { batch: false }, SocketKind::SocketIo { upgrade_sid: None }] {
             let mut buf = Vec::new();
-            assert_eq!(encode(&kind, &items, &mut buf), 3);
+            assert_eq!(encode(&kind, &items, None, &mut buf), 3);
             let got = frames(&buf);
             assert_eq!(got.len(), 3);
             assert!(got[0].1.ends_with(r#"{"v":"a"}"#) || got[0].1.ends_with(r#"{"v":"a"}]"#), "{}", got[0].1);

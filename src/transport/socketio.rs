@@ -48,28 +48,73 @@ pub fn greet_websocket(conn: &Conn, upgrade_sid: Option<&str>) -> bool {
     true
 }
 
+/// The pid and offset of a CONNECT's auth object (`{"pid":…,"offset":…}`, what
+/// socket.io-client ≥ 4.6 sends when it reconnects after a server gave it a pid). A pid with no
+/// offset (no event reached the client) restores from where the pid began.
+fn restore_request(auth: &str) -> Option<(String, Option<String>)> {
+    let auth: serde_json::Value = serde_json::from_str(auth).ok()?;
+    let pid = auth.get("pid")?.as_str()?.to_string();
+    let offset = auth.get("offset").and_then(|o| o.as_str()).map(str::to_string);
+    Some((pid, offset))
+}
+
 /// The reply to a Socket.IO CONNECT (without the Engine.IO `4`): an ack after attaching the
-/// socket to its session, or an error for a bad namespace or an unknown session.
+/// socket to its session, or an error for a bad namespace or an unknown session; and the
+/// frames to replay after it when the CONNECT recovered a connection (connection state
+/// recovery: `40{"sid","pid"}` with the pid the client sent, then what it missed).
+/// `transport` indexes `metrics::TRANSPORTS`.
 pub fn connect_reply(
     core: &Rc<Core>,
     session: Option<SessionId>,
     outlet: &Rc<Outlet>,
     attached: &Cell<bool>,
     packet: &str,
-) -> (String, bool) {
+    transport: usize,
+) -> (String, bool, Vec<Out>) {
     // `0` + optional namespace (`/nsp,`) + optional auth JSON.
     let rest = &packet[1..];
     if rest.starts_with('/') && !rest.starts_with("/,") && rest != "/" {
         let nsp = rest.split(',').next().unwrap_or(rest);
-        return (format!("4{nsp},{}", json!({"message": "Invalid namespace"})), false);
-    }
-    if !attached.get() {
-        attached.set(session.is_some_and(|s| core.attach_socket(s, outlet.clone())));
+        return (format!("4{nsp},{}", json!({"message": "Invalid namespace"})), false, Vec::new());
     }
     if attached.get() {
-        (format!("0{}", json!({"sid": random_token(15)})), true)
-    } else {
-        (format!("4{}", json!({"message": "unknown or expired session: open a new one with POST /session"})), false)
+        return (format!("0{}", json!({"sid": random_token(15)})), true, Vec::new());
+    }
+    let auth = rest.strip_prefix("/,").unwrap_or(rest);
+    let restore = restore_request(auth);
+    let restore = restore.as_ref().map(|(pid, offset)| (pid.as_str(), offset.as_deref()));
+    let connected = session.and_then(|s| core.attach_socketio(s, outlet, restore, transport));
+    attached.set(connected.is_some());
+    if connected.is_none() && restore.is_some() {
+        // Its session is gone (deleted or expired meanwhile): so are its pids.
+        core.recovery_session_unknown(transport);
+    }
+    match connected {
+        Some(c) => {
+            let answer = match &c.pid {
+                Some(pid) => json!({"sid": c.sid, "pid": pid}),
+                None => json!({"sid": c.sid}),
+            };
+            let replay = c.replay.into_iter().map(|(frame, seq)| Out::Envelope(frame, seq)).collect();
+            (format!("0{answer}"), true, replay)
+        }
+        None => (
+            format!("4{}", json!({"message": "unknown or expired session: open a new one with POST /session"})),
+            false,
+            Vec::new(),
+        ),
+    }
+}
+
+/// Queues the answer to a CONNECT and, after it, the replay of a recovered connection; a
+/// refused CONNECT closes the socket once its answer is out.
+pub fn answer_connect(outlet: &Outlet, (reply, ok, replay): (String, bool, Vec<Out>)) {
+    outlet.push(Out::Packet(format!("4{reply}").into()));
+    if !replay.is_empty() {
+        outlet.start_replay(replay);
+    }
+    if !ok {
+        outlet.finish(CloseReason::new(1000, "connection refused"));
     }
 }
 
@@ -144,11 +189,8 @@ pub fn on_websocket_text(conn: &Conn, text: &str) {
         ClientPacket::Pong | ClientPacket::Noop | ClientPacket::Other => {}
         ClientPacket::Close => conn.outlet.close(CloseReason::new(1000, "client closed")),
         ClientPacket::Connect(packet) => {
-            let (reply, ok) = connect_reply(&conn.core, conn.session, &conn.outlet, &conn.attached, packet);
-            conn.outlet.push(Out::Packet(format!("4{reply}").into()));
-            if !ok {
-                conn.outlet.finish(CloseReason::new(1000, "connection refused"));
-            }
+            let answer = connect_reply(&conn.core, conn.session, &conn.outlet, &conn.attached, packet, 1);
+            answer_connect(&conn.outlet, answer);
         }
         ClientPacket::Disconnect => conn.outlet.finish(CloseReason::new(1000, "client disconnected")),
     }
@@ -172,6 +214,16 @@ mod tests {
         assert!(!allowed_before_connect(ClientPacket::Probe, false));
         assert!(allowed_before_connect(ClientPacket::Probe, true));
         assert!(!allowed_before_connect(ClientPacket::Other, true));
+    }
+
+    #[test]
+    fn a_connect_names_a_restore_only_with_a_string_pid() {
+        assert_eq!(restore_request(r#"{"pid":"p","offset":"h1.1.2"}"#), Some(("p".into(), Some("h1.1.2".into()))));
+        assert_eq!(restore_request(r#"{"pid":"p","token":"x"}"#), Some(("p".into(), None)));
+        assert_eq!(restore_request(r#"{"pid":"p","offset":3}"#), Some(("p".into(), None)));
+        for none in ["", "{}", r#"{"pid":1,"offset":"o"}"#, "[]", "not json", r#"{"offset":"h1.1.2"}"#] {
+            assert_eq!(restore_request(none), None, "{none:?}");
+        }
     }
 
     /// Arbitrary input never panics, and every packet it accepts starts with a packet type.

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures_channel::oneshot;
 use serde_json::json;
 
-use super::socketio::{allowed_before_connect, connect_reply, open_packet, parse_client_packet, ClientPacket, MAX_PAYLOAD};
+use super::socketio::{allowed_before_connect, answer_connect, connect_reply, open_packet, parse_client_packet, ClientPacket, MAX_PAYLOAD};
 use super::{limits, Conn, NEXT_SOCKET_ID};
 use crate::http::{ConnectionSlot, Request, Response};
 use crate::ids::{random_token, SessionId};
@@ -235,15 +235,12 @@ fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response
             ClientPacket::Close => close(core, socket, CloseReason::new(1000, "client closed")),
             ClientPacket::Connect(sio) => {
                 let was_pending = !socket.attached.get();
-                let (reply, ok) = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio);
+                let answer = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio, POLLING);
                 if was_pending && socket.attached.get() {
                     let registry = polling(core);
                     registry.pending.set(registry.pending.get() - 1);
                 }
-                socket.outlet.push(Out::Packet(format!("4{reply}").into()));
-                if !ok {
-                    socket.outlet.finish(CloseReason::new(1000, "connection refused"));
-                }
+                answer_connect(&socket.outlet, answer);
             }
             ClientPacket::Disconnect => close(core, socket, CloseReason::new(1000, "client disconnected")),
             _ => {}
@@ -264,19 +261,27 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
     let drained = monoio::time::timeout(wait, socket.outlet.drain()).await;
     socket.poll_active.set(false);
     let Ok(drained) = drained else { return text("6") };
-    let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(_))).count();
+    let envelopes = drained.items.iter().filter(|i| matches!(i, Out::Envelope(..))).count();
     core.metrics.messages_out(POLLING, envelopes as u64);
     // Observed when the answer is handed to the HTTP writer (its write is not tracked here).
     core.metrics.delivered(POLLING, drained.arrived());
     let mut body = Vec::new();
+    let offsets = socket.outlet.offsets();
     for item in &drained.items {
         if !body.is_empty() {
             body.push(RECORD_SEPARATOR);
         }
         match item {
-            Out::Envelope(frame) => {
+            Out::Envelope(frame, seq) => {
                 body.extend_from_slice(super::socketio::EVENT_PREFIX);
                 body.extend_from_slice(frame.as_bytes());
+                // The offset as the event's last argument (connection state recovery).
+                if let Some(prefix) = offsets.as_deref().filter(|_| *seq > 0) {
+                    body.extend_from_slice(b",\"");
+                    body.extend_from_slice(prefix.as_bytes());
+                    body.extend_from_slice(crate::push::stream::Base36::new(*seq).as_bytes());
+                    body.push(b'"');
+                }
                 body.push(b']');
             }
             Out::Packet(p) => body.extend_from_slice(p.as_bytes()),
@@ -398,8 +403,9 @@ pub fn complete_upgrade(conn: &Conn) {
     let removed = polling(&conn.core).sessions.borrow_mut().remove(&*sid);
     let Some(socket) = removed else { return };
     released(&conn.core, &socket);
-    // Whatever the polling side still held goes out on the WebSocket, in order.
-    let drained = socket.outlet.try_drain();
+    // Whatever the polling side still held (a replay's rest included) goes out on the
+    // WebSocket, in order.
+    let drained = socket.outlet.take_everything();
     let arrivals = drained.arrivals.into_iter().chain(std::iter::repeat(None));
     for (item, arrived) in drained.items.into_iter().zip(arrivals) {
         if item != Out::Packet("6".into()) {
@@ -409,6 +415,8 @@ pub fn complete_upgrade(conn: &Conn) {
     socket.outlet.close(CloseReason::new(1000, "upgraded"));
     if socket.attached.get() {
         if let Some(s) = socket.session {
+            // The Socket.IO socket is the same: its pid and offsets move to the WebSocket.
+            conn.core.recovery_moved(s, &socket.outlet, &conn.outlet);
             conn.core.detach_socket(s, socket.outlet.id);
         }
         conn.attach();

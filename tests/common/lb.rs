@@ -55,3 +55,107 @@ fn pipe(mut from: TcpStream, mut to: TcpStream) {
         let _ = from.shutdown(Shutdown::Read);
     });
 }
+
+/// A TCP proxy to one backend that can cut its clients off the network (connection state
+/// recovery tests): [`Cutter::cut`] closes every proxied connection both ways, as a network
+/// that drops them (each side sees its peer go); [`Cutter::hold`] makes new connections fail
+/// (accepted and closed at once, so a client's reconnects fail fast) until [`Cutter::release`].
+/// Tests wait on its counters ([`Cutter::refused`], [`Cutter::live`]), never on time.
+pub struct Cutter {
+    pub port: u16,
+    state: Arc<CutState>,
+}
+
+#[derive(Default)]
+struct CutState {
+    holding: std::sync::atomic::AtomicBool,
+    /// Both ends of each proxied connection (clones), to cut them.
+    conns: std::sync::Mutex<Vec<(TcpStream, TcpStream)>>,
+    accepted: AtomicUsize,
+    refused: AtomicUsize,
+}
+
+impl Cutter {
+    pub fn start(backend: u16) -> Cutter {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a free port");
+        let port = listener.local_addr().unwrap().port();
+        let state = Arc::new(CutState::default());
+        let st = state.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if st.holding.load(Ordering::SeqCst) {
+                    st.refused.fetch_add(1, Ordering::SeqCst);
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(("127.0.0.1", backend)) else {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                {
+                    // Checked again under the lock `cut` takes: a connection accepted while
+                    // a cut runs is cut too, never left open behind it.
+                    let mut conns = st.conns.lock().unwrap();
+                    if st.holding.load(Ordering::SeqCst) {
+                        st.refused.fetch_add(1, Ordering::SeqCst);
+                        let _ = client.shutdown(Shutdown::Both);
+                        let _ = server.shutdown(Shutdown::Both);
+                        continue;
+                    }
+                    conns.push((client.try_clone().unwrap(), server.try_clone().unwrap()));
+                }
+                st.accepted.fetch_add(1, Ordering::SeqCst);
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
+                pipe(server, client);
+            }
+        });
+        Cutter { port, state }
+    }
+
+    pub fn base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Refuses new connections until [`Cutter::release`].
+    pub fn hold(&self) {
+        self.state.holding.store(true, Ordering::SeqCst);
+    }
+
+    pub fn release(&self) {
+        self.state.holding.store(false, Ordering::SeqCst);
+    }
+
+    /// Holds, then closes every connection proxied so far, both ways.
+    pub fn cut(&self) {
+        self.hold();
+        for (client, server) in self.state.conns.lock().unwrap().drain(..) {
+            let _ = client.shutdown(Shutdown::Both);
+            let _ = server.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Connections refused while held.
+    pub fn refused(&self) -> usize {
+        self.state.refused.load(Ordering::SeqCst)
+    }
+
+    /// Connections proxied since start.
+    pub fn accepted(&self) -> usize {
+        self.state.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `pred(self)` holds; false after `timeout`.
+    pub fn wait(&self, timeout: std::time::Duration, pred: impl Fn(&Cutter) -> bool) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while !pred(self) {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        true
+    }
+}

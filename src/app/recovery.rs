@@ -1,0 +1,377 @@
+//! Connection state recovery on a session's core (docs/design/recovery.md): pids for
+//! Socket.IO sockets, the restore of a CONNECT with `{pid, offset}`, the streams' bounds and
+//! their expiry. The stream and its rules are in `push/stream.rs`; this is where they meet
+//! the session table, the clock and the metrics.
+//!
+//! Everything runs on the session's core, synchronously: a restore takes the frames after the
+//! client's offset and attaches the socket in one step, so no live delivery can slip between
+//! the replay and the queue (live frames get later seqs and wait behind the replay).
+//!
+//! Bounds: each stream by age and `--recovery-session-bytes` (push/stream.rs); all streams of
+//! the core by `--recovery-core-bytes`: when a delivery batch leaves the core's total above it,
+//! the largest streams are trimmed from the front until the total is 7/8 of the bound (so the
+//! scan over streamed sessions runs once per eighth of the bound, not per delivery). A pid away
+//! longer than the window has its stream dropped by the core's clock ([`Core::expire_recovery`]).
+
+use std::cell::{Cell, RefCell};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hashbrown::HashSet;
+
+use crate::app::Core;
+use crate::ids::SessionId;
+use crate::push::outlet::{CloseReason, Outlet};
+use crate::push::stream::{Failure, TrimCause, Trimmed};
+
+/// How often the core bound's trim is logged at `info` per core.
+const BOUND_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// A core's recovery settings and bookkeeping.
+pub struct CoreRecovery {
+    /// `None`: recovery is off (`--recovery-window 0`).
+    pub window: Option<Duration>,
+    pub session_bytes: usize,
+    pub core_bytes: usize,
+    /// Charged bytes of every stream of this core (kept by the streams themselves).
+    pub total: Rc<Cell<usize>>,
+    /// Sessions of this core that have a stream (what the core bound's trim looks at).
+    streamed: RefCell<HashSet<SessionId>>,
+    /// When a session's stream may go (its last pid left a window before); stale entries are
+    /// skipped when they come up.
+    deadlines: RefCell<BinaryHeap<Reverse<(Instant, SessionId)>>>,
+    last_bound_log: Cell<Option<Instant>>,
+}
+
+impl CoreRecovery {
+    pub fn new(settings: &crate::config::Settings) -> Self {
+        let c = &settings.config;
+        Self {
+            window: settings.recovery_window(),
+            session_bytes: c.recovery_session_bytes as usize,
+            core_bytes: c.recovery_core_bytes as usize,
+            total: Rc::default(),
+            streamed: RefCell::default(),
+            deadlines: RefCell::default(),
+            last_bound_log: Cell::new(None),
+        }
+    }
+
+    /// The earliest stream deadline (possibly stale).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.borrow().peek().map(|Reverse((at, _))| *at)
+    }
+}
+
+/// What a Socket.IO CONNECT on a known session gets.
+pub struct SocketIoAttached {
+    /// The Socket.IO sid to answer (a recovered socket keeps its old one).
+    pub sid: Box<str>,
+    /// The pid to answer; `None` when recovery is off.
+    pub pid: Option<Box<str>>,
+    /// The pid the client sent is the one answered: `socket.recovered` is true.
+    pub recovered: bool,
+    /// The frames to replay after the CONNECT answer, in order, with their seqs.
+    pub replay: Vec<(Arc<str>, u64)>,
+}
+
+impl Core {
+    /// Attaches a Socket.IO socket to its session (on the session's core) with connection
+    /// state recovery: a new pid, or the restore of `restore = (pid, offset)`. `None` for an
+    /// unknown or expired session. `transport` indexes `metrics::TRANSPORTS`.
+    pub fn attach_socketio(
+        self: &Rc<Self>,
+        session: SessionId,
+        outlet: &Rc<Outlet>,
+        restore: Option<(&str, Option<&str>)>,
+        transport: usize,
+    ) -> Option<SocketIoAttached> {
+        let Some(window) = self.recovery.window else {
+            if !self.attach_socket(session, outlet.clone()) {
+                return None;
+            }
+            if restore.is_some() {
+                self.recovery_failed(session, transport, Failure::Off);
+            }
+            return Some(SocketIoAttached {
+                sid: crate::ids::random_token(15).into(),
+                pid: None,
+                recovered: false,
+                replay: Vec::new(),
+            });
+        };
+        let now = Instant::now();
+        let (attached, displaced, first) = {
+            let mut sessions = self.sessions.borrow_mut();
+            let record = sessions.touch(session, now)?;
+            let recovery = record.recovery.get_or_insert_with(Default::default);
+            if recovery.stream.is_none() {
+                self.recovery.streamed.borrow_mut().insert(session);
+            }
+            let stream = recovery.stream_or_new(&self.recovery.total, now);
+            stream.trim_age(now, window, &mut Trimmed::default());
+            let prefix = stream.prefix().clone();
+            let restored = restore
+                .map(|(pid, offset)| (pid, recovery.restore(pid, offset, outlet.id, now, window)));
+            let (attached, displaced) = match restored {
+                Some((pid, Ok(r))) => (
+                    Ok(SocketIoAttached {
+                        sid: r.sid,
+                        pid: Some(pid.into()),
+                        recovered: true,
+                        replay: r.frames,
+                    }),
+                    r.displaced,
+                ),
+                failed_or_fresh => {
+                    let (sid, pid) = recovery.issue(outlet.id, now);
+                    let fresh = SocketIoAttached {
+                        sid,
+                        pid: Some(pid),
+                        recovered: false,
+                        replay: Vec::new(),
+                    };
+                    match failed_or_fresh {
+                        Some((_, Err(failure))) => (Err((failure, fresh)), None),
+                        _ => (Ok(fresh), None),
+                    }
+                }
+            };
+            outlet.set_offsets(Some(prefix));
+            record.sockets.push(outlet.clone());
+            record.had_socket = true;
+            let displaced =
+                displaced.and_then(|id| record.sockets.iter().find(|o| o.id == id).cloned());
+            let first = (record.sockets.len() == 1)
+                .then(|| record.devices.iter().cloned().collect::<Vec<_>>());
+            (attached, displaced, first)
+        };
+        if let Some(old) = displaced {
+            old.close(CloseReason::new(1000, "replaced by a recovered connection"));
+        }
+        if let Some(devices) = first {
+            self.presence(session, devices, true);
+        }
+        let attached = match attached {
+            Ok(a) => {
+                if restore.is_some() {
+                    let m = &self.metrics;
+                    m.recovery_attempts[transport].set(m.recovery_attempts[transport].get() + 1);
+                    m.recovery_succeeded[transport].set(m.recovery_succeeded[transport].get() + 1);
+                    m.recovery_replayed
+                        .set(m.recovery_replayed.get() + a.replay.len() as u64);
+                    tracing::debug!(session = %session, replayed = a.replay.len(), "connection recovered");
+                }
+                a
+            }
+            Err((failure, a)) => {
+                self.recovery_failed(session, transport, failure);
+                a
+            }
+        };
+        Some(attached)
+    }
+
+    /// A CONNECT asked to recover on a session that is gone: `unknown_pid` (`off` when
+    /// recovery is off).
+    pub fn recovery_session_unknown(&self, transport: usize) {
+        let failure = if self.recovery.window.is_some() {
+            Failure::UnknownPid
+        } else {
+            Failure::Off
+        };
+        let m = &self.metrics;
+        m.recovery_attempts[transport].set(m.recovery_attempts[transport].get() + 1);
+        m.recovery_failed[failure.index()].set(m.recovery_failed[failure.index()].get() + 1);
+        tracing::debug!(
+            reason = failure.as_str(),
+            "connection not recovered: unknown or expired session"
+        );
+    }
+
+    fn recovery_failed(&self, session: SessionId, transport: usize, failure: Failure) {
+        let m = &self.metrics;
+        m.recovery_attempts[transport].set(m.recovery_attempts[transport].get() + 1);
+        let i = failure.index();
+        m.recovery_failed[i].set(m.recovery_failed[i].get() + 1);
+        tracing::debug!(session = %session, reason = failure.as_str(), "connection not recovered");
+    }
+
+    /// A socket left its session (called with the table borrowed): its pid is away from now,
+    /// and the stream's deadline is set.
+    pub(crate) fn recovery_left(
+        &self,
+        record: &mut crate::shard::sessions::SessionRecord,
+        session: SessionId,
+        outlet_id: u64,
+        now: Instant,
+    ) {
+        let (Some(window), Some(recovery)) = (self.recovery.window, record.recovery.as_deref_mut())
+        else {
+            return;
+        };
+        if recovery.left(outlet_id, now) {
+            if let Some(at) = recovery.stream_deadline(window) {
+                self.recovery
+                    .deadlines
+                    .borrow_mut()
+                    .push(Reverse((at, session)));
+            }
+        }
+    }
+
+    /// A polling socket became a WebSocket: its pid and offsets move with it.
+    pub fn recovery_moved(&self, session: SessionId, old: &Outlet, new: &Outlet) {
+        let mut sessions = self.sessions.borrow_mut();
+        if let Some(recovery) = sessions
+            .get_mut(session)
+            .and_then(|r| r.recovery.as_deref_mut())
+        {
+            recovery.moved(old.id, new.id);
+        }
+        new.set_offsets(old.offsets());
+    }
+
+    /// The recovery step of a delivery to a session with a stream: its seq (0: no stream).
+    #[inline]
+    pub(crate) fn recovery_push(
+        &self,
+        record: &mut crate::shard::sessions::SessionRecord,
+        frame: &Arc<str>,
+        now: &mut Option<Instant>,
+        trimmed: &mut Trimmed,
+    ) -> u64 {
+        let Some(stream) = record
+            .recovery
+            .as_deref_mut()
+            .and_then(|r| r.stream.as_mut())
+        else {
+            return 0;
+        };
+        let now = *now.get_or_insert_with(Instant::now);
+        let window = self.recovery.window.unwrap_or_default();
+        stream.push(frame, now, window, self.recovery.session_bytes, trimmed)
+    }
+
+    /// After a delivery batch: count what was trimmed, and hold the core bound.
+    pub(crate) fn recovery_after_batch(&self, trimmed: Trimmed) {
+        self.count_trimmed(trimmed);
+        if self.recovery.total.get() > self.recovery.core_bytes {
+            self.trim_to_core_bound();
+        }
+    }
+
+    fn count_trimmed(&self, trimmed: Trimmed) {
+        if trimmed.is_empty() {
+            return;
+        }
+        for cause in TrimCause::ALL {
+            let c = &self.metrics.recovery_trimmed[cause.index()];
+            c.set(c.get() + trimmed.0[cause.index()] as u64);
+        }
+    }
+
+    /// Trims the largest streams until the core's total is 7/8 of `--recovery-core-bytes`.
+    fn trim_to_core_bound(&self) {
+        let bound = self.recovery.core_bytes;
+        let target = bound - bound / 8;
+        let before = self.recovery.total.get();
+        let mut sessions = self.sessions.borrow_mut();
+        let mut streamed = self.recovery.streamed.borrow_mut();
+        let mut sizes: Vec<(usize, SessionId)> = Vec::with_capacity(streamed.len());
+        streamed.retain(|id| {
+            let size = sessions
+                .get(*id)
+                .and_then(|r| r.recovery.as_ref())
+                .and_then(|r| r.stream.as_ref())
+                .map(|s| s.bytes());
+            if let Some(size) = size {
+                sizes.push((size, *id));
+            }
+            size.is_some()
+        });
+        // Largest first, each cut by what is still over: a few histories lose their past, the
+        // others keep all of theirs (cutting every one a little would fail every recovery).
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let mut freed = 0;
+        for (size, id) in sizes {
+            let over = self.recovery.total.get().saturating_sub(target);
+            if over == 0 {
+                break;
+            }
+            if let Some(stream) = sessions
+                .get_mut(id)
+                .and_then(|r| r.recovery.as_deref_mut())
+                .and_then(|r| r.stream.as_mut())
+            {
+                freed += stream.trim_to(size.saturating_sub(over), TrimCause::CoreBound);
+            }
+        }
+        drop((sessions, streamed));
+        let mut trimmed = Trimmed::default();
+        trimmed.0[TrimCause::CoreBound.index()] = freed;
+        self.count_trimmed(trimmed);
+        let now = Instant::now();
+        if self
+            .recovery
+            .last_bound_log
+            .get()
+            .is_none_or(|at| now.duration_since(at) >= BOUND_LOG_EVERY)
+        {
+            self.recovery.last_bound_log.set(Some(now));
+            tracing::info!(
+                core = self.index,
+                before,
+                after = self.recovery.total.get(),
+                bound,
+                "recovery history over its core bound: largest histories trimmed"
+            );
+        }
+    }
+
+    /// The core's clock: drops the streams whose pids have all been away past the window,
+    /// and ages the others that come due.
+    pub(crate) fn expire_recovery(&self, now: Instant) {
+        let Some(window) = self.recovery.window else {
+            return;
+        };
+        let mut trimmed = Trimmed::default();
+        loop {
+            let due = {
+                let mut deadlines = self.recovery.deadlines.borrow_mut();
+                match deadlines.peek() {
+                    Some(Reverse((at, _))) if *at <= now => {
+                        deadlines.pop().map(|Reverse((_, id))| id)
+                    }
+                    _ => None,
+                }
+            };
+            let Some(id) = due else { break };
+            let mut sessions = self.sessions.borrow_mut();
+            let Some(recovery) = sessions.get_mut(id).and_then(|r| r.recovery.as_deref_mut())
+            else {
+                continue;
+            };
+            let t = recovery.sweep(now, window);
+            for (all, part) in trimmed.0.iter_mut().zip(t.0) {
+                *all += part;
+            }
+            if recovery.stream.is_none() {
+                self.recovery.streamed.borrow_mut().remove(&id);
+            } else if let Some(at) = recovery.stream_deadline(window) {
+                self.recovery.deadlines.borrow_mut().push(Reverse((at, id)));
+            }
+        }
+        self.count_trimmed(trimmed);
+    }
+
+    /// A session ended: it leaves the streamed set (its stream went with its record).
+    pub(crate) fn recovery_session_gone(&self, session: SessionId) {
+        if self.recovery.window.is_some() {
+            self.recovery.streamed.borrow_mut().remove(&session);
+        }
+    }
+}

@@ -1,0 +1,800 @@
+//! Connection state recovery: the stream of frames a session's sockets were given, so a
+//! Socket.IO client that comes back with `{pid, offset}` gets what it missed, in order, once
+//! (docs/design/recovery.md, decisions 1–5).
+//!
+//! A session has a [`SessionRecovery`] once a recovery socket attached to it: the pids issued
+//! to its Socket.IO sockets (connected, or away since a time) and a [`SessionStream`] while one
+//! of them is connected or away for less than the window. The stream holds the frames already
+//! decided on the device's core (throttled telemetry merged, grants and filters applied), each
+//! under a sequence number; the offset a client sees is `h1.<epoch>.<seq>` (base 36).
+//!
+//! Bounds, each trimming from the front (oldest first) and remembering why (`first_seq` and
+//! the cause), so an offset below what is kept fails with `window` or `bound`, never with a
+//! partial replay:
+//! - **age**: entries older than the window (`--recovery-window`);
+//! - **session bytes**: `--recovery-session-bytes` per stream (it also caps one replay);
+//! - **core bytes**: every stream of a core together (`--recovery-core-bytes`): the core trims
+//!   its largest streams first ([`SessionStream::trim_to`]), counted in one shared cell.
+//!
+//! An entry is charged `frame.len() + ENTRY_OVERHEAD` bytes; a frame shared by many sessions
+//! is charged to each (an upper bound, simple to reason about). The pids of a session are
+//! bounded too ([`MAX_PIDS`]): a client that reconnects without recovering adds one each time;
+//! the oldest away pid goes first.
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+
+/// Bytes charged per entry besides its frame (the entry itself, the deque slot, the `Arc`).
+pub const ENTRY_OVERHEAD: usize = 40;
+
+/// The most pids a session keeps (connected ones included); beyond, the oldest away pid is
+/// forgotten (its client then recovers with `unknown_pid`).
+pub const MAX_PIDS: usize = 8;
+
+/// Why entries left a stream before their client could ask for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrimCause {
+    Window,
+    SessionBound,
+    CoreBound,
+}
+
+impl TrimCause {
+    pub const ALL: [TrimCause; 3] = [
+        TrimCause::Window,
+        TrimCause::SessionBound,
+        TrimCause::CoreBound,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TrimCause::Window => "window",
+            TrimCause::SessionBound => "session_bound",
+            TrimCause::CoreBound => "core_bound",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why a restore failed (`hubcast_recovery_failed_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The pid left longer ago than the window, or what followed the offset aged out.
+    Window,
+    /// What followed the offset was trimmed by a byte bound.
+    Bound,
+    /// No such pid for this session (never issued, forgotten, or the session is new).
+    UnknownPid,
+    /// Not an offset hubcast gave, or one past the stream's head.
+    UnknownOffset,
+    /// The offset names an earlier incarnation of the stream (its epoch is gone).
+    HistoryLost,
+    /// Recovery is off (`--recovery-window 0`).
+    Off,
+}
+
+impl Failure {
+    pub const ALL: [Failure; 6] = [
+        Failure::Window,
+        Failure::Bound,
+        Failure::UnknownPid,
+        Failure::UnknownOffset,
+        Failure::HistoryLost,
+        Failure::Off,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Window => "window",
+            Failure::Bound => "bound",
+            Failure::UnknownPid => "unknown_pid",
+            Failure::UnknownOffset => "unknown_offset",
+            Failure::HistoryLost => "history_lost",
+            Failure::Off => "off",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+struct Entry {
+    seq: u64,
+    /// Milliseconds since the stream started (wrapping: entries never live 49 days).
+    at_ms: u32,
+    frame: Arc<str>,
+}
+
+/// Bytes trimmed by one operation, per [`TrimCause`] (for metrics).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Trimmed(pub [usize; 3]);
+
+impl Trimmed {
+    fn add(&mut self, cause: TrimCause, bytes: usize) {
+        self.0[cause.index()] += bytes;
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(|b| *b == 0)
+    }
+}
+
+/// One session's stream of delivered frames.
+pub struct SessionStream {
+    epoch: u32,
+    /// `h1.<epoch>.`: what every offset of this stream starts with (shared with its outlets).
+    prefix: Rc<str>,
+    started: Instant,
+    /// The seq the next frame gets (the first is 1).
+    next_seq: u64,
+    entries: VecDeque<Entry>,
+    bytes: usize,
+    /// The oldest seq still held (`next_seq` when empty); an offset below `first_seq - 1` has
+    /// lost what followed it, for the reason in `cut_by`.
+    first_seq: u64,
+    cut_by: Option<TrimCause>,
+    /// The charged bytes of every stream of the core (kept exact: this stream's are removed
+    /// when it is dropped).
+    core_total: Rc<Cell<usize>>,
+}
+
+impl Drop for SessionStream {
+    fn drop(&mut self) {
+        self.core_total.set(self.core_total.get() - self.bytes);
+    }
+}
+
+impl SessionStream {
+    pub fn new(core_total: Rc<Cell<usize>>, now: Instant) -> Self {
+        Self::with_epoch(fastrand::u32(1..), core_total, now)
+    }
+
+    fn with_epoch(epoch: u32, core_total: Rc<Cell<usize>>, now: Instant) -> Self {
+        let mut prefix = String::from("h1.");
+        push_base36(&mut prefix, u64::from(epoch));
+        prefix.push('.');
+        Self {
+            epoch,
+            prefix: prefix.into(),
+            started: now,
+            next_seq: 1,
+            entries: VecDeque::new(),
+            bytes: 0,
+            first_seq: 1,
+            cut_by: None,
+            core_total,
+        }
+    }
+
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// `h1.<epoch>.`, the start of this stream's offsets.
+    pub fn prefix(&self) -> &Rc<str> {
+        &self.prefix
+    }
+
+    /// The seq of the newest frame (0 before the first).
+    pub fn head(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    /// The oldest seq held.
+    pub fn first_seq(&self) -> u64 {
+        self.first_seq
+    }
+
+    /// Charged bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn ms(&self, now: Instant) -> u32 {
+        now.saturating_duration_since(self.started).as_millis() as u32
+    }
+
+    /// Appends a delivered frame; returns its seq. Trims by age and by the session bound
+    /// (`trimmed` gets the bytes); the core bound is the caller's ([`SessionStream::trim_to`]).
+    /// The hot path: an `Arc` clone, a deque push, two adds and a front check.
+    pub fn push(
+        &mut self,
+        frame: &Arc<str>,
+        now: Instant,
+        window: Duration,
+        session_bytes: usize,
+        trimmed: &mut Trimmed,
+    ) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let at_ms = self.ms(now);
+        let charged = frame.len() + ENTRY_OVERHEAD;
+        self.entries.push_back(Entry {
+            seq,
+            at_ms,
+            frame: frame.clone(),
+        });
+        self.bytes += charged;
+        self.core_total.set(self.core_total.get() + charged);
+        let window_ms = window.as_millis().min(u32::MAX as u128) as u32;
+        while let Some(front) = self.entries.front() {
+            let cause = if at_ms.wrapping_sub(front.at_ms) > window_ms {
+                TrimCause::Window
+            } else if self.bytes > session_bytes {
+                TrimCause::SessionBound
+            } else {
+                break;
+            };
+            trimmed.add(cause, self.pop_front(cause));
+        }
+        seq
+    }
+
+    /// Trims entries older than the window (a quiet stream ages too).
+    pub fn trim_age(&mut self, now: Instant, window: Duration, trimmed: &mut Trimmed) {
+        let at_ms = self.ms(now);
+        let window_ms = window.as_millis().min(u32::MAX as u128) as u32;
+        while self
+            .entries
+            .front()
+            .is_some_and(|f| at_ms.wrapping_sub(f.at_ms) > window_ms)
+        {
+            trimmed.add(TrimCause::Window, self.pop_front(TrimCause::Window));
+        }
+    }
+
+    /// Trims from the front until at most `bytes` are held (the core bound); returns the bytes freed.
+    pub fn trim_to(&mut self, bytes: usize, cause: TrimCause) -> usize {
+        let mut freed = 0;
+        while self.bytes > bytes && !self.entries.is_empty() {
+            freed += self.pop_front(cause);
+        }
+        freed
+    }
+
+    fn pop_front(&mut self, cause: TrimCause) -> usize {
+        let Some(e) = self.entries.pop_front() else {
+            return 0;
+        };
+        let charged = e.frame.len() + ENTRY_OVERHEAD;
+        self.bytes -= charged;
+        self.core_total.set(self.core_total.get() - charged);
+        self.first_seq = e.seq + 1;
+        self.cut_by = Some(cause);
+        charged
+    }
+
+    /// The frames after `seq` (exclusive), in order, when the stream still holds all of them.
+    pub fn after(&self, seq: u64) -> Result<Vec<(Arc<str>, u64)>, Failure> {
+        if seq > self.head() {
+            return Err(Failure::UnknownOffset);
+        }
+        if seq + 1 < self.first_seq {
+            return Err(match self.cut_by {
+                Some(TrimCause::Window) => Failure::Window,
+                _ => Failure::Bound,
+            });
+        }
+        let skip = (seq + 1 - self.first_seq.min(seq + 1)) as usize;
+        Ok(self
+            .entries
+            .iter()
+            .skip(skip)
+            .map(|e| (e.frame.clone(), e.seq))
+            .collect())
+    }
+
+    /// The offset text of `seq`.
+    pub fn offset(&self, seq: u64) -> String {
+        offset_text(&self.prefix, seq)
+    }
+}
+
+/// `<prefix><seq in base 36>`.
+pub fn offset_text(prefix: &str, seq: u64) -> String {
+    let mut s = String::with_capacity(prefix.len() + 13);
+    s.push_str(prefix);
+    push_base36(&mut s, seq);
+    s
+}
+
+/// Appends `n` in base 36 (lower case).
+pub fn push_base36(out: &mut String, n: u64) {
+    out.push_str(Base36::new(n).as_str());
+}
+
+/// `n` in base 36 (lower case), on the stack: the writer appends it to every offset.
+pub struct Base36 {
+    buf: [u8; 13],
+    start: usize,
+}
+
+impl Base36 {
+    pub fn new(mut n: u64) -> Self {
+        const DIGITS: &[u8; 36] = b"0123456789abcdefghijklmnopqrstuvwxyz";
+        let mut buf = [0u8; 13];
+        let mut i = buf.len();
+        loop {
+            i -= 1;
+            buf[i] = DIGITS[(n % 36) as usize];
+            n /= 36;
+            if n == 0 {
+                break;
+            }
+        }
+        Self { buf, start: i }
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+
+    pub fn as_str(&self) -> &str {
+        std::str::from_utf8(self.as_bytes()).expect("ASCII digits")
+    }
+}
+
+fn parse_base36(s: &str) -> Option<u64> {
+    if s.is_empty()
+        || s.len() > 13
+        || !s
+            .bytes()
+            .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase())
+    {
+        return None;
+    }
+    u64::from_str_radix(s, 36).ok()
+}
+
+/// Parses `h1.<epoch>.<seq>`: `(epoch, seq)`; `None` for anything hubcast did not give.
+pub fn parse_offset(s: &str) -> Option<(u32, u64)> {
+    let mut parts = s.split('.');
+    let (Some("h1"), Some(epoch), Some(seq), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return None;
+    };
+    let epoch = u32::try_from(parse_base36(epoch)?)
+        .ok()
+        .filter(|e| *e > 0)?;
+    Some((epoch, parse_base36(seq)?))
+}
+
+/// One pid issued to a Socket.IO socket of the session.
+pub struct PidEntry {
+    pub pid: Box<str>,
+    /// The Socket.IO sid given with it (a restored socket keeps it).
+    pub sid: Box<str>,
+    /// The outlet it is connected on; `None` while away.
+    pub socket: Option<u64>,
+    /// When it left (meaningful while away).
+    pub since: Instant,
+    /// Where the stream stood when the pid was issued: a CONNECT with the pid and no offset
+    /// (no event reached the client yet) replays from there.
+    pub epoch: u32,
+    pub start_seq: u64,
+}
+
+/// What a successful restore gives the socket.
+pub struct Restored {
+    pub sid: Box<str>,
+    /// The frames after the client's offset, in order, with their seqs.
+    pub frames: Vec<(Arc<str>, u64)>,
+    /// Another outlet the pid was still connected on (a connection the server had not yet
+    /// seen die): the caller closes it.
+    pub displaced: Option<u64>,
+}
+
+/// A session's recovery state: its pids and its stream.
+#[derive(Default)]
+pub struct SessionRecovery {
+    pub stream: Option<SessionStream>,
+    pub pids: SmallVec<[PidEntry; 2]>,
+}
+
+impl SessionRecovery {
+    /// The stream, made (with a new epoch) when there is none.
+    pub fn stream_or_new(
+        &mut self,
+        core_total: &Rc<Cell<usize>>,
+        now: Instant,
+    ) -> &mut SessionStream {
+        self.stream
+            .get_or_insert_with(|| SessionStream::new(core_total.clone(), now))
+    }
+
+    /// Issues a new pid to the socket `outlet` (the stream must exist); returns `(sid, pid)`.
+    pub fn issue(&mut self, outlet: u64, now: Instant) -> (Box<str>, Box<str>) {
+        let (epoch, start_seq) = self.stream.as_ref().map_or((0, 0), |s| (s.epoch, s.head()));
+        if self.pids.len() >= MAX_PIDS {
+            let oldest = self
+                .pids
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.socket.is_none())
+                .min_by_key(|(_, p)| p.since)
+                .map(|(i, _)| i);
+            self.pids.remove(oldest.unwrap_or(0));
+        }
+        let pid: Box<str> = crate::ids::random_token(16).into();
+        let sid: Box<str> = crate::ids::random_token(15).into();
+        self.pids.push(PidEntry {
+            pid: pid.clone(),
+            sid: sid.clone(),
+            socket: Some(outlet),
+            since: now,
+            epoch,
+            start_seq,
+        });
+        (sid, pid)
+    }
+
+    /// Restores the pid on `outlet`: the frames after `offset` (or after where the pid began
+    /// when the client sent none). A pid found but failed is forgotten.
+    pub fn restore(
+        &mut self,
+        pid: &str,
+        offset: Option<&str>,
+        outlet: u64,
+        now: Instant,
+        window: Duration,
+    ) -> Result<Restored, Failure> {
+        let Some(at) = self.pids.iter().position(|p| &*p.pid == pid) else {
+            return Err(Failure::UnknownPid);
+        };
+        let result = self.replay_for(at, offset, now, window);
+        match result {
+            Ok(frames) => {
+                let entry = &mut self.pids[at];
+                let displaced = entry.socket.replace(outlet);
+                Ok(Restored {
+                    sid: entry.sid.clone(),
+                    frames,
+                    displaced,
+                })
+            }
+            Err(failure) => {
+                if self.pids[at].socket.is_none() {
+                    self.pids.remove(at);
+                }
+                Err(failure)
+            }
+        }
+    }
+
+    fn replay_for(
+        &self,
+        at: usize,
+        offset: Option<&str>,
+        now: Instant,
+        window: Duration,
+    ) -> Result<Vec<(Arc<str>, u64)>, Failure> {
+        let entry = &self.pids[at];
+        if entry.socket.is_none() && now.saturating_duration_since(entry.since) > window {
+            return Err(Failure::Window);
+        }
+        let (epoch, seq) = match offset {
+            Some(offset) => parse_offset(offset).ok_or(Failure::UnknownOffset)?,
+            None => (entry.epoch, entry.start_seq),
+        };
+        let Some(stream) = &self.stream else {
+            return Err(Failure::HistoryLost);
+        };
+        if stream.epoch != epoch {
+            return Err(Failure::HistoryLost);
+        }
+        stream.after(seq)
+    }
+
+    /// The socket `outlet` closed: its pid is away from `now`. True when it had one.
+    pub fn left(&mut self, outlet: u64, now: Instant) -> bool {
+        match self.pids.iter_mut().find(|p| p.socket == Some(outlet)) {
+            Some(p) => {
+                p.socket = None;
+                p.since = now;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The socket `old` is now `new` (a polling socket upgraded to WebSocket).
+    pub fn moved(&mut self, old: u64, new: u64) {
+        if let Some(p) = self.pids.iter_mut().find(|p| p.socket == Some(old)) {
+            p.socket = Some(new);
+        }
+    }
+
+    /// Whether a pid is connected.
+    pub fn connected(&self) -> bool {
+        self.pids.iter().any(|p| p.socket.is_some())
+    }
+
+    /// When the stream may go: the window after the last pid left (`None`: one is connected,
+    /// or there is no stream).
+    pub fn stream_deadline(&self, window: Duration) -> Option<Instant> {
+        if self.stream.is_none() || self.connected() {
+            return None;
+        }
+        self.pids.iter().map(|p| p.since + window).max()
+    }
+
+    /// Ages the stream, and drops it once no pid is connected or away for less than the window
+    /// (the pids stay, so a late client is told `window`). Returns the trimmed bytes.
+    pub fn sweep(&mut self, now: Instant, window: Duration) -> Trimmed {
+        let mut trimmed = Trimmed::default();
+        if self.stream_deadline(window).is_some_and(|at| at <= now) {
+            if let Some(stream) = self.stream.take() {
+                trimmed.add(TrimCause::Window, stream.bytes);
+            }
+        } else if let Some(stream) = &mut self.stream {
+            stream.trim_age(now, window, &mut trimmed);
+        }
+        trimmed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const W: Duration = Duration::from_secs(120);
+
+    fn frame(s: &str) -> Arc<str> {
+        Arc::from(s)
+    }
+
+    #[test]
+    fn reasons_and_causes_are_named_as_the_metrics_name_them() {
+        assert_eq!(
+            Failure::ALL.map(Failure::as_str),
+            crate::metrics::RECOVERY_FAILURES
+        );
+        assert_eq!(
+            TrimCause::ALL.map(TrimCause::as_str),
+            crate::metrics::RECOVERY_TRIMS
+        );
+        assert!(Failure::ALL.iter().enumerate().all(|(i, f)| f.index() == i));
+    }
+
+    #[test]
+    fn offsets_encode_and_parse_and_nothing_else_parses() {
+        let total = Rc::new(Cell::new(0));
+        let s = SessionStream::with_epoch(0x3f9_a2b1, total, Instant::now());
+        let text = s.offset(1_000_000);
+        assert!(text.starts_with("h1."), "{text}");
+        assert_eq!(parse_offset(&text), Some((0x3f9_a2b1, 1_000_000)));
+        assert_eq!(
+            parse_offset(&offset_text(s.prefix(), u64::MAX)),
+            Some((0x3f9_a2b1, u64::MAX))
+        );
+        for bad in [
+            "",
+            "h1",
+            "h1.1",
+            "h1.1.",
+            "h2.1.1",
+            "h1.0.1",
+            "h1.1.1.1",
+            "h1.A.1",
+            "h1.1.-1",
+            "h1.zzzzzzzzzz.1",
+            "h1.1.zzzzzzzzzzzzzz",
+        ] {
+            assert_eq!(parse_offset(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn seqs_count_up_and_after_gives_what_followed() {
+        let total = Rc::new(Cell::new(0));
+        let mut s = SessionStream::new(total.clone(), Instant::now());
+        let mut t = Trimmed::default();
+        let now = Instant::now();
+        for i in 1..=5 {
+            assert_eq!(s.push(&frame(&format!("f{i}")), now, W, 1 << 20, &mut t), i);
+        }
+        assert_eq!(s.head(), 5);
+        let after: Vec<u64> = s.after(2).unwrap().iter().map(|(_, q)| *q).collect();
+        assert_eq!(after, [3, 4, 5]);
+        assert!(s.after(5).unwrap().is_empty());
+        assert_eq!(s.after(0).unwrap().len(), 5);
+        assert_eq!(s.after(6).err(), Some(Failure::UnknownOffset));
+        assert_eq!(total.get(), s.bytes());
+        assert_eq!(s.bytes(), 5 * (2 + ENTRY_OVERHEAD));
+        drop(s);
+        assert_eq!(total.get(), 0, "a dropped stream gives its bytes back");
+    }
+
+    #[test]
+    fn the_session_bound_trims_the_front_and_an_offset_below_fails_bound() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut s = SessionStream::new(total.clone(), t0);
+        let mut t = Trimmed::default();
+        let each = 10 + ENTRY_OVERHEAD;
+        for i in 0..10 {
+            s.push(&frame(&format!("{i:010}")), t0, W, 4 * each, &mut t);
+        }
+        assert_eq!(s.len(), 4);
+        assert_eq!(s.first_seq(), 7);
+        assert_eq!(t.0[TrimCause::SessionBound.index()], 6 * each);
+        assert_eq!(
+            s.after(6).unwrap().len(),
+            4,
+            "the offset just before first_seq still recovers"
+        );
+        assert_eq!(s.after(5).err(), Some(Failure::Bound));
+        assert_eq!(total.get(), 4 * each);
+    }
+
+    #[test]
+    fn age_trims_entries_older_than_the_window_and_fails_window() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let w = Duration::from_secs(2);
+        let mut s = SessionStream::new(total, t0);
+        let mut t = Trimmed::default();
+        s.push(&frame("a"), t0, w, 1 << 20, &mut t);
+        s.push(&frame("b"), t0 + Duration::from_secs(1), w, 1 << 20, &mut t);
+        s.push(
+            &frame("c"),
+            t0 + Duration::from_millis(2500),
+            w,
+            1 << 20,
+            &mut t,
+        );
+        assert_eq!(s.first_seq(), 2, "a is older than the window at c");
+        assert_eq!(s.after(0).err(), Some(Failure::Window));
+        s.trim_age(t0 + Duration::from_millis(3100), w, &mut t);
+        assert_eq!(s.first_seq(), 3);
+        assert_eq!(t.0[TrimCause::Window.index()], 2 * (1 + ENTRY_OVERHEAD));
+    }
+
+    #[test]
+    fn the_core_bound_trims_a_stream_to_a_size_and_counts_the_shared_total() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let (mut a, mut b) = (
+            SessionStream::new(total.clone(), t0),
+            SessionStream::new(total.clone(), t0),
+        );
+        let mut t = Trimmed::default();
+        for i in 0..10 {
+            a.push(&frame(&format!("{i:010}")), t0, W, 1 << 20, &mut t);
+            b.push(&frame(&format!("{i:010}")), t0, W, 1 << 20, &mut t);
+        }
+        let each = 10 + ENTRY_OVERHEAD;
+        assert_eq!(total.get(), 20 * each);
+        assert_eq!(a.trim_to(3 * each, TrimCause::CoreBound), 7 * each);
+        assert_eq!(total.get(), 13 * each);
+        assert_eq!(a.first_seq(), 8);
+        assert_eq!(a.after(1).err(), Some(Failure::Bound));
+        assert_eq!(b.after(0).unwrap().len(), 10);
+    }
+
+    #[test]
+    fn a_pid_restores_once_away_within_the_window_and_fails_after() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut r = SessionRecovery::default();
+        r.stream_or_new(&total, t0);
+        let (sid, pid) = r.issue(1, t0);
+        let mut t = Trimmed::default();
+        let stream = r.stream.as_mut().unwrap();
+        for i in 0..3 {
+            stream.push(&frame(&format!("f{i}")), t0, W, 1 << 20, &mut t);
+        }
+        let offset = stream.offset(1);
+        assert!(r.left(1, t0));
+        assert_eq!(r.stream_deadline(W), Some(t0 + W));
+        let back = r
+            .restore(&pid, Some(&offset), 2, t0 + Duration::from_secs(5), W)
+            .ok()
+            .unwrap();
+        assert_eq!(back.sid, sid);
+        assert_eq!(
+            back.frames.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
+            [2, 3]
+        );
+        assert_eq!(back.displaced, None);
+        // No offset (no event reached the client): from where the pid began.
+        assert!(r.left(2, t0));
+        assert_eq!(
+            r.restore(&pid, None, 3, t0, W).ok().unwrap().frames.len(),
+            3
+        );
+        // Still connected elsewhere: that socket is displaced.
+        assert_eq!(
+            r.restore(&pid, None, 4, t0, W).ok().unwrap().displaced,
+            Some(3)
+        );
+        assert!(r.left(4, t0));
+        assert_eq!(
+            r.restore(&pid, Some(&offset), 5, t0 + W + Duration::from_secs(1), W)
+                .err(),
+            Some(Failure::Window)
+        );
+        assert_eq!(
+            r.restore(&pid, Some(&offset), 5, t0, W).err(),
+            Some(Failure::UnknownPid),
+            "a failed pid is forgotten"
+        );
+        assert_eq!(
+            r.restore("nope", Some(&offset), 5, t0, W).err(),
+            Some(Failure::UnknownPid)
+        );
+    }
+
+    #[test]
+    fn bad_offsets_and_lost_epochs_fail_with_their_reason() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut r = SessionRecovery::default();
+        r.stream_or_new(&total, t0);
+        let (_, pid) = r.issue(1, t0);
+        r.left(1, t0);
+        assert_eq!(
+            r.restore(&pid, Some("x"), 2, t0, W).err(),
+            Some(Failure::UnknownOffset)
+        );
+        let (_, pid) = r.issue(3, t0);
+        r.left(3, t0);
+        let other_epoch = offset_text(
+            &format!(
+                "h1.{}.",
+                if r.stream.as_ref().unwrap().epoch() == 1 {
+                    2
+                } else {
+                    1
+                }
+            ),
+            0,
+        );
+        assert_eq!(
+            r.restore(&pid, Some(&other_epoch), 4, t0, W).err(),
+            Some(Failure::HistoryLost)
+        );
+    }
+
+    #[test]
+    fn the_stream_goes_a_window_after_the_last_pid_left_and_the_pids_stay_bounded() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut r = SessionRecovery::default();
+        r.stream_or_new(&total, t0);
+        r.stream
+            .as_mut()
+            .unwrap()
+            .push(&frame("x"), t0, W, 1 << 20, &mut Trimmed::default());
+        for outlet in 0..20 {
+            r.issue(outlet, t0);
+            r.left(outlet, t0 + Duration::from_secs(outlet));
+        }
+        assert_eq!(r.pids.len(), MAX_PIDS);
+        assert_eq!(r.stream_deadline(W), Some(t0 + Duration::from_secs(19) + W));
+        assert!(r.sweep(t0 + W, W).is_empty());
+        assert!(r.stream.is_some());
+        let t = r.sweep(t0 + Duration::from_secs(19) + W, W);
+        assert_eq!(t.0[TrimCause::Window.index()], 1 + ENTRY_OVERHEAD);
+        assert!(r.stream.is_none());
+        assert_eq!(total.get(), 0);
+    }
+}

@@ -1,0 +1,304 @@
+//! Socket.IO connection state recovery (issue 24, docs/design/recovery.md): the real
+//! `socket.io-client` from npm behind a proxy that cuts it off the network ([`Cutter`]), and
+//! raw frames where the exact bytes matter. Every wait is on an event: a client event, a
+//! metric, the proxy's counters.
+
+mod common;
+
+use std::io::Write;
+use std::time::Duration;
+
+use common::lb::Cutter;
+use common::rawws::{client_frame, raw_upgrade, text_until, KEY};
+use common::sio::{socketio_at, SioClient};
+use common::*;
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(10);
+/// What the client prints: `recovered`, pid presence, each event's offset.
+const PRINT: (&str, &str) = ("SIO_PRINT_OFFSETS", "1");
+/// Reconnect attempts 100 ms apart (the default backs off to 5 s).
+const FAST: (&str, &str) = ("SIO_RECONNECT_DELAY", "100");
+
+/// A session granted and subscribed to `device`'s d2c messages.
+fn d2c_session(server: &Server, device: &str) -> String {
+    let session = server.new_session();
+    server.grant(&session, kind("d2cMessages", device));
+    let (status, body) = server.subscribe(&session, kind("d2cMessages", device));
+    assert_eq!(status, 204, "{body}");
+    session
+}
+
+fn message(device: &str, n: u64) -> Value {
+    json!({"deviceId": device, "body": {"n": n}})
+}
+
+/// `seq` of an offset `h1.<epoch>.<seq>` (base 36), and its epoch text.
+fn seq_of(offset: &str) -> (String, u64) {
+    let parts: Vec<&str> = offset.split('.').collect();
+    assert_eq!(parts.len(), 3, "{offset}");
+    assert_eq!(parts[0], "h1", "{offset}");
+    (
+        parts[1].to_string(),
+        u64::from_str_radix(parts[2], 36).unwrap_or_else(|_| panic!("{offset}")),
+    )
+}
+
+/// The next `data` event's message `n` (skipping other events but a disconnect).
+fn next_n(client: &SioClient) -> (u64, Value) {
+    let e = client.wait_for("data", WAIT).expect("a data event");
+    (
+        e["data"]["message"]["n"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("a d2c message: {e}")),
+        e,
+    )
+}
+
+#[test]
+fn each_event_carries_a_string_offset_after_an_unchanged_envelope() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let client = server.socketio_env(&[&session], "websocket", false, &[PRINT]);
+    let connected = client.wait_for("connect", WAIT).expect("connect");
+    assert_eq!(
+        connected["pid"], true,
+        "the CONNECT answer carries a pid: {connected}"
+    );
+    assert_eq!(connected["recovered"], false, "{connected}");
+    server.ingest(json!((0..5)
+        .map(|n| message("dev-1", n))
+        .collect::<Vec<_>>()));
+    let mut last: Option<(String, u64)> = None;
+    for n in 0..5 {
+        let (got, e) = next_n(&client);
+        assert_eq!(got, n);
+        // What ux4iot's onData(data) reads: the envelope, as without recovery.
+        assert_eq!(e["data"]["deviceId"], "dev-1");
+        assert!(e["data"]["timestamp"].is_string());
+        assert_eq!(e["data"].as_object().unwrap().len(), 3, "{e}");
+        assert_eq!(e["args"], 2, "the envelope and the offset: {e}");
+        let (epoch, seq) = seq_of(e["offset"].as_str().expect("a string offset"));
+        if let Some((e0, s0)) = &last {
+            assert_eq!(&epoch, e0, "one stream per session");
+            assert!(seq > *s0, "seqs strictly increase: {s0} then {seq}");
+        }
+        last = Some((epoch, seq));
+    }
+}
+
+/// Reads the Socket.IO handshake of a raw WebSocket and sends `connect` (the CONNECT packet
+/// after the Engine.IO `4`); returns the CONNECT answer's JSON.
+fn raw_connect(server: &Server, session: &str, connect: &str) -> (std::net::TcpStream, Value) {
+    let (mut stream, status) = raw_upgrade(
+        server,
+        &format!("/socket.io/?EIO=4&transport=websocket&sessionId={session}"),
+        Some(KEY),
+    );
+    assert_eq!(status, 101);
+    text_until(&mut stream, |t| t.starts_with('0'));
+    stream
+        .write_all(&client_frame(0x1, format!("4{connect}").as_bytes()))
+        .unwrap();
+    let answer = text_until(&mut stream, |t| t.starts_with("40") || t.starts_with("44"));
+    let json = answer.strip_prefix("40").unwrap_or(&answer).to_string();
+    (stream, parse_json(&json))
+}
+
+fn raw_data(stream: &mut std::net::TcpStream) -> Value {
+    let text = text_until(stream, |t| t.starts_with("42"));
+    parse_json(&text[2..])
+}
+
+#[test]
+fn recovery_window_0_gives_todays_bytes_and_the_default_a_pid_and_offsets() {
+    for (flags, on) in [(&["--recovery-window", "0"][..], false), (&[][..], true)] {
+        let server = Server::start(flags);
+        let session = d2c_session(&server, "dev-1");
+        let (mut stream, answer) = raw_connect(&server, &session, "0");
+        let keys: Vec<&String> = answer.as_object().expect("a JSON object").keys().collect();
+        if on {
+            assert_eq!(keys, ["pid", "sid"], "{answer}");
+            assert_eq!(answer["pid"].as_str().unwrap().len(), 22);
+        } else {
+            assert_eq!(keys, ["sid"], "today's CONNECT answer: {answer}");
+        }
+        server.ingest(message("dev-1", 7));
+        let event = raw_data(&mut stream);
+        let args = event.as_array().expect("an array");
+        assert_eq!(args[0], "data");
+        assert_eq!(args[1]["message"]["n"], 7);
+        if on {
+            assert_eq!(args.len(), 3, "{event}");
+            seq_of(args[2].as_str().expect("a string offset"));
+        } else {
+            assert_eq!(args.len(), 2, "today's event: {event}");
+        }
+    }
+}
+
+/// A client behind a [`Cutter`] with fast reconnects, connected and past one message (so it
+/// holds an offset); returns the client.
+fn connected_behind(
+    cutter: &Cutter,
+    server: &Server,
+    session: &str,
+    transports: &str,
+    first: u64,
+) -> SioClient {
+    let client = socketio_at(&cutter.base(), &[session], transports, true, &[PRINT, FAST]);
+    let connected = client.wait_for("connect", WAIT).expect("connect");
+    assert_eq!(connected["pid"], true, "{connected}");
+    server.ingest(message("dev-1", first));
+    assert_eq!(next_n(&client).0, first, "a first message before the cut");
+    client
+}
+
+/// Cuts the client off and waits until it knows and the server has let the socket go.
+fn cut(cutter: &Cutter, server: &Server, client: &SioClient, gauge: &str) {
+    cutter.cut();
+    let gone = client
+        .wait_for("disconnect", WAIT)
+        .expect("the client sees the cut");
+    assert_eq!(gone["reason"], "transport close", "{gone}");
+    server.wait_for_metric(gauge, WAIT, Want::Eq(0.0));
+}
+
+/// Lets the client back in once it has been refused at least once (a real outage), and
+/// returns its `connect` event.
+fn come_back(cutter: &Cutter, client: &SioClient) -> Value {
+    assert!(
+        cutter.wait(WAIT, |c| c.refused() >= 1),
+        "the client tried to reconnect while cut off"
+    );
+    cutter.release();
+    client.wait_for("connect", WAIT).expect("reconnected")
+}
+
+const WS_GAUGE: &str = "hubcast_sockets{transport=\"socketio_websocket\"}";
+
+/// Issue 24's blip: 50 d2c messages ingested while the client is cut off arrive once, in
+/// order, before a live one posted after the reconnect, and `socket.recovered` is true.
+fn blip(transports: &str, gauge: &str) {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, transports, 1000);
+    if transports == "polling" {
+        // A long poll cut by the proxy is not a closed socket for the server (no TCP of its
+        // own): it sees the socket go when the recovered one displaces it.
+        cutter.cut();
+        let gone = client
+            .wait_for("disconnect", WAIT)
+            .expect("the client sees the cut");
+        assert!(
+            gone["reason"].as_str().unwrap().starts_with("transport "),
+            "{gone}"
+        );
+    } else {
+        cut(&cutter, &server, &client, gauge);
+    }
+    server.ingest(json!((0..50)
+        .map(|n| message("dev-1", n))
+        .collect::<Vec<_>>()));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    server.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..51).map(|_| next_n(&client).0).collect();
+    let mut want: Vec<u64> = (0..50).collect();
+    want.push(999);
+    assert_eq!(
+        got, want,
+        "every missed message once, in order, before the live one"
+    );
+    let label = if transports == "polling" {
+        "socketio_polling"
+    } else {
+        "socketio_websocket"
+    };
+    assert_eq!(
+        server.metric(&format!(
+            "hubcast_recovery_succeeded_total{{transport=\"{label}\"}}"
+        )),
+        Some(1.0)
+    );
+    assert_eq!(
+        server.metric("hubcast_recovery_replayed_frames_total"),
+        Some(50.0)
+    );
+    assert!(
+        client
+            .collect(Duration::from_millis(300))
+            .iter()
+            .all(|e| e["event"] != "data"),
+        "nothing twice"
+    );
+}
+
+#[test]
+fn a_blip_over_websocket_replays_every_missed_message_once_in_order() {
+    blip("websocket", WS_GAUGE);
+}
+
+#[test]
+fn an_unknown_pid_is_not_recovered_and_live_data_flows() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let (mut stream, answer) = raw_connect(
+        &server,
+        &session,
+        r#"0{"pid":"not-a-pid-we-gave-out-xx","offset":"h1.1.1"}"#,
+    );
+    let pid = answer["pid"].as_str().expect("a new pid");
+    assert_ne!(
+        pid, "not-a-pid-we-gave-out-xx",
+        "not the pid sent: socket.recovered is false"
+    );
+    assert_eq!(
+        server.metric("hubcast_recovery_failed_total{reason=\"unknown_pid\"}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        server.metric("hubcast_recovery_attempts_total{transport=\"socketio_websocket\"}"),
+        Some(1.0)
+    );
+    server.ingest(message("dev-1", 5));
+    assert_eq!(
+        raw_data(&mut stream)[1]["message"]["n"],
+        5,
+        "live data flows at once"
+    );
+}
+
+#[test]
+fn a_session_deleted_while_away_is_not_recovered() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, "websocket", 1);
+    cut(&cutter, &server, &client, WS_GAUGE);
+    let (status, _, _) = server.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
+    assert_eq!(status, 204);
+    assert!(cutter.wait(WAIT, |c| c.refused() >= 1));
+    cutter.release();
+    // Reconnects refused by the proxy are connect_errors too ("websocket error"); then ours.
+    let refused = loop {
+        let e = client
+            .wait_for("connect_error", WAIT)
+            .expect("the reconnect is refused");
+        if e["message"] != "websocket error" {
+            break e;
+        }
+    };
+    assert!(
+        refused["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown or expired session"),
+        "{refused}"
+    );
+    assert_eq!(
+        server.metric("hubcast_recovery_failed_total{reason=\"unknown_pid\"}"),
+        Some(1.0)
+    );
+}
