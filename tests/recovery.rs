@@ -302,3 +302,188 @@ fn a_session_deleted_while_away_is_not_recovered() {
         Some(1.0)
     );
 }
+
+#[test]
+fn a_blip_over_polling_replays_every_missed_message_once_in_order() {
+    blip("polling", "");
+}
+
+#[test]
+fn away_longer_than_the_window_is_not_recovered_and_live_data_flows() {
+    let server = Server::start(&["--recovery-window", "2"]);
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
+    cut(&cutter, &server, &client, WS_GAUGE);
+    server.ingest(json!((0..5)
+        .map(|n| message("dev-1", n))
+        .collect::<Vec<_>>()));
+    // The history goes a window after its last pid left (the core's clock): the event to wait on.
+    server.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    assert!(
+        server
+            .metric("hubcast_recovery_trimmed_bytes_total{cause=\"window\"}")
+            .unwrap()
+            > 0.0
+    );
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], false, "{back}");
+    assert_eq!(
+        server.metric("hubcast_recovery_failed_total{reason=\"window\"}"),
+        Some(1.0)
+    );
+    server.ingest(message("dev-1", 999));
+    assert_eq!(
+        next_n(&client).0,
+        999,
+        "nothing replayed, live data at once"
+    );
+}
+
+#[test]
+fn past_the_core_bound_history_stays_under_it_and_only_the_trimmed_fail() {
+    const SESSIONS: usize = 8;
+    const BOUND: f64 = 16384.0;
+    let server = Server::start(&["--cores", "1", "--recovery-core-bytes", "16384"]);
+    let sessions: Vec<String> = (0..SESSIONS)
+        .map(|_| d2c_session(&server, "dev-1"))
+        .collect();
+    let ids: Vec<&str> = sessions.iter().map(String::as_str).collect();
+    let cutter = Cutter::start(server.port);
+    let clients = socketio_at(&cutter.base(), &ids, "websocket", true, &[PRINT, FAST]);
+    let mut connected = 0;
+    while connected < SESSIONS {
+        let e = clients.next(WAIT).expect("every client connects");
+        connected += usize::from(e["event"] == "connect");
+    }
+    server.ingest(message("dev-1", 1000));
+    let mut first = 0;
+    while first < SESSIONS {
+        let e = clients
+            .next(WAIT)
+            .expect("every client gets the first message");
+        first += usize::from(e["event"] == "data");
+    }
+    cutter.cut();
+    server.wait_for_metric(WS_GAUGE, WAIT, Want::Eq(0.0));
+    server.ingest(json!((0..20)
+        .map(|n| message("dev-1", n))
+        .collect::<Vec<_>>()));
+    let held = server.metric("hubcast_recovery_history_bytes").unwrap();
+    assert!(
+        held > 0.0 && held <= BOUND,
+        "history held within the core bound: {held}"
+    );
+    assert!(
+        server
+            .metric("hubcast_recovery_trimmed_bytes_total{cause=\"core_bound\"}")
+            .unwrap()
+            > 0.0
+    );
+    assert!(cutter.wait(WAIT, |c| c.refused() >= 1));
+    cutter.release();
+    // Per client: recovered or not, then what it receives until the live message.
+    let mut recovered: Vec<Option<bool>> = vec![None; SESSIONS];
+    let mut got: Vec<Vec<u64>> = vec![Vec::new(); SESSIONS];
+    while recovered.iter().any(Option::is_none) {
+        let e = clients.next(WAIT).expect("every client reconnects");
+        let i = e["index"].as_u64().unwrap() as usize;
+        match e["event"].as_str() {
+            Some("connect") => recovered[i] = Some(e["recovered"] == true),
+            Some("data") => got[i].push(e["data"]["message"]["n"].as_u64().unwrap()),
+            _ => {}
+        }
+    }
+    server.ingest(message("dev-1", 999));
+    while got.iter().any(|g| g.last() != Some(&999)) {
+        let e = clients
+            .next(WAIT)
+            .unwrap_or_else(|| panic!("the live message reaches every client: {got:?}"));
+        if e["event"] == "data" {
+            got[e["index"].as_u64().unwrap() as usize]
+                .push(e["data"]["message"]["n"].as_u64().unwrap());
+        }
+    }
+    let (ok, failed): (Vec<usize>, Vec<usize>) =
+        (0..SESSIONS).partition(|i| recovered[*i] == Some(true));
+    assert!(
+        !ok.is_empty() && !failed.is_empty(),
+        "some recover, the trimmed do not: {recovered:?}"
+    );
+    let mut all: Vec<u64> = (0..20).collect();
+    all.push(999);
+    for i in ok {
+        assert_eq!(
+            got[i], all,
+            "client {i} recovered everything, once, in order"
+        );
+    }
+    for i in &failed {
+        assert_eq!(got[*i], [999], "client {i} got live data only");
+    }
+    assert_eq!(
+        server.metric("hubcast_recovery_failed_total{reason=\"bound\"}"),
+        Some(failed.len() as f64)
+    );
+}
+
+fn telemetry_session(server: &Server) -> String {
+    let session = server.new_session();
+    server.grant(&session, telemetry("dev-1", None));
+    let (status, body) = server.subscribe(&session, telemetry("dev-1", None));
+    assert_eq!(status, 204, "{body}");
+    session
+}
+
+/// Telemetry frames (the envelopes) until one whose `n` is `last`.
+fn telemetry_until(client: &SioClient, last: u64) -> Vec<Value> {
+    let mut frames = Vec::new();
+    loop {
+        let e = client
+            .wait_for("data", WAIT)
+            .unwrap_or_else(|| panic!("telemetry up to n={last}: {frames:?}"));
+        let done = e["data"]["telemetry"]["n"] == last;
+        frames.push(e["data"].clone());
+        if done {
+            return frames;
+        }
+    }
+}
+
+#[test]
+fn a_replay_under_throttling_equals_what_a_socket_that_stayed_received() {
+    let server = Server::start(&["--cores", "1", "--throttling-interval", "300"]);
+    let (cut_session, staying) = (telemetry_session(&server), telemetry_session(&server));
+    let cutter = Cutter::start(server.port);
+    let cut_client = socketio_at(
+        &cutter.base(),
+        &[&cut_session],
+        "websocket",
+        true,
+        &[PRINT, FAST],
+    );
+    let stay = server.socketio_env(&[&staying], "websocket", false, &[PRINT]);
+    cut_client.wait_for("connect", WAIT).expect("connect");
+    stay.wait_for("connect", WAIT).expect("connect");
+    server.ingest(json!({"deviceId": "dev-1", "body": {"n": 0}}));
+    assert_eq!(telemetry_until(&cut_client, 0).len(), 1);
+    assert_eq!(telemetry_until(&stay, 0).len(), 1);
+    cutter.cut();
+    cut_client
+        .wait_for("disconnect", WAIT)
+        .expect("the client sees the cut");
+    server.wait_for_metric(WS_GAUGE, WAIT, Want::Eq(1.0));
+    for n in 1..=20u64 {
+        // Keys that come and go: the trailing merge keeps the newest of each.
+        server.ingest(json!({"deviceId": "dev-1", "body": {"n": n, format!("k{}", n % 3): n}}));
+    }
+    let stayed = telemetry_until(&stay, 20);
+    assert!(stayed.len() < 20, "throttled: {stayed:?}");
+    let back = come_back(&cutter, &cut_client);
+    assert_eq!(back["recovered"], true, "{back}");
+    let replayed = telemetry_until(&cut_client, 20);
+    assert_eq!(
+        replayed, stayed,
+        "the replay is what the socket that stayed received"
+    );
+}
