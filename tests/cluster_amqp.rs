@@ -385,3 +385,62 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
         assert!(s.windows(2).all(|w| w[0] < w[1]), "{}: no event applied twice, in order: {s:?}", device(p));
     }
 }
+
+/// Waits until every instance answers `n` as every device's last `n`; fails naming what each
+/// instance answered and which partitions each reads.
+fn wait_same_everywhere(instances: &[(&Server, &str)], n: i64) {
+    let deadline = Instant::now() + WAIT;
+    for p in 0..PARTITIONS.len() {
+        loop {
+            let answers: Vec<(&str, u16, Option<i64>)> = instances
+                .iter()
+                .map(|(s, id)| {
+                    let (status, body, _) = s.call("GET", &format!("/lastValue/{}/n", device(p)), &[ADMIN], None);
+                    (*id, status, (status == 200).then(|| common::parse_json(&body)["data"]["n"].as_i64()).flatten())
+                })
+                .collect();
+            if answers.iter().all(|(_, _, got)| *got == Some(n)) {
+                break;
+            }
+            if Instant::now() > deadline {
+                let reads: Vec<(&str, Vec<String>)> = instances.iter().map(|(s, id)| (*id, partitions_of(s))).collect();
+                panic!("{} (partition {p}): every instance answers n = {n}; (instance, status, n): {answers:?}; partitions read: {reads:?}", device(p));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
+
+/// Issue 23 item 5, as a new user would try it: three instances, a fourth joins and the
+/// partitions rebalance; after more messages `GET /lastValue` answers the current value on
+/// all four, also on the instance that read a moved partition before and still holds its
+/// old copy (before the fix it answered that copy for good). Then a takeover after kill -9.
+#[test]
+fn every_instance_answers_the_current_value_after_partitions_move_and_after_a_takeover() {
+    let redis = Redis::start();
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    let a = instance(&redis, &hub, "a");
+    let b = instance(&redis, &hub, "b");
+    let c = instance(&redis, &hub, "c");
+    wait_balanced(&[(&a, "a"), (&b, "b"), (&c, "c")]);
+    let before: Vec<Vec<String>> = [&a, &b, &c].iter().map(|s| partitions_of(s)).collect();
+    publish_round(&hub, 12);
+    wait_same_everywhere(&[(&a, "a"), (&b, "b"), (&c, "c")], 12);
+    // D joins: the others give partitions up to it; their old holders keep a copy of n = 12.
+    let d = instance(&redis, &hub, "d");
+    let four = [(&a, "a"), (&b, "b"), (&c, "c"), (&d, "d")];
+    wait_balanced(&four);
+    let moved = partitions_of(&d);
+    assert!(!moved.is_empty() && moved.iter().all(|p| before.iter().any(|held| held.contains(p))), "D took partitions read before: {moved:?} of {before:?}");
+    publish_round(&hub, 53);
+    wait_same_everywhere(&four, 53);
+    // kill -9 of D: its partitions are taken over (some maybe by their old holders, whose
+    // copies are older still); the next round is current everywhere too.
+    let mut d = d;
+    d.signal(libc::SIGKILL);
+    d.wait_exit(WAIT);
+    let three = [(&a, "a"), (&b, "b"), (&c, "c")];
+    wait_balanced(&three);
+    publish_round(&hub, 77);
+    wait_same_everywhere(&three, 77);
+}

@@ -21,7 +21,7 @@ use crate::hub::HubCall;
 use crate::model::{Checked, Rejection};
 use crate::app::record;
 use crate::app::Core;
-use crate::shard::{ask, Denial, DeviceOp, Read, TwinCacheTtl, Viewer};
+use crate::shard::{ask, Denial, DeviceOp, Local, Read, TwinCacheTtl, Viewer};
 use futures_channel::oneshot::Receiver;
 use crate::timefmt::{iso, now_millis};
 
@@ -52,8 +52,28 @@ async fn read<T>(core: &Rc<Core>, viewer: Viewer, mut make: impl FnMut() -> (Dev
 /// What nothing here answered: with several instances, the freshest holder elsewhere,
 /// rendered here as a read answered here is.
 async fn elsewhere(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind, what: &str, not_found: &str) -> Checked<String> {
-    let (_, view) = core.directory().read_elsewhere(core, viewer, device, kind).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))?;
+    let (_, view) = core.directory().read_elsewhere(core, viewer, device, kind, None).await?.ok_or_else(|| refused(Denial::NotFound, what, not_found))?;
     Ok(render(device, &view))
+}
+
+/// A read answered here, rendered. A copy that is not current (several instances: its
+/// partition is read elsewhere now, or it is a replica no longer watched) is answered only
+/// when no other instance holds newer data: the freshest wins, so every instance answers
+/// the same. The others unreachable: this copy, as one node would answer.
+async fn answer(core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind, local: Local<View>) -> String {
+    if !local.current {
+        match core.directory().read_elsewhere(core, viewer, device, kind, Some(local.newest)).await {
+            Ok(Some((newest, view))) if newest > local.newest => return render(device, &view),
+            Ok(_) => {}
+            Err(e) => tracing::debug!(device, reason = %e.message, "the other instances could not be asked for newer data; the copy here answers"),
+        }
+    }
+    render(device, &local.view)
+}
+
+/// The shard's answer as a [`View`].
+fn viewed<T>(local: Local<T>, as_view: impl FnOnce(T) -> View) -> Local<View> {
+    Local { view: as_view(local.view), newest: local.newest, current: local.current }
 }
 
 fn render(device: &str, view: &View) -> String {
@@ -84,7 +104,7 @@ pub async fn read_telemetry(core: &Rc<Core>, req: &Request, device: &str, key: O
     let key: Option<Box<str>> = key.map(Into::into);
     let asked = || ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key: key.clone(), viewer, reply });
     let body = match read(core, viewer, asked).await? {
-        Ok(view) => record::telemetry(&device, &view),
+        Ok(local) => answer(core, viewer, &device, ReadKind::Telemetry(key), viewed(local, View::Telemetry)).await,
         Err(Denial::NotFound) => elsewhere(core, viewer, &device, ReadKind::Telemetry(key), WHAT, NO_TELEMETRY).await?,
         Err(denial) => return Err(refused(denial, WHAT, NO_TELEMETRY)),
     };
@@ -109,7 +129,7 @@ pub async fn read_twin(core: &Rc<Core>, req: &Request, device: &str) -> Checked<
         // No IoT Hub: the twin known from twin change events (here or on another instance).
         let asked = || ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
         let body = match read(core, viewer, asked).await? {
-            Ok(view) => record::twin(&device, &view),
+            Ok(local) => answer(core, viewer, &device, ReadKind::Twin, viewed(local, View::Twin)).await,
             Err(Denial::NotFound) => elsewhere(core, viewer, &device, ReadKind::Twin, WHAT, NO_TWIN).await?,
             Err(denial) => return Err(refused(denial, WHAT, NO_TWIN)),
         };
@@ -147,7 +167,10 @@ pub async fn read_connection_state(core: &Rc<Core>, req: &Request, device: &str)
     // With customConnectionStateKey the hub is not consulted (ux4iot 4.1.0).
     let hub = core.shared.hub.as_ref().filter(|_| core.settings.config.custom_connection_state_key.is_empty());
     let hub = match (cached, hub) {
-        (Ok(view), _) => return Ok(Response::json(200, record::connection(&device, &view))),
+        (Ok(local), _) => {
+            let body = answer(core, viewer, &device, ReadKind::ConnectionState, viewed(local, View::Connection)).await;
+            return Ok(Response::json(200, body));
+        }
         (Err(Denial::NotFound), Some(hub)) => hub,
         (Err(Denial::NotFound), None) => {
             let body = elsewhere(core, viewer, &device, ReadKind::ConnectionState, WHAT, NO_CONNECTION).await?;

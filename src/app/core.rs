@@ -15,7 +15,7 @@ use crate::ids::SessionId;
 use crate::ingest::{IngestMessage, IngestSettings};
 use crate::push::outlet::{CloseReason, Delivered, Outlet};
 use crate::push::Delivery;
-use crate::shard::devices::PushTiming;
+use crate::shard::devices::{PushTiming, Source};
 use crate::app::mesh::{await_reply, CoreMsg, Inbox, Mesh};
 use crate::runtime::routing::{core_of_device, core_of_session};
 use crate::shard::{DeviceOp, DeviceTable, SessionOp, SessionTable};
@@ -317,7 +317,13 @@ impl Core {
 
     /// Applies device messages owned by this core and pushes what they changed.
     pub fn ingest_local(self: &Rc<Self>, batch: Vec<IngestMessage>) {
-        let deliveries = self.apply_ingest(batch);
+        self.ingest_from(batch, None)
+    }
+
+    /// [`Core::ingest_local`] of messages of one event stream partition (`None`: a source
+    /// without partitions).
+    pub fn ingest_from(self: &Rc<Self>, batch: Vec<IngestMessage>, partition: Option<&str>) {
+        let deliveries = self.apply_ingest(batch, partition);
         self.persist(None);
         self.dispatch(deliveries);
         self.read_whole_twins();
@@ -350,36 +356,41 @@ impl Core {
     }
 
     /// Applies device messages owned by this core, from a source of this instance (offered
-    /// to the relay first, with scale-out); returns what to push.
-    pub fn apply_ingest(&self, batch: Vec<IngestMessage>) -> Vec<Delivery> {
-        self.apply_ingest_from(batch, true)
+    /// to the relay first, with scale-out), of one event stream partition or none; returns
+    /// what to push.
+    pub fn apply_ingest(&self, batch: Vec<IngestMessage>, partition: Option<&str>) -> Vec<Delivery> {
+        self.apply_ingest_from(batch, Some(partition))
     }
 
     /// Applies another instance's device messages, received through the relay (never
     /// relayed again), and pushes what they changed to this instance's sockets.
     pub fn ingest_replicas(self: &Rc<Self>, batch: Vec<IngestMessage>) {
-        let deliveries = self.apply_ingest_from(batch, false);
+        let deliveries = self.apply_ingest_from(batch, None);
         self.persist(None);
         self.dispatch(deliveries);
         self.read_whole_twins();
     }
 
-    fn apply_ingest_from(&self, batch: Vec<IngestMessage>, local: bool) -> Vec<Delivery> {
+    /// `local`: from a source of this instance, of a partition (`Some(Some(p))`) or none;
+    /// `None`: another instance's messages.
+    fn apply_ingest_from(&self, batch: Vec<IngestMessage>, local: Option<Option<&str>>) -> Vec<Delivery> {
         let now = Instant::now();
         let mut deliveries = Vec::with_capacity(self.deliveries_hint.get());
-        let relay = if local { self.relay.borrow().clone() } else { None };
+        let relay = if local.is_some() { self.relay.borrow().clone() } else { None };
         {
             let mut devices = self.devices.borrow_mut();
+            devices.ingest_from(match local {
+                None => Source::Elsewhere,
+                Some(None) => Source::Here,
+                // Without a relay (one instance) every partition is read here.
+                Some(Some(p)) => Source::Partition(p, relay.as_ref().is_none_or(|r| r.reads_partition(p))),
+            });
             for msg in batch {
                 self.metrics.message_in(msg.source as usize);
                 if let Some(relay) = &relay {
                     relay.offer(&msg);
                 }
-                if local {
-                    devices.ingest_and_publish(msg, now, &mut deliveries);
-                } else {
-                    devices.ingest_replica(msg, now, &mut deliveries);
-                }
+                devices.ingest_and_publish(msg, now, &mut deliveries);
             }
         }
         if let Some(relay) = &relay {

@@ -104,10 +104,12 @@ pub trait Directory {
     fn delete_all<'a>(&'a self, core: &'a Rc<Core>) -> Pending<'a, ()>;
     /// A session-scoped batch of device operations from the REST API; false: no such session.
     fn scoped<'a>(&'a self, core: &'a Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Pending<'a, bool>;
-    /// A read that found nothing here (404): what the freshest other instance holding the
-    /// device answers (with when its newest data was produced), filtered by `viewer`'s
-    /// grants. `None` on one instance, or when nobody holds it.
-    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<(Millis, View)>>;
+    /// A read that found nothing here (404, `newer_than: None`), or a copy that is not
+    /// current (`shard::Local::current`; `newer_than`: when its newest data was produced):
+    /// what the freshest other instance holding newer data answers (with when its newest
+    /// data was produced), filtered by `viewer`'s grants. `None` on one instance, or when
+    /// nobody holds newer.
+    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind, newer_than: Option<Millis>) -> Pending<'a, Option<(Millis, View)>>;
     /// This instance among the others; `None` on one instance.
     fn membership(&self) -> Option<Membership>;
 }
@@ -143,7 +145,7 @@ impl Directory for Local {
         Box::pin(async move { Ok(local::scoped(core, session, register_devices, ops).await) })
     }
 
-    fn read_elsewhere<'a>(&'a self, _: &'a Rc<Core>, _: Viewer, _: &'a str, _: ReadKind) -> Pending<'a, Option<(Millis, View)>> {
+    fn read_elsewhere<'a>(&'a self, _: &'a Rc<Core>, _: Viewer, _: &'a str, _: ReadKind, _: Option<Millis>) -> Pending<'a, Option<(Millis, View)>> {
         Box::pin(async { Ok(None) })
     }
 

@@ -180,14 +180,14 @@ impl Core {
     }
 
     /// Applies a batch of one source partition exactly once (see the module docs).
-    pub fn ingest_marked(self: &Rc<Self>, batch: Vec<IngestMessage>, mark: Mark) {
+    pub fn ingest_marked(self: &Rc<Self>, batch: Vec<IngestMessage>, mark: Mark, partition: Option<&str>) {
         let done = self.applied.borrow().get(&*mark.key).copied();
         let batch: Vec<IngestMessage> = match done {
             Some(done) => batch.into_iter().zip(&mark.seqs).filter(|(_, &seq)| seq == NO_SEQUENCE || seq > done).map(|(m, _)| m).collect(),
             None => batch,
         };
         let upto = done.map_or(mark.upto, |d| d.max(mark.upto));
-        let deliveries = self.apply_ingest(batch);
+        let deliveries = self.apply_ingest(batch, partition);
         if done != Some(upto) {
             self.applied.borrow_mut().insert(mark.key.as_ref().into(), upto);
             self.persist(Some((&mark.key, upto)));

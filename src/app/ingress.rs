@@ -31,6 +31,10 @@ pub struct IngressBatch {
     pub messages: Vec<IngestMessage>,
     /// With a durable store: where these messages come from (see [`Ingress::send_marked`]).
     pub mark: Option<Mark>,
+    /// The event stream partition they come from (`None`: a source without partitions).
+    /// With several instances, a device's values are current only while this instance
+    /// reads their partition (`shard::devices::Source`).
+    pub partition: Option<std::sync::Arc<str>>,
 }
 
 /// "Partition `key` is applied up to `upto`", and the sequence number of each message.
@@ -120,11 +124,12 @@ impl Ingress {
     /// core (also one that gets no message of it) records "applied up to `upto`" in the same
     /// commit as the state the messages produced, and skips messages at or below its own mark
     /// (after a restart the partition resumes at the lowest mark over the cores). `seqs` is
-    /// parallel to `batch`. Without a store this is [`Ingress::send`].
+    /// parallel to `batch`. Without a store this is [`Ingress::send`], with the partition.
     pub async fn send_marked(&self, batch: Vec<IngestMessage>, seqs: Vec<i64>, partition: &str, upto: Option<i64>) -> bool {
         let (Some(source), Some(upto)) = (self.source.as_ref(), upto) else {
-            return batch.is_empty() || self.send(batch).await;
+            return batch.is_empty() || self.send_from(batch, Some(partition.into())).await;
         };
+        let from: std::sync::Arc<str> = partition.into();
         let key: std::sync::Arc<str> = format!("{}{partition}", source.prefix).into();
         let mut per_core: Vec<(Vec<IngestMessage>, Vec<i64>)> = (0..self.cores()).map(|_| Default::default()).collect();
         for (msg, seq) in batch.into_iter().zip(seqs) {
@@ -135,7 +140,7 @@ impl Ingress {
         let mut ok = true;
         for (core, (messages, seqs)) in per_core.into_iter().enumerate() {
             let mark = Some(Mark { key: key.clone(), upto, seqs });
-            ok &= self.put(core, IngressBatch { messages, mark }).await;
+            ok &= self.put(core, IngressBatch { messages, mark, partition: Some(from.clone()) }).await;
         }
         ok
     }
@@ -151,13 +156,18 @@ impl Ingress {
 
     /// Hands a batch to one core (every message must belong to it); waits while it is full.
     pub async fn send_to_core(&self, core: usize, batch: Vec<IngestMessage>) -> bool {
-        self.put(core, IngressBatch { messages: batch, mark: None }).await
+        self.put(core, IngressBatch { messages: batch, mark: None, partition: None }).await
     }
 
     /// Routes a batch to the owning cores; waits while any of them is full.
     pub async fn send(&self, batch: Vec<IngestMessage>) -> bool {
+        self.send_from(batch, None).await
+    }
+
+    /// [`Ingress::send`] of messages of one event stream partition (`None`: none).
+    async fn send_from(&self, batch: Vec<IngestMessage>, partition: Option<std::sync::Arc<str>>) -> bool {
         if self.cores() == 1 {
-            return self.send_to_core(0, batch).await;
+            return self.put(0, IngressBatch { messages: batch, mark: None, partition }).await;
         }
         let share = batch.len() / self.cores() + 8;
         let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::with_capacity(share)).collect();
@@ -165,9 +175,9 @@ impl Ingress {
             per_core[self.core_of(&msg.device_id)].push(msg);
         }
         let mut ok = true;
-        for (core, batch) in per_core.into_iter().enumerate() {
-            if !batch.is_empty() {
-                ok &= self.send_to_core(core, batch).await;
+        for (core, messages) in per_core.into_iter().enumerate() {
+            if !messages.is_empty() {
+                ok &= self.put(core, IngressBatch { messages, mark: None, partition: partition.clone() }).await;
             }
         }
         ok
@@ -250,9 +260,10 @@ async fn yield_now() {
 
 /// Applies one batch from the ingress queue (with its position mark, if any).
 pub fn apply(core: &Rc<Core>, batch: IngressBatch) {
+    let partition = batch.partition.as_deref();
     match batch.mark {
-        None => core.ingest_local(batch.messages),
-        Some(mark) => core.ingest_marked(batch.messages, mark),
+        None => core.ingest_from(batch.messages, partition),
+        Some(mark) => core.ingest_marked(batch.messages, mark, partition),
     }
 }
 

@@ -20,6 +20,9 @@ pub trait Relay {
     /// Devices this instance started (`true`) or stopped watching: a session with a socket
     /// here subscribes to them (`DeviceTable::take_watch_changes`).
     fn watch(&self, changes: Vec<(Box<str>, bool)>);
+    /// Whether this instance reads event stream partition `partition` now (holds its
+    /// lease): values ingested from a partition read elsewhere are not current.
+    fn reads_partition(&self, partition: &str) -> bool;
 }
 
 /// Something that runs beside every core, started on the core's own thread before it serves.

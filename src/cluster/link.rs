@@ -753,14 +753,14 @@ impl Link {
                 // The consumer waits for this answer at every connect, changed or not.
                 self.owned.send_replace(super::Owned { partitions: self.leased.clone() });
             }
-            Command::Read { device, kind, reply } => {
+            Command::Read { device, kind, newer_than, reply } => {
                 if self.instances.is_empty() || self.reads.len() >= READS_PENDING {
                     let _ = reply.send(Ok(None));
                     return Ok(());
                 }
                 self.next_read += 1;
                 let id = self.next_read;
-                let publish = redis::cmd("PUBLISH").arg(self.channel("read")).arg(wire::encode_read(&self.o.instance, id, &device, &kind)).to_owned();
+                let publish = redis::cmd("PUBLISH").arg(self.channel("read")).arg(wire::encode_read(&self.o.instance, id, &device, &kind, newer_than)).to_owned();
                 if let Err(reason) = within("PUBLISH read", publish.query_async::<()>(conn)).await {
                     let _ = reply.send(Err(reason.clone()));
                     return Err(reason);
@@ -944,7 +944,7 @@ impl Link {
 
     /// Another instance's read: asks the device's core here; the answer for its channel.
     async fn answer_read(&self, payload: &[u8]) -> Option<(String, Vec<u8>)> {
-        let Some((origin, id, device, kind)) = wire::decode_read(payload) else {
+        let Some((origin, id, device, kind, newer_than)) = wire::decode_read(payload) else {
             self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
             return None;
         };
@@ -953,7 +953,7 @@ impl Link {
         }
         let core = core_of_device(&device, self.cores.len());
         let (reply, answer) = futures_channel::oneshot::channel();
-        let found = match self.cores[core].send(Inbound::Read { device, kind, reply }).await {
+        let found = match self.cores[core].send(Inbound::Read { device, kind, newer_than, reply }).await {
             Ok(()) => tokio::time::timeout(READ_DEADLINE, answer).await.ok().and_then(Result::ok).flatten(),
             Err(_) => None,
         };

@@ -89,10 +89,10 @@ pub(crate) enum Command {
     Stream(StreamPlan),
     /// Graceful shutdown: checkpoint, give every lease up, leave (answered when done).
     Leave(std::sync::mpsc::Sender<()>),
-    /// Ask the other instances for a device this instance holds nothing of: the freshest
-    /// holder's answer (typed) and when its newest data was produced, `None` when no
-    /// instance holds it.
-    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Result<Option<(Millis, View)>, String>> },
+    /// Ask the other instances for a device this instance holds nothing current of: the
+    /// freshest holder's answer (typed) and when its newest data was produced, `None` when
+    /// no instance holds it (or nothing newer than `newer_than`).
+    Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Result<Option<(Millis, View)>, String>> },
 }
 
 pub(crate) enum Inbound {
@@ -102,13 +102,15 @@ pub(crate) enum Inbound {
     Messages(Vec<IngestMessage>),
     /// Devices of this core that other instances started or stopped watching.
     RemoteWatch(Vec<(Box<str>, bool)>),
-    /// The link to Redis is back after an outage: forget values learnt from the others.
+    /// The link to Redis is back after an outage: values learnt from the others are no
+    /// longer current.
     Reconnected(oneshot::Sender<()>),
     /// This core's applied marks (source partition → sequence number), for checkpoints.
     Applied(oneshot::Sender<Vec<(Box<str>, i64)>>),
     /// Another instance's read of a device of this core: the typed view (as the admin key
     /// reads it; the asking instance filters by its session's grants) and how new the data is.
-    Read { device: Box<str>, kind: wire::ReadKind, reply: oneshot::Sender<Option<(Millis, View)>> },
+    /// `None` when the data here is not newer than `newer_than` (the asker's own copy).
+    Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Option<(Millis, View)>> },
 }
 
 /// A change to one session's access on one device (see [`Command::Mutate`]).
@@ -312,8 +314,17 @@ impl CorePlugin for Cluster {
         let Some(inbound) = self.inbound.lock().unwrap_or_else(|e| e.into_inner()).get_mut(core.index).and_then(Option::take) else {
             return;
         };
-        core.devices.borrow_mut().track_watches();
+        {
+            let mut devices = core.devices.borrow_mut();
+            devices.track_watches();
+            let loaded = devices.loaded_not_current();
+            if loaded > 0 {
+                tracing::info!(core = core.index, devices = loaded, "values loaded from the durable store are not current: reads ask the other instances for newer data until each device's next message");
+            }
+        }
+        monoio::spawn(follow_partitions(core.clone(), self.owned()));
         let relay = Rc::new(CoreRelay {
+            owned: self.owned(),
             instance: self.instance.clone(),
             commands: self.commands.clone(),
             stats: self.stats.clone(),
@@ -328,6 +339,8 @@ impl CorePlugin for Cluster {
 }
 
 struct CoreRelay {
+    /// The partitions this instance reads (the lease holder's, on the Redis thread).
+    owned: tokio::sync::watch::Receiver<Owned>,
     instance: Arc<str>,
     commands: async_channel::Sender<Command>,
     stats: Arc<Stats>,
@@ -375,6 +388,13 @@ impl Relay for CoreRelay {
         self.send_pending_watch();
     }
 
+    /// A plain broker's queue has no lease (every instance takes a share of its messages,
+    /// so none holds a device's current value alone): never read here alone, so its values
+    /// are not current and reads ask the others (the freshest wins).
+    fn reads_partition(&self, partition: &str) -> bool {
+        self.owned.borrow().partitions.contains_key(partition)
+    }
+
     fn watch(&self, changes: Vec<(Box<str>, bool)>) {
         let mut pending = self.pending_watch.borrow_mut();
         for (device, on) in changes {
@@ -416,31 +436,30 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
             Inbound::Applied(reply) => {
                 let _ = reply.send(core.applied.borrow().iter().map(|(k, v)| (k.clone(), *v)).collect());
             }
-            Inbound::Read { device, kind, reply } => {
-                // On this, the device's core: read as the admin, typed (the link encodes it).
-                let newest = core.devices.borrow().newest(&device);
+            Inbound::Read { device, kind, newer_than, reply } => {
+                // On this, the device's core: read as the admin, typed (the link encodes it);
+                // nothing when the data here is not newer than the asker's own copy.
                 let viewer = Viewer::Admin;
-                let view = match kind {
+                let found = match kind {
                     wire::ReadKind::Telemetry(key) => {
-                        let asked = ask(|reply| DeviceOp::ReadTelemetry { device: device.clone(), key, viewer, reply });
-                        core.ask_device(asked).await.and_then(Result::ok).map(View::Telemetry)
+                        let asked = ask(|reply| DeviceOp::ReadTelemetry { device, key, viewer, reply });
+                        core.ask_device(asked).await.and_then(Result::ok).map(|l| (l.newest, View::Telemetry(l.view)))
                     }
                     wire::ReadKind::Twin => {
-                        let asked = ask(|reply| DeviceOp::ReadTwin { device: device.clone(), viewer, reply });
-                        core.ask_device(asked).await.and_then(Result::ok).map(View::Twin)
+                        let asked = ask(|reply| DeviceOp::ReadTwin { device, viewer, reply });
+                        core.ask_device(asked).await.and_then(Result::ok).map(|l| (l.newest, View::Twin(l.view)))
                     }
                     wire::ReadKind::ConnectionState => {
-                        let asked = ask(|reply| DeviceOp::ReadConnectionState { device: device.clone(), viewer, reply });
-                        core.ask_device(asked).await.and_then(Result::ok).map(View::Connection)
+                        let asked = ask(|reply| DeviceOp::ReadConnectionState { device, viewer, reply });
+                        core.ask_device(asked).await.and_then(Result::ok).map(|l| (l.newest, View::Connection(l.view)))
                     }
                 };
-                let _ = reply.send(newest.zip(view));
+                let _ = reply.send(found.filter(|(newest, _)| newer_than.is_none_or(|t| *newest > t)));
             }
             Inbound::Reconnected(done) => {
-                let forgotten = core.devices.borrow_mut().forget_replicas();
-                if forgotten > 0 {
-                    core.persist(None);
-                    tracing::info!(core = core.index, devices = forgotten, "values learnt from other instances before the Redis outage forgotten: reads ask their holders again");
+                let marked = core.devices.borrow_mut().replicas_not_current();
+                if marked > 0 {
+                    tracing::info!(core = core.index, devices = marked, "values learnt from other instances before the Redis outage are no longer current: reads ask the others for newer data");
                 }
                 let _ = done.send(());
             }
@@ -459,6 +478,19 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
             }
         }
         relay.send_pending_watch();
+    }
+}
+
+/// Follows the partitions this instance reads: when one is given up or taken by another
+/// instance, the values this core ingested from it are no longer current (its new reader
+/// has newer), so reads of those devices ask the others. `watch` is executor-agnostic.
+async fn follow_partitions(core: Rc<Core>, mut owned: tokio::sync::watch::Receiver<Owned>) {
+    while owned.changed().await.is_ok() {
+        let read: HashSet<String> = owned.borrow_and_update().partitions.keys().cloned().collect();
+        let marked = core.devices.borrow_mut().partitions_read(|p| read.contains(p));
+        if marked > 0 {
+            tracing::debug!(core = core.index, devices = marked, "partitions read elsewhere now: their devices' values here are no longer current");
+        }
     }
 }
 
@@ -526,8 +558,8 @@ impl Directory for Redis {
         Box::pin(scoped(&self.0, core, session, register_devices, ops))
     }
 
-    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind) -> Pending<'a, Option<(Millis, View)>> {
-        Box::pin(read_elsewhere(&self.0, core, viewer, device, kind))
+    fn read_elsewhere<'a>(&'a self, core: &'a Rc<Core>, viewer: Viewer, device: &'a str, kind: ReadKind, newer_than: Option<Millis>) -> Pending<'a, Option<(Millis, View)>> {
+        Box::pin(read_elsewhere(&self.0, core, viewer, device, kind, newer_than))
     }
 
     fn membership(&self) -> Option<Membership> {
@@ -685,13 +717,14 @@ async fn scoped(cluster: &Cluster, core: &Rc<Core>, session: SessionId, register
     Ok(found)
 }
 
-/// A read that found nothing here (404): with Redis, the instances that hold the device are
-/// asked (the freshest answer wins), so reads answer the same on every instance. The grant
-/// was checked here; an all-keys telemetry read keeps only the keys the session's grants
-/// cover (on the typed values: nothing is parsed or rendered here). `None` when no instance
-/// holds the device, or holds nothing the session may see.
-async fn read_elsewhere(cluster: &Cluster, core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind) -> Checked<Option<(Millis, View)>> {
-    let found = cluster.call(|reply| Command::Read { device: device.into(), kind: kind.clone(), reply }).await.map_err(unavailable)?;
+/// A read that found nothing current here (404, or a copy that is not current): with Redis,
+/// the instances that hold the device are asked for data newer than `newer_than` (the
+/// freshest answer wins), so reads answer the same on every instance. The grant was checked
+/// here; an all-keys telemetry read keeps only the keys the session's grants cover (on the
+/// typed values: nothing is parsed or rendered here). `None` when no instance holds the
+/// device (or nothing newer), or holds nothing the session may see.
+async fn read_elsewhere(cluster: &Cluster, core: &Rc<Core>, viewer: Viewer, device: &str, kind: ReadKind, newer_than: Option<Millis>) -> Checked<Option<(Millis, View)>> {
+    let found = cluster.call(|reply| Command::Read { device: device.into(), kind: kind.clone(), newer_than, reply }).await.map_err(unavailable)?;
     let Some((newest, mut view)) = found else { return Ok(None) };
     if !view.answers(&kind) {
         tracing::warn!(device, ?kind, "another instance answered a read with data of another kind; ignored");

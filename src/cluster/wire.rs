@@ -133,8 +133,10 @@ pub fn decode_op(bytes: &[u8]) -> Option<(&str, SharedOp)> {
 /// A read another instance may answer (defined with the session directory it is asked through).
 pub use crate::app::directory::ReadKind;
 
-/// `P:read`: "who holds `device`? answer on my channel, quoting `id`".
-pub fn encode_read(origin: &str, id: u64, device: &str, kind: &ReadKind) -> Vec<u8> {
+/// `P:read`: "who holds `device` (newer than `newer_than`)? answer on my channel, quoting
+/// `id`". `newer_than` goes last, only when given: an older instance ignores it (it answers
+/// whatever it holds, and the freshest answer still wins).
+pub fn encode_read(origin: &str, id: u64, device: &str, kind: &ReadKind, newer_than: Option<i64>) -> Vec<u8> {
     let mut buf = vec![VERSION];
     put_str(&mut buf, origin.as_bytes());
     buf.extend_from_slice(&id.to_le_bytes());
@@ -148,10 +150,16 @@ pub fn encode_read(origin: &str, id: u64, device: &str, kind: &ReadKind) -> Vec<
         ReadKind::Twin => buf.push(3),
         ReadKind::ConnectionState => buf.push(4),
     }
+    if let Some(t) = newer_than {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
     buf
 }
 
-pub fn decode_read(bytes: &[u8]) -> Option<(&str, u64, Box<str>, ReadKind)> {
+/// A read as [`encode_read`] wrote it: origin, id, device, kind, `newer_than`.
+pub type ReadAsked<'a> = (&'a str, u64, Box<str>, ReadKind, Option<i64>);
+
+pub fn decode_read(bytes: &[u8]) -> Option<ReadAsked<'_>> {
     let mut r = Reader { bytes, at: 0 };
     if r.u8()? != VERSION {
         return None;
@@ -166,7 +174,11 @@ pub fn decode_read(bytes: &[u8]) -> Option<(&str, u64, Box<str>, ReadKind)> {
         4 => ReadKind::ConnectionState,
         _ => return None,
     };
-    Some((origin, id, device, kind))
+    let newer_than = match r.remaining() {
+        0 => None,
+        _ => Some(r.i64()?),
+    };
+    Some((origin, id, device, kind, newer_than))
 }
 
 /// The answer to a read: what the holder holds (`None`: nothing) and how new its data is.
@@ -387,8 +399,13 @@ mod tests {
         assert_eq!(decode_op(b"\x02garbage"), None);
 
         let kind = ReadKind::Telemetry(Some("t".into()));
-        let bytes = encode_read("i3", 5, "d", &kind);
-        assert_eq!(decode_read(&bytes), Some(("i3", 5, "d".into(), kind)));
+        let bytes = encode_read("i3", 5, "d", &kind, None);
+        assert_eq!(decode_read(&bytes), Some(("i3", 5, "d".into(), kind.clone(), None)));
+        let newer = encode_read("i3", 6, "d", &kind, Some(-7));
+        assert_eq!(decode_read(&newer), Some(("i3", 6, "d".into(), kind, Some(-7))));
+        for cut in bytes.len() + 1..newer.len() {
+            assert!(decode_read(&newer[..cut]).is_none(), "a read cut at {cut} inside newer_than must not decode");
+        }
         assert_eq!(decode_answer(&encode_answer(6, None)), Some((6, None)));
         assert!(decode_read(&bytes[..bytes.len() - 1]).is_none());
     }

@@ -42,6 +42,16 @@ pub enum Denial {
 /// A read's answer: the data, or why not.
 pub type Read<T> = Result<T, Denial>;
 
+/// A read answered from this instance's copy: the view, when the device's newest data here
+/// was produced, and whether the copy is current (scale-out: when it is not, another
+/// instance may hold newer data and is asked; one instance: always current).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Local<T> {
+    pub view: T,
+    pub newest: crate::timefmt::Millis,
+    pub current: bool,
+}
+
 /// Last telemetry as read from a device (the REST layer renders it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TelemetryView {
@@ -74,12 +84,12 @@ pub enum DeviceOp {
     Subscribe { device: Box<str>, session: SessionId, sub: Subscription, permitted: Reply<bool> },
     Unsubscribe { device: Box<str>, session: SessionId, sub: Subscription, permitted: Reply<bool> },
     /// Last telemetry: one key, or all keys (`key: None`).
-    ReadTelemetry { device: Box<str>, key: Option<Box<str>>, viewer: Viewer, reply: Reply<Read<TelemetryView>> },
+    ReadTelemetry { device: Box<str>, key: Option<Box<str>>, viewer: Viewer, reply: Reply<Read<Local<TelemetryView>>> },
     DeleteTelemetry { device: Box<str>, viewer: Viewer, reply: Reply<Read<()>> },
     /// The twin known from the event stream (a session needs a `deviceTwin` grant).
-    ReadTwin { device: Box<str>, viewer: Viewer, reply: Reply<Read<TwinView>> },
+    ReadTwin { device: Box<str>, viewer: Viewer, reply: Reply<Read<Local<TwinView>>> },
     /// The cached connection state (`NotFound`: none known; with an IoT Hub, ask it).
-    ReadConnectionState { device: Box<str>, viewer: Viewer, reply: Reply<Read<ConnectionView>> },
+    ReadConnectionState { device: Box<str>, viewer: Viewer, reply: Reply<Read<Local<ConnectionView>>> },
     /// Whether the session holds a grant covering `grant` (direct methods, desired properties).
     CheckGrant { device: Box<str>, session: SessionId, grant: Grant, permitted: Reply<bool> },
     /// The session is gone: drop its grants and subscriptions on this device.

@@ -59,8 +59,10 @@ impl DeviceTable {
                     None => self.wall_clock(now),
                 };
                 let connection_ttl = self.timing.connection_ttl;
+                let source = self.source;
                 // One look-up of the device per message.
                 let device = self.devices.entry_ref(device_id).or_default();
+                Self::stamp(source, device);
                 let subscribed = subscribed_any(device);
                 let message = (subscribed && device.wants(|a| a.subs.d2c_messages)).then(|| crate::ingest::message_json(body));
                 let mut publication = Publication { at, message, ..Default::default() };
@@ -114,6 +116,7 @@ impl DeviceTable {
                 let at = header_time.unwrap_or_else(now_millis);
                 let replace = property("opType") == Some("replaceTwin");
                 let hub = self.hub_twins.is_some();
+                let source = self.source;
                 let device = self.devices.entry_ref(device_id).or_default();
                 // Twin versions only grow: an event not newer than the cached twin arrived late.
                 if let (Some(new), Some(cached)) = (twin_version(&doc), device.twin.as_ref().and_then(|t| twin_version(&t.doc))) {
@@ -141,6 +144,7 @@ impl DeviceTable {
                     // A whole twin: the changes waiting for one are older and included.
                     device.twin_pending = None;
                 }
+                Self::stamp(source, device);
                 match (replace, device.twin.as_mut()) {
                     (true, _) | (_, None) => device.twin = Some(Twin { doc, at }),
                     (_, Some(twin)) => {
@@ -169,6 +173,7 @@ impl DeviceTable {
                     .ok()
                     .and_then(|v| v.get("sequenceNumber").and_then(Value::as_str).map(Into::into));
                 let at = header_time.unwrap_or_else(now_millis);
+                let source = self.source;
                 let device = self.devices.entry_ref(device_id).or_default();
                 if let (Some(new), Some(old)) =
                     (sequence.as_deref(), device.connection.as_ref().and_then(|c| c.sequence.as_deref()))
@@ -179,6 +184,7 @@ impl DeviceTable {
                     }
                 }
                 device.connection = Some(ConnectionState { connected, at, sequence });
+                Self::stamp(source, device);
                 device.last_seen = Some(now);
                 let connection_ttl = self.timing.connection_ttl;
                 Self::arm_offline_check(&mut self.offline_due, connection_ttl, device_id, device, now);

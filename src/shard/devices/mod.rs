@@ -25,7 +25,7 @@ use crate::model::{Grant, Rejection};
 use crate::push::envelope::EnvelopeBuilder;
 use crate::push::{Delivery, FrameKind};
 use crate::shard::access::Access;
-use crate::shard::{ConnectionView, Denial, DeviceOp, Read, TelemetryView, TwinCacheTtl, TwinView, Viewer};
+use crate::shard::{ConnectionView, Denial, DeviceOp, Local, Read, TelemetryView, TwinCacheTtl, TwinView, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
 // Durable-state hooks (what changed, restore at start): kept apart from the data path.
@@ -114,6 +114,35 @@ pub struct Device {
     pub twin_pending: Option<Box<PendingTwin>>,
     /// Scale-out: a session with a socket on this instance subscribes to this device.
     watched_here: bool,
+    /// Scale-out: where the values came from last ([`FROM_HERE`], [`FROM_ELSEWHERE`], or an
+    /// event stream partition: `FROM_PARTITION + ` its index in the core's partition table).
+    /// Two bytes, beside the flags: the entry does not grow.
+    from: u16,
+    /// Scale-out: the values may be older than another instance's (the partition they came
+    /// from is read elsewhere now, a replica no longer watched here, values loaded from the
+    /// store, or learnt from others before a Redis outage). A read then asks the others for
+    /// newer data ([`Local::current`]). Inverted (`false` = current) so a new entry is current.
+    stale: bool,
+}
+
+/// [`Device::from`]: this instance's own source without partitions (`POST /ingest`, the
+/// simulated fleet), or nothing yet. Such values stay current.
+pub const FROM_HERE: u16 = 0;
+/// [`Device::from`]: another instance's message (a replica): current while watched here.
+pub const FROM_ELSEWHERE: u16 = 1;
+/// [`Device::from`]: the first event stream partition's index in the partition table.
+const FROM_PARTITION: u16 = 2;
+
+/// Where the messages about to be ingested come from ([`DeviceTable::ingest_from`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source<'a> {
+    /// This instance's own source without partitions (`POST /ingest`, the simulated fleet).
+    Here,
+    /// An event stream partition, and whether this instance reads it now (holds its lease;
+    /// a batch of a partition just lost may still be in the core's queue).
+    Partition(&'a str, bool),
+    /// Another instance's messages (scale-out replicas).
+    Elsewhere,
 }
 
 fn subscribed_any(device: &Device) -> bool {
@@ -166,9 +195,12 @@ pub struct DeviceTable {
     pub dirty: Dirty,
     /// Scale-out: devices whose `watched_here` changed, for the relay (`None`: one instance).
     watch_changes: Option<Vec<(Box<str>, bool)>>,
-    /// Scale-out: devices last updated by another instance's message, with their newest value
-    /// time then ([`Self::forget_replicas`]). At most one entry per device of this core.
-    replicas: HashMap<Box<str>, Millis>,
+    /// Event stream partitions this core ingested from, by index ([`Device::from`]):
+    /// bounded by the stream's partitions (at most `u16::MAX - FROM_PARTITION`; beyond,
+    /// values count as [`FROM_HERE`]).
+    partitions: Vec<Arc<str>>,
+    /// Where the messages being ingested come from: `(from, stale)` ([`Self::ingest_from`]).
+    source: (u16, bool),
     /// Where the values of a message are put together before they are stored
     /// ([`JsonText::share`]); empty between messages, its capacity kept.
     scratch: String,
@@ -188,42 +220,72 @@ impl DeviceTable {
             twin_fetches: Vec::new(),
             dirty: Dirty::default(),
             watch_changes: None,
-            replicas: HashMap::new(),
+            partitions: Vec::new(),
+            source: (FROM_HERE, false),
             scratch: String::new(),
             wall_clock: None,
         }
     }
 
-    /// Applies another instance's message of a device (scale-out) and remembers that the
-    /// device's values came from elsewhere.
-    pub fn ingest_replica(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
-        let device = msg.device_id.clone();
-        self.ingest_and_publish(msg, now, out);
-        if let Some(newest) = self.newest(&device) {
-            self.replicas.insert(device, newest);
-        }
+    /// Where the messages ingested next come from (until told otherwise): stamped on each
+    /// device they update ([`Device::from`], [`Device::stale`]).
+    pub fn ingest_from(&mut self, source: Source<'_>) {
+        self.source = match source {
+            Source::Here => (FROM_HERE, false),
+            Source::Elsewhere => (FROM_ELSEWHERE, false),
+            Source::Partition(name, read_here) => match self.partitions.iter().position(|p| **p == *name) {
+                Some(i) => (FROM_PARTITION + i as u16, !read_here),
+                None if self.partitions.len() < usize::from(u16::MAX - FROM_PARTITION) => {
+                    self.partitions.push(name.into());
+                    (FROM_PARTITION + self.partitions.len() as u16 - 1, !read_here)
+                }
+                None => (FROM_HERE, !read_here),
+            },
+        };
+    }
+
+    /// Notes on `device` that its values were just written by the current source. A
+    /// replica is current while this instance watches the device (it then gets every message).
+    fn stamp(source: (u16, bool), device: &mut Device) {
+        device.from = source.0;
+        device.stale = if source.0 == FROM_ELSEWHERE { !device.watched_here } else { source.1 };
     }
 
     /// The link to the other instances was lost: what they published meanwhile never came,
-    /// so values learnt from them may be old. Forgets the values (last telemetry, twin,
-    /// connection state) of every device last updated by another instance and by nothing
-    /// newer here since; its grants and subscriptions stay. Reads then ask the device's
-    /// holder again, and its next message refills them. Returns how many were forgotten.
-    pub fn forget_replicas(&mut self) -> usize {
-        let mut forgotten = 0;
-        for (device, then) in std::mem::take(&mut self.replicas) {
-            if self.newest(&device).is_none_or(|now| now > then) {
-                continue;
-            }
-            if let Some(d) = self.devices.get_mut(&device) {
-                d.telemetry.clear();
-                d.twin = None;
-                d.connection = None;
-                self.dirty.device(&device);
-                forgotten += 1;
+    /// so values learnt from them may be old. Every device last updated by another instance
+    /// is no longer current (its values are kept: nobody else may hold newer); its reads ask
+    /// the others for newer data, and its next message makes it current again. Returns how
+    /// many devices were marked.
+    pub fn replicas_not_current(&mut self) -> usize {
+        self.mark_stale(|d| d.from == FROM_ELSEWHERE)
+    }
+
+    /// The partitions this instance reads changed: the values of every device last updated
+    /// from a partition no longer read here are no longer current (the new reader has newer).
+    /// One pass over the core's devices when a partition was left; returns how many were marked.
+    pub fn partitions_read(&mut self, read_here: impl Fn(&str) -> bool) -> usize {
+        let left: Vec<u16> = (0..self.partitions.len()).filter(|&i| !read_here(&self.partitions[i])).map(|i| FROM_PARTITION + i as u16).collect();
+        if left.is_empty() {
+            return 0;
+        }
+        self.mark_stale(|d| left.contains(&d.from))
+    }
+
+    /// Scale-out starts: every value held now was loaded from the durable store, written
+    /// before this instance (re)joined; the others may hold newer. Returns how many devices.
+    pub fn loaded_not_current(&mut self) -> usize {
+        self.mark_stale(|_| true)
+    }
+
+    fn mark_stale(&mut self, which: impl Fn(&Device) -> bool) -> usize {
+        let mut marked = 0;
+        for d in self.devices.values_mut() {
+            if !d.stale && d.has_data() && which(d) {
+                d.stale = true;
+                marked += 1;
             }
         }
-        forgotten
+        marked
     }
 
     /// Scale-out: track which devices a session with a socket on this instance subscribes
@@ -251,6 +313,10 @@ impl DeviceTable {
         let now = d.access.values().any(|a| a.here && !a.subs.is_empty());
         if now != d.watched_here {
             d.watched_here = now;
+            // A replica no longer watched gets no more messages from the device's reader.
+            if !now && d.from == FROM_ELSEWHERE {
+                d.stale = true;
+            }
             changes.push((device.into(), now));
         }
     }
@@ -281,7 +347,6 @@ impl DeviceTable {
         self.devices.is_empty()
     }
 
-    /// Grants and subscriptions held on this core's devices (counted at scrape time).
     /// When the newest data held for `device` was produced (scale-out: the freshest of
     /// several instances' answers wins); `None` without data.
     pub fn newest(&self, device: &str) -> Option<Millis> {
@@ -290,6 +355,7 @@ impl DeviceTable {
         [telemetry, d.twin.as_ref().map(|t| t.at), d.connection.as_ref().map(|c| c.at)].into_iter().flatten().max()
     }
 
+    /// Grants and subscriptions held on this core's devices (counted at scrape time).
     pub fn access_counts(&self) -> (u64, u64) {
         let mut grants = 0u64;
         let mut subs = 0u64;
@@ -430,16 +496,16 @@ impl DeviceTable {
                 }
             }
             DeviceOp::ReadTelemetry { device, key, viewer, reply } => {
-                let _ = reply.send(self.read_telemetry(&device, key.as_deref(), viewer));
+                let _ = reply.send(self.read_telemetry(&device, key.as_deref(), viewer).map(|view| self.local(&device, view)));
             }
             DeviceOp::DeleteTelemetry { device, viewer, reply } => {
                 let _ = reply.send(self.delete_telemetry(&device, viewer));
             }
             DeviceOp::ReadTwin { device, viewer, reply } => {
-                let _ = reply.send(self.read_twin(&device, viewer));
+                let _ = reply.send(self.read_twin(&device, viewer).map(|view| self.local(&device, view)));
             }
             DeviceOp::ReadConnectionState { device, viewer, reply } => {
-                let _ = reply.send(self.read_connection_state(&device, viewer));
+                let _ = reply.send(self.read_connection_state(&device, viewer).map(|view| self.local(&device, view)));
             }
             DeviceOp::ReadHubTwin { device, viewer, ttl, reply } => {
                 let _ = reply.send(self.read_hub_twin(&device, viewer, ttl));
@@ -448,6 +514,12 @@ impl DeviceTable {
                 let _ = reply.send(self.store_hub_twin(&device, doc));
             }
         }
+    }
+
+    /// A read's answer with how new the device's data is and whether it is current here.
+    fn local<T>(&self, device: &str, view: T) -> Local<T> {
+        let current = self.devices.get(device).is_none_or(|d| !d.stale);
+        Local { view, newest: self.newest(device).unwrap_or(Millis::MIN), current }
     }
 
     /// Whether `viewer` may read what `granted` says of its access here.
@@ -628,6 +700,94 @@ mod tests {
         assert_eq!(twin["properties"]["reported"]["n"], json!(75));
         assert_eq!(twin["properties"]["desired"]["x"], json!(1));
         assert_eq!(twin["deviceId"], json!("d"));
+    }
+
+    fn table() -> DeviceTable {
+        let settings = IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        };
+        DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None })
+    }
+
+    fn telemetry(device: &str, n: i64, ts: i64) -> IngestMessage {
+        IngestMessage {
+            device_id: device.into(),
+            source: SourceKind::Telemetry,
+            properties: Default::default(),
+            body: format!(r#"{{"n":{n},"_ts":{ts}}}"#).into_bytes(),
+            enqueued_at: None,
+            arrived: None,
+        }
+    }
+
+    /// (current, newest) of `device`'s telemetry read here.
+    fn read(table: &mut DeviceTable, device: &str) -> (bool, Millis) {
+        let local = answer(table, |reply| DeviceOp::ReadTelemetry { device: device.into(), key: None, viewer: Viewer::Admin, reply }).expect("held");
+        (local.current, local.newest)
+    }
+
+    /// Item 5 of issue 23: values from a partition this instance no longer reads are not
+    /// current (a batch of it still queued, too); other partitions', `POST /ingest`'s and
+    /// values ingested again from a partition read here are.
+    #[test]
+    fn values_of_a_partition_read_elsewhere_are_not_current() {
+        let mut t = table();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        t.ingest_from(Source::Partition("0", true));
+        t.ingest_and_publish(telemetry("p0", 12, 1_000), now, &mut out);
+        t.ingest_from(Source::Partition("1", true));
+        t.ingest_and_publish(telemetry("p1", 1, 1_000), now, &mut out);
+        t.ingest_from(Source::Here);
+        t.ingest_and_publish(telemetry("posted", 1, 1_000), now, &mut out);
+        assert_eq!(read(&mut t, "p0"), (true, 1_000));
+        assert_eq!(t.partitions_read(|p| p == "0" || p == "1"), 0, "nothing left");
+        assert_eq!(t.partitions_read(|p| p == "1"), 1, "partition 0 left: one device");
+        assert_eq!(read(&mut t, "p0"), (false, 1_000));
+        assert!(read(&mut t, "p1").0 && read(&mut t, "posted").0);
+        // A batch of partition 0 applied after it left stays not current.
+        t.ingest_from(Source::Partition("0", false));
+        t.ingest_and_publish(telemetry("p0", 13, 2_000), now, &mut out);
+        assert_eq!(read(&mut t, "p0"), (false, 2_000));
+        // Read here again: the next message makes it current.
+        t.ingest_from(Source::Partition("0", true));
+        t.ingest_and_publish(telemetry("p0", 14, 3_000), now, &mut out);
+        assert_eq!(read(&mut t, "p0"), (true, 3_000));
+        // Values loaded from the store when scale-out starts, and one instance as it was.
+        assert_eq!(t.loaded_not_current(), 3);
+        assert!(!read(&mut t, "posted").0);
+    }
+
+    /// A replica is current while a socket here subscribes to the device (this instance
+    /// then gets every message of it), not once nobody here does, nor after a Redis outage.
+    #[test]
+    fn a_replica_is_current_only_while_watched_here() {
+        use crate::model::{DataKind, GrantKind, Subscription};
+        let mut t = table();
+        t.track_watches();
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let session = SessionId(3);
+        let grant = Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None };
+        answer(&mut t, |done| DeviceOp::Grant { device: "r".into(), session, grant, done });
+        let sub = Subscription { kind: DataKind::Telemetry, key: None };
+        assert!(answer(&mut t, |permitted| DeviceOp::Subscribe { device: "r".into(), session, sub, permitted }));
+        t.apply(DeviceOp::Presence { device: "r".into(), session, here: true });
+        t.ingest_from(Source::Elsewhere);
+        t.ingest_and_publish(telemetry("r", 1, 10), now, &mut out);
+        t.ingest_and_publish(telemetry("unwatched", 1, 10), now, &mut out);
+        assert!(read(&mut t, "r").0, "watched here: every message comes");
+        assert!(!read(&mut t, "unwatched").0, "a replica nobody here watches");
+        t.apply(DeviceOp::Presence { device: "r".into(), session, here: false });
+        assert!(!read(&mut t, "r").0, "no longer watched: no more messages come");
+        t.apply(DeviceOp::Presence { device: "r".into(), session, here: true });
+        t.ingest_and_publish(telemetry("r", 2, 20), now, &mut out);
+        assert!(read(&mut t, "r").0);
+        assert_eq!(t.replicas_not_current(), 1, "after a Redis outage");
+        assert_eq!(read(&mut t, "r"), (false, 20), "kept: nobody else may hold newer");
     }
 
     #[test]
