@@ -257,12 +257,12 @@ pub struct Snapshot {
 /// Connection state recovery (push/stream.rs).
 fn render_recovery(out: &mut String, cores: &[Snapshot]) {
     let sum = |pick: &dyn Fn(&Snapshot) -> u64| cores.iter().map(pick).sum::<u64>();
-    family(out, "hubcast_recovery_attempts_total", "counter", "Socket.IO CONNECTs that asked to recover a connection (pid and offset), by transport.");
-    for (i, t) in TRANSPORTS.iter().enumerate().filter(|(i, _)| *i != 0) {
+    family(out, "hubcast_recovery_attempts_total", "counter", "Reconnects that asked to recover (a Socket.IO pid, or a WebSocket since=), by transport.");
+    for (i, t) in TRANSPORTS.iter().enumerate() {
         let _ = writeln!(out, "hubcast_recovery_attempts_total{{transport=\"{t}\"}} {}", sum(&|c| c.recovery_attempts[i]));
     }
     family(out, "hubcast_recovery_succeeded_total", "counter", "Connections recovered: every missed event replayed, same pid answered, by transport.");
-    for (i, t) in TRANSPORTS.iter().enumerate().filter(|(i, _)| *i != 0) {
+    for (i, t) in TRANSPORTS.iter().enumerate() {
         let _ = writeln!(out, "hubcast_recovery_succeeded_total{{transport=\"{t}\"}} {}", sum(&|c| c.recovery_succeeded[i]));
     }
     family(out, "hubcast_recovery_failed_total", "counter", "Recoveries refused (the client gets recovered false and live data), by reason.");

@@ -487,3 +487,103 @@ fn a_replay_under_throttling_equals_what_a_socket_that_stayed_received() {
         "the replay is what the socket that stayed received"
     );
 }
+
+// ---- plain WebSocket: offsets=1 and since= (design step 4) -----------------------------------
+
+const PLAIN_GAUGE: &str = "hubcast_sockets{transport=\"websocket\"}";
+
+fn plain(server: &Server, session: &str, query: &str) -> std::net::TcpStream {
+    let (stream, status) = raw_upgrade(server, &format!("/ws?sessionId={session}{query}"), Some(KEY));
+    assert_eq!(status, 101, "/ws?sessionId=…{query}");
+    stream
+}
+
+/// The next text frame as JSON, and its text.
+fn plain_next(stream: &mut std::net::TcpStream) -> (Value, String) {
+    let text = text_until(stream, |_| true);
+    (parse_json(&text), text)
+}
+
+#[test]
+fn a_plain_websocket_resumes_after_since_with_every_missed_message_once_in_order() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let mut ws = plain(&server, &session, "&offsets=1");
+    server.ingest(message("dev-1", 1000));
+    let (first, text) = plain_next(&mut ws);
+    assert!(text.starts_with(r#"{"offset":"h1."#), "the offset is the first member: {text}");
+    assert_eq!(first["message"]["n"], 1000);
+    let offset = first["offset"].as_str().unwrap().to_string();
+    drop(ws);
+    server.wait_for_metric(PLAIN_GAUGE, WAIT, Want::Eq(0.0));
+    server.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    let mut ws = plain(&server, &session, &format!("&offsets=1&since={offset}"));
+    assert_eq!(plain_next(&mut ws).0, json!({"recovered": true, "replayed": 10}));
+    let mut last = seq_of(&offset).1;
+    for n in 0..10 {
+        let (frame, _) = plain_next(&mut ws);
+        assert_eq!(frame["message"]["n"], n, "{frame}");
+        let seq = seq_of(frame["offset"].as_str().unwrap()).1;
+        assert!(seq > last, "offsets increase: {last} then {seq}");
+        last = seq;
+    }
+    server.ingest(message("dev-1", 999));
+    assert_eq!(plain_next(&mut ws).0["message"]["n"], 999, "then live data");
+    assert_eq!(server.metric("hubcast_recovery_succeeded_total{transport=\"websocket\"}"), Some(1.0));
+    assert_eq!(server.metric("hubcast_recovery_replayed_frames_total"), Some(10.0));
+}
+
+#[test]
+fn since_an_unknown_history_says_recovered_false_first_and_live_data_flows() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let mut ws = plain(&server, &session, "&offsets=1&since=h1.1.5");
+    assert_eq!(plain_next(&mut ws).0, json!({"recovered": false, "reason": "history_lost"}));
+    server.ingest(message("dev-1", 7));
+    assert_eq!(plain_next(&mut ws).0["message"]["n"], 7);
+    assert_eq!(server.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
+}
+
+#[test]
+fn batched_frames_carry_each_envelopes_offset() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let mut ws = plain(&server, &session, "&offsets=1&batch=1");
+    server.ingest(json!((0..5).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    let mut seen = Vec::new();
+    while seen.len() < 5 {
+        let (frame, text) = plain_next(&mut ws);
+        assert!(text.starts_with(r#"[{"offset":"h1."#), "{text}");
+        for element in frame.as_array().expect("an array") {
+            seen.push((element["message"]["n"].as_u64().unwrap(), seq_of(element["offset"].as_str().unwrap()).1));
+        }
+    }
+    assert_eq!(seen.iter().map(|(n, _)| *n).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+    assert!(seen.windows(2).all(|w| w[1].1 > w[0].1), "{seen:?}");
+}
+
+#[test]
+fn offsets_and_since_are_refused_before_the_upgrade_when_they_cannot_hold() {
+    let ask = |server: &Server, query: &str| -> (u16, String) {
+        let mut stream = server.connect();
+        let request = format!(
+            "GET /ws?sessionId=x{query} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {KEY}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        );
+        match raw_exchange(&mut stream, request.as_bytes()) {
+            RawOutcome::Response(r) => (r.status, r.body),
+            other => panic!("no answer to {query}: {other:?}"),
+        }
+    };
+    let server = Server::start(&[]);
+    for (query, needle) in [
+        ("&since=h1.1.1", "since needs offsets=1"),
+        ("&offsets=1&since=nope", "since: not an offset hubcast gave"),
+        ("&offsets=2", "offsets must be 1"),
+    ] {
+        let (status, body) = ask(&server, query);
+        assert_error(status, &body, 400, needle);
+    }
+    let off = Server::start(&["--recovery-window", "0"]);
+    let (status, body) = ask(&off, "&offsets=1");
+    assert_error(status, &body, 400, "recovery is off");
+}

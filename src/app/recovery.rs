@@ -78,6 +78,14 @@ pub struct SocketIoAttached {
     pub replay: Vec<(Arc<str>, u64)>,
 }
 
+/// What a plain WebSocket with `offsets=1` gets.
+pub struct PlainAttached {
+    /// With `since`: `{"recovered":true,"replayed":N}` or `{"recovered":false,"reason":…}`.
+    pub first: Option<String>,
+    /// The frames after `since`, in order, with their seqs.
+    pub replay: Vec<(Arc<str>, u64)>,
+}
+
 impl Core {
     /// Attaches a Socket.IO socket to its session (on the session's core) with connection
     /// state recovery: a new pid, or the restore of `restore = (pid, offset)`. `None` for an
@@ -190,6 +198,52 @@ impl Core {
             reason = failure.as_str(),
             "connection not recovered: unknown or expired session"
         );
+    }
+
+    /// Attaches a plain WebSocket opened with `offsets=1` (on the session's core): its envelopes
+    /// carry offsets, and with `since` it first gets what followed that offset. It holds a pid
+    /// the client never sees, so its session's stream lives while it is connected and a window
+    /// after. `None` for an unknown or expired session.
+    pub fn attach_plain_offsets(self: &Rc<Self>, session: SessionId, outlet: &Rc<Outlet>, since: Option<&str>) -> Option<PlainAttached> {
+        let window = self.recovery.window?;
+        let now = Instant::now();
+        let (resumed, first) = {
+            let mut sessions = self.sessions.borrow_mut();
+            let record = sessions.touch(session, now)?;
+            let recovery = record.recovery.get_or_insert_with(Default::default);
+            if recovery.stream.is_none() {
+                self.recovery.streamed.borrow_mut().insert(session);
+            }
+            let stream = recovery.stream_or_new(&self.recovery.total, now);
+            stream.trim_age(now, window, &mut Trimmed::default());
+            outlet.set_offsets(Some(stream.prefix().clone()));
+            let resumed = since.map(|offset| recovery.resume(offset));
+            recovery.issue(outlet.id, now);
+            record.sockets.push(outlet.clone());
+            record.had_socket = true;
+            let first = (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>());
+            (resumed, first)
+        };
+        if let Some(devices) = first {
+            self.presence(session, devices, true);
+        }
+        Some(match resumed {
+            None => PlainAttached { first: None, replay: Vec::new() },
+            Some(Ok(replay)) => {
+                let m = &self.metrics;
+                m.recovery_attempts[0].set(m.recovery_attempts[0].get() + 1);
+                m.recovery_succeeded[0].set(m.recovery_succeeded[0].get() + 1);
+                m.recovery_replayed.set(m.recovery_replayed.get() + replay.len() as u64);
+                tracing::debug!(session = %session, replayed = replay.len(), "connection recovered");
+                let first = serde_json::json!({"recovered": true, "replayed": replay.len()}).to_string();
+                PlainAttached { first: Some(first), replay }
+            }
+            Some(Err(failure)) => {
+                self.recovery_failed(session, 0, failure);
+                let first = serde_json::json!({"recovered": false, "reason": failure.as_str()}).to_string();
+                PlainAttached { first: Some(first), replay: Vec::new() }
+            }
+        })
     }
 
     fn recovery_failed(&self, session: SessionId, transport: usize, failure: Failure) {

@@ -407,6 +407,8 @@ pub struct Restored {
 pub struct SessionRecovery {
     pub stream: Option<SessionStream>,
     pub pids: SmallVec<[PidEntry; 2]>,
+    /// The epoch of the stream last dropped for the window: an offset of it fails `window`.
+    pub lost_epoch: Option<u32>,
 }
 
 impl SessionRecovery {
@@ -503,6 +505,17 @@ impl SessionRecovery {
         stream.after(seq)
     }
 
+    /// Resumes a plain WebSocket after `offset` (`since=`): the frames that followed it. No pid:
+    /// the session id and the offset name the stream; the window is the stream's own age trim.
+    pub fn resume(&self, offset: &str) -> Result<Vec<(Arc<str>, u64)>, Failure> {
+        let (epoch, seq) = parse_offset(offset).ok_or(Failure::UnknownOffset)?;
+        match &self.stream {
+            Some(stream) if stream.epoch == epoch => stream.after(seq),
+            _ if self.lost_epoch == Some(epoch) => Err(Failure::Window),
+            _ => Err(Failure::HistoryLost),
+        }
+    }
+
     /// The socket `outlet` closed: its pid is away from `now`. True when it had one.
     pub fn left(&mut self, outlet: u64, now: Instant) -> bool {
         match self.pids.iter_mut().find(|p| p.socket == Some(outlet)) {
@@ -543,6 +556,7 @@ impl SessionRecovery {
         if self.stream_deadline(window).is_some_and(|at| at <= now) {
             if let Some(stream) = self.stream.take() {
                 trimmed.add(TrimCause::Window, stream.bytes);
+                self.lost_epoch = Some(stream.epoch);
             }
         } else if let Some(stream) = &mut self.stream {
             stream.trim_age(now, window, &mut trimmed);
@@ -772,6 +786,26 @@ mod tests {
             r.restore(&pid, Some(&other_epoch), 4, t0, W).err(),
             Some(Failure::HistoryLost)
         );
+    }
+
+    #[test]
+    fn a_plain_resume_names_its_stream_by_epoch_and_a_dropped_one_fails_window() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut r = SessionRecovery::default();
+        let stream = r.stream_or_new(&total, t0);
+        stream.push(&frame("a"), t0, W, 1 << 20, &mut Trimmed::default());
+        stream.push(&frame("b"), t0, W, 1 << 20, &mut Trimmed::default());
+        let offset = stream.offset(1);
+        assert_eq!(r.resume(&offset).unwrap().len(), 1);
+        assert_eq!(r.resume("h1.zz.1").err(), Some(Failure::HistoryLost));
+        assert_eq!(r.resume("bad").err(), Some(Failure::UnknownOffset));
+        r.issue(1, t0);
+        r.left(1, t0);
+        r.sweep(t0 + W, W);
+        assert!(r.stream.is_none());
+        r.stream_or_new(&total, t0 + W);
+        assert_eq!(r.resume(&offset).err(), Some(Failure::Window), "an offset of the stream dropped for the window");
     }
 
     #[test]

@@ -162,15 +162,18 @@ pub fn write_text(out: &mut Vec<u8>, parts: &[&[u8]]) {
 }
 
 /// Appends one text frame holding the JSON array `[e1,e2,…]` of `elements` (each already
-/// JSON); `payload_len` is its length (the elements, one separator or bracket each, and the
-/// closing bracket). Returns 1, the frames written.
-pub fn write_text_array(out: &mut Vec<u8>, elements: &[&[u8]], payload_len: usize) -> u64 {
-    debug_assert_eq!(payload_len, elements.iter().map(|e| e.len() + 1).sum::<usize>() + 1);
+/// JSON, written as the concatenation of its parts); `payload_len` is its length (the
+/// elements, one separator or bracket each, and the closing bracket). Returns 1, the frames
+/// written.
+pub fn write_text_array<const N: usize>(out: &mut Vec<u8>, elements: &[[&[u8]; N]], payload_len: usize) -> u64 {
+    debug_assert_eq!(payload_len, elements.iter().map(|e| e.iter().map(|p| p.len()).sum::<usize>() + 1).sum::<usize>() + 1);
     put_header(out, OpCode::Data(Data::Text), payload_len);
     out.reserve(payload_len);
     for (i, e) in elements.iter().enumerate() {
         out.push(if i == 0 { b'[' } else { b',' });
-        out.extend_from_slice(e);
+        for part in e {
+            out.extend_from_slice(part);
+        }
     }
     out.push(b']');
     1

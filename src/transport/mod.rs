@@ -100,8 +100,9 @@ pub const BATCH_FRAME_BYTES: usize = 64 * 1024;
 #[derive(Debug, Clone)]
 pub enum SocketKind {
     /// `/ws`: one JSON text frame per envelope, or with `batch` (`/ws?batch=1`) one JSON array
-    /// of the envelopes queued at write time per frame.
-    Plain { batch: bool },
+    /// of the envelopes queued at write time per frame. `offsets=1`: each envelope carries its
+    /// offset; `since=<offset>` resumes after it (connection state recovery, PROTOCOL.md).
+    Plain { batch: bool, offsets: bool, since: Option<Box<str>> },
     /// `/socket.io/?EIO=4&transport=websocket`; `upgrade_sid` when upgrading a polling session.
     SocketIo { upgrade_sid: Option<String> },
 }
@@ -164,16 +165,33 @@ pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
     }
     let path = head.uri.path().trim_end_matches('/');
     let kind = match path {
-        "/ws" => match query_param(head, "batch").as_deref() {
-            None | Some("0") => SocketKind::Plain { batch: false },
-            Some("1") => SocketKind::Plain { batch: true },
-            Some(_) => {
-                return Err(Response::error(
-                    400,
-                    "batch must be 1 (several envelopes per frame, as a JSON array) or 0 (one envelope per frame)",
-                ))
+        "/ws" => {
+            let batch = match query_param(head, "batch").as_deref() {
+                None | Some("0") => false,
+                Some("1") => true,
+                Some(_) => {
+                    return Err(Response::error(
+                        400,
+                        "batch must be 1 (several envelopes per frame, as a JSON array) or 0 (one envelope per frame)",
+                    ))
+                }
+            };
+            let offsets = match query_param(head, "offsets").as_deref() {
+                None | Some("0") => false,
+                Some("1") => true,
+                Some(_) => return Err(Response::error(400, "offsets must be 1 (each envelope carries its offset) or 0")),
+            };
+            let since = query_param(head, "since");
+            if let Some(since) = &since {
+                if !offsets {
+                    return Err(Response::error(400, "since needs offsets=1"));
+                }
+                if crate::push::stream::parse_offset(since).is_none() {
+                    return Err(Response::error(400, "since: not an offset hubcast gave"));
+                }
             }
-        },
+            SocketKind::Plain { batch, offsets, since: since.map(Into::into) }
+        }
         "/socket.io" => {
             if query_param(head, "EIO").as_deref() != Some("4") {
                 return Err(Response::error(400, "unsupported Engine.IO protocol version (EIO=4 required)"));
@@ -200,6 +218,10 @@ pub fn check_upgrade(head: &RequestHead) -> Result<SocketKind, Response> {
 /// session's handshake was counted). The error is the 429 to answer instead.
 pub fn admit_upgrade(core: &Core, peer: Option<std::net::IpAddr>, head: &RequestHead, kind: &SocketKind) -> Result<(), Response> {
     use crate::admission::rate::{admit, Work};
+    if matches!(kind, SocketKind::Plain { offsets: true, .. }) && core.recovery.window.is_none() {
+        // A client must never believe it can resume.
+        return Err(Response::error(400, "offsets: recovery is off (--recovery-window 0)"));
+    }
     let work = match kind {
         SocketKind::Plain { .. } => Work::WebSocket,
         SocketKind::SocketIo { upgrade_sid: None } => Work::EngineIo,
@@ -400,9 +422,24 @@ async fn run(
     })));
     // A greeting that fails closes the socket (its close frame is then the only write).
     match &kind {
-        SocketKind::Plain { .. } => {
+        SocketKind::Plain { offsets: false, .. } => {
             if !conn.attach() {
                 conn.outlet.close(CloseReason::new(1008, "unknown or expired session"));
+            }
+        }
+        SocketKind::Plain { offsets: true, since, .. } => {
+            let attached = conn.session.and_then(|s| conn.core.attach_plain_offsets(s, &conn.outlet, since.as_deref()));
+            conn.attached.set(attached.is_some());
+            match attached {
+                Some(a) => {
+                    if let Some(first) = a.first {
+                        conn.outlet.push(Out::Packet(first.into()));
+                    }
+                    if !a.replay.is_empty() {
+                        conn.outlet.start_replay(a.replay.into_iter().map(|(frame, seq)| Out::Envelope(frame, seq)));
+                    }
+                }
+                None => conn.outlet.close(CloseReason::new(1008, "unknown or expired session")),
             }
         }
         SocketKind::SocketIo { upgrade_sid } => {
@@ -658,22 +695,34 @@ mod write_pool {
 /// so frames leave in queue order. With `offsets` (`h1.<epoch>.`, connection state recovery)
 /// a Socket.IO event carries its envelope's offset as its last argument:
 /// `42["data",<envelope>,"h1.<epoch>.<seq>"]`.
+///
+/// A plain socket opened with `offsets=1` gets the offset as each envelope's first member
+/// (`{"offset":"h1.<epoch>.<seq>","deviceId":…}`, in arrays too), written before the shared
+/// envelope's text without copying it.
 fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec<u8>) -> u64 {
-    let batch = matches!(kind, SocketKind::Plain { batch: true });
+    use crate::push::stream::Base36;
+    let batch = matches!(kind, SocketKind::Plain { batch: true, .. });
+    let plain_offsets = offsets.filter(|_| matches!(kind, SocketKind::Plain { .. }));
+    // Each item's seq in base 36, for a plain socket with offsets (referenced by the parts).
+    let digits: Vec<Base36> = match plain_offsets {
+        Some(_) => items.iter().map(|i| Base36::new(if let Out::Envelope(_, seq) = i { *seq } else { 0 })).collect(),
+        None => Vec::new(),
+    };
     let mut frames = 0;
-    // The batch being gathered: its envelopes and its payload length so far.
-    let mut run: Vec<&[u8]> = Vec::new();
+    // The batch being gathered: its envelopes (as parts) and its payload length so far.
+    let mut run: Vec<[&[u8]; 5]> = Vec::new();
     let mut run_len = 0;
-    for item in items {
+    for (i, item) in items.iter().enumerate() {
         match (kind, item) {
-            (SocketKind::Plain { .. }, Out::Envelope(e, _)) if batch => {
-                let added = e.len() + 1; // the envelope and its `[` or `,`
+            (SocketKind::Plain { .. }, Out::Envelope(e, seq)) if batch => {
+                let parts = plain_parts(e.as_bytes(), *seq, plain_offsets, digits.get(i));
+                let added = parts.iter().map(|p| p.len()).sum::<usize>() + 1; // the envelope and its `[` or `,`
                 if !run.is_empty() && run_len + added + 1 > BATCH_FRAME_BYTES {
                     frames += frame::write_text_array(buf, &run, run_len + 1);
                     run.clear();
                     run_len = 0;
                 }
-                run.push(e.as_bytes());
+                run.push(parts);
                 run_len += added;
                 continue;
             }
@@ -686,7 +735,9 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec
         }
         frames += 1;
         match (kind, item) {
-            (SocketKind::Plain { .. }, Out::Envelope(e, _)) => frame::write_text(buf, &[e.as_bytes()]),
+            (SocketKind::Plain { .. }, Out::Envelope(e, seq)) => {
+                frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets, digits.get(i)))
+            }
             (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
                 Some(prefix) => {
                     let seq = crate::push::stream::Base36::new(*seq);
@@ -705,6 +756,17 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec
         frames += frame::write_text_array(buf, &run, run_len + 1);
     }
     frames
+}
+
+/// A plain envelope's text as parts: with an offset, `{"offset":"<prefix><seq>",` and the
+/// envelope after its `{`; without, the envelope alone.
+fn plain_parts<'a>(e: &'a [u8], seq: u64, prefix: Option<&'a str>, digits: Option<&'a crate::push::stream::Base36>) -> [&'a [u8]; 5] {
+    match (prefix, digits) {
+        (Some(prefix), Some(digits)) if seq > 0 && e.first() == Some(&b'{') && e.len() > 2 => {
+            [b"{\"offset\":\"", prefix.as_bytes(), digits.as_bytes(), b"\",", &e[1..]]
+        }
+        _ => [e, b"", b"", b"", b""],
+    }
 }
 
 #[cfg(test)]
@@ -750,7 +812,7 @@ mod tests {
     fn a_batching_socket_gets_runs_of_envelopes_as_arrays_in_queue_order() {
         let items = [env("a"), env("b"), env("c"), Out::Ping, env("d"), Out::Pong(b"p".to_vec()), env("e")];
         let mut buf = Vec::new();
-        let n = encode(&SocketKind::Plain { batch: true }, &items, None, &mut buf);
+        let n = encode(&SocketKind::Plain { batch: true, offsets: false, since: None }, &items, None, &mut buf);
         let got = frames(&buf);
         assert_eq!(n as usize, got.len());
         let texts: Vec<&str> = got.iter().map(|(_, p)| p.as_str()).collect();
@@ -763,7 +825,7 @@ mod tests {
         let (small, big) = ("x".repeat(30_000), "y".repeat(BATCH_FRAME_BYTES + 10));
         let items = [env(&small), env(&small), env(&small), env(&big), env(&small), env(&small)];
         let mut buf = Vec::new();
-        let n = encode(&SocketKind::Plain { batch: true }, &items, None, &mut buf);
+        let n = encode(&SocketKind::Plain { batch: true, offsets: false, since: None }, &items, None, &mut buf);
         let got = frames(&buf);
         let sizes: Vec<usize> = got
             .iter()
@@ -788,14 +850,21 @@ mod tests {
         encode(&kind, &items, None, &mut buf);
         assert_eq!(frames(&buf)[0].1, r#"42["data",{"v":1}]"#, "no offsets: today's bytes");
         let mut buf = Vec::new();
-        encode(&SocketKind::Plain { batch: false }, &items, Some("h1.k3f."), &mut buf);
-        assert_eq!(frames(&buf)[0].1, r#"{"v":1}"#, "a plain socket is unchanged");
+        encode(&SocketKind::Plain { batch: false, offsets: true, since: None }, &items, Some("h1.k3f."), &mut buf);
+        let got: Vec<String> = frames(&buf).into_iter().map(|(_, p)| p).collect();
+        assert_eq!(got, [r#"{"offset":"h1.k3f.101","v":1}"#, r#"{"v":2}"#], "plain offsets=1: the offset first");
+        let mut buf = Vec::new();
+        encode(&SocketKind::Plain { batch: true, offsets: true, since: None }, &items, Some("h1.k3f."), &mut buf);
+        assert_eq!(frames(&buf)[0].1, r#"[{"offset":"h1.k3f.101","v":1},{"v":2}]"#, "per element in arrays");
+        let mut buf = Vec::new();
+        encode(&SocketKind::Plain { batch: false, offsets: false, since: None }, &items, None, &mut buf);
+        assert_eq!(frames(&buf)[0].1, r#"{"v":1}"#, "a plain socket without offsets is unchanged");
     }
 
     #[test]
     fn without_batch_every_envelope_is_its_own_frame() {
         let items = [env("a"), env("b"), Out::Ping];
-        for kind in [SocketKind::Plain { batch: false }, SocketKind::SocketIo { upgrade_sid: None }] {
+        for kind in [SocketKind::Plain { batch: false, offsets: false, since: None }, SocketKind::SocketIo { upgrade_sid: None }] {
             let mut buf = Vec::new();
             assert_eq!(encode(&kind, &items, None, &mut buf), 3);
             let got = frames(&buf);
