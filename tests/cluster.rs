@@ -463,3 +463,63 @@ fn the_cluster_harness_routes_reshards_and_restarts() {
     assert_eq!(cluster.masters(), masters, "node 2 came back as the master of its slots");
     assert_eq!(on(&cluster, 2), ":0\r\n", "empty (nothing persisted)");
 }
+
+/// Polls `server`'s `GET /lastValue/<device>/n` until it answers `n`; fails with the last answer.
+fn wait_last_n(server: &Server, device: &str, n: i64, on: &str) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (status, body, _) = server.call("GET", &format!("/lastValue/{device}/n"), &[ADMIN], None);
+        if status == 200 && common::parse_json(&body)["data"]["n"].as_i64() == Some(n) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{on} answers the current n = {n} of {device}; it answers {status} {body}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// Issue 23 item 5: a copy learnt from another instance while a socket here watched the
+/// device is not current once nobody here watches it (no more messages come): reads ask the
+/// device's reader again instead of answering the old copy for good.
+#[test]
+fn a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere() {
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = b.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "w"});
+    b.grant(&session, request.clone());
+    assert_eq!(b.subscribe(&session, request).0, 204);
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    a.ingest(json!({"deviceId": "w", "body": {"n": 1}}));
+    let frame = ws.next_json(WAIT).expect("n = 1 reaches the socket on B");
+    assert_eq!(frame["telemetry"]["n"], json!(1));
+    wait_last_n(&b, "w", 1, "B (watching)");
+    drop(ws);
+    wait_watched_elsewhere(&a, "a", 0.0);
+    a.ingest(json!({"deviceId": "w", "body": {"n": 2}}));
+    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 1.0, "n = 2 is not published: nobody watches");
+    wait_last_n(&b, "w", 2, "B (no longer watching, holding n = 1)");
+}
+
+/// Issue 23 item 5: values an instance loads from its durable store at start were written
+/// before it (re)joined; another instance may hold newer, and then answers.
+#[test]
+fn values_loaded_from_the_store_are_not_answered_once_newer_data_exists_elsewhere() {
+    let redis = Redis::start();
+    let dir = common::TempDir::new();
+    let url = redis.url();
+    let args = ["--redis-url", url.as_str(), "--instance-id", "a", "--redis-prefix", "t", "--data-dir", dir.0.to_str().unwrap()];
+    let mut a = Server::start(&args);
+    a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0));
+    let b = instance(&redis, "b");
+    a.ingest(json!([{"deviceId": "kept", "body": {"n": 1}}, {"deviceId": "only-a", "body": {"n": 7}}]));
+    a.signal(libc::SIGTERM);
+    assert!(a.wait_exit(WAIT).is_some_and(|s| s.success()), "A stops gracefully");
+    b.ingest(json!({"deviceId": "kept", "body": {"n": 2}}));
+    let a = Server::start(&args);
+    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(2.0));
+    wait_last_n(&a, "kept", 2, "A (restarted with n = 1 in its store)");
+    // What nobody else holds newer of is answered from the store, as one node would.
+    wait_last_n(&a, "only-a", 7, "A");
+}
