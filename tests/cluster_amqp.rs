@@ -444,3 +444,81 @@ fn every_instance_answers_the_current_value_after_partitions_move_and_after_a_ta
     publish_round(&hub, 77);
     wait_same_everywhere(&three, 77);
 }
+
+/// `POST /_debug/stall` on the server at `url` (debug builds): blocks `core` for `ms`,
+/// answered once it is over.
+fn stall(url: String, core: usize, ms: u64) {
+    let agent = ureq::AgentBuilder::new().timeout(Duration::from_millis(ms) + WAIT).build();
+    let answer = agent.post(&format!("{url}/_debug/stall?core={core}&ms={ms}")).set(ADMIN.0, ADMIN.1).call();
+    assert_eq!(answer.map(|r| r.status()).map_err(|e| e.to_string()), Ok(204), "the stall is served");
+}
+
+/// Waits until instance `id` has renewed its instance key in Redis `n` more times (each a
+/// heartbeat, which renews its leases and takes or gives them up).
+fn wait_heartbeats(redis: &Redis, id: &str, n: usize) {
+    let beat = || redis.command(&format!("GET t:instance:{id}")).and_then(|r| r.lines().nth(1).map(str::to_string));
+    let mut beats = vec![beat()];
+    let deadline = Instant::now() + WAIT;
+    while beats.len() <= n {
+        assert!(Instant::now() < deadline, "{id}'s heartbeats in Redis: {beats:?}");
+        let now = beat();
+        if now.is_some() && now != *beats.last().unwrap() {
+            beats.push(now);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 23 item 3: the Redis side never waits on a core inline. A core blocked for 1.5 ×
+/// `--lease-ttl` costs its instance nothing (the lease task renews through it and asks the
+/// cores for their marks with a deadline); blocked for 4 × the TTL, the instance gives its
+/// leases up cleanly once the core has been silent 3 × the TTL, logs why, and takes its share
+/// back when the core answers again.
+#[test]
+fn a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_and_takes_them_back() {
+    let redis = Redis::start();
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    // A keeps a durable store: its checkpoints are the cores' applied marks, asked of every
+    // core at each heartbeat (before: waited for inline, 5 s per core, with a 2 s TTL).
+    let dir = common::TempDir::new();
+    let cs = hub.connection_string();
+    let url = redis.url();
+    let a = Server::start(&[
+        "--redis-url", url.as_str(), "--redis-prefix", "t", "--instance-id", "a", "--lease-ttl", "2",
+        "--iot-hub-event-hub-connection-string", cs.as_str(), "--event-hub-start-position", "earliest",
+        "--data-dir", dir.path(),
+    ]);
+    let b = instance(&redis, &hub, "b");
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    let held = leases(&a, "a");
+    publish_round(&hub, 1);
+    wait_last_values(&a, 1);
+    let takeovers = || b.metric("hubcast_redis_partition_takeovers_total{instance=\"b\"}").unwrap_or(0.0);
+    let before = takeovers();
+    // 1.5 × TTL: answered once core 0 runs again.
+    stall(a.url(""), 0, 3_000);
+    // Two of B's heartbeats later B would have taken any lease of A's that expired.
+    wait_heartbeats(&redis, "b", 2);
+    assert_eq!(takeovers(), before, "B took nothing over while A's core was blocked for 1.5 x the lease TTL");
+    assert_eq!(leases(&a, "a"), held, "A kept its leases");
+    assert_eq!(a.metric("hubcast_redis_stalled_cores{instance=\"a\"}"), Some(0.0));
+    assert!(!a.stderr_lines().iter().any(|l| l.contains("core stalled: no answer")), "no stall was declared");
+    // 4 × TTL: past 3 × TTL A gives every lease up and says which core, for how long.
+    let a_url = a.url("");
+    let blocked = std::thread::spawn(move || stall(a_url, 0, 8_000));
+    let line = a.wait_for_stderr(WAIT, |l| l.contains("core stalled: no answer")).expect("the stall is logged");
+    assert!(line.contains("ERROR") && field(&line, "core") == Some("0"), "at error level, naming the core: {line}");
+    let silent: u64 = field(&line, "silent_ms").and_then(|v| v.parse().ok()).expect("for how long");
+    assert!(silent > 6_000, "declared past 3 x --lease-ttl: {line}");
+    // Given up cleanly (released, not expired): B takes them all over at once.
+    b.wait_for_metric("hubcast_redis_partition_leases{instance=\"b\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));
+    assert_eq!(takeovers() - before, held, "B took each of A's partitions over once");
+    blocked.join().expect("the stall request");
+    // The core answers again: A takes its share back, and reads again.
+    a.wait_for_stderr(WAIT, |l| l.contains("stalled core answers again")).expect("the recovery is logged");
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    assert_eq!(a.metric("hubcast_redis_stalled_cores{instance=\"a\"}"), Some(0.0));
+    publish_round(&hub, 2);
+    wait_last_values(&a, 2);
+    wait_last_values(&b, 2);
+}

@@ -5,6 +5,8 @@
 
 mod auth;
 mod console;
+#[cfg(debug_assertions)]
+mod debug;
 mod devices;
 mod device_hub;
 mod grants;
@@ -65,6 +67,9 @@ enum Route {
     OpenApi,
     Console,
     Devices,
+    /// Debug builds only (api/debug.rs).
+    #[cfg(debug_assertions)]
+    DebugStall,
 }
 
 impl Route {
@@ -90,6 +95,8 @@ impl Route {
             Route::OpenApi => "openapi",
             Route::Console => "console",
             Route::Devices => "devices",
+            #[cfg(debug_assertions)]
+            Route::DebugStall => "other",
         }
     }
 
@@ -122,6 +129,8 @@ impl Route {
             ("openapi.json", None, None) => Route::OpenApi,
             ("console", None, None) => Route::Console,
             ("devices", None, None) => Route::Devices,
+            #[cfg(debug_assertions)]
+            ("_debug", Some(what), None) if what == "stall" => Route::DebugStall,
             _ => return None,
         })
     }
@@ -134,6 +143,8 @@ impl Route {
             Route::LastValue(_, Some(_)) => "GET",
             Route::LogLevel(_) => "PUT",
             Route::Session | Route::DirectMethod | Route::Ingest => "POST",
+            #[cfg(debug_assertions)]
+            Route::DebugStall => "POST",
             Route::AllSessions | Route::OneSession(_) => "DELETE",
             Route::Grants | Route::Subscription | Route::Subscriptions => "PUT, DELETE",
             Route::DesiredProperties => "PATCH",
@@ -264,6 +275,8 @@ async fn dispatch(core: &Rc<Core>, route: Route, req: Request) -> Checked<Respon
         (Route::OpenApi, &M::GET) => Ok(openapi::get()),
         (Route::Console, &M::GET) => Ok(console::get()),
         (Route::Devices, &M::GET) => devices::list(core, &req).await,
+        #[cfg(debug_assertions)]
+        (Route::DebugStall, &M::POST) => debug::stall(core, &req).await,
         _ => Ok(Response::error(405, &format!("Method {} not allowed on {}", req.method, req.path))
             .with_header("allow", route.allowed())),
     }

@@ -1,18 +1,31 @@
-//! The Redis thread: one tokio runtime with a multiplexed command connection and a pub/sub
-//! connection, between the cores' command queue and their inbound queues.
+//! The Redis thread: one current-thread tokio runtime between the cores' command queue and
+//! their inbound queues, running three tasks per connection, none of which waits on a core's
+//! answer inline:
+//! - **pub/sub** (here): the subscriber connection's messages, demultiplexed into the bounded
+//!   per-core queues (`send().await`: a full queue is back-pressure to Redis's output buffer).
+//!   An access change goes to the *device's* core, in the same FIFO as that device's
+//!   messages, so a revoke is in force before any later message without a barrier here.
+//!   Another instance's read is answered by a spawned task (at most [`READS_PENDING`]).
+//! - **commands** (here): the cores' commands (session changes, publications, watches,
+//!   reads), on the command connection.
+//! - **leases** ([`super::lease`]): heartbeat, live instances, partition leases and
+//!   checkpoints on a connection of their own; renewal first, cores asked with a deadline.
 //!
 //! Keys and channels (`P` = `--redis-prefix`, all documented in docs/OPERATIONS.md, "Several instances on Redis"):
 //! - `P:session:<id>` hash: `created`, and `a:<device>` → the session's access on the device;
 //!   expires unless an instance holding the session refreshes it.
-//! - `P:instance:<id>` string with a TTL, renewed every [`HEARTBEAT`]: the live instances.
+//! - `P:instance:<id>` string with a TTL, renewed every heartbeat: the live instances.
 //! - `P:watching:<id>` set: the devices instance `<id>` watches.
 //! - channel `P:ops`: shared session changes; `P:watch`: `+<id>\t<device>` / `-<id>\t<device>`;
 //!   `P:device:<device>`: the device's messages, for the instances watching it.
 //!
-//! Every Redis call has a deadline; a failure drops both connections, shows on `GET /status`
-//! and is retried with a capped back-off, while commands are refused (changes answer 503,
-//! publications are counted as dropped, watch changes are kept and announced on reconnect).
+//! Every Redis call has a deadline; a failure drops the connections (all three tasks stop),
+//! shows on `GET /status` and is retried with a capped back-off, while commands are refused
+//! (changes answer 503, publications are counted as dropped, watch changes are kept and
+//! announced on reconnect).
 
+use std::cell::RefCell;
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,15 +34,12 @@ use futures_util::StreamExt;
 use hashbrown::{HashMap, HashSet};
 use redis::aio::{MultiplexedConnection, PubSubSink, PubSubStream};
 
+use super::lease::{self, Ctl, Leases};
 use super::wire::{self, SharedOp};
 use super::{Command, Inbound, Stats};
 use crate::ids::SessionId;
 use crate::runtime::routing::{core_of_device, core_of_session};
 
-/// Renews a lease only if this instance still holds it.
-const RENEW: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end";
-/// Gives a lease up only if this instance holds it.
-const RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
 /// The longest wait between two attempts to reach Redis.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
@@ -39,11 +49,15 @@ const CALL_DEADLINE: Duration = Duration::from_secs(5);
 const CHUNK: usize = 512;
 /// How long a read waits for the other instances' answers.
 const READ_DEADLINE: Duration = Duration::from_millis(1000);
-/// Reads waiting for answers at once (beyond: answered at once as "not found elsewhere").
+/// Reads waiting for answers at once (beyond: answered at once as "not found elsewhere"),
+/// and other instances' reads being answered here at once (beyond: not answered; the asker's
+/// deadline answers for them).
 const READS_PENDING: usize = 4096;
+/// How long a change's caller waits for its own change to be in force here.
+const ECHO_DEADLINE: Duration = Duration::from_secs(10);
 
 /// A read sent to the other instances, waiting for their answers.
-struct PendingRead {
+pub(super) struct PendingRead {
     reply: futures_channel::oneshot::Sender<Result<Option<(i64, wire::View)>, String>>,
     expected: usize,
     got: usize,
@@ -64,10 +78,53 @@ pub struct Options {
 
 impl Options {
     /// Heartbeats renew leases and the instance key three times per TTL (at most every 2 s).
-    fn heartbeat(&self) -> Duration {
+    pub(super) fn heartbeat(&self) -> Duration {
         (self.lease_ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(2))
     }
 }
+
+/// What every task of the link reads and never changes.
+pub(super) struct Ctx {
+    pub o: Options,
+    pub cores: Vec<async_channel::Sender<Inbound>>,
+    pub stats: Arc<Stats>,
+}
+
+impl Ctx {
+    pub fn key(&self, kind: &str, id: &str) -> String {
+        format!("{}:{kind}:{id}", self.o.prefix)
+    }
+    pub fn channel(&self, name: &str) -> String {
+        format!("{}:{name}", self.o.prefix)
+    }
+    fn session_key(&self, id: SessionId) -> String {
+        self.key("session", &id.to_string())
+    }
+}
+
+/// What the link's tasks share. One thread: a `RefCell`, never borrowed across an await.
+pub(super) struct Shared {
+    /// Devices this instance watches (kept while Redis is down, announced on reconnect).
+    pub local: HashSet<Box<str>>,
+    /// Device → the other live instances watching it.
+    pub remote: HashMap<Box<str>, HashSet<Arc<str>>>,
+    /// Other live instances.
+    pub instances: HashSet<Arc<str>>,
+    reads: HashMap<u64, PendingRead>,
+    next_read: u64,
+    /// Other instances' reads being answered here by spawned tasks.
+    answering: usize,
+    /// Access changes written here, answered once their own publication comes back on the
+    /// `ops` channel and is applied (see [`on_own_op`]). At most one per command taken
+    /// from the bounded command queue, so bounded by it.
+    echoes: std::collections::VecDeque<PendingEcho>,
+    /// This instance's own access changes back from the `ops` channel before the command
+    /// task saw its `EXEC` answered (the two connections race): matched with their echo
+    /// when it is. At most one per change written, so bounded like `echoes`.
+    early: std::collections::VecDeque<SharedOp>,
+}
+
+pub(super) type State = Rc<RefCell<Shared>>;
 
 pub fn start(
     options: Options,
@@ -85,80 +142,25 @@ pub fn start(
                 return;
             }
         };
-        let mut link = Link {
-            o: options,
-            cores,
-            stats,
-            status,
+        let lease = Leases::new(cores.len(), owned);
+        let ctx = Rc::new(Ctx { o: options, cores, stats });
+        let state = Rc::new(RefCell::new(Shared {
             local: HashSet::new(),
             remote: HashMap::new(),
             instances: HashSet::new(),
-            down_since_logged: false,
             reads: HashMap::new(),
-            echoes: std::collections::VecDeque::new(),
             next_read: 0,
-            stream: None,
-            leased: std::collections::BTreeMap::new(),
-            lost: HashSet::new(),
-            taken_order: HashMap::new(),
-            next_take: 0,
-            settle_until: None,
-            checkpointed: HashMap::new(),
-            owned,
-            renewed_at: tokio::time::Instant::now(),
-            left: false,
-        };
-        runtime.block_on(link.run(commands));
+            answering: 0,
+            echoes: std::collections::VecDeque::new(),
+            early: std::collections::VecDeque::new(),
+        }));
+        let tasks = tokio::task::LocalSet::new();
+        tasks.block_on(&runtime, run(ctx, state, lease, status, commands));
     })?;
     Ok(())
 }
 
-struct Link {
-    o: Options,
-    cores: Vec<async_channel::Sender<Inbound>>,
-    stats: Arc<Stats>,
-    /// Tells `GET /status` the link is up (`None`) or down, and why.
-    status: Box<dyn Fn(Option<String>) + Send>,
-    /// Devices this instance watches (kept while Redis is down, announced on reconnect).
-    local: HashSet<Box<str>>,
-    /// Device → the other live instances watching it.
-    remote: HashMap<Box<str>, HashSet<Arc<str>>>,
-    /// Other live instances.
-    instances: HashSet<Arc<str>>,
-    down_since_logged: bool,
-    reads: HashMap<u64, PendingRead>,
-    next_read: u64,
-    /// Access changes written here, answered once their own publication comes back on the
-    /// `ops` channel and is applied (see [`Link::on_own_op`]). At most one per command taken
-    /// from the bounded command queue, so bounded by it.
-    echoes: std::collections::VecDeque<PendingEcho>,
-    /// The event stream the consumer reads, once it has said.
-    stream: Option<super::StreamPlan>,
-    /// Partitions leased here → the checkpoint found when the lease was taken.
-    leased: std::collections::BTreeMap<String, Option<i64>>,
-    /// The last checkpoint written per partition.
-    checkpointed: HashMap<String, i64>,
-    /// Partitions whose lease this instance lost without giving it up (a renewal refused, or
-    /// given up while Redis was unreachable): taken again first, so that after a Redis
-    /// restart each instance goes back to the partitions its cores hold positions for.
-    lost: HashSet<String>,
-    /// When each held partition was taken (a counter): to balance, the most recently taken
-    /// is given up first, so an instance keeps the partitions it read longest.
-    taken_order: HashMap<String, u64>,
-    next_take: u64,
-    /// After a reconnect, until this instant only partitions in `lost` are taken: the other
-    /// instances cut off by the same outage come back within it (their back-off is at most
-    /// [`MAX_BACKOFF`]) and take back their own, instead of finding them taken by whoever
-    /// reconnected first.
-    settle_until: Option<tokio::time::Instant>,
-    owned: tokio::sync::watch::Sender<super::Owned>,
-    /// When the leases were last renewed: past the TTL without Redis they are given up.
-    renewed_at: tokio::time::Instant,
-    /// Shut down gracefully: no lease is taken and the instance key is not renewed again.
-    left: bool,
-}
-
-type Failed = String;
+pub(super) type Failed = String;
 
 /// An access change written and published, waiting for its publication to come back.
 struct PendingEcho {
@@ -168,7 +170,7 @@ struct PendingEcho {
     reply: futures_channel::oneshot::Sender<Result<super::Mutated, String>>,
 }
 
-async fn within<T>(what: &str, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Failed> {
+pub(super) async fn within<T>(what: &str, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Failed> {
     match tokio::time::timeout(CALL_DEADLINE, f).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(format!("{what}: {e}")),
@@ -176,904 +178,782 @@ async fn within<T>(what: &str, f: impl std::future::Future<Output = redis::Redis
     }
 }
 
-impl Link {
-    fn key(&self, kind: &str, id: &str) -> String {
-        format!("{}:{kind}:{id}", self.o.prefix)
-    }
-    fn channel(&self, name: &str) -> String {
-        format!("{}:{name}", self.o.prefix)
-    }
-    fn session_key(&self, id: SessionId) -> String {
-        self.key("session", &id.to_string())
-    }
+/// The connections of one session with Redis, and what the cores must learn first.
+struct Conns {
+    conn: MultiplexedConnection,
+    lease_conn: MultiplexedConnection,
+    sink: PubSubSink,
+    stream: PubSubStream,
+    /// Devices other instances started or stopped watching while this one was away.
+    changes: Vec<(Box<str>, bool)>,
+}
 
-    async fn run(&mut self, commands: async_channel::Receiver<Command>) {
-        let mut backoff = Duration::from_millis(100);
+async fn run(
+    ctx: Rc<Ctx>,
+    state: State,
+    mut lease: Leases,
+    status: Box<dyn Fn(Option<String>) + Send>,
+    commands: async_channel::Receiver<Command>,
+) {
+    // Stream plans and the leave order, from the command task to the lease task: one of
+    // each at a time in practice (bounded; the command task waits for room).
+    let (ctl_tx, mut ctl_rx) = tokio::sync::mpsc::channel::<Ctl>(4);
+    let mut backoff = Duration::from_millis(100);
+    let mut down_since_logged = false;
+    loop {
+        let reason = match connect(&ctx, &state).await {
+            Ok(conns) => {
+                backoff = Duration::from_millis(100);
+                let reconnected = ctx.stats.reconnects.load(Ordering::Relaxed) > 0;
+                if reconnected {
+                    lease.settle_until = Some(tokio::time::Instant::now() + ctx.o.lease_ttl + MAX_BACKOFF);
+                }
+                status(None);
+                ctx.stats.connected.store(1, Ordering::Relaxed);
+                tracing::info!(instance = %ctx.o.instance, others = state.borrow().instances.len(), "connected to Redis");
+                down_since_logged = false;
+                let reason = {
+                    let pubsub = pubsub(&ctx, &state, conns.stream, conns.conn.clone(), reconnected, conns.changes);
+                    let commands = command_loop(&ctx, &state, conns.conn, conns.sink, &commands, &ctl_tx);
+                    let leases = lease::run(&ctx, &state, &mut lease, conns.lease_conn, &mut ctl_rx);
+                    tokio::select! {
+                        r = pubsub => r,
+                        r = commands => r,
+                        r = leases => r,
+                    }
+                };
+                let lost = format!("the link to Redis was lost ({reason})");
+                let (reads, echoes) = {
+                    let mut s = state.borrow_mut();
+                    s.early.clear();
+                    (s.reads.drain().collect::<Vec<_>>(), s.echoes.drain(..).collect::<Vec<_>>())
+                };
+                for (_, read) in reads {
+                    let _ = read.reply.send(Err(lost.clone()));
+                }
+                // Written, but not seen back: the copy here may miss it until the session
+                // is read again, so the caller hears that Redis failed.
+                for echo in echoes {
+                    let _ = echo.reply.send(Err(lost.clone()));
+                }
+                ctx.stats.connected.store(0, Ordering::Relaxed);
+                ctx.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                reason
+            }
+            Err(reason) => reason,
+        };
+        // What the command task handed the lease task and it did not take.
+        while let Ok(c) = ctl_rx.try_recv() {
+            refuse_ctl(&mut lease, c);
+        }
+        if commands.is_closed() {
+            return;
+        }
+        status(Some(reason.clone()));
+        if !down_since_logged {
+            tracing::warn!(reason = %reason, "Redis unreachable: changes answer 503 and live data from other instances stops until it is back; retrying");
+            down_since_logged = true;
+        } else {
+            tracing::debug!(reason = %reason, "Redis still unreachable");
+        }
+        // Disconnected: refuse what needs Redis until the back-off has passed.
+        let until = tokio::time::Instant::now() + backoff;
+        // Leases not renewed may be someone else's by now: stop reading their partitions
+        // a heartbeat before they can expire.
+        let give_up = lease.renewed_at + ctx.o.lease_ttl.saturating_sub(ctx.o.heartbeat());
         loop {
-            let reason = match self.connect().await {
-                Ok((mut conn, mut sink, stream)) => {
-                    backoff = Duration::from_millis(100);
-                    if self.stats.reconnects.load(Ordering::Relaxed) > 0 {
-                        self.forget_replicas().await;
-                        self.settle_until = Some(tokio::time::Instant::now() + self.o.lease_ttl + MAX_BACKOFF);
-                    }
-                    (self.status)(None);
-                    self.stats.connected.store(1, Ordering::Relaxed);
-                    tracing::info!(instance = %self.o.instance, others = self.instances.len(), "connected to Redis");
-                    self.down_since_logged = false;
-                    let reason = self.serve(&mut conn, &mut sink, stream, &commands).await;
-                    for (_, read) in self.reads.drain() {
-                        let _ = read.reply.send(Err(format!("the link to Redis was lost ({reason})")));
-                    }
-                    // Written, but not seen back: the copy here may miss it until the session
-                    // is read again, so the caller hears that Redis failed.
-                    for echo in self.echoes.drain(..) {
-                        let _ = echo.reply.send(Err(format!("the link to Redis was lost ({reason})")));
-                    }
-                    self.stats.connected.store(0, Ordering::Relaxed);
-                    self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
-                    reason
-                }
-                Err(reason) => reason,
-            };
-            if commands.is_closed() {
-                return;
-            }
-            (self.status)(Some(reason.clone()));
-            if !self.down_since_logged {
-                tracing::warn!(reason = %reason, "Redis unreachable: changes answer 503 and live data from other instances stops until it is back; retrying");
-                self.down_since_logged = true;
-            } else {
-                tracing::debug!(reason = %reason, "Redis still unreachable");
-            }
-            // Disconnected: refuse what needs Redis until the back-off has passed.
-            let until = tokio::time::Instant::now() + backoff;
-            // Leases not renewed may be someone else's by now: stop reading their partitions
-            // a heartbeat before they can expire.
-            let give_up = self.renewed_at + self.o.lease_ttl.saturating_sub(self.o.heartbeat());
-            loop {
-                tokio::select! {
-                    command = commands.recv() => match command {
-                        Ok(command) => self.refuse(command, &reason),
-                        Err(_) => return,
-                    },
-                    _ = tokio::time::sleep_until(give_up), if !self.leased.is_empty() => {
-                        tracing::warn!(partitions = self.leased.len(), "partition leases not renewed in time (Redis unreachable): reading none until they are taken again");
-                        // What was lost before is someone else's by now: only these are ours.
-                        self.lost = std::mem::take(&mut self.leased).into_keys().collect();
-                        self.publish_owned();
-                    }
-                    _ = tokio::time::sleep_until(until) => break,
-                }
-            }
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-        }
-    }
-
-    fn refuse(&mut self, command: Command, reason: &str) {
-        match command {
-            Command::Save { reply, .. } => {
-                let _ = reply.send(Err(format!("not connected ({reason})")));
-            }
-            Command::Load { reply, .. } => {
-                let _ = reply.send(Err(format!("not connected ({reason})")));
-            }
-            Command::Mutate { reply, .. } => {
-                let _ = reply.send(Err(format!("not connected ({reason})")));
-            }
-            Command::Publish(items) => {
-                self.stats.dropped.fetch_add(items.len() as u64, Ordering::Relaxed);
-            }
-            Command::Watch(changes) => {
-                for (device, on) in changes {
-                    if on {
-                        self.local.insert(device);
-                    } else {
-                        self.local.remove(&device);
-                    }
-                }
-                self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
-            }
-            Command::Refresh(_) => {}
-            Command::Stream(plan) => self.stream = Some(plan),
-            Command::Leave(done) => {
-                let _ = done.send(());
-            }
-            Command::Read { reply, .. } => {
-                let _ = reply.send(Err(format!("not connected ({reason})")));
-            }
-        }
-    }
-
-    async fn connect(&mut self) -> Result<(MultiplexedConnection, PubSubSink, PubSubStream), Failed> {
-        let client = match &self.o.ca {
-            Some(ca) => redis::Client::build_with_tls(
-                self.o.url.as_str(),
-                redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) },
-            ),
-            None => redis::Client::open(self.o.url.as_str()),
-        }
-        .map_err(|e| format!("invalid --redis-url: {e}"))?;
-        // Our own deadline per call (the client's default answer timeout is 500 ms).
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(CALL_DEADLINE))
-            .set_response_timeout(Some(CALL_DEADLINE));
-        let mut conn = within("connect", client.get_multiplexed_async_connection_with_config(&config)).await?;
-        let pubsub = within("connect (pub/sub)", client.get_async_pubsub()).await?;
-        let (mut sink, stream) = pubsub.split();
-        let channels = [self.channel("ops"), self.channel("watch"), self.channel("read"), self.key("answer", &self.o.instance)];
-        within("SUBSCRIBE", sink.subscribe(&channels)).await?;
-        // Announce this instance and what it watches (after a reconnect: again, whole).
-        let me = self.o.instance.clone();
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(self.o.lease_ttl.as_millis() as u64).ignore();
-        pipe.cmd("DEL").arg(self.key("watching", &me)).ignore();
-        within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
-        let local: Vec<Box<str>> = self.local.iter().cloned().collect();
-        for chunk in local.chunks(CHUNK) {
-            let mut pipe = redis::pipe();
-            pipe.cmd("SADD").arg(self.key("watching", &me));
-            for device in chunk {
-                pipe.arg(&**device);
-            }
-            pipe.ignore();
-            for device in chunk {
-                pipe.cmd("PUBLISH").arg(self.channel("watch")).arg(format!("+{me}\t{device}")).ignore();
-            }
-            within("SADD watching", pipe.query_async::<()>(&mut conn)).await?;
-            let channels: Vec<String> = chunk.iter().map(|d| self.key("device", d)).collect();
-            within("SUBSCRIBE devices", sink.subscribe(channels)).await?;
-        }
-        // What the others watch, read after subscribing to `watch` so no change is missed.
-        let live = self.live_instances(&mut conn).await?;
-        let mut remote: HashMap<Box<str>, HashSet<Arc<str>>> = HashMap::new();
-        for instance in &live {
-            let devices: Vec<String> = within("SMEMBERS", redis::cmd("SMEMBERS").arg(self.key("watching", instance)).query_async(&mut conn)).await?;
-            for device in devices {
-                remote.entry(device.into_boxed_str()).or_default().insert(instance.clone());
-            }
-        }
-        let mut changes: Vec<(Box<str>, bool)> = Vec::new();
-        for device in self.remote.keys() {
-            if !remote.contains_key(device) {
-                changes.push((device.clone(), false));
-            }
-        }
-        for device in remote.keys() {
-            if !self.remote.contains_key(device) {
-                changes.push((device.clone(), true));
-            }
-        }
-        self.remote = remote;
-        self.instances = live;
-        self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
-        self.send_remote_watch(changes).await;
-        Ok((conn, sink, stream))
-    }
-
-    /// Other instances whose `instance` key is alive.
-    async fn live_instances(&self, conn: &mut MultiplexedConnection) -> Result<HashSet<Arc<str>>, Failed> {
-        let pattern = self.key("instance", "*");
-        let strip = pattern.len() - 1;
-        let mut cursor: u64 = 0;
-        let mut out = HashSet::new();
-        loop {
-            let (next, keys): (u64, Vec<String>) = within(
-                "SCAN",
-                redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn),
-            )
-            .await?;
-            for key in keys {
-                let id = &key[strip..];
-                if id != &*self.o.instance {
-                    out.insert(Arc::from(id));
-                }
-            }
-            if next == 0 {
-                return Ok(out);
-            }
-            cursor = next;
-        }
-    }
-
-    async fn serve(
-        &mut self,
-        conn: &mut MultiplexedConnection,
-        sink: &mut PubSubSink,
-        stream: PubSubStream,
-        commands: &async_channel::Receiver<Command>,
-    ) -> Failed {
-        let mut stream = stream.ready_chunks(256);
-        let mut beat = tokio::time::interval(self.o.heartbeat());
-        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let next_read = self.reads.values().map(|r| r.deadline).min();
-            let result = tokio::select! {
-                batch = stream.next() => match batch {
-                    Some(batch) => {
-                        let answers = self.on_messages(batch).await;
-                        self.publish_answers(answers, conn).await
-                    }
-                    None => Err("the pub/sub connection closed".to_string()),
-                },
-                _ = tokio::time::sleep_until(next_read.unwrap_or_else(tokio::time::Instant::now)), if next_read.is_some() => {
-                    self.expire_reads();
-                    Ok(())
-                }
+            tokio::select! {
                 command = commands.recv() => match command {
-                    Ok(command) => self.on_command(command, conn, sink).await,
-                    Err(_) => Err("stopped".to_string()),
+                    Ok(command) => refuse(&ctx, &state, &mut lease, command, &reason),
+                    Err(_) => return,
                 },
-                _ = beat.tick() => self.heartbeat(conn).await,
-            };
-            if let Err(reason) = result {
-                return reason;
-            }
-        }
-    }
-
-    async fn publish_answers(&self, answers: Vec<(String, Vec<u8>)>, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
-        if answers.is_empty() {
-            return Ok(());
-        }
-        let mut pipe = redis::pipe();
-        for (channel, payload) in &answers {
-            pipe.cmd("PUBLISH").arg(channel).arg(payload.as_slice()).ignore();
-        }
-        within("PUBLISH answers", pipe.query_async::<()>(conn)).await
-    }
-
-    /// Answers the reads whose time is up with the best answer so far.
-    fn expire_reads(&mut self) {
-        let now = tokio::time::Instant::now();
-        let due: Vec<u64> = self.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(id, _)| *id).collect();
-        for id in due {
-            if let Some(read) = self.reads.remove(&id) {
-                let _ = read.reply.send(Ok(read.best));
-            }
-        }
-    }
-
-    async fn heartbeat(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
-        if self.left {
-            return Ok(());
-        }
-        let me = self.o.instance.clone();
-        let set = redis::cmd("SET").arg(self.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(self.o.lease_ttl.as_millis() as u64).to_owned();
-        within("SET instance", set.query_async::<()>(conn)).await?;
-        let live = self.live_instances(conn).await?;
-        let gone: Vec<Arc<str>> = self.instances.iter().filter(|i| !live.contains(*i)).cloned().collect();
-        if !gone.is_empty() {
-            // An instance that died without saying so: forget what it watched.
-            let mut changes = Vec::new();
-            self.remote.retain(|device, watchers| {
-                for g in &gone {
-                    watchers.remove(g);
+                _ = tokio::time::sleep_until(give_up), if !lease.leased.is_empty() => {
+                    tracing::warn!(partitions = lease.leased.len(), "partition leases not renewed in time (Redis unreachable): reading none until they are taken again");
+                    lease.give_up_unrenewed(&ctx.stats);
                 }
-                if watchers.is_empty() {
-                    changes.push((device.clone(), false));
-                    false
+                _ = tokio::time::sleep_until(until) => break,
+            }
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+fn refuse_ctl(lease: &mut Leases, c: Ctl) {
+    match c {
+        Ctl::Stream(plan) => lease.stream = Some(plan),
+        Ctl::Leave(done) => {
+            let _ = done.send(());
+        }
+    }
+}
+
+fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason: &str) {
+    match command {
+        Command::Save { reply, .. } => {
+            let _ = reply.send(Err(format!("not connected ({reason})")));
+        }
+        Command::Load { reply, .. } => {
+            let _ = reply.send(Err(format!("not connected ({reason})")));
+        }
+        Command::Mutate { reply, .. } => {
+            let _ = reply.send(Err(format!("not connected ({reason})")));
+        }
+        Command::Publish(items) => {
+            ctx.stats.dropped.fetch_add(items.len() as u64, Ordering::Relaxed);
+        }
+        Command::Watch(changes) => {
+            let mut s = state.borrow_mut();
+            for (device, on) in changes {
+                if on {
+                    s.local.insert(device);
                 } else {
-                    true
+                    s.local.remove(&device);
                 }
-            });
-            for g in &gone {
-                tracing::info!(instance = %g, "instance gone from Redis");
-                let _ = within("DEL watching", redis::cmd("DEL").arg(self.key("watching", g)).query_async::<()>(conn)).await;
             }
-            self.send_remote_watch(changes).await;
+            ctx.stats.watched_here.store(s.local.len() as u64, Ordering::Relaxed);
         }
-        for i in &live {
-            if !self.instances.contains(i) {
-                tracing::info!(instance = %i, "instance joined on Redis");
-            }
+        Command::Refresh(_) => {}
+        Command::Stream(plan) => refuse_ctl(lease, Ctl::Stream(plan)),
+        Command::Leave(done) => refuse_ctl(lease, Ctl::Leave(done)),
+        Command::Read { reply, .. } => {
+            let _ = reply.send(Err(format!("not connected ({reason})")));
         }
-        self.instances = live;
-        self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
-        self.leases(conn).await
     }
+}
 
-    /// Graceful shutdown: a last checkpoint (`leases` writes it), every lease given up,
-    /// watches withdrawn, the instance key deleted: the others rebalance at once.
-    async fn leave(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
-        self.leases(conn).await?;
-        let me = self.o.instance.clone();
-        let held: Vec<String> = std::mem::take(&mut self.leased).into_keys().collect();
+async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
+    let o = &ctx.o;
+    let client = match &o.ca {
+        Some(ca) => redis::Client::build_with_tls(o.url.as_str(), redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) }),
+        None => redis::Client::open(o.url.as_str()),
+    }
+    .map_err(|e| format!("invalid --redis-url: {e}"))?;
+    // Our own deadline per call (the client's default answer timeout is 500 ms).
+    let config = redis::AsyncConnectionConfig::new().set_connection_timeout(Some(CALL_DEADLINE)).set_response_timeout(Some(CALL_DEADLINE));
+    let mut conn = within("connect", client.get_multiplexed_async_connection_with_config(&config)).await?;
+    // The lease task's own: a renewal never queues behind a burst of publications.
+    let lease_conn = within("connect (leases)", client.get_multiplexed_async_connection_with_config(&config)).await?;
+    let pubsub = within("connect (pub/sub)", client.get_async_pubsub()).await?;
+    let (mut sink, stream) = pubsub.split();
+    let channels = [ctx.channel("ops"), ctx.channel("watch"), ctx.channel("read"), ctx.key("answer", &o.instance)];
+    within("SUBSCRIBE", sink.subscribe(&channels)).await?;
+    // Announce this instance and what it watches (after a reconnect: again, whole).
+    let me = o.instance.clone();
+    let mut pipe = redis::pipe();
+    pipe.cmd("SET").arg(ctx.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(o.lease_ttl.as_millis() as u64).ignore();
+    pipe.cmd("DEL").arg(ctx.key("watching", &me)).ignore();
+    within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
+    let local: Vec<Box<str>> = state.borrow().local.iter().cloned().collect();
+    for chunk in local.chunks(CHUNK) {
         let mut pipe = redis::pipe();
-        if let Some(stream) = &self.stream {
-            let leases = self.key("lease", &format!("{:08x}", crc32fast::hash(stream.key.as_bytes())));
-            for p in &held {
-                pipe.cmd("EVAL").arg(RELEASE).arg(1).arg(format!("{leases}:{p}")).arg(&*me).ignore();
+        pipe.cmd("SADD").arg(ctx.key("watching", &me));
+        for device in chunk {
+            pipe.arg(&**device);
+        }
+        pipe.ignore();
+        for device in chunk {
+            pipe.cmd("PUBLISH").arg(ctx.channel("watch")).arg(format!("+{me}\t{device}")).ignore();
+        }
+        within("SADD watching", pipe.query_async::<()>(&mut conn)).await?;
+        let channels: Vec<String> = chunk.iter().map(|d| ctx.key("device", d)).collect();
+        within("SUBSCRIBE devices", sink.subscribe(channels)).await?;
+    }
+    // What the others watch, read after subscribing to `watch` so no change is missed.
+    let live = live_instances(ctx, &mut conn).await?;
+    let mut remote: HashMap<Box<str>, HashSet<Arc<str>>> = HashMap::new();
+    for instance in &live {
+        let devices: Vec<String> = within("SMEMBERS", redis::cmd("SMEMBERS").arg(ctx.key("watching", instance)).query_async(&mut conn)).await?;
+        for device in devices {
+            remote.entry(device.into_boxed_str()).or_default().insert(instance.clone());
+        }
+    }
+    let mut s = state.borrow_mut();
+    let mut changes: Vec<(Box<str>, bool)> = Vec::new();
+    for device in s.remote.keys() {
+        if !remote.contains_key(device) {
+            changes.push((device.clone(), false));
+        }
+    }
+    for device in remote.keys() {
+        if !s.remote.contains_key(device) {
+            changes.push((device.clone(), true));
+        }
+    }
+    s.remote = remote;
+    s.instances = live;
+    ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
+    Ok(Conns { conn, lease_conn, sink, stream, changes })
+}
+
+/// Other instances whose `instance` key is alive.
+pub(super) async fn live_instances(ctx: &Ctx, conn: &mut MultiplexedConnection) -> Result<HashSet<Arc<str>>, Failed> {
+    let pattern = ctx.key("instance", "*");
+    let strip = pattern.len() - 1;
+    let mut cursor: u64 = 0;
+    let mut out = HashSet::new();
+    loop {
+        let (next, keys): (u64, Vec<String>) =
+            within("SCAN", redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn)).await?;
+        for key in keys {
+            let id = &key[strip..];
+            if id != &*ctx.o.instance {
+                out.insert(Arc::from(id));
             }
         }
-        for device in &self.local {
-            pipe.cmd("PUBLISH").arg(self.channel("watch")).arg(format!("-{me}\t{device}")).ignore();
+        if next == 0 {
+            return Ok(out);
         }
-        pipe.cmd("DEL").arg(self.key("watching", &me)).ignore();
-        pipe.cmd("DEL").arg(self.key("instance", &me)).ignore();
-        self.left = true;
-        self.stream = None;
-        within("leave", pipe.query_async::<()>(conn)).await?;
-        self.publish_owned();
-        tracing::info!(partitions = held.len(), "left Redis: partition leases given up, watches withdrawn");
-        Ok(())
+        cursor = next;
     }
+}
 
-    fn publish_owned(&self) {
-        self.stats.leases.store(self.leased.len() as u64, Ordering::Relaxed);
-        let owned = super::Owned { partitions: self.leased.clone() };
-        self.owned.send_if_modified(|o| {
-            if *o == owned {
-                false
-            } else {
-                *o = owned;
-                true
-            }
-        });
+/// How many of the other live instances take a share of the partitions: those without a
+/// stalled core (`P:stalled:<instance>`). Announces this instance's own stalled cores first
+/// (`None`: none), in the same round trip.
+pub(super) async fn instances_taking_a_share(ctx: &Ctx, state: &State, stalled: Option<&str>, conn: &mut MultiplexedConnection) -> Result<usize, Failed> {
+    let others: Vec<Arc<str>> = state.borrow().instances.iter().cloned().collect();
+    let mine = ctx.key("stalled", &ctx.o.instance);
+    let mut pipe = redis::pipe();
+    match stalled {
+        Some(cores) => pipe.cmd("SET").arg(mine).arg(cores).arg("PX").arg(ctx.o.lease_ttl.as_millis() as u64).ignore(),
+        None => pipe.cmd("DEL").arg(mine).ignore(),
+    };
+    for i in &others {
+        pipe.cmd("EXISTS").arg(ctx.key("stalled", i));
     }
+    let stalled: Vec<i64> = within("stalled instances", pipe.query_async(conn)).await?;
+    Ok(stalled.iter().filter(|s| **s == 0).count())
+}
 
-    /// The cores' applied marks: source partition → the lowest mark over every core (only
-    /// partitions every core has a mark for).
-    async fn applied_marks(&self) -> HashMap<Box<str>, i64> {
-        let mut low: HashMap<Box<str>, (i64, usize)> = HashMap::new();
-        for core in &self.cores {
-            let (reply, marks) = futures_channel::oneshot::channel();
-            if core.send(Inbound::Applied(reply)).await.is_err() {
-                return HashMap::new();
+/// Devices other instances started (`true`) or stopped watching.
+pub(super) type WatchChanges = Vec<(Box<str>, bool)>;
+
+/// Remote watch changes grouped per device core, with the core's queue.
+pub(super) fn remote_watch_batches(ctx: &Ctx, changes: WatchChanges) -> Vec<(async_channel::Sender<Inbound>, WatchChanges)> {
+    let mut per_core: Vec<Vec<(Box<str>, bool)>> = (0..ctx.cores.len()).map(|_| Vec::new()).collect();
+    for (device, on) in changes {
+        per_core[core_of_device(&device, ctx.cores.len())].push((device, on));
+    }
+    per_core.into_iter().enumerate().filter(|(_, c)| !c.is_empty()).map(|(core, c)| (ctx.cores[core].clone(), c)).collect()
+}
+
+async fn send_remote_watch(ctx: &Ctx, changes: Vec<(Box<str>, bool)>) {
+    for (core, batch) in remote_watch_batches(ctx, changes) {
+        let _ = core.send(Inbound::RemoteWatch(batch)).await;
+    }
+}
+
+/// The pub/sub task: until the subscriber connection fails.
+async fn pubsub(
+    ctx: &Rc<Ctx>,
+    state: &State,
+    stream: PubSubStream,
+    conn: MultiplexedConnection,
+    reconnected: bool,
+    changes: Vec<(Box<str>, bool)>,
+) -> Failed {
+    // Before any message of this connection, in each core's queue: after an outage, forget
+    // the values learnt from the others (what they published meanwhile was lost with the
+    // connection); and what the others watch now.
+    if reconnected {
+        for core in &ctx.cores {
+            let _ = core.send(Inbound::Reconnected).await;
+        }
+    }
+    send_remote_watch(ctx, changes).await;
+    let mut stream = stream.ready_chunks(256);
+    loop {
+        let Some(batch) = stream.next().await else { return "the pub/sub connection closed".to_string() };
+        on_messages(ctx, state, &conn, batch).await;
+    }
+}
+
+/// The command task: until a Redis call fails.
+async fn command_loop(
+    ctx: &Ctx,
+    state: &State,
+    mut conn: MultiplexedConnection,
+    mut sink: PubSubSink,
+    commands: &async_channel::Receiver<Command>,
+    ctl: &tokio::sync::mpsc::Sender<Ctl>,
+) -> Failed {
+    loop {
+        let next_read = state.borrow().reads.values().map(|r| r.deadline).min();
+        let result = tokio::select! {
+            _ = tokio::time::sleep_until(next_read.unwrap_or_else(tokio::time::Instant::now)), if next_read.is_some() => {
+                expire_reads(state);
+                Ok(())
             }
-            let Ok(Ok(marks)) = tokio::time::timeout(CALL_DEADLINE, marks).await else { return HashMap::new() };
-            for (key, seq) in marks {
-                let e = low.entry(key).or_insert((seq, 0));
-                e.0 = e.0.min(seq);
-                e.1 += 1;
+            command = commands.recv() => match command {
+                Ok(Command::Stream(plan)) => ctl.send(Ctl::Stream(plan)).await.map_err(|_| "stopped".to_string()),
+                Ok(Command::Leave(done)) => ctl.send(Ctl::Leave(done)).await.map_err(|_| "stopped".to_string()),
+                Ok(command) => on_command(ctx, state, command, &mut conn, &mut sink).await,
+                Err(_) => Err("stopped".to_string()),
+            },
+        };
+        if let Err(reason) = result {
+            return reason;
+        }
+    }
+}
+
+/// Answers the reads whose time is up with the best answer so far.
+fn expire_reads(state: &State) {
+    let now = tokio::time::Instant::now();
+    let mut s = state.borrow_mut();
+    let due: Vec<u64> = s.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(id, _)| *id).collect();
+    for id in due {
+        if let Some(read) = s.reads.remove(&id) {
+            let _ = read.reply.send(Ok(read.best));
+        }
+    }
+}
+
+async fn on_command(ctx: &Ctx, state: &State, command: Command, conn: &mut MultiplexedConnection, sink: &mut PubSubSink) -> Result<(), Failed> {
+    match command {
+        Command::Save { op, reply } => {
+            let result = save(ctx, &op, conn).await;
+            let failed = result.as_ref().err().cloned();
+            let _ = reply.send(result);
+            if let Some(reason) = failed {
+                return Err(reason);
             }
         }
-        let n = self.cores.len();
-        low.into_iter().filter(|(_, (_, count))| *count == n).map(|(k, (seq, _))| (k, seq)).collect()
-    }
-
-    /// Partition leases, Event Hubs' processor style: renew what is held, checkpoint it,
-    /// give up what is over this instance's share (`ceil(partitions / live instances)`),
-    /// and take free partitions (never held, or whose lease expired) up to it.
-    async fn leases(&mut self, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
-        let Some(stream) = &self.stream else { return Ok(()) };
-        let stream_key = format!("{:08x}", crc32fast::hash(stream.key.as_bytes()));
-        let (leases, checkpoints) = (self.key("lease", &stream_key), self.key("checkpoint", &stream_key));
-        let lease_key = |p: &str| format!("{leases}:{p}");
-        let checkpoint_key = |p: &str| format!("{checkpoints}:{p}");
-        let holders = self.key("holder", &stream_key);
-        let holder_key = |p: &str| format!("{holders}:{p}");
-        let handed = self.key("handed", &stream_key);
-        let handed_key = |p: &str| format!("{handed}:{p}");
-        let me = self.o.instance.clone();
-        let ttl = self.o.lease_ttl.as_millis() as u64;
-        let before = self.leased.clone();
-        // 1. Renew.
-        if !self.leased.is_empty() {
+        Command::Mutate { session, device, change, reply } => {
+            let result = mutate(ctx, session, &device, &change, conn).await;
+            let failed = result.as_ref().err().cloned();
+            match result {
+                // Written and published: answered when it comes back (on_own_op).
+                Ok(Some((access, true))) => {
+                    let echo = PendingEcho { session, device, access, reply };
+                    let early = state.borrow_mut().early.pop_front();
+                    match early {
+                        Some(op) => answer_echo(ctx, echo, op).await,
+                        None => state.borrow_mut().echoes.push_back(echo),
+                    }
+                }
+                other => {
+                    let _ = reply.send(other);
+                }
+            }
+            if let Some(reason) = failed {
+                return Err(reason);
+            }
+        }
+        Command::Load { session, reply } => {
+            let key = ctx.session_key(session);
+            let result: Result<std::collections::HashMap<Vec<u8>, Vec<u8>>, Failed> =
+                within("HGETALL", redis::cmd("HGETALL").arg(&key).query_async(conn)).await;
+            let failed = result.as_ref().err().cloned();
+            let _ = reply.send(result.map(|fields| {
+                if fields.is_empty() {
+                    return None;
+                }
+                let ops = fields
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(b"a:"))
+                    .filter_map(|(_, v)| wire::decode_access(v))
+                    .filter(|(_, s, _)| *s == session)
+                    .map(|(device, session, access)| SharedOp::Access { session, device, access })
+                    .collect();
+                Some(ops)
+            }));
+            if let Some(reason) = failed {
+                return Err(reason);
+            }
+        }
+        Command::Publish(items) => {
+            let n = items.len() as u64;
             let mut pipe = redis::pipe();
-            for p in self.leased.keys() {
-                pipe.cmd("EVAL").arg(RENEW).arg(1).arg(lease_key(p)).arg(&*me).arg(ttl);
+            for (device, payload) in &items {
+                pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
             }
-            let renewed: Vec<i64> = within("renew leases", pipe.query_async(conn)).await?;
-            let lost: Vec<String> = self.leased.keys().zip(renewed).filter(|(_, ok)| *ok == 0).map(|(p, _)| p.clone()).collect();
-            for p in lost {
-                tracing::warn!(partition = %p, "partition lease lost (taken by another instance)");
-                self.leased.remove(&p);
-                self.lost.insert(p);
+            if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(conn)).await {
+                ctx.stats.dropped.fetch_add(n, Ordering::Relaxed);
+                return Err(reason);
             }
+            ctx.stats.published.fetch_add(n, Ordering::Relaxed);
         }
-        self.renewed_at = tokio::time::Instant::now();
-        // 2. Checkpoint what every core applied (or, without a store, what was handed over).
-        let positions = (stream.positions)();
-        let marks = if stream.marks { Some(self.applied_marks().await) } else { None };
-        let mut pipe = redis::pipe();
-        let mut written = Vec::new();
-        let mut handed_any = false;
-        for p in self.leased.keys() {
-            let seq = match &marks {
-                Some(marks) => marks.get(format!("{}{p}", stream.key).as_str()).copied(),
-                None => positions.get(p).copied(),
-            };
-            if let Some(seq) = seq.filter(|s| self.checkpointed.get(p) != Some(s)) {
-                pipe.cmd("SET").arg(checkpoint_key(p)).arg(seq).ignore();
-                written.push((p.clone(), seq));
-            }
-            // What was handed to the cores, past the checkpoint: a new holder after a crash
-            // counts the events between the two as applied twice.
-            if let Some(handed) = positions.get(p) {
-                pipe.cmd("SET").arg(handed_key(p)).arg(*handed).ignore();
-                handed_any = true;
-            }
-        }
-        if !written.is_empty() || handed_any {
-            within("checkpoint", pipe.query_async::<()>(conn)).await?;
-            self.checkpointed.extend(written);
-        }
-        // 3. Balance.
-        let instances = self.instances.len() + 1;
-        let share = stream.ids.len().div_ceil(instances);
-        while self.leased.len() > share {
-            let newest = self.leased.keys().max_by_key(|p| self.taken_order.get(*p).copied().unwrap_or(0)).cloned();
-            let Some(p) = newest else { break };
-            self.leased.remove(&p);
-            self.taken_order.remove(&p);
-            let release = redis::cmd("EVAL").arg(RELEASE).arg(1).arg(lease_key(&p)).arg(&*me).to_owned();
-            within("release lease", release.query_async::<i64>(conn)).await?;
-            tracing::info!(partition = %p, instances, share, "partition lease given up to balance the instances");
-        }
-        if self.leased.len() < share {
-            // Start at a place of this instance's own, so instances do not race for one partition.
-            let start = crc32fast::hash(me.as_bytes()) as usize % stream.ids.len().max(1);
-            let mut order: Vec<String> = stream.ids.iter().cycle().skip(start).take(stream.ids.len()).cloned().collect();
-            // Those lost first (stable: otherwise in this instance's own order); only those
-            // while the instances settle after a Redis outage.
-            order.sort_by_key(|p| !self.lost.contains(p));
-            if self.settle_until.is_some_and(|t| tokio::time::Instant::now() < t) {
-                order.retain(|p| self.lost.contains(p));
-            } else {
-                self.settle_until = None;
-            }
-            for p in order {
-                if self.leased.len() >= share {
-                    break;
-                }
-                if self.leased.contains_key(&p) {
-                    continue;
-                }
-                let take = redis::cmd("SET").arg(lease_key(&p)).arg(&*me).arg("NX").arg("PX").arg(ttl).to_owned();
-                let taken: Option<String> = within("take lease", take.query_async(conn)).await?;
-                if taken.is_none() {
-                    continue;
-                }
-                let mut pipe = redis::pipe();
-                pipe.cmd("GET").arg(checkpoint_key(&p));
-                pipe.cmd("SET").arg(holder_key(&p)).arg(&*me).arg("GET");
-                pipe.cmd("GET").arg(handed_key(&p));
-                let (checkpoint, holder, handed): (Option<i64>, Option<String>, Option<i64>) =
-                    within("GET checkpoint", pipe.query_async(conn)).await?;
-                if holder.as_deref().is_some_and(|h| h != &*me) {
-                    self.stats.takeovers.fetch_add(1, Ordering::Relaxed);
-                    // Sequence numbers are contiguous per partition: the previous holder had
-                    // handed over this many events past the checkpoint it left.
-                    let replayed = handed.zip(checkpoint).map_or(0, |(h, c)| (h - c).max(0) as u64);
-                    self.stats.replayed.fetch_add(replayed, Ordering::Relaxed);
-                }
-                if let Some(seq) = checkpoint {
-                    self.checkpointed.insert(p.clone(), seq);
-                }
-                tracing::info!(partition = %p, after_sequence_number = ?checkpoint, instances, share, "partition lease taken");
-                self.lost.remove(&p);
-                self.next_take += 1;
-                self.taken_order.insert(p.clone(), self.next_take);
-                self.leased.insert(p, checkpoint);
-            }
-        }
-        if self.leased != before {
-            self.publish_owned();
-        }
-        Ok(())
-    }
-
-    async fn on_command(&mut self, command: Command, conn: &mut MultiplexedConnection, sink: &mut PubSubSink) -> Result<(), Failed> {
-        match command {
-            Command::Save { op, reply } => {
-                let result = self.save(&op, conn).await;
-                let failed = result.as_ref().err().cloned();
-                let _ = reply.send(result);
-                if let Some(reason) = failed {
-                    return Err(reason);
-                }
-            }
-            Command::Mutate { session, device, change, reply } => {
-                let result = self.mutate(session, &device, &change, conn).await;
-                let failed = result.as_ref().err().cloned();
-                match result {
-                    // Written and published: answered when it comes back (on_own_op).
-                    Ok(Some((access, true))) => self.echoes.push_back(PendingEcho { session, device, access, reply }),
-                    other => {
-                        let _ = reply.send(other);
-                    }
-                }
-                if let Some(reason) = failed {
-                    return Err(reason);
-                }
-            }
-            Command::Load { session, reply } => {
-                let key = self.session_key(session);
-                let result: Result<std::collections::HashMap<Vec<u8>, Vec<u8>>, Failed> =
-                    within("HGETALL", redis::cmd("HGETALL").arg(&key).query_async(conn)).await;
-                let failed = result.as_ref().err().cloned();
-                let _ = reply.send(result.map(|fields| {
-                    if fields.is_empty() {
-                        return None;
-                    }
-                    let ops = fields
-                        .iter()
-                        .filter(|(k, _)| k.starts_with(b"a:"))
-                        .filter_map(|(_, v)| wire::decode_access(v))
-                        .filter(|(_, s, _)| *s == session)
-                        .map(|(device, session, access)| SharedOp::Access { session, device, access })
-                        .collect();
-                    Some(ops)
-                }));
-                if let Some(reason) = failed {
-                    return Err(reason);
-                }
-            }
-            Command::Publish(items) => {
-                let n = items.len() as u64;
-                let mut pipe = redis::pipe();
-                for (device, payload) in &items {
-                    pipe.cmd("PUBLISH").arg(self.key("device", device)).arg(payload.as_slice()).ignore();
-                }
-                if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(conn)).await {
-                    self.stats.dropped.fetch_add(n, Ordering::Relaxed);
-                    return Err(reason);
-                }
-                self.stats.published.fetch_add(n, Ordering::Relaxed);
-            }
-            Command::Watch(changes) => {
-                let me = self.o.instance.clone();
-                let (mut on, mut off) = (Vec::new(), Vec::new());
-                let mut pipe = redis::pipe();
+        Command::Watch(changes) => {
+            let me = ctx.o.instance.clone();
+            let (mut on, mut off) = (Vec::new(), Vec::new());
+            let mut pipe = redis::pipe();
+            {
+                let mut s = state.borrow_mut();
                 for (device, watch) in changes {
-                    if watch == self.local.contains(&device) {
+                    if watch == s.local.contains(&device) {
                         continue;
                     }
                     let (cmd, sign) = if watch { ("SADD", '+') } else { ("SREM", '-') };
-                    pipe.cmd(cmd).arg(self.key("watching", &me)).arg(&*device).ignore();
-                    pipe.cmd("PUBLISH").arg(self.channel("watch")).arg(format!("{sign}{me}\t{device}")).ignore();
-                    let channel = self.key("device", &device);
+                    pipe.cmd(cmd).arg(ctx.key("watching", &me)).arg(&*device).ignore();
+                    pipe.cmd("PUBLISH").arg(ctx.channel("watch")).arg(format!("{sign}{me}\t{device}")).ignore();
+                    let channel = ctx.key("device", &device);
                     if watch {
-                        self.local.insert(device);
+                        s.local.insert(device);
                         on.push(channel);
                     } else {
-                        self.local.remove(&device);
+                        s.local.remove(&device);
                         off.push(channel);
                     }
                 }
-                // Subscribed before announced: once another instance knows, messages arrive.
-                if !on.is_empty() {
-                    within("SUBSCRIBE", sink.subscribe(on)).await?;
-                }
-                if !off.is_empty() {
-                    within("UNSUBSCRIBE", sink.unsubscribe(off)).await?;
-                }
-                within("announce watch", pipe.query_async::<()>(conn)).await?;
-                self.stats.watched_here.store(self.local.len() as u64, Ordering::Relaxed);
+                ctx.stats.watched_here.store(s.local.len() as u64, Ordering::Relaxed);
             }
-            Command::Leave(done) => {
-                let left = self.leave(conn).await;
-                let _ = done.send(());
-                left?;
+            // Subscribed before announced: once another instance knows, messages arrive.
+            if !on.is_empty() {
+                within("SUBSCRIBE", sink.subscribe(on)).await?;
             }
-            Command::Stream(plan) => {
-                self.stream = Some(plan);
-                self.leases(conn).await?;
-                // The consumer waits for this answer at every connect, changed or not.
-                self.owned.send_replace(super::Owned { partitions: self.leased.clone() });
+            if !off.is_empty() {
+                within("UNSUBSCRIBE", sink.unsubscribe(off)).await?;
             }
-            Command::Read { device, kind, newer_than, reply } => {
-                if self.instances.is_empty() || self.reads.len() >= READS_PENDING {
+            within("announce watch", pipe.query_async::<()>(conn)).await?;
+        }
+        // Handed to the lease task by the command loop.
+        Command::Stream(_) | Command::Leave(_) => {}
+        Command::Read { device, kind, newer_than, reply } => {
+            let id = {
+                let mut s = state.borrow_mut();
+                if s.instances.is_empty() || s.reads.len() >= READS_PENDING {
                     let _ = reply.send(Ok(None));
                     return Ok(());
                 }
-                self.next_read += 1;
-                let id = self.next_read;
-                let publish = redis::cmd("PUBLISH").arg(self.channel("read")).arg(wire::encode_read(&self.o.instance, id, &device, &kind, newer_than)).to_owned();
-                if let Err(reason) = within("PUBLISH read", publish.query_async::<()>(conn)).await {
-                    let _ = reply.send(Err(reason.clone()));
-                    return Err(reason);
-                }
-                let deadline = tokio::time::Instant::now() + READ_DEADLINE;
-                self.reads.insert(id, PendingRead { reply, expected: self.instances.len(), got: 0, best: None, deadline });
-            }
-            Command::Refresh(ids) => {
-                let ttl = self.o.session_ttl.as_millis() as u64;
-                for chunk in ids.chunks(CHUNK) {
-                    let mut pipe = redis::pipe();
-                    for id in chunk {
-                        pipe.cmd("PEXPIRE").arg(self.session_key(*id)).arg(ttl).ignore();
-                    }
-                    within("PEXPIRE", pipe.query_async::<()>(conn)).await?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Read-modify-write of one session's access on one device, optimistic (WATCH): the
-    /// change is computed on what Redis holds, written with its publication in one
-    /// transaction, and tried again if another instance changed the session meanwhile.
-    async fn mutate(
-        &self,
-        session: SessionId,
-        device: &str,
-        change: &super::AccessChange,
-        conn: &mut MultiplexedConnection,
-    ) -> Result<super::Mutated, Failed> {
-        let key = self.session_key(session);
-        let field = format!("a:{device}");
-        let ttl = self.o.session_ttl.as_millis() as u64;
-        for _ in 0..32 {
-            within("WATCH", redis::cmd("WATCH").arg(&key).query_async::<()>(conn)).await?;
-            let mut pipe = redis::pipe();
-            pipe.cmd("EXISTS").arg(&key).cmd("HGET").arg(&key).arg(&field);
-            let (exists, stored): (bool, Option<Vec<u8>>) = within("HGET access", pipe.query_async(conn)).await?;
-            if !exists {
-                within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
-                return Ok(None);
-            }
-            let mut access = crate::shard::access::Access::default();
-            if let Some((_, _, Some((grants, subs)))) = stored.as_deref().and_then(wire::decode_access) {
-                access.grants = grants;
-                access.subs = subs;
-            }
-            let permitted = change.apply(&mut access);
-            let now = (!access.is_empty()).then(|| (access.grants.clone(), access.subs.clone()));
-            if !permitted {
-                within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
-                return Ok(Some((now, false)));
-            }
-            let op = SharedOp::Access { session, device: device.into(), access: now.clone() };
-            let mut tx = redis::pipe();
-            tx.atomic();
-            match &now {
-                Some(a) => tx.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, session, Some(a))).ignore(),
-                None => tx.cmd("HDEL").arg(&key).arg(&field).ignore(),
+                s.next_read += 1;
+                s.next_read
             };
-            tx.cmd("PEXPIRE").arg(&key).arg(ttl);
-            tx.cmd("PUBLISH").arg(self.channel("ops")).arg(wire::encode_op(&self.o.instance, &op)).ignore();
-            // EXEC answers nil when the session changed since WATCH: read it again.
-            let done: Option<(i64,)> = within("EXEC access", tx.query_async(conn)).await?;
-            if done.is_some() {
-                return Ok(Some((now, true)));
+            let publish = redis::cmd("PUBLISH").arg(ctx.channel("read")).arg(wire::encode_read(&ctx.o.instance, id, &device, &kind, newer_than)).to_owned();
+            if let Err(reason) = within("PUBLISH read", publish.query_async::<()>(conn)).await {
+                let _ = reply.send(Err(reason.clone()));
+                return Err(reason);
             }
+            let deadline = tokio::time::Instant::now() + READ_DEADLINE;
+            let mut s = state.borrow_mut();
+            let expected = s.instances.len();
+            s.reads.insert(id, PendingRead { reply, expected, got: 0, best: None, deadline });
         }
-        Err("a session changed on other instances faster than this one could write it (32 tries)".into())
-    }
-
-    async fn save(&self, op: &SharedOp, conn: &mut MultiplexedConnection) -> Result<bool, Failed> {
-        let ttl = self.o.session_ttl.as_millis() as u64;
-        let ops_channel = self.channel("ops");
-        match op {
-            SharedOp::Create(id) => {
-                let key = self.session_key(*id);
+        Command::Refresh(ids) => {
+            let ttl = ctx.o.session_ttl.as_millis() as u64;
+            for chunk in ids.chunks(CHUNK) {
                 let mut pipe = redis::pipe();
-                pipe.atomic().cmd("HSET").arg(&key).arg("created").arg(crate::timefmt::now_millis()).ignore();
-                pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
-                within("HSET session", pipe.query_async::<()>(conn)).await?;
-                Ok(true)
-            }
-            SharedOp::Delete(id) => {
-                let mut pipe = redis::pipe();
-                pipe.atomic().cmd("DEL").arg(self.session_key(*id));
-                pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&self.o.instance, op)).ignore();
-                let (deleted,): (i64,) = within("DEL session", pipe.query_async(conn)).await?;
-                Ok(deleted > 0)
-            }
-            SharedOp::DeleteAll => {
-                let pattern = self.key("session", "*");
-                let mut cursor: u64 = 0;
-                loop {
-                    let (next, keys): (u64, Vec<String>) = within(
-                        "SCAN",
-                        redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn),
-                    )
-                    .await?;
-                    if !keys.is_empty() {
-                        within("DEL sessions", redis::cmd("DEL").arg(keys).query_async::<()>(conn)).await?;
-                    }
-                    if next == 0 {
-                        break;
-                    }
-                    cursor = next;
+                for id in chunk {
+                    pipe.cmd("PEXPIRE").arg(ctx.session_key(*id)).arg(ttl).ignore();
                 }
-                let publish = redis::cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&self.o.instance, op)).to_owned();
-                within("PUBLISH ops", publish.query_async::<()>(conn)).await?;
-                Ok(true)
-            }
-            SharedOp::Access { session, device, access } => {
-                let key = self.session_key(*session);
-                let field = format!("a:{device}");
-                let mut pipe = redis::pipe();
-                pipe.atomic();
-                match access {
-                    Some(a) => pipe.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, *session, Some(a))).ignore(),
-                    None => pipe.cmd("HDEL").arg(&key).arg(&field).ignore(),
-                };
-                pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
-                pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&self.o.instance, op)).ignore();
-                within("HSET access", pipe.query_async::<()>(conn)).await?;
-                Ok(true)
+                within("PEXPIRE", pipe.query_async::<()>(conn)).await?;
             }
         }
     }
+    Ok(())
+}
 
-    /// A burst of pub/sub messages, in order: device messages are grouped per core between
-    /// two control messages; a shared change waits until its core applied it (so a revoke is
-    /// in force before any later message of the burst is handed over).
-    async fn on_messages(&mut self, batch: Vec<redis::Msg>) -> Vec<(String, Vec<u8>)> {
-        let ops = self.channel("ops");
-        let watch = self.channel("watch");
-        let read = self.channel("read");
-        let answer = self.key("answer", &self.o.instance);
-        let device_prefix = self.key("device", "");
-        let mut answers = Vec::new();
-        let mut per_core: Vec<Vec<crate::ingest::IngestMessage>> = (0..self.cores.len()).map(|_| Vec::new()).collect();
-        for msg in batch {
-            let channel = msg.get_channel_name();
-            let payload = msg.get_payload_bytes();
-            if channel.starts_with(&device_prefix) {
-                match wire::decode_message(payload) {
-                    Some((origin, m)) if origin != &*self.o.instance => {
-                        self.stats.received.fetch_add(1, Ordering::Relaxed);
-                        let core = core_of_device(&m.device_id, self.cores.len());
-                        per_core[core].push(m);
-                    }
-                    Some(_) => {}
-                    None => {
-                        self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            } else if channel == ops {
-                self.flush_messages(&mut per_core).await;
-                match wire::decode_op(payload) {
-                    Some((origin, op)) if origin != &*self.o.instance => self.apply_op(op).await,
-                    Some((_, op)) => self.on_own_op(op).await,
-                    None => {
-                        self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            } else if channel == watch {
-                self.flush_messages(&mut per_core).await;
-                self.on_watch(payload).await;
-            } else if channel == read {
-                // Answered after the messages before it are applied (same core, in order).
-                self.flush_messages(&mut per_core).await;
-                if let Some(a) = self.answer_read(payload).await {
-                    answers.push(a);
-                }
-            } else if channel == answer {
-                self.on_answer(payload);
-            }
+/// Read-modify-write of one session's access on one device, optimistic (WATCH): the
+/// change is computed on what Redis holds, written with its publication in one
+/// transaction, and tried again if another instance changed the session meanwhile.
+async fn mutate(
+    ctx: &Ctx,
+    session: SessionId,
+    device: &str,
+    change: &super::AccessChange,
+    conn: &mut MultiplexedConnection,
+) -> Result<super::Mutated, Failed> {
+    let key = ctx.session_key(session);
+    let field = format!("a:{device}");
+    let ttl = ctx.o.session_ttl.as_millis() as u64;
+    for _ in 0..32 {
+        within("WATCH", redis::cmd("WATCH").arg(&key).query_async::<()>(conn)).await?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("EXISTS").arg(&key).cmd("HGET").arg(&key).arg(&field);
+        let (exists, stored): (bool, Option<Vec<u8>>) = within("HGET access", pipe.query_async(conn)).await?;
+        if !exists {
+            within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
+            return Ok(None);
         }
-        self.flush_messages(&mut per_core).await;
-        answers
-    }
-
-    /// Another instance's read: asks the device's core here; the answer for its channel.
-    async fn answer_read(&self, payload: &[u8]) -> Option<(String, Vec<u8>)> {
-        let Some((origin, id, device, kind, newer_than)) = wire::decode_read(payload) else {
-            self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
-            return None;
+        let mut access = crate::shard::access::Access::default();
+        if let Some((_, _, Some((grants, subs)))) = stored.as_deref().and_then(wire::decode_access) {
+            access.grants = grants;
+            access.subs = subs;
+        }
+        let permitted = change.apply(&mut access);
+        let now = (!access.is_empty()).then(|| (access.grants.clone(), access.subs.clone()));
+        if !permitted {
+            within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
+            return Ok(Some((now, false)));
+        }
+        let op = SharedOp::Access { session, device: device.into(), access: now.clone() };
+        let mut tx = redis::pipe();
+        tx.atomic();
+        match &now {
+            Some(a) => tx.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, session, Some(a))).ignore(),
+            None => tx.cmd("HDEL").arg(&key).arg(&field).ignore(),
         };
-        if origin == &*self.o.instance {
-            return None;
+        tx.cmd("PEXPIRE").arg(&key).arg(ttl);
+        tx.cmd("PUBLISH").arg(ctx.channel("ops")).arg(wire::encode_op(&ctx.o.instance, &op)).ignore();
+        // EXEC answers nil when the session changed since WATCH: read it again.
+        let done: Option<(i64,)> = within("EXEC access", tx.query_async(conn)).await?;
+        if done.is_some() {
+            return Ok(Some((now, true)));
         }
-        let core = core_of_device(&device, self.cores.len());
-        let (reply, answer) = futures_channel::oneshot::channel();
-        let found = match self.cores[core].send(Inbound::Read { device, kind, newer_than, reply }).await {
-            Ok(()) => tokio::time::timeout(READ_DEADLINE, answer).await.ok().and_then(Result::ok).flatten(),
-            Err(_) => None,
-        };
-        let payload = wire::encode_answer(id, found.as_ref().map(|(newest, view)| (*newest, view)));
-        Some((self.key("answer", origin), payload))
     }
+    Err("a session changed on other instances faster than this one could write it (32 tries)".into())
+}
 
-    fn on_answer(&mut self, payload: &[u8]) {
-        let Some((id, found)) = wire::decode_answer(payload) else {
-            self.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut MultiplexedConnection) -> Result<bool, Failed> {
+    let ttl = ctx.o.session_ttl.as_millis() as u64;
+    let ops_channel = ctx.channel("ops");
+    match op {
+        SharedOp::Create(id) => {
+            let key = ctx.session_key(*id);
+            let mut pipe = redis::pipe();
+            pipe.atomic().cmd("HSET").arg(&key).arg("created").arg(crate::timefmt::now_millis()).ignore();
+            pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
+            within("HSET session", pipe.query_async::<()>(conn)).await?;
+            Ok(true)
+        }
+        SharedOp::Delete(id) => {
+            let mut pipe = redis::pipe();
+            pipe.atomic().cmd("DEL").arg(ctx.session_key(*id));
+            pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&ctx.o.instance, op)).ignore();
+            let (deleted,): (i64,) = within("DEL session", pipe.query_async(conn)).await?;
+            Ok(deleted > 0)
+        }
+        SharedOp::DeleteAll => {
+            let pattern = ctx.key("session", "*");
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<String>) = within(
+                    "SCAN",
+                    redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn),
+                )
+                .await?;
+                if !keys.is_empty() {
+                    within("DEL sessions", redis::cmd("DEL").arg(keys).query_async::<()>(conn)).await?;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+            let publish = redis::cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&ctx.o.instance, op)).to_owned();
+            within("PUBLISH ops", publish.query_async::<()>(conn)).await?;
+            Ok(true)
+        }
+        SharedOp::Access { session, device, access } => {
+            let key = ctx.session_key(*session);
+            let field = format!("a:{device}");
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            match access {
+                Some(a) => pipe.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, *session, Some(a))).ignore(),
+                None => pipe.cmd("HDEL").arg(&key).arg(&field).ignore(),
+            };
+            pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
+            pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&ctx.o.instance, op)).ignore();
+            within("HSET access", pipe.query_async::<()>(conn)).await?;
+            Ok(true)
+        }
+    }
+}
+
+/// A burst of pub/sub messages, in order: device messages are grouped per core between two
+/// control messages, each handed to its core's queue in the order Redis gave them. Nothing
+/// here waits for a core's answer.
+async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &MultiplexedConnection, batch: Vec<redis::Msg>) {
+    let ops = ctx.channel("ops");
+    let watch = ctx.channel("watch");
+    let read = ctx.channel("read");
+    let answer = ctx.key("answer", &ctx.o.instance);
+    let device_prefix = ctx.key("device", "");
+    let mut per_core: Vec<Vec<crate::ingest::IngestMessage>> = (0..ctx.cores.len()).map(|_| Vec::new()).collect();
+    for msg in batch {
+        let channel = msg.get_channel_name();
+        let payload = msg.get_payload_bytes();
+        if channel.starts_with(&device_prefix) {
+            match wire::decode_message(payload) {
+                Some((origin, m)) if origin != &*ctx.o.instance => {
+                    ctx.stats.received.fetch_add(1, Ordering::Relaxed);
+                    let core = core_of_device(&m.device_id, ctx.cores.len());
+                    per_core[core].push(m);
+                }
+                Some(_) => {}
+                None => {
+                    ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        } else if channel == ops {
+            flush_messages(ctx, &mut per_core).await;
+            match wire::decode_op(payload) {
+                Some((origin, op)) if origin != &*ctx.o.instance => route_op(ctx, op, None).await,
+                Some((_, op)) => on_own_op(ctx, state, op).await,
+                None => {
+                    ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        } else if channel == watch {
+            flush_messages(ctx, &mut per_core).await;
+            on_watch(ctx, state, payload).await;
+        } else if channel == read {
+            // Asked of the core after the messages before it (same queue, in order).
+            flush_messages(ctx, &mut per_core).await;
+            spawn_answer(ctx, state, conn, payload);
+        } else if channel == answer {
+            on_answer(ctx, state, payload);
+        }
+    }
+    flush_messages(ctx, &mut per_core).await;
+}
+
+/// Another instance's read, answered by a task of its own: it asks the device's core here
+/// (at most [`READ_DEADLINE`]) and publishes the answer on the asker's channel.
+fn spawn_answer(ctx: &Rc<Ctx>, state: &State, conn: &MultiplexedConnection, payload: &[u8]) {
+    let Some((origin, id, device, kind, newer_than)) = wire::decode_read(payload) else {
+        ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    if origin == &*ctx.o.instance {
+        return;
+    }
+    {
+        let mut s = state.borrow_mut();
+        if s.answering >= READS_PENDING {
             return;
-        };
-        let Some(read) = self.reads.get_mut(&id) else { return };
-        read.got += 1;
-        if let Some((newest, view)) = found {
-            if read.best.as_ref().is_none_or(|(n, _)| newest > *n) {
-                read.best = Some((newest, view));
-            }
         }
-        if read.got >= read.expected {
-            if let Some(read) = self.reads.remove(&id) {
-                let _ = read.reply.send(Ok(read.best));
-            }
+        s.answering += 1;
+    }
+    let channel = ctx.key("answer", origin);
+    let (ctx, state, mut conn) = (ctx.clone(), state.clone(), conn.clone());
+    tokio::task::spawn_local(async move {
+        let payload = answer_read(&ctx, id, device, kind, newer_than).await;
+        let publish = redis::cmd("PUBLISH").arg(channel).arg(payload).to_owned();
+        if let Err(reason) = within("PUBLISH answer", publish.query_async::<()>(&mut conn)).await {
+            tracing::debug!(reason = %reason, "a read's answer was not published");
+        }
+        state.borrow_mut().answering -= 1;
+    });
+}
+
+/// Another instance's read: asks the device's core here; the answer's payload.
+async fn answer_read(ctx: &Ctx, id: u64, device: Box<str>, kind: wire::ReadKind, newer_than: Option<crate::timefmt::Millis>) -> Vec<u8> {
+    let core = core_of_device(&device, ctx.cores.len());
+    let (reply, answer) = futures_channel::oneshot::channel();
+    let asked = async {
+        ctx.cores[core].send(Inbound::Read { device, kind, newer_than, reply }).await.ok()?;
+        answer.await.ok().flatten()
+    };
+    let found = tokio::time::timeout(READ_DEADLINE, asked).await.ok().flatten();
+    wire::encode_answer(id, found.as_ref().map(|(newest, view)| (*newest, view)))
+}
+
+fn on_answer(ctx: &Ctx, state: &State, payload: &[u8]) {
+    let Some((id, found)) = wire::decode_answer(payload) else {
+        ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let mut s = state.borrow_mut();
+    let Some(read) = s.reads.get_mut(&id) else { return };
+    read.got += 1;
+    if let Some((newest, view)) = found {
+        if read.best.as_ref().is_none_or(|(n, _)| newest > *n) {
+            read.best = Some((newest, view));
         }
     }
-
-    async fn flush_messages(&self, per_core: &mut [Vec<crate::ingest::IngestMessage>]) {
-        for (core, batch) in per_core.iter_mut().enumerate() {
-            if !batch.is_empty() {
-                let _ = self.cores[core].send(Inbound::Messages(std::mem::take(batch))).await;
-            }
+    if read.got >= read.expected {
+        if let Some(read) = s.reads.remove(&id) {
+            let _ = read.reply.send(Ok(read.best));
         }
     }
+}
 
-    /// This instance's own access change, back from the `ops` channel: applied here in the
-    /// channel's order like everyone else's, then answered. Redis orders every change of
-    /// every instance on that channel, so a change another instance made earlier (published
-    /// but not yet applied here) can no longer land after this one and undo it.
-    async fn on_own_op(&mut self, op: SharedOp) {
-        let SharedOp::Access { session, device, .. } = &op else { return };
-        let Some(front) = self.echoes.front() else { return };
-        if front.session != *session || front.device != *device {
-            tracing::warn!(session = %session, device = %device, "an access change came back out of order; answering the one waiting");
+async fn flush_messages(ctx: &Ctx, per_core: &mut [Vec<crate::ingest::IngestMessage>]) {
+    for (core, batch) in per_core.iter_mut().enumerate() {
+        if !batch.is_empty() {
+            let _ = ctx.cores[core].send(Inbound::Messages(std::mem::take(batch))).await;
         }
-        let Some(echo) = self.echoes.pop_front() else { return };
-        self.apply_op(op).await;
+    }
+}
+
+/// The core a shared change is applied on: an access change on its device's core (the
+/// queue of that device's messages: in force before any later one), a session's on the
+/// session's core.
+fn core_of_op(op: &SharedOp, cores: usize) -> usize {
+    match op {
+        SharedOp::Create(id) | SharedOp::Delete(id) => core_of_session(*id, cores),
+        SharedOp::Access { device, .. } => core_of_device(device, cores),
+        SharedOp::DeleteAll => 0,
+    }
+}
+
+/// Hands a shared change to its core's queue; `done` is answered once it is in force.
+async fn route_op(ctx: &Ctx, op: SharedOp, done: Option<futures_channel::oneshot::Sender<()>>) {
+    let core = core_of_op(&op, ctx.cores.len());
+    let _ = ctx.cores[core].send(Inbound::Op(op, done)).await;
+}
+
+/// This instance's own access change, back from the `ops` channel: applied here in the
+/// channel's order like everyone else's, and its caller answered once it is in force (by a
+/// task of its own: the pub/sub task goes on). Redis orders every change of every instance
+/// on that channel, so a change another instance made earlier (published but not yet
+/// applied here) can no longer land after this one and undo it.
+async fn on_own_op(ctx: &Ctx, state: &State, op: SharedOp) {
+    let SharedOp::Access { session, device, .. } = &op else { return };
+    let echo = {
+        let mut s = state.borrow_mut();
+        match s.echoes.front() {
+            Some(front) => {
+                if front.session != *session || front.device != *device {
+                    tracing::warn!(session = %session, device = %device, "an access change came back out of order; answering the one waiting");
+                }
+                s.echoes.pop_front()
+            }
+            None => None,
+        }
+    };
+    match echo {
+        Some(echo) => answer_echo(ctx, echo, op).await,
+        None => state.borrow_mut().early.push_back(op),
+    }
+}
+
+/// Applies this instance's own change here and answers its caller once it is in force.
+async fn answer_echo(ctx: &Ctx, echo: PendingEcho, op: SharedOp) {
+    let (done, applied) = futures_channel::oneshot::channel();
+    route_op(ctx, op, Some(done)).await;
+    tokio::task::spawn_local(async move {
+        let _ = tokio::time::timeout(ECHO_DEADLINE, applied).await;
         let _ = echo.reply.send(Ok(Some((echo.access, true))));
-    }
+    });
+}
 
-    /// After an outage, before any message of the new connection is handed over: every
-    /// core forgets the values it learnt from the others (what they published meanwhile
-    /// was lost with the connection).
-    async fn forget_replicas(&self) {
-        for core in &self.cores {
-            let (done, forgotten) = futures_channel::oneshot::channel();
-            if core.send(Inbound::Reconnected(done)).await.is_ok() {
-                let _ = tokio::time::timeout(Duration::from_secs(10), forgotten).await;
-            }
-        }
+async fn on_watch(ctx: &Ctx, state: &State, payload: &[u8]) {
+    let Some(text) = std::str::from_utf8(payload).ok() else { return };
+    let (on, rest) = match text.as_bytes().first() {
+        Some(b'+') => (true, &text[1..]),
+        Some(b'-') => (false, &text[1..]),
+        _ => return,
+    };
+    let Some((instance, device)) = rest.split_once('\t') else { return };
+    if instance == &*ctx.o.instance {
+        return;
     }
-
-    async fn apply_op(&self, op: SharedOp) {
-        let core = match &op {
-            SharedOp::Create(id) | SharedOp::Delete(id) => core_of_session(*id, self.cores.len()),
-            SharedOp::Access { session, .. } => core_of_session(*session, self.cores.len()),
-            SharedOp::DeleteAll => 0,
-        };
-        let (done, applied) = futures_channel::oneshot::channel();
-        if self.cores[core].send(Inbound::Op(op, done)).await.is_ok() {
-            let _ = tokio::time::timeout(Duration::from_secs(10), applied).await;
+    let instance: Arc<str> = instance.into();
+    let mut change = None;
+    {
+        let mut s = state.borrow_mut();
+        if !s.instances.contains(&instance) {
+            s.instances.insert(instance.clone());
+            ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
         }
-    }
-
-    async fn on_watch(&mut self, payload: &[u8]) {
-        let Some(text) = std::str::from_utf8(payload).ok() else { return };
-        let (on, rest) = match text.as_bytes().first() {
-            Some(b'+') => (true, &text[1..]),
-            Some(b'-') => (false, &text[1..]),
-            _ => return,
-        };
-        let Some((instance, device)) = rest.split_once('\t') else { return };
-        if instance == &*self.o.instance {
-            return;
-        }
-        let instance: Arc<str> = instance.into();
-        if !self.instances.contains(&instance) {
-            self.instances.insert(instance.clone());
-            self.stats.instances.store(self.instances.len() as u64 + 1, Ordering::Relaxed);
-        }
-        let mut change = None;
         if on {
-            let watchers = self.remote.entry(device.into()).or_default();
+            let watchers = s.remote.entry(device.into()).or_default();
             if watchers.is_empty() {
                 change = Some((device.into(), true));
             }
             watchers.insert(instance);
-        } else if let Some(watchers) = self.remote.get_mut(device) {
+        } else if let Some(watchers) = s.remote.get_mut(device) {
             watchers.remove(&instance);
             if watchers.is_empty() {
-                self.remote.remove(device);
+                s.remote.remove(device);
                 change = Some((device.into(), false));
             }
         }
-        if let Some(change) = change {
-            self.send_remote_watch(vec![change]).await;
-        }
     }
-
-    async fn send_remote_watch(&self, changes: Vec<(Box<str>, bool)>) {
-        if changes.is_empty() {
-            return;
-        }
-        let mut per_core: Vec<Vec<(Box<str>, bool)>> = (0..self.cores.len()).map(|_| Vec::new()).collect();
-        for (device, on) in changes {
-            per_core[core_of_device(&device, self.cores.len())].push((device, on));
-        }
-        for (core, changes) in per_core.into_iter().enumerate() {
-            if !changes.is_empty() {
-                let _ = self.cores[core].send(Inbound::RemoteWatch(changes)).await;
-            }
-        }
+    if let Some(change) = change {
+        send_remote_watch(ctx, vec![change]).await;
     }
 }

@@ -30,6 +30,7 @@
 //! Redis buffers the instance's pub/sub output up to its `client-output-buffer-limit` and
 //! then drops the connection (the link reconnects and logs it).
 
+mod lease;
 mod link;
 pub mod wire;
 
@@ -96,16 +97,20 @@ pub(crate) enum Command {
 }
 
 pub(crate) enum Inbound {
-    /// Apply another instance's change to the copy here; answer when done (ordering barrier).
-    Op(SharedOp, oneshot::Sender<()>),
+    /// Apply a shared change to the copy here, on the device's core for an access change
+    /// (in the queue of the device's messages: in force before any later one), on the
+    /// session's core otherwise; `done` (this instance's own change) is answered once it is.
+    Op(SharedOp, Option<oneshot::Sender<()>>),
     /// Another instance's device messages, all of devices this core owns.
     Messages(Vec<IngestMessage>),
     /// Devices of this core that other instances started or stopped watching.
     RemoteWatch(Vec<(Box<str>, bool)>),
     /// The link to Redis is back after an outage: values learnt from the others are no
-    /// longer current.
-    Reconnected(oneshot::Sender<()>),
-    /// This core's applied marks (source partition → sequence number), for checkpoints.
+    /// longer current (before any message of the new connection: same queue).
+    Reconnected,
+    /// This core's applied marks (source partition → sequence number), for checkpoints;
+    /// also how the lease task knows the core is alive (a core that answers no longer is
+    /// stalled, see cluster/lease.rs).
     Applied(oneshot::Sender<Vec<(Box<str>, i64)>>),
     /// Another instance's read of a device of this core: the typed view (as the admin key
     /// reads it; the asking instance filters by its session's grants) and how new the data is.
@@ -155,6 +160,8 @@ pub struct Stats {
     pub leases: AtomicU64,
     pub takeovers: AtomicU64,
     pub replayed: AtomicU64,
+    /// Cores of this instance that have not answered for 3 × `--lease-ttl` (cluster/lease.rs).
+    pub stalled: AtomicU64,
 }
 
 pub struct Cluster {
@@ -291,6 +298,7 @@ impl Cluster {
             ("hubcast_redis_partition_leases".into(), "Event stream partitions this instance holds a lease on (and reads).".into(), label.clone(), get(&s.leases)),
             ("hubcast_redis_partition_takeovers_total".into(), "Partition leases taken that another instance held before (it left, died, or gave it up to balance); events after its last checkpoint may be applied twice.".into(), label.clone(), get(&s.takeovers)),
             ("hubcast_redis_partition_replayed_events_total".into(), "Events read again after taking a partition over: the previous holder had handed them to its cores past its last checkpoint (at its last heartbeat; at most a heartbeat more).".into(), label.clone(), get(&s.replayed)),
+            ("hubcast_redis_stalled_cores".into(), "Cores of this instance silent for 3 x --lease-ttl: while any is, the instance holds no partition lease.".into(), label.clone(), get(&s.stalled)),
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label, get(&s.reconnects)),
         ])
         .collect()
@@ -426,8 +434,12 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
     while let Ok(item) = inbound.recv().await {
         match item {
             Inbound::Op(op, done) => {
+                // Awaited here: this core's later inbound items (the device's messages) wait
+                // until the change is in force.
                 apply_remote(&core, op).await;
-                let _ = done.send(());
+                if let Some(done) = done {
+                    let _ = done.send(());
+                }
             }
             Inbound::Messages(batch) => {
                 core.mesh.wait_for_room().await;
@@ -456,12 +468,11 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 };
                 let _ = reply.send(found.filter(|(newest, _)| newer_than.is_none_or(|t| *newest > t)));
             }
-            Inbound::Reconnected(done) => {
+            Inbound::Reconnected => {
                 let marked = core.devices.borrow_mut().replicas_not_current();
                 if marked > 0 {
                     tracing::info!(core = core.index, devices = marked, "values learnt from other instances before the Redis outage are no longer current: reads ask the others for newer data");
                 }
-                let _ = done.send(());
             }
             Inbound::RemoteWatch(changes) => {
                 // Counted here, once the core publishes accordingly (the metric tests wait on).
@@ -505,8 +516,8 @@ async fn apply_remote(core: &Rc<Core>, op: SharedOp) {
             local::delete_all(core).await;
         }
         SharedOp::Access { session, device, access } => {
-            // Waits until it is in force (the link's ordering barrier); a session this
-            // instance holds no copy of drops it unanswered.
+            // Run on the device's core, which waits until it is in force before taking its
+            // next inbound item; a session this instance holds no copy of drops it.
             let (op, done) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
             if local::scoped(core, session, true, vec![op]).await {
                 let _ = done.await;
