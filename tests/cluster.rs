@@ -495,11 +495,13 @@ fn a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere(
     let frame = ws.next_json(WAIT).expect("n = 1 reaches the socket on B");
     assert_eq!(frame["telemetry"]["n"], json!(1));
     wait_last_n(&b, "w", 1, "B (watching)");
+    // Counted once Redis answered the PUBLISH, which may be after B got it.
+    a.wait_for_metric("hubcast_redis_published_total{instance=\"a\"}", WAIT, Want::Eq(1.0));
     drop(ws);
     wait_watched_elsewhere(&a, "a", 0.0);
     a.ingest(json!({"deviceId": "w", "body": {"n": 2}}));
-    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 1.0, "n = 2 is not published: nobody watches");
     wait_last_n(&b, "w", 2, "B (no longer watching, holding n = 1)");
+    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 1.0, "n = 2 was not published: nobody watches");
 }
 
 /// Issue 23 item 5: values an instance loads from its durable store at start were written
