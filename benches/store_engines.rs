@@ -17,7 +17,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hubcast::shard::devices::{Device, LastValue};
+use hubcast::shard::devices::Device;
 use hubcast::store::format::{self, Change, Record};
 use redb::{Database, Durability, ReadableTable, TableDefinition};
 
@@ -29,8 +29,8 @@ fn env(name: &str, default: usize) -> usize {
 
 fn device(round: usize, i: usize) -> Device {
     let mut d = Device::default();
-    for (k, v) in [("temperature", 20.5 + i as f64 / 1e6), ("humidity", 40.0 + round as f64), ("n", i as f64)] {
-        d.telemetry.insert(k.into(), LastValue { json: v.to_string().into(), at: 1_700_000_000_000 + round as i64 });
+    for (j, (k, v)) in [("temperature", 20.5 + i as f64 / 1e6), ("humidity", 40.0 + round as f64), ("n", i as f64)].into_iter().enumerate() {
+        d.telemetry.set(j, k, &v.to_string(), 1_700_000_000_000 + round as i64);
     }
     d
 }

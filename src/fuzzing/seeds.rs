@@ -158,15 +158,12 @@ fn amqp(dir: &Path) {
 
 fn store(dir: &Path) {
     use crate::ids::SessionId;
-    use crate::ingest::JsonText;
     use crate::shard::access::Access;
-    use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
+    use crate::shard::devices::{ConnectionState, Device, Twin};
     use crate::store::format::{encode, Change, TAG_END};
     let device = |values: &[(&str, &str, i64)], twin: Option<&str>, connected: Option<bool>| {
         let mut d = Device::default();
-        for (k, v, at) in values {
-            d.telemetry.insert((*k).into(), LastValue { json: JsonText::new(v), at: *at });
-        }
+        d.telemetry = values.iter().copied().collect();
         d.twin = twin.map(|t| Twin { doc: serde_json::from_str(t).unwrap(), at: 5 });
         d.connection = connected.map(|c| ConnectionState { connected: c, at: 6, sequence: Some("01".into()) });
         d

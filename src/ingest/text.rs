@@ -81,6 +81,12 @@ impl Deref for JsonText {
     }
 }
 
+impl AsRef<str> for JsonText {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
 impl From<&str> for JsonText {
     fn from(text: &str) -> Self {
         Self::new(text)

@@ -69,13 +69,13 @@ pub fn page(table: &DeviceTable, request: &PageRequest) -> Page {
         .map(|(id, d)| {
             let mut keys: Vec<_> = d.telemetry.iter().collect();
             keys.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            let last = d.telemetry.values().map(|v| v.at).chain(d.connection.as_ref().map(|c| c.at)).max();
+            let last = d.telemetry.newest().into_iter().chain(d.connection.as_ref().map(|c| c.at)).max();
             DeviceSummary {
                 id: id.into(),
                 connected: d.connection.as_ref().map(|c| c.connected),
                 last,
                 keys: keys.len(),
-                telemetry: keys.into_iter().take(MAX_KEYS).map(|(k, v)| (k.clone(), v.json.clone())).collect(),
+                telemetry: keys.into_iter().take(MAX_KEYS).map(|(k, v, _)| (k.into(), crate::ingest::JsonText::new(v))).collect(),
                 has_twin: d.twin.is_some(),
             }
         })

@@ -140,10 +140,10 @@ pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
             buf.push(TAG_DEVICE);
             put_str(buf, id);
             buf.extend_from_slice(&(d.telemetry.len() as u32).to_le_bytes());
-            for (k, v) in &d.telemetry {
+            for (k, v, at) in d.telemetry.iter() {
                 put_str(buf, k);
-                put_str(buf, &v.json);
-                buf.extend_from_slice(&v.at.to_le_bytes());
+                put_str(buf, v);
+                buf.extend_from_slice(&at.to_le_bytes());
             }
             match &d.twin {
                 Some(t) => {
@@ -352,7 +352,7 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
         let id = r.str()?;
         match into.as_deref_mut() {
             None => skip_device(&mut r)?,
-            Some(into) => fill_device(&mut r, payload, into, id)?,
+            Some(into) => fill_device(&mut r, into, id)?,
         }
     }
     Ok(())
@@ -360,52 +360,28 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
 
 /// Reads the rest of a device record (after its id) into the device `id` of `into`, in place:
 /// keys, key map and entry kept, only changed values allocated.
-fn fill_device(r: &mut Reader<'_>, payload: &[u8], into: &mut super::Loaded, id: &str) -> Result<(), String> {
-    use crate::shard::devices::{ConnectionState, LastValue, Twin};
+fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str) -> Result<(), String> {
+    use crate::shard::devices::{ConnectionState, Twin};
     let n = r.u32()? as usize;
     let device = into.devices.entry_ref(id).or_default();
-    let telemetry = &mut device.telemetry;
-    // A record holds the device's whole telemetry: other keys go.
-    let start = r.at;
-    let mut same_keys = telemetry.len() == n;
-    // The entries found while no key was new (addresses: stable until an insert).
-    let mut found: smallvec::SmallVec<[usize; 32]> = smallvec::SmallVec::new();
+    // A record holds the device's whole telemetry: other keys go. Written over the values
+    // loaded before, in the buffers they had (a key written twice keeps its last value, as
+    // [`Loaded::apply`] keeps it: fuzz/corpus/store/crash-duplicate-telemetry-key).
+    let mut values: smallvec::SmallVec<[(&str, &str, i64); 16]> = smallvec::SmallVec::with_capacity(n.min(1 << 16));
     for _ in 0..n {
-        let (k, v, at) = (r.str()?, r.str()?, r.i64()?);
-        match telemetry.get_mut(k) {
-            Some(last) => {
-                if same_keys {
-                    found.push(last as *const LastValue as usize);
-                }
-                // An unchanged value keeps its allocation (measured: faster).
-                if *last.json != *v {
-                    last.json = JsonText::new(v);
-                }
-                last.at = at;
-            }
-            None => {
-                same_keys = false;
-                telemetry.insert(k.into(), LastValue { json: JsonText::new(v), at });
-            }
-        }
+        values.push((r.str()?, r.str()?, r.i64()?));
     }
-    // The map holds exactly the record's keys only if each was found, none twice: the encoder
-    // never writes a key twice, but a record that does must load as [`Loaded::apply`] loads it
-    // (the last value of the key, and no other key), or the start-up paths disagree
-    // (fuzz/corpus/store/crash-duplicate-telemetry-key).
-    let exact = same_keys && {
-        found.sort_unstable();
-        found.windows(2).all(|w| w[0] != w[1])
+    let telemetry = &mut device.telemetry;
+    let distinct = || match values.len() {
+        0..=16 => values.iter().enumerate().all(|(i, (k, _, _))| values[..i].iter().all(|(o, _, _)| o != k)),
+        _ => values.iter().map(|(k, _, _)| *k).collect::<hashbrown::HashSet<_>>().len() == values.len(),
     };
-    if !exact {
-        let mut keep = Reader { bytes: payload, at: start };
-        let mut keys = hashbrown::HashSet::with_capacity(n);
-        for _ in 0..n {
-            keys.insert(keep.str()?);
-            keep.str()?;
-            keep.i64()?;
-        }
-        telemetry.retain(|k, _| keys.contains(&**k));
+    let same_keys = telemetry.len() == n && values.iter().all(|(k, _, _)| telemetry.get(k).is_some()) && distinct();
+    if !same_keys {
+        telemetry.clear();
+    }
+    for (i, (k, v, at)) in values.iter().enumerate() {
+        telemetry.set(i, k, v, *at);
     }
     device.twin = if r.bool()? {
         let doc = r.str()?;
@@ -539,7 +515,7 @@ impl NewestFirst {
             if into.devices.contains_key(id) || self.gone.contains(id) {
                 return skip_device(r);
             }
-            return fill_device(r, r.bytes, into, id);
+            return fill_device(r, into, id);
         }
         match decode_one(r, tag)? {
             Record::Device(id, None) => {
@@ -714,12 +690,12 @@ fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
+    use crate::shard::devices::{ConnectionState, Device, Twin};
 
     fn device(values: &[(&str, &str, i64)], twin: Option<&str>, connected: Option<bool>) -> Device {
         let mut d = Device::default();
         for (k, v, at) in values {
-            d.telemetry.insert((*k).into(), LastValue { json: JsonText::new(v), at: *at });
+            d.telemetry.set(0, k, v, *at);
         }
         d.twin = twin.map(|t| Twin { doc: serde_json::from_str(t).unwrap(), at: 5 });
         d.connection = connected.map(|c| ConnectionState { connected: c, at: 6, sequence: Some("01".into()) });
@@ -773,7 +749,7 @@ mod tests {
         let mut partial = super::super::Loaded::default();
         let (read, _) = read_frames_into(cut, &mut partial, false);
         assert!(matches!(read.tail, Tail::Bad { .. }));
-        assert_eq!(&*partial.devices["d1"].telemetry["a"].json, "3", "the cut frame left d1 as the frame before made it");
+        assert_eq!(partial.devices["d1"].telemetry.get("a").unwrap().0, "3", "the cut frame left d1 as the frame before made it");
         assert!(partial.devices.contains_key("d2"));
     }
 
@@ -957,7 +933,7 @@ mod tests {
             (v, access, sessions, l.applied.get("p").copied())
         };
         assert_eq!(view(&newest), view(&whole));
-        assert_eq!(&*newest.devices["a"].telemetry["a"].json, "3", "log 1's a, not the damaged frame's");
+        assert_eq!(newest.devices["a"].telemetry.get("a").unwrap().0, "3", "log 1's a, not the damaged frame's");
         assert!(newest.devices.contains_key("b") && !newest.devices.contains_key("c"));
         assert_eq!(newest.access.len(), 1, "a's entry is gone, b's kept");
         assert!(newest.connected.is_empty(), "no device read back is connected (c, the connected one, is gone)");

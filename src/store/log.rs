@@ -1036,7 +1036,7 @@ mod tests {
     use super::*;
     use crate::ids::SessionId;
     use crate::shard::access::Access;
-    use crate::shard::devices::{ConnectionState, Device, LastValue};
+    use crate::shard::devices::{ConnectionState, Device};
     use crate::store::DeviceData;
 
     fn temp_dir(name: &str) -> PathBuf {
@@ -1047,7 +1047,7 @@ mod tests {
 
     fn device(temp: f64, seq: &str) -> Device {
         let mut d = Device::default();
-        d.telemetry.insert("t".into(), LastValue { json: temp.to_string().into(), at: 1000 });
+        d.telemetry.set(0, "t", &temp.to_string(), 1000);
         d.connection = Some(ConnectionState { connected: true, at: 5, sequence: Some(seq.into()) });
         d
     }

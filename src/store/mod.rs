@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use hashbrown::HashMap;
 
+use crate::ingest::JsonText;
 use crate::shard::devices::Device;
 
 pub use format::{DeviceData, Record};
@@ -101,7 +102,7 @@ impl Loaded {
 
 /// A device's stored data, keys in order (tests compare what was read back).
 pub fn data_of_device(d: &Device) -> DeviceData {
-    let mut telemetry: Vec<_> = d.telemetry.iter().map(|(k, v)| (k.clone(), v.json.clone(), v.at)).collect();
+    let mut telemetry: Vec<_> = d.telemetry.iter().map(|(k, v, at)| (Box::<str>::from(k), JsonText::new(v), at)).collect();
     telemetry.sort_by(|a, b| a.0.cmp(&b.0));
     DeviceData {
         telemetry,
@@ -110,14 +111,11 @@ pub fn data_of_device(d: &Device) -> DeviceData {
     }
 }
 
-/// A device rebuilt from its stored data (no copy of keys and texts).
+/// A device rebuilt from its stored data (keys and texts copied into its [`Telemetry`](crate::shard::devices::Telemetry)).
 pub fn device_from_owned(d: DeviceData) -> crate::shard::devices::Device {
-    use crate::shard::devices::{ConnectionState, Device, LastValue, Twin};
+    use crate::shard::devices::{ConnectionState, Device, Twin};
     let mut device = Device::default();
-    device.telemetry.reserve(d.telemetry.len());
-    for (k, json, at) in d.telemetry {
-        device.telemetry.insert(k, LastValue { json, at });
-    }
+    device.telemetry = d.telemetry.iter().map(|(k, json, at)| (k, json, *at)).collect();
     if let Some((doc, at)) = d.twin {
         if let Ok(doc) = serde_json::from_str(&doc) {
             device.twin = Some(Twin { doc, at });

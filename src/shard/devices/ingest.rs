@@ -69,18 +69,16 @@ impl DeviceTable {
                 if subscribed {
                     publication.device = Arc::from(device_id);
                 }
-                // The message's values in one allocation, kept as they were sent.
-                let mut texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
-                for ((key, _), json) in parsed.values.drain(..).zip(texts.drain(..)) {
-                    if subscribed {
-                        publication.telemetry.push((Box::from(&*key), json.clone()));
-                    }
-                    // Keys repeat message after message: allocate one only the first time.
-                    match device.telemetry.get_mut(&*key) {
-                        Some(last) => *last = LastValue { json, at },
-                        None => {
-                            device.telemetry.insert(Box::from(key), LastValue { json, at });
-                        }
+                // Kept as they were sent, over the old values (no allocation once the device
+                // has its keys: [`Telemetry`]).
+                for (i, (key, text)) in parsed.values.iter().enumerate() {
+                    device.telemetry.set(i, key, text, at);
+                }
+                if subscribed {
+                    // What subscribers get: the message's values in one allocation.
+                    let texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
+                    for ((key, _), json) in parsed.values.iter().zip(texts) {
+                        publication.telemetry.push((Box::from(&**key), json));
                     }
                 }
                 let connected = match parsed.connection_state {
@@ -195,7 +193,7 @@ impl DeviceTable {
             SourceKind::Lifecycle => {
                 if property("opType") == Some("deleteDeviceIdentity") {
                     if let Some(d) = self.devices.get_mut(device_id) {
-                        d.telemetry = HashMap::new();
+                        d.telemetry.clear();
                         d.twin = None;
                         d.hub_twin_read = None;
                         d.twin_pending = None;

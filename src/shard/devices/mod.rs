@@ -33,15 +33,11 @@ mod durable;
 pub use durable::{Dirty, SnapshotWalk};
 mod fanout;
 mod ingest;
+mod telemetry;
 mod twin;
+pub use telemetry::Telemetry;
 pub use twin::merge_patch;
 
-pub struct LastValue {
-    /// Shared with the publication that carried it to subscribers (and, in one buffer, with
-    /// the other values of its message: [`JsonText::share`]).
-    pub json: JsonText,
-    pub at: Millis,
-}
 
 /// What one device message changed, to be pushed to the device's subscribers.
 #[derive(Default)]
@@ -100,7 +96,8 @@ pub struct ConnectionState {
 
 #[derive(Default)]
 pub struct Device {
-    pub telemetry: HashMap<Box<str>, LastValue>,
+    /// Last values, rewritten in place by each message ([`Telemetry`]).
+    pub telemetry: Telemetry,
     pub twin: Option<Twin>,
     pub connection: Option<ConnectionState>,
     pub access: HashMap<SessionId, Access>,
@@ -351,7 +348,7 @@ impl DeviceTable {
     /// several instances' answers wins); `None` without data.
     pub fn newest(&self, device: &str) -> Option<Millis> {
         let d = self.devices.get(device)?;
-        let telemetry = d.telemetry.values().map(|v| v.at).max();
+        let telemetry = d.telemetry.newest();
         [telemetry, d.twin.as_ref().map(|t| t.at), d.connection.as_ref().map(|c| c.at)].into_iter().flatten().max()
     }
 
@@ -535,7 +532,7 @@ impl DeviceTable {
         self.permits(device, viewer, |a| a.grants.telemetry.all)?;
         match self.devices.get_mut(device) {
             Some(d) if !d.telemetry.is_empty() => {
-                d.telemetry = HashMap::new();
+                d.telemetry.clear();
                 self.prune(device);
                 Ok(())
             }
@@ -573,19 +570,18 @@ impl DeviceTable {
         let d = d.ok_or(Denial::NotFound)?;
         match key {
             Some(k) => {
-                let v = d.telemetry.get(k).ok_or(Denial::NotFound)?;
-                Ok(TelemetryView::One { key: k.into(), json: v.json.clone(), at: v.at })
+                let (text, at) = d.telemetry.get(k).ok_or(Denial::NotFound)?;
+                Ok(TelemetryView::One { key: k.into(), json: JsonText::new(text), at })
             }
             None => {
-                let values: Vec<_> = d
-                    .telemetry
-                    .iter()
-                    .filter(|(k, _)| grants.is_none_or(|g| g.contains_key(k)))
-                    .map(|(k, v)| (k.clone(), v.json.clone(), v.at))
-                    .collect();
-                if values.is_empty() {
+                let kept = || d.telemetry.iter().filter(|(k, _, _)| grants.is_none_or(|g| g.contains_key(k)));
+                if kept().next().is_none() {
                     return Err(Denial::NotFound);
                 }
+                // The values read in one buffer ([`JsonText::share`]).
+                let mut scratch = String::new();
+                let texts = JsonText::share(kept().map(|(_, v, _)| v), &mut scratch);
+                let values = kept().zip(texts).map(|((k, _, at), json)| (Box::from(k), json, at)).collect();
                 Ok(TelemetryView::All(values))
             }
         }
