@@ -510,10 +510,7 @@ impl Core {
     /// share is applied; it needs no polling to make progress.
     pub async fn ingest_begin(self: &Rc<Self>, batch: Vec<IngestMessage>) -> impl std::future::Future<Output = ()> {
         self.mesh.wait_for_room().await;
-        let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
-        for msg in batch {
-            per_core[self.device_core(&msg.device_id)].push(msg);
-        }
+        let per_core = self.split_by_core(batch);
         let mut waits = Vec::new();
         for (core, batch) in per_core.into_iter().enumerate() {
             if batch.is_empty() {
@@ -534,12 +531,35 @@ impl Core {
         }
     }
 
+    /// Splits a batch by owning core, each share allocated once at its size: pushed one by
+    /// one, each share grew 4, 8, … 512 messages, copying them at every step (~240
+    /// instructions per message of a 500-message `POST /ingest`, callgrind). A batch whose
+    /// messages all belong to one core (always, with one core) is that core's share as it is.
+    fn split_by_core(&self, batch: Vec<IngestMessage>) -> Vec<Vec<IngestMessage>> {
+        let cores = self.cores();
+        if cores == 1 {
+            return vec![batch];
+        }
+        let owners: Vec<u32> = batch.iter().map(|m| self.device_core(&m.device_id) as u32).collect();
+        let mut counts = vec![0usize; cores];
+        for &c in &owners {
+            counts[c as usize] += 1;
+        }
+        if let Some(only) = counts.iter().position(|&n| n == batch.len()) {
+            let mut per_core: Vec<Vec<IngestMessage>> = (0..cores).map(|_| Vec::new()).collect();
+            per_core[only] = batch;
+            return per_core;
+        }
+        let mut per_core: Vec<Vec<IngestMessage>> = counts.iter().map(|&n| Vec::with_capacity(n)).collect();
+        for (msg, c) in batch.into_iter().zip(owners) {
+            per_core[c as usize].push(msg);
+        }
+        per_core
+    }
+
     /// Routes device messages without waiting (sources that do not need an acknowledgement).
     pub fn ingest_detached(self: &Rc<Self>, batch: Vec<IngestMessage>) {
-        let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::new()).collect();
-        for msg in batch {
-            per_core[self.device_core(&msg.device_id)].push(msg);
-        }
+        let per_core = self.split_by_core(batch);
         for (core, batch) in per_core.into_iter().enumerate() {
             if batch.is_empty() {
                 continue;
