@@ -226,13 +226,9 @@ fn blip(transports: &str, gauge: &str) {
         server.metric("hubcast_recovery_replayed_frames_total"),
         Some(50.0)
     );
-    assert!(
-        client
-            .collect(Duration::from_millis(300))
-            .iter()
-            .all(|e| e["event"] != "data"),
-        "nothing twice"
-    );
+    // Nothing more came twice: the next event is the next live message.
+    server.ingest(message("dev-1", 1001));
+    assert_eq!(next_n(&client).0, 1001, "nothing twice");
 }
 
 #[test]
@@ -586,4 +582,54 @@ fn offsets_and_since_are_refused_before_the_upgrade_when_they_cannot_hold() {
     let off = Server::start(&["--recovery-window", "0"]);
     let (status, body) = ask(&off, "&offsets=1");
     assert_error(status, &body, 400, "recovery is off");
+}
+
+// ---- several instances: a blip on one, messages taken in by another ---------------------------
+
+fn instance(redis: &common::redis::Redis, id: &str) -> Server {
+    instance_with(redis, id, &[])
+}
+
+fn instance_with(redis: &common::redis::Redis, id: &str, extra: &[&str]) -> Server {
+    let url = redis.url();
+    let mut args = vec!["--redis-url", &url, "--instance-id", id, "--redis-prefix", "t"];
+    args.extend_from_slice(extra);
+    let server = Server::start(&args);
+    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
+    server
+}
+
+#[test]
+fn a_blip_on_one_instance_recovers_what_another_instance_took_in_meanwhile() {
+    let redis = common::redis::Redis::start();
+    let (a, b) = (instance(&redis, "a"), instance(&redis, "b"));
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    cut(&cutter, &a, &client, WS_GAUGE);
+    // Its client away, the session still watches its device: B's messages keep coming to A.
+    b.ingest(json!((0..50).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(51.0));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    b.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..51).map(|_| next_n(&client).0).collect();
+    let mut want: Vec<u64> = (0..50).collect();
+    want.push(999);
+    assert_eq!(got, want, "what B took in while the client was away, once, in order, then live");
+}
+
+#[test]
+fn an_away_session_stops_watching_its_devices_when_its_history_goes() {
+    let redis = common::redis::Redis::start();
+    let (a, b) = (instance_with(&redis, "a", &["--recovery-window", "2"]), instance(&redis, "b"));
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    cut(&cutter, &a, &client, WS_GAUGE);
+    a.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    // Zero Redis traffic for a device nobody watches: once nobody can recover, B stops publishing.
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(0.0));
 }

@@ -261,8 +261,10 @@ impl Core {
                         let _ = found.send(false);
                         return;
                     };
-                    // Scale-out: a session with a socket here watches what it subscribes to.
-                    if !record.sockets.is_empty() && self.relay.borrow().is_some() {
+                    // Scale-out: a session with a socket here (or a history its clients may
+                    // recover) watches what it subscribes to.
+                    let streamed = record.recovery.as_ref().is_some_and(|r| r.stream.is_some());
+                    if (!record.sockets.is_empty() || streamed) && self.relay.borrow().is_some() {
                         let present: Vec<DeviceOp> = ops
                             .iter()
                             .filter(|op| matches!(op, DeviceOp::Subscribe { .. } | DeviceOp::SetAccess { .. }))
@@ -476,7 +478,13 @@ impl Core {
             if let Some(record) = sessions.get_mut(session) {
                 self.recovery_left(record, session, outlet_id, now);
             }
-            sessions.get(session).filter(|r| r.sockets.is_empty()).map(|r| r.devices.iter().cloned().collect::<Vec<_>>())
+            // A session whose clients may still recover keeps its devices watched (scale-out)
+            // until its history goes (app/recovery.rs): what other instances take in meanwhile
+            // must reach its stream.
+            sessions
+                .get(session)
+                .filter(|r| r.sockets.is_empty() && r.recovery.as_ref().is_none_or(|x| x.stream.is_none()))
+                .map(|r| r.devices.iter().cloned().collect::<Vec<_>>())
         };
         self.arm_clock();
         if let Some(devices) = last {

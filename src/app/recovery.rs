@@ -388,7 +388,7 @@ impl Core {
 
     /// The core's clock: drops the streams whose pids have all been away past the window,
     /// and ages the others that come due.
-    pub(crate) fn expire_recovery(&self, now: Instant) {
+    pub(crate) fn expire_recovery(self: &Rc<Self>, now: Instant) {
         let Some(window) = self.recovery.window else {
             return;
         };
@@ -405,18 +405,25 @@ impl Core {
             };
             let Some(id) = due else { break };
             let mut sessions = self.sessions.borrow_mut();
-            let Some(recovery) = sessions.get_mut(id).and_then(|r| r.recovery.as_deref_mut())
-            else {
-                continue;
-            };
+            let Some(record) = sessions.get_mut(id) else { continue };
+            let Some(recovery) = record.recovery.as_deref_mut() else { continue };
             let t = recovery.sweep(now, window);
             for (all, part) in trimmed.0.iter_mut().zip(t.0) {
                 *all += part;
             }
+            let mut unwatch = None;
             if recovery.stream.is_none() {
                 self.recovery.streamed.borrow_mut().remove(&id);
+                // Its devices stayed watched for it (Core::detach_socket): no longer.
+                if record.sockets.is_empty() {
+                    unwatch = Some(record.devices.iter().cloned().collect::<Vec<_>>());
+                }
             } else if let Some(at) = recovery.stream_deadline(window) {
                 self.recovery.deadlines.borrow_mut().push(Reverse((at, id)));
+            }
+            drop(sessions);
+            if let Some(devices) = unwatch {
+                self.presence(id, devices, false);
             }
         }
         self.count_trimmed(trimmed);
