@@ -525,3 +525,68 @@ fn values_loaded_from_the_store_are_not_answered_once_newer_data_exists_elsewher
     // What nobody else holds newer of is answered from the store, as one node would.
     wait_last_n(&a, "only-a", 7, "A");
 }
+
+/// Calls per command (`INFO commandstats`) on `redis`, e.g. `hmget` → 3.
+fn command_calls(redis: &Redis) -> std::collections::HashMap<String, u64> {
+    let info = redis.command("INFO commandstats").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest.split(',').find_map(|kv| kv.strip_prefix("calls="))?.parse().ok()?;
+            Some((name.to_string(), calls))
+        })
+        .collect()
+}
+
+/// Issue 23 item 3b: a request's session changes go to Redis as one change. `PUT
+/// /subscriptions` of 1,000 devices costs two round trips, counted by the test's own
+/// redis-server (`INFO commandstats`): one `HMGET` of the session's version and accesses, one
+/// `EVAL` that checks the version, writes every field and publishes one change (before: a
+/// `WATCH`, `EXISTS`/`HGET`, `MULTI`…`EXEC` and a wait for the echo per device, 1,000 in a
+/// row). With a second instance holding the session, the same; it applies the one change.
+#[test]
+fn a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips() {
+    const DEVICES: usize = 1000;
+    let redis = Redis::start();
+    let a = instance(&redis, "a");
+    let mut b = None;
+    for instances in [1, 2] {
+        if instances == 2 {
+            b = Some(instance(&redis, "b"));
+        }
+        let session = a.new_session();
+        let devices: Vec<String> = (0..DEVICES).map(|i| format!("bulk-{instances}-{i}")).collect();
+        for device in &devices {
+            a.grant(&session, json!({"type": "telemetry", "deviceId": device}));
+        }
+        if let Some(b) = &b {
+            // B holds a copy of the session (loaded by a change made there).
+            assert_eq!(b.subscribe(&session, json!({"type": "telemetry", "deviceId": devices[0]})).0, 204);
+        }
+        let body: Vec<Value> = devices.iter().map(|d| json!({"sessionId": session, "type": "telemetry", "deviceId": d})).collect();
+        let watched = ["hmget", "eval", "evalsha", "watch", "multi", "exec", "hget", "hset", "hdel", "publish"];
+        let before = command_calls(&redis);
+        let started = std::time::Instant::now();
+        let (status, answer, _) = a.call("PUT", "/subscriptions", &[], Some(Value::Array(body)));
+        let took = started.elapsed();
+        let after = command_calls(&redis);
+        let delta: Vec<(&str, u64)> = watched
+            .iter()
+            .map(|c| (*c, after.get(*c).unwrap_or(&0) - before.get(*c).unwrap_or(&0)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        eprintln!("PUT /subscriptions of {DEVICES} devices, {instances} instance(s): {} ms, Redis commands {delta:?}", took.as_millis());
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(common::parse_json(&answer).as_array().map(Vec::len), Some(DEVICES), "every subscription applied");
+        // What the client sent: one HMGET, one EVAL (Redis also counts the commands the
+        // script runs: an HGET of the version, an HSET per device, one PUBLISH).
+        let sent: Vec<(&str, u64)> = delta.iter().copied().filter(|(c, _)| ["hmget", "eval", "evalsha", "watch", "multi", "exec"].contains(c)).collect();
+        assert_eq!(sent, vec![("hmget", 1), ("eval", 1)], "{instances} instance(s): two round trips for {DEVICES} devices: {delta:?}");
+        assert_eq!(delta.iter().find(|(c, _)| *c == "publish"), Some(&("publish", 1)), "one publication: {delta:?}");
+        // In force at once on A: a device message reaches the session's socket there.
+        let mut ws = a.live(&session);
+        a.ingest(json!({"deviceId": devices[DEVICES - 1], "body": {"n": 1}}));
+        let frame = ws.next_json(WAIT).expect("the last device's message reaches the socket");
+        assert_eq!(frame["deviceId"].as_str(), Some(devices[DEVICES - 1].as_str()));
+    }
+}

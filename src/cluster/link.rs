@@ -53,8 +53,25 @@ const READ_DEADLINE: Duration = Duration::from_millis(1000);
 /// and other instances' reads being answered here at once (beyond: not answered; the asker's
 /// deadline answers for them).
 const READS_PENDING: usize = 4096;
-/// How long a change's caller waits for its own change to be in force here.
-const ECHO_DEADLINE: Duration = Duration::from_secs(10);
+/// Tries of one change when other instances change the session meanwhile (then 503).
+const CHANGE_TRIES: usize = 8;
+/// Changes running at once (each its own task); beyond, the command task waits for one to
+/// end (back-pressure to the bounded command queue).
+const CHANGES_RUNNING: usize = 64;
+/// Writes every field of a change if the session is still at version `ARGV[1]`, bumps the
+/// version, keeps the key alive and publishes the change, in one step: the new version; 0
+/// when the session changed meanwhile (read it again); -1 when it is gone.
+/// `ARGV`: version, TTL ms, ops channel, op, then field / value pairs (`""`: deleted).
+const CHANGE: &str = "if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end \
+local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0') \
+if v ~= tonumber(ARGV[1]) then return 0 end \
+for i = 5, #ARGV, 2 do \
+if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end \
+end \
+local nv = redis.call('HINCRBY', KEYS[1], 'v', 1) \
+redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
+redis.call('PUBLISH', ARGV[3], ARGV[4]) \
+return nv";
 
 /// A read sent to the other instances, waiting for their answers.
 pub(super) struct PendingRead {
@@ -88,6 +105,8 @@ pub(super) struct Ctx {
     pub o: Options,
     pub cores: Vec<async_channel::Sender<Inbound>>,
     pub stats: Arc<Stats>,
+    /// Room for [`CHANGES_RUNNING`] changes at once.
+    pub changes: Arc<tokio::sync::Semaphore>,
 }
 
 impl Ctx {
@@ -114,14 +133,6 @@ pub(super) struct Shared {
     next_read: u64,
     /// Other instances' reads being answered here by spawned tasks.
     answering: usize,
-    /// Access changes written here, answered once their own publication comes back on the
-    /// `ops` channel and is applied (see [`on_own_op`]). At most one per command taken
-    /// from the bounded command queue, so bounded by it.
-    echoes: std::collections::VecDeque<PendingEcho>,
-    /// This instance's own access changes back from the `ops` channel before the command
-    /// task saw its `EXEC` answered (the two connections race): matched with their echo
-    /// when it is. At most one per change written, so bounded like `echoes`.
-    early: std::collections::VecDeque<SharedOp>,
 }
 
 pub(super) type State = Rc<RefCell<Shared>>;
@@ -143,7 +154,7 @@ pub fn start(
             }
         };
         let lease = Leases::new(cores.len(), owned);
-        let ctx = Rc::new(Ctx { o: options, cores, stats });
+        let ctx = Rc::new(Ctx { o: options, cores, stats, changes: Arc::new(tokio::sync::Semaphore::new(CHANGES_RUNNING)) });
         let state = Rc::new(RefCell::new(Shared {
             local: HashSet::new(),
             remote: HashMap::new(),
@@ -151,8 +162,6 @@ pub fn start(
             reads: HashMap::new(),
             next_read: 0,
             answering: 0,
-            echoes: std::collections::VecDeque::new(),
-            early: std::collections::VecDeque::new(),
         }));
         let tasks = tokio::task::LocalSet::new();
         tasks.block_on(&runtime, run(ctx, state, lease, status, commands));
@@ -161,14 +170,6 @@ pub fn start(
 }
 
 pub(super) type Failed = String;
-
-/// An access change written and published, waiting for its publication to come back.
-struct PendingEcho {
-    session: SessionId,
-    device: Box<str>,
-    access: super::AccessOn,
-    reply: futures_channel::oneshot::Sender<Result<super::Mutated, String>>,
-}
 
 pub(super) async fn within<T>(what: &str, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Failed> {
     match tokio::time::timeout(CALL_DEADLINE, f).await {
@@ -223,18 +224,9 @@ async fn run(
                     }
                 };
                 let lost = format!("the link to Redis was lost ({reason})");
-                let (reads, echoes) = {
-                    let mut s = state.borrow_mut();
-                    s.early.clear();
-                    (s.reads.drain().collect::<Vec<_>>(), s.echoes.drain(..).collect::<Vec<_>>())
-                };
+                let reads = state.borrow_mut().reads.drain().collect::<Vec<_>>();
                 for (_, read) in reads {
                     let _ = read.reply.send(Err(lost.clone()));
-                }
-                // Written, but not seen back: the copy here may miss it until the session
-                // is read again, so the caller hears that Redis failed.
-                for echo in echoes {
-                    let _ = echo.reply.send(Err(lost.clone()));
                 }
                 ctx.stats.connected.store(0, Ordering::Relaxed);
                 ctx.stats.reconnects.fetch_add(1, Ordering::Relaxed);
@@ -295,7 +287,7 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
         Command::Load { reply, .. } => {
             let _ = reply.send(Err(format!("not connected ({reason})")));
         }
-        Command::Mutate { reply, .. } => {
+        Command::Change { reply, .. } => {
             let _ = reply.send(Err(format!("not connected ({reason})")));
         }
         Command::Publish(items) => {
@@ -470,7 +462,7 @@ async fn pubsub(
 
 /// The command task: until a Redis call fails.
 async fn command_loop(
-    ctx: &Ctx,
+    ctx: &Rc<Ctx>,
     state: &State,
     mut conn: MultiplexedConnection,
     mut sink: PubSubSink,
@@ -509,7 +501,7 @@ fn expire_reads(state: &State) {
     }
 }
 
-async fn on_command(ctx: &Ctx, state: &State, command: Command, conn: &mut MultiplexedConnection, sink: &mut PubSubSink) -> Result<(), Failed> {
+async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut MultiplexedConnection, sink: &mut PubSubSink) -> Result<(), Failed> {
     match command {
         Command::Save { op, reply } => {
             let result = save(ctx, &op, conn).await;
@@ -519,26 +511,15 @@ async fn on_command(ctx: &Ctx, state: &State, command: Command, conn: &mut Multi
                 return Err(reason);
             }
         }
-        Command::Mutate { session, device, change, reply } => {
-            let result = mutate(ctx, session, &device, &change, conn).await;
-            let failed = result.as_ref().err().cloned();
-            match result {
-                // Written and published: answered when it comes back (on_own_op).
-                Ok(Some((access, true))) => {
-                    let echo = PendingEcho { session, device, access, reply };
-                    let early = state.borrow_mut().early.pop_front();
-                    match early {
-                        Some(op) => answer_echo(ctx, echo, op).await,
-                        None => state.borrow_mut().echoes.push_back(echo),
-                    }
-                }
-                other => {
-                    let _ = reply.send(other);
-                }
-            }
-            if let Some(reason) = failed {
-                return Err(reason);
-            }
+        Command::Change { session, changes, reply } => {
+            // A task of its own: a session changed by many instances at once (retries) holds
+            // no other command; a failed change answers 503 and leaves the link up.
+            let Ok(running) = ctx.changes.clone().acquire_owned().await else { return Ok(()) };
+            let (ctx, mut conn) = (ctx.clone(), conn.clone());
+            tokio::task::spawn_local(async move {
+                let _ = reply.send(change(&ctx, session, changes, &mut conn).await);
+                drop(running);
+            });
         }
         Command::Load { session, reply } => {
             let key = ctx.session_key(session);
@@ -549,6 +530,7 @@ async fn on_command(ctx: &Ctx, state: &State, command: Command, conn: &mut Multi
                 if fields.is_empty() {
                     return None;
                 }
+                let v = fields.get(&b"v"[..]).and_then(|v| std::str::from_utf8(v).ok()?.parse().ok()).unwrap_or(0);
                 let ops = fields
                     .iter()
                     .filter(|(k, _)| k.starts_with(b"a:"))
@@ -556,7 +538,7 @@ async fn on_command(ctx: &Ctx, state: &State, command: Command, conn: &mut Multi
                     .filter(|(_, s, _)| *s == session)
                     .map(|(device, session, access)| SharedOp::Access { session, device, access })
                     .collect();
-                Some(ops)
+                Some((v, ops))
             }));
             if let Some(reason) = failed {
                 return Err(reason);
@@ -643,55 +625,84 @@ async fn on_command(ctx: &Ctx, state: &State, command: Command, conn: &mut Multi
     Ok(())
 }
 
-/// Read-modify-write of one session's access on one device, optimistic (WATCH): the
-/// change is computed on what Redis holds, written with its publication in one
-/// transaction, and tried again if another instance changed the session meanwhile.
-async fn mutate(
-    ctx: &Ctx,
-    session: SessionId,
-    device: &str,
-    change: &super::AccessChange,
-    conn: &mut MultiplexedConnection,
-) -> Result<super::Mutated, Failed> {
+/// One request's changes to a session (see [`Command::Change`]): read its version and the
+/// devices' accesses (`HMGET`), compute every change in Rust (`AccessChange::apply`, the one
+/// place of the access rules), then one [`CHANGE`] script writes them and publishes one
+/// `SharedOp::Accesses` if the version still holds; else read again, at most
+/// [`CHANGE_TRIES`] times.
+async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::AccessChange)>, conn: &mut MultiplexedConnection) -> Result<super::Changed, Failed> {
     let key = ctx.session_key(session);
-    let field = format!("a:{device}");
     let ttl = ctx.o.session_ttl.as_millis() as u64;
-    for _ in 0..32 {
-        within("WATCH", redis::cmd("WATCH").arg(&key).query_async::<()>(conn)).await?;
-        let mut pipe = redis::pipe();
-        pipe.cmd("EXISTS").arg(&key).cmd("HGET").arg(&key).arg(&field);
-        let (exists, stored): (bool, Option<Vec<u8>>) = within("HGET access", pipe.query_async(conn)).await?;
-        if !exists {
-            within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
+    // The devices touched, each once, in the request's order.
+    let mut devices: Vec<&str> = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    for (device, _) in &changes {
+        index.entry(&**device).or_insert_with(|| {
+            devices.push(device);
+            devices.len() - 1
+        });
+    }
+    for _ in 0..CHANGE_TRIES {
+        let mut read = redis::cmd("HMGET");
+        read.arg(&key).arg("created").arg("v");
+        for device in &devices {
+            read.arg(format!("a:{device}"));
+        }
+        let fields: Vec<Option<Vec<u8>>> = within("HMGET session", read.query_async(conn)).await?;
+        if fields.len() != devices.len() + 2 {
+            return Err(format!("HMGET session: {} fields answered for {}", fields.len(), devices.len() + 2));
+        }
+        if fields[0].is_none() {
             return Ok(None);
         }
-        let mut access = crate::shard::access::Access::default();
-        if let Some((_, _, Some((grants, subs)))) = stored.as_deref().and_then(wire::decode_access) {
-            access.grants = grants;
-            access.subs = subs;
+        let v: u64 = fields[1].as_deref().and_then(|v| std::str::from_utf8(v).ok()?.parse().ok()).unwrap_or(0);
+        let mut accesses: Vec<crate::shard::access::Access> = fields[2..]
+            .iter()
+            .map(|stored| {
+                let mut access = crate::shard::access::Access::default();
+                if let Some((_, _, Some((grants, subs)))) = stored.as_deref().and_then(wire::decode_access) {
+                    access.grants = grants;
+                    access.subs = subs;
+                }
+                access
+            })
+            .collect();
+        let mut written = vec![false; devices.len()];
+        let permitted: Vec<bool> = changes
+            .iter()
+            .map(|(device, change)| {
+                let i = index[&**device];
+                let ok = change.apply(&mut accesses[i]);
+                written[i] |= ok;
+                ok
+            })
+            .collect();
+        let whole = |a: &crate::shard::access::Access| (!a.is_empty()).then(|| (a.grants.clone(), a.subs.clone()));
+        let after: Vec<(Box<str>, super::AccessOn)> =
+            devices.iter().zip(&accesses).zip(&written).filter(|(_, w)| **w).map(|((d, a), _)| (Box::from(*d), whole(a))).collect();
+        if after.is_empty() {
+            // Nothing permitted: nothing to write.
+            return Ok(Some((v, after, permitted)));
         }
-        let permitted = change.apply(&mut access);
-        let now = (!access.is_empty()).then(|| (access.grants.clone(), access.subs.clone()));
-        if !permitted {
-            within("UNWATCH", redis::cmd("UNWATCH").query_async::<()>(conn)).await?;
-            return Ok(Some((now, false)));
+        let op = SharedOp::Accesses { session, v: v + 1, changes: after };
+        let mut call = redis::cmd("EVAL");
+        call.arg(CHANGE).arg(1).arg(&key).arg(v).arg(ttl).arg(ctx.channel("ops")).arg(wire::encode_op(&ctx.o.instance, &op));
+        let SharedOp::Accesses { changes: after, .. } = op else { unreachable!() };
+        for (device, access) in &after {
+            call.arg(format!("a:{device}"));
+            match access {
+                Some(a) => call.arg(wire::encode_access(device, session, Some(a))),
+                None => call.arg(""),
+            };
         }
-        let op = SharedOp::Access { session, device: device.into(), access: now.clone() };
-        let mut tx = redis::pipe();
-        tx.atomic();
-        match &now {
-            Some(a) => tx.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, session, Some(a))).ignore(),
-            None => tx.cmd("HDEL").arg(&key).arg(&field).ignore(),
-        };
-        tx.cmd("PEXPIRE").arg(&key).arg(ttl);
-        tx.cmd("PUBLISH").arg(ctx.channel("ops")).arg(wire::encode_op(&ctx.o.instance, &op)).ignore();
-        // EXEC answers nil when the session changed since WATCH: read it again.
-        let done: Option<(i64,)> = within("EXEC access", tx.query_async(conn)).await?;
-        if done.is_some() {
-            return Ok(Some((now, true)));
+        let done: i64 = within("EVAL change", call.query_async(conn)).await?;
+        match done {
+            -1 => return Ok(None),
+            0 => continue,
+            nv => return Ok(Some((nv as u64, after, permitted))),
         }
     }
-    Err("a session changed on other instances faster than this one could write it (32 tries)".into())
+    Err(format!("a session changed on other instances faster than this one could write it ({CHANGE_TRIES} tries)"))
 }
 
 async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut MultiplexedConnection) -> Result<bool, Failed> {
@@ -734,20 +745,8 @@ async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut MultiplexedConnection) -> Res
             within("PUBLISH ops", publish.query_async::<()>(conn)).await?;
             Ok(true)
         }
-        SharedOp::Access { session, device, access } => {
-            let key = ctx.session_key(*session);
-            let field = format!("a:{device}");
-            let mut pipe = redis::pipe();
-            pipe.atomic();
-            match access {
-                Some(a) => pipe.cmd("HSET").arg(&key).arg(&field).arg(wire::encode_access(device, *session, Some(a))).ignore(),
-                None => pipe.cmd("HDEL").arg(&key).arg(&field).ignore(),
-            };
-            pipe.cmd("PEXPIRE").arg(&key).arg(ttl).ignore();
-            pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&ctx.o.instance, op)).ignore();
-            within("HSET access", pipe.query_async::<()>(conn)).await?;
-            Ok(true)
-        }
+        // Access changes go through `Command::Change` (versioned, one script).
+        SharedOp::Access { .. } | SharedOp::Accesses { .. } => Err("an access change is not saved as such".to_string()),
     }
 }
 
@@ -779,8 +778,9 @@ async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &MultiplexedConnection,
         } else if channel == ops {
             flush_messages(ctx, &mut per_core).await;
             match wire::decode_op(payload) {
-                Some((origin, op)) if origin != &*ctx.o.instance => route_op(ctx, op, None).await,
-                Some((_, op)) => on_own_op(ctx, state, op).await,
+                Some((origin, op)) if origin != &*ctx.o.instance => route_op(ctx, op).await,
+                // This instance's own: applied here when its change was answered.
+                Some(_) => {}
                 None => {
                     ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
                 }
@@ -868,56 +868,26 @@ async fn flush_messages(ctx: &Ctx, per_core: &mut [Vec<crate::ingest::IngestMess
     }
 }
 
-/// The core a shared change is applied on: an access change on its device's core (the
-/// queue of that device's messages: in force before any later one), a session's on the
-/// session's core.
-fn core_of_op(op: &SharedOp, cores: usize) -> usize {
-    match op {
-        SharedOp::Create(id) | SharedOp::Delete(id) => core_of_session(*id, cores),
-        SharedOp::Access { device, .. } => core_of_device(device, cores),
-        SharedOp::DeleteAll => 0,
-    }
-}
-
-/// Hands a shared change to its core's queue; `done` is answered once it is in force.
-async fn route_op(ctx: &Ctx, op: SharedOp, done: Option<futures_channel::oneshot::Sender<()>>) {
-    let core = core_of_op(&op, ctx.cores.len());
-    let _ = ctx.cores[core].send(Inbound::Op(op, done)).await;
-}
-
-/// This instance's own access change, back from the `ops` channel: applied here in the
-/// channel's order like everyone else's, and its caller answered once it is in force (by a
-/// task of its own: the pub/sub task goes on). Redis orders every change of every instance
-/// on that channel, so a change another instance made earlier (published but not yet
-/// applied here) can no longer land after this one and undo it.
-async fn on_own_op(ctx: &Ctx, state: &State, op: SharedOp) {
-    let SharedOp::Access { session, device, .. } = &op else { return };
-    let echo = {
-        let mut s = state.borrow_mut();
-        match s.echoes.front() {
-            Some(front) => {
-                if front.session != *session || front.device != *device {
-                    tracing::warn!(session = %session, device = %device, "an access change came back out of order; answering the one waiting");
-                }
-                s.echoes.pop_front()
+/// Hands a shared change to the queue of the core it is applied on: an access change to its
+/// devices' cores (split per core: the queue of those devices' messages, so it is in force
+/// before any later one), a session's to the session's core.
+async fn route_op(ctx: &Ctx, op: SharedOp) {
+    let cores = ctx.cores.len();
+    let per_core: Vec<(usize, SharedOp)> = match op {
+        SharedOp::Create(id) | SharedOp::Delete(id) => vec![(core_of_session(id, cores), op)],
+        SharedOp::DeleteAll => vec![(0, op)],
+        SharedOp::Access { ref device, .. } => vec![(core_of_device(device, cores), op)],
+        SharedOp::Accesses { session, v, changes } => {
+            let mut split: Vec<Vec<(Box<str>, super::AccessOn)>> = (0..cores).map(|_| Vec::new()).collect();
+            for (device, access) in changes {
+                split[core_of_device(&device, cores)].push((device, access));
             }
-            None => None,
+            split.into_iter().enumerate().filter(|(_, c)| !c.is_empty()).map(|(core, changes)| (core, SharedOp::Accesses { session, v, changes })).collect()
         }
     };
-    match echo {
-        Some(echo) => answer_echo(ctx, echo, op).await,
-        None => state.borrow_mut().early.push_back(op),
+    for (core, op) in per_core {
+        let _ = ctx.cores[core].send(Inbound::Op(op, None)).await;
     }
-}
-
-/// Applies this instance's own change here and answers its caller once it is in force.
-async fn answer_echo(ctx: &Ctx, echo: PendingEcho, op: SharedOp) {
-    let (done, applied) = futures_channel::oneshot::channel();
-    route_op(ctx, op, Some(done)).await;
-    tokio::task::spawn_local(async move {
-        let _ = tokio::time::timeout(ECHO_DEADLINE, applied).await;
-        let _ = echo.reply.send(Ok(Some((echo.access, true))));
-    });
 }
 
 async fn on_watch(ctx: &Ctx, state: &State, payload: &[u8]) {

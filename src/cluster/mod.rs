@@ -4,10 +4,12 @@
 //! - **Sessions are shared.** A session lives in Redis (`<prefix>:session:<id>`: its access
 //!   on every device, in the durable store's encoding) and as a copy on each instance that
 //!   uses it. An instance that meets an unknown session id (a REST call, a socket) loads it
-//!   from Redis first (`ensure_session`). Every change (grant, revoke, subscribe,
-//!   unsubscribe, delete) is applied here, written to Redis and published on `<prefix>:ops`
-//!   in one transaction before the client is answered; the other instances apply it to
-//!   their copies, so a grant revoked on one instance stops delivery on every other.
+//!   from Redis first (`ensure_session`). A request's changes (grants, revokes, subscribes,
+//!   unsubscribes) are computed on Redis's copy, written and published on `<prefix>:ops` as
+//!   one change at the session's next version (`Command::Change`: two round trips), and
+//!   applied here before the client is answered; the other instances apply it to their
+//!   copies where it is newer, so a grant revoked on one instance stops delivery on every
+//!   other. A delete is written and published likewise.
 //! - **Live data crosses once per interested instance.** An instance *watches* a device
 //!   while a session with a socket on it subscribes to the device; it then subscribes to
 //!   the Redis channel `<prefix>:device:<id>` and announces it (`<prefix>:watching:<instance>`
@@ -66,20 +68,24 @@ const OUTBOX_BYTES: usize = 4 << 20;
 /// A session's whole access on one device (`None`: none).
 pub type AccessOn = Option<(Grants, Subscriptions)>;
 
-/// What a [`Command::Mutate`] did: the access after it and whether it was permitted; `None`
-/// when the session is in Redis no more.
-pub(crate) type Mutated = Option<(AccessOn, bool)>;
+/// What a [`Command::Change`] did: the session's version after it, its whole access on every
+/// device the request touched, and whether each change was permitted (in the request's
+/// order); `None` when the session is in Redis no more.
+pub(crate) type Changed = Option<(u64, Vec<(Box<str>, AccessOn)>, Vec<bool>)>;
+
+/// A session as Redis holds it: its version and its access per device.
+pub(crate) type Loaded = Option<(u64, Vec<SharedOp>)>;
 
 pub(crate) enum Command {
     /// Write a change to Redis and publish it; answers whether a deleted session existed.
     Save { op: SharedOp, reply: oneshot::Sender<Result<bool, String>> },
-    /// Change a session's access on a device in Redis, computed on Redis's own copy (the
-    /// source of truth) in a WATCH/MULTI transaction with its publication: the new access,
-    /// and whether the change was permitted (a subscription needs a covering grant). `None`:
-    /// no such session in Redis.
-    Mutate { session: SessionId, device: Box<str>, change: AccessChange, reply: oneshot::Sender<Result<Mutated, String>> },
+    /// One request's changes to a session's access, computed on Redis's copy (the source of
+    /// truth): read once (`HMGET`), written with their one publication by one script that
+    /// checks the session's version `v` (tried again if another instance changed the
+    /// session meanwhile). Two round trips whatever the number of devices.
+    Change { session: SessionId, changes: Vec<(Box<str>, AccessChange)>, reply: oneshot::Sender<Result<Changed, String>> },
     /// Read a session from Redis: its access per device, `None` if there is no such session.
-    Load { session: SessionId, reply: oneshot::Sender<Result<Option<Vec<SharedOp>>, String>> },
+    Load { session: SessionId, reply: oneshot::Sender<Result<Loaded, String>> },
     /// Device messages to publish, each on its device's channel (payloads of [`wire`]).
     Publish(Vec<(Box<str>, Vec<u8>)>),
     /// Devices this instance started or stopped watching.
@@ -118,7 +124,7 @@ pub(crate) enum Inbound {
     Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Option<(Millis, View)>> },
 }
 
-/// A change to one session's access on one device (see [`Command::Mutate`]).
+/// A change to one session's access on one device (see [`Command::Change`]).
 #[derive(Debug, Clone)]
 pub enum AccessChange {
     Grant(crate::model::Grant),
@@ -516,14 +522,28 @@ async fn apply_remote(core: &Rc<Core>, op: SharedOp) {
             local::delete_all(core).await;
         }
         SharedOp::Access { session, device, access } => {
-            // Run on the device's core, which waits until it is in force before taking its
-            // next inbound item; a session this instance holds no copy of drops it.
-            let (op, done) = ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) });
-            if local::scoped(core, session, true, vec![op]).await {
-                let _ = done.await;
-            }
+            set_accesses(core, session, 0, vec![(device, access)]).await;
+        }
+        // Run on the devices' core (the link splits an op per core), which waits until it is
+        // in force before taking its next inbound item.
+        SharedOp::Accesses { session, v, changes } => {
+            set_accesses(core, session, v, changes).await;
         }
     }
+}
+
+/// A session's whole access on some devices, at version `v`, into the copy here; waits until
+/// it is in force. A session this instance holds no copy of drops it (false).
+async fn set_accesses(core: &Rc<Core>, session: SessionId, v: u64, changes: Vec<(Box<str>, AccessOn)>) -> bool {
+    let (ops, done): (Vec<DeviceOp>, Vec<_>) =
+        changes.into_iter().map(|(device, access)| ask(|done| DeviceOp::SetAccess { device, session, access, v, done: Some(done) })).unzip();
+    if !local::scoped(core, session, true, ops).await {
+        return false;
+    }
+    for done in done {
+        let _ = done.await;
+    }
+    true
 }
 
 /// Keeps the Redis keys of this core's sessions alive.
@@ -600,35 +620,28 @@ async fn ensure_session(cluster: &Cluster, core: &Rc<Core>, session: SessionId) 
         return Ok(true);
     }
     let loaded = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)?;
-    let Some(accesses) = loaded else { return Ok(false) };
+    let Some((v, accesses)) = loaded else { return Ok(false) };
     // `false` is a session created meanwhile by a concurrent request, or the process at
     // maxSessions; the fill below tells them apart.
     local::create(core, session).await;
-    if !install(core, session, accesses).await {
+    if !install(core, session, v, accesses).await {
         return Err(Rejection::new(503, "session limit reached (maxSessions)"));
     }
     tracing::debug!(session = %session, "session loaded from Redis");
     Ok(true)
 }
 
-/// Takes a session's accesses as Redis holds them into the copy here; false without a copy.
-async fn install(core: &Rc<Core>, session: SessionId, accesses: Vec<SharedOp>) -> bool {
-    let (ops, done): (Vec<DeviceOp>, Vec<_>) = accesses
+/// Takes a session's accesses as Redis holds them (at version `v`) into the copy here; false
+/// without a copy.
+async fn install(core: &Rc<Core>, session: SessionId, v: u64, accesses: Vec<SharedOp>) -> bool {
+    let changes = accesses
         .into_iter()
         .filter_map(|op| match op {
-            SharedOp::Access { session, device, access } => {
-                Some(ask(|done| DeviceOp::SetAccess { device, session, access, done: Some(done) }))
-            }
+            SharedOp::Access { device, access, .. } => Some((device, access)),
             _ => None,
         })
-        .unzip();
-    if !local::scoped(core, session, true, ops).await {
-        return false;
-    }
-    for done in done {
-        let _ = done.await;
-    }
-    true
+        .collect();
+    set_accesses(core, session, v, changes).await
 }
 
 /// How a change's caller is answered once the change is in force here.
@@ -642,13 +655,13 @@ enum Answer {
 /// change is on its way). Reads the session again from Redis and applies it; true when the
 /// caller should try once more.
 async fn refresh_session(cluster: &Cluster, core: &Rc<Core>, session: SessionId) -> Checked<bool> {
-    let Some(accesses) = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)? else {
+    let Some((v, accesses)) = cluster.call(|reply| Command::Load { session, reply }).await.map_err(unavailable)? else {
         return Ok(false);
     };
     if accesses.is_empty() {
         return Ok(false);
     }
-    Ok(install(core, session, accesses).await)
+    Ok(install(core, session, v, accesses).await)
 }
 
 /// `POST /session`: with Redis the new session is written there too (a failure undoes it
@@ -679,18 +692,21 @@ async fn delete_all(cluster: &Cluster, core: &Rc<Core>) -> Checked<()> {
 }
 
 /// A session-scoped batch from the REST API (false: no such session). With Redis, the
-/// session is loaded first when this instance has no copy, and every change (grant, revoke,
-/// subscribe, unsubscribe) is computed on Redis's copy of the session's access, written and
-/// published in one transaction, then taken into the copy here before its caller is answered:
-/// the Redis link applies it when its publication comes back on the `ops` channel, in the
-/// order Redis gave every instance's changes, so an earlier change of another instance can
-/// never be applied here after it and undo it.
+/// session is loaded first when this instance has no copy, and the batch's changes (grant,
+/// revoke, subscribe, unsubscribe) are computed on Redis's copy of the session's access,
+/// written and published as one change (two round trips whatever their number), then taken
+/// into the copy here at the session's new version before their callers are answered (no
+/// wait for the publication to come back). Every instance applies a change only if its
+/// version is newer than what it holds, so a change of another instance published earlier
+/// but applied here later can never undo this one, nor this one's own publication undo a
+/// later change.
 async fn scoped(cluster: &Cluster, core: &Rc<Core>, session: SessionId, register_devices: bool, ops: Vec<DeviceOp>) -> Checked<bool> {
     if !ensure_session(cluster, core, session).await? {
         return Ok(false);
     }
     let mut local = Vec::with_capacity(ops.len());
     let mut answers: Vec<Answer> = Vec::new();
+    let mut changes = Vec::new();
     for op in ops {
         let (device, change, answer) = match op {
             DeviceOp::Grant { device, grant, done, .. } => (device, AccessChange::Grant(grant), Answer::Done(done)),
@@ -702,17 +718,21 @@ async fn scoped(cluster: &Cluster, core: &Rc<Core>, session: SessionId, register
                 continue;
             }
         };
-        let mutated = cluster
-            .call(|reply| Command::Mutate { session, device: device.clone(), change, reply })
-            .await
-            .map_err(unavailable)?;
-        // `None`: deleted meanwhile (on another instance), as one node would answer. A change
-        // written is in force here by now (applied by the link); a refused one changed nothing.
-        let Some((_, permitted)) = mutated else { return Ok(false) };
-        answers.push(match answer {
-            Answer::Permitted(tx, _) => Answer::Permitted(tx, permitted),
-            done => done,
-        });
+        changes.push((device, change));
+        answers.push(answer);
+    }
+    if !changes.is_empty() {
+        let changed = cluster.call(|reply| Command::Change { session, changes, reply }).await.map_err(unavailable)?;
+        // `None`: deleted meanwhile (on another instance), as one node would answer.
+        let Some((v, accesses, permitted)) = changed else { return Ok(false) };
+        if !accesses.is_empty() && !set_accesses(core, session, v, accesses).await {
+            return Ok(false);
+        }
+        for (answer, permitted) in answers.iter_mut().zip(permitted) {
+            if let Answer::Permitted(_, p) = answer {
+                *p = permitted;
+            }
+        }
     }
     let found = local::scoped(core, session, register_devices, local).await;
     for answer in answers {

@@ -20,13 +20,20 @@ pub enum SharedOp {
     Create(SessionId),
     Delete(SessionId),
     DeleteAll,
-    /// The session's whole access on one device after a change (`None`: none left).
+    /// The session's whole access on one device after a change (`None`: none left), as an
+    /// instance before issue 23's step 4 publishes it (still applied, without a version).
     Access { session: SessionId, device: Box<str>, access: Option<(Grants, Subscriptions)> },
+    /// One request's changes to a session: its whole access on each device it touched, as
+    /// written at version `v` of the session (`P:session:<id>`'s `v` field). Applied on a
+    /// device only if `v` is newer than what the device holds (a late or repeated op is a
+    /// no-op), so no barrier orders it with the changing instance's own copy.
+    Accesses { session: SessionId, v: u64, changes: Vec<(Box<str>, super::AccessOn)> },
 }
 
 const OP_DELETE: u8 = 1;
 const OP_DELETE_ALL: u8 = 2;
 const OP_ACCESS: u8 = 3;
+const OP_ACCESSES: u8 = 4;
 
 fn put_str(buf: &mut Vec<u8>, s: &[u8]) {
     buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
@@ -77,7 +84,7 @@ impl<'a> Reader<'a> {
 /// The access record (the durable store's encoding).
 pub fn encode_access(device: &str, session: SessionId, access: Option<&(Grants, Subscriptions)>) -> Vec<u8> {
     let mut buf = Vec::with_capacity(64);
-    let whole = access.map(|(grants, subs)| Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false });
+    let whole = access.map(|(grants, subs)| Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false, v: 0 });
     format::encode(&mut buf, Change::Access { device, session, access: whole.as_ref() });
     buf
 }
@@ -108,6 +115,15 @@ pub fn encode_op(origin: &str, op: &SharedOp) -> Vec<u8> {
             buf.push(OP_ACCESS);
             buf.extend_from_slice(&encode_access(device, *session, access.as_ref()));
         }
+        SharedOp::Accesses { session, v, changes } => {
+            buf.push(OP_ACCESSES);
+            buf.extend_from_slice(&session.0.to_le_bytes());
+            buf.extend_from_slice(&v.to_le_bytes());
+            buf.extend_from_slice(&(changes.len() as u32).to_le_bytes());
+            for (device, access) in changes {
+                put_str(&mut buf, &encode_access(device, *session, access.as_ref()));
+            }
+        }
     }
     buf
 }
@@ -124,6 +140,27 @@ pub fn decode_op(bytes: &[u8]) -> Option<(&str, SharedOp)> {
         OP_ACCESS => {
             let (device, session, access) = decode_access(r.rest())?;
             SharedOp::Access { session, device, access }
+        }
+        OP_ACCESSES => {
+            let session = SessionId(r.u128()?);
+            let v = r.i64()? as u64;
+            let n = r.u32()? as usize;
+            // Each change takes at least its 4-byte length: a count past what is left lies.
+            if n > r.bytes.len().saturating_sub(r.at) / 4 {
+                return None;
+            }
+            let mut changes = Vec::with_capacity(n);
+            for _ in 0..n {
+                let (device, of, access) = decode_access(r.bytes()?)?;
+                if of != session {
+                    return None;
+                }
+                changes.push((device, access));
+            }
+            if r.at != r.bytes.len() {
+                return None;
+            }
+            SharedOp::Accesses { session, v, changes }
         }
         _ => return None,
     };
@@ -391,9 +428,24 @@ mod tests {
         let mut access = Access::default();
         access.add_grant(&Grant { kind: GrantKind::Data(DataKind::Telemetry), key: Some("t".into()) });
         assert!(access.subscribe(&Subscription { kind: DataKind::Telemetry, key: Some("t".into()) }));
-        let op = SharedOp::Access { session: SessionId(7), device: "d".into(), access: Some((access.grants, access.subs)) };
+        let whole = Some((access.grants, access.subs));
+        let op = SharedOp::Access { session: SessionId(7), device: "d".into(), access: whole.clone() };
         let bytes = encode_op("i2", &op);
         assert_eq!(decode_op(&bytes), Some(("i2", op)));
+        // One request's changes: every device's whole access at the session's new version.
+        let op = SharedOp::Accesses { session: SessionId(7), v: 12, changes: vec![("d".into(), whole), ("e".into(), None)] };
+        let bytes = encode_op("i2", &op);
+        assert_eq!(decode_op(&bytes), Some(("i2", op)));
+        for cut in 0..bytes.len() {
+            assert!(decode_op(&bytes[..cut]).is_none(), "an op cut at {cut} must not decode");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(decode_op(&longer).is_none(), "a trailing byte is refused");
+        let mut lying = bytes.clone();
+        let count_at = 1 + 4 + 2 + 1 + 16 + 8;
+        lying[count_at..count_at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_op(&lying).is_none(), "a count past the payload is refused");
         let gone = SharedOp::Delete(SessionId(9));
         assert_eq!(decode_op(&encode_op("i2", &gone)), Some(("i2", gone)));
         assert_eq!(decode_op(b"\x02garbage"), None);

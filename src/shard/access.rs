@@ -105,6 +105,11 @@ pub struct Access {
     pub throttle: Option<Box<Throttle>>,
     /// Scale-out: the session has a live socket on this instance (not stored).
     pub here: bool,
+    /// Scale-out: the session's version in Redis this access was written at (not stored; 0:
+    /// unversioned). A shared change older than it is not applied; an entry emptied by a
+    /// versioned change stays, empty, until the session goes, so a late older change cannot
+    /// bring the access back (cluster/wire.rs, `SharedOp::Accesses`).
+    pub v: u64,
 }
 
 impl Access {

@@ -99,8 +99,10 @@ pub enum DeviceOp {
     ReadHubTwin { device: Box<str>, viewer: Viewer, ttl: TwinCacheTtl, reply: Reply<Read<Option<TwinView>>> },
     /// A twin read from (or returned by) the IoT Hub: cache it; answers with the twin served.
     StoreHubTwin { device: Box<str>, doc: serde_json::Value, reply: Reply<TwinView> },
-    /// Scale-out (src/cluster): the session's whole access here, as an instance decided it.
-    SetAccess { device: Box<str>, session: SessionId, access: Option<(Grants, Subscriptions)>, done: Option<Reply<()>> },
+    /// Scale-out (src/cluster): the session's whole access here, as an instance decided it,
+    /// at the session's version `v` in Redis: applied only if newer than the access held
+    /// (0: unversioned, always applied).
+    SetAccess { device: Box<str>, session: SessionId, access: Option<(Grants, Subscriptions)>, v: u64, done: Option<Reply<()>> },
     /// Scale-out: the session's access here (`None`: nothing), replicated after a change.
     ReadAccess { device: Box<str>, session: SessionId, reply: Reply<Option<(Grants, Subscriptions)>> },
     /// Scale-out: whether the session has a live socket on this instance, so that this

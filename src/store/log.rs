@@ -469,7 +469,7 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
         split(&mut buf, &mut frame);
     }
     for ((device, session), (grants, subs)) in &loaded.access {
-        let access = crate::shard::access::Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false };
+        let access = crate::shard::access::Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false, v: 0 };
         format::encode(&mut buf, Change::Access { device, session: *session, access: Some(&access) });
         split(&mut buf, &mut frame);
     }

@@ -172,7 +172,7 @@ impl DeviceTable {
             }
         }
         for ((device, session), (grants, subs)) in loaded.access.drain() {
-            let access = Access { grants, subs, throttle: None, here: false };
+            let access = Access { grants, subs, throttle: None, here: false, v: 0 };
             self.devices.entry(device).or_default().access.insert(session, access);
         }
     }

@@ -390,7 +390,8 @@ impl DeviceTable {
     fn prune(&mut self, device: &str) {
         self.dirty.device(device);
         if let Some(d) = self.devices.get_mut(device) {
-            d.access.retain(|_, a| !a.is_empty());
+            // Versioned empty entries stay (see `Access::v`); the session's end removes them.
+            d.access.retain(|_, a| !a.is_empty() || a.v > 0);
             // Without a twin cache, a hub twin is kept only as the base of pushes.
             if self.hub_twins == Some(TwinCacheTtl::Off) && !d.twin_watched() {
                 d.twin = None;
@@ -465,12 +466,22 @@ impl DeviceTable {
                 }
                 self.prune(&device);
             }
-            DeviceOp::SetAccess { device, session, access, done } => {
+            DeviceOp::SetAccess { device, session, access, v, done } => {
+                let newer = v == 0 || self.access(&device, session).is_none_or(|a| v > a.v);
                 match access {
+                    _ if !newer => {}
                     Some((grants, subs)) => {
                         let a = self.access_mut(&device, session);
                         a.grants = grants;
                         a.subs = subs;
+                        a.v = v;
+                    }
+                    // Kept, empty, at its version: a late older change is then not applied.
+                    None if v > 0 => {
+                        let a = self.access_mut(&device, session);
+                        a.grants = crate::shard::Grants::default();
+                        a.subs = crate::shard::Subscriptions::default();
+                        a.v = v;
                     }
                     None => {
                         if let Some(d) = self.devices.get_mut(&*device) {
