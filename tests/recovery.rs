@@ -633,3 +633,45 @@ fn an_away_session_stops_watching_its_devices_when_its_history_goes() {
     // Zero Redis traffic for a device nobody watches: once nobody can recover, B stops publishing.
     b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(0.0));
 }
+
+#[test]
+fn a_replay_longer_than_the_socket_queue_bound_is_not_a_slow_consumer() {
+    let server = Server::start(&["--socket-queue-hard-limit", "64"]);
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
+    cut(&cutter, &server, &client, WS_GAUGE);
+    for chunk in 0..6u64 {
+        server.ingest(json!((chunk * 50..chunk * 50 + 50).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    }
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    let got: Vec<u64> = (0..300).map(|_| next_n(&client).0).collect();
+    assert_eq!(got, (0..300).collect::<Vec<_>>(), "300 replayed past a 64-message queue bound, in order");
+    assert_eq!(server.metric("hubcast_slow_consumers_closed_total"), Some(0.0));
+}
+
+#[test]
+fn a_socket_upgraded_from_polling_keeps_its_pid_and_offsets_and_recovers() {
+    let server = Server::start(&[]);
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = socketio_at(&cutter.base(), &[&session], "polling,websocket", true, &[PRINT, FAST]);
+    let (mut connected, mut upgraded) = (false, false);
+    while !(connected && upgraded) {
+        let e = client.next(WAIT).expect("connect and upgrade");
+        connected |= e["event"] == "connect";
+        upgraded |= e["event"] == "upgrade";
+    }
+    server.wait_for_metric(WS_GAUGE, WAIT, Want::Eq(1.0));
+    server.ingest(message("dev-1", 1000));
+    let (n, e) = next_n(&client);
+    assert_eq!(n, 1000);
+    seq_of(e["offset"].as_str().expect("an offset after the upgrade"));
+    cut(&cutter, &server, &client, WS_GAUGE);
+    server.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "the pid moved with the upgrade: {back}");
+    let got: Vec<u64> = (0..10).map(|_| next_n(&client).0).collect();
+    assert_eq!(got, (0..10).collect::<Vec<_>>());
+}
