@@ -112,6 +112,7 @@ impl Core {
             });
         };
         let now = Instant::now();
+        let mut aged = Trimmed::default();
         let (attached, displaced, first) = {
             let mut sessions = self.sessions.borrow_mut();
             let record = sessions.touch(session, now)?;
@@ -120,7 +121,7 @@ impl Core {
                 self.recovery.streamed.borrow_mut().insert(session);
             }
             let stream = recovery.stream_or_new(&self.recovery.total, now);
-            stream.trim_age(now, window, &mut Trimmed::default());
+            stream.trim_age(now, window, &mut aged);
             let prefix = stream.prefix().clone();
             let restored = restore
                 .map(|(pid, offset)| (pid, recovery.restore(pid, offset, outlet.id, now, window)));
@@ -157,6 +158,7 @@ impl Core {
                 .then(|| record.devices.iter().cloned().collect::<Vec<_>>());
             (attached, displaced, first)
         };
+        self.count_trimmed(aged);
         if let Some(old) = displaced {
             old.close(CloseReason::new(1000, "replaced by a recovered connection"));
         }
@@ -207,6 +209,7 @@ impl Core {
     pub fn attach_plain_offsets(self: &Rc<Self>, session: SessionId, outlet: &Rc<Outlet>, since: Option<&str>) -> Option<PlainAttached> {
         let window = self.recovery.window?;
         let now = Instant::now();
+        let mut aged = Trimmed::default();
         let (resumed, first) = {
             let mut sessions = self.sessions.borrow_mut();
             let record = sessions.touch(session, now)?;
@@ -215,7 +218,7 @@ impl Core {
                 self.recovery.streamed.borrow_mut().insert(session);
             }
             let stream = recovery.stream_or_new(&self.recovery.total, now);
-            stream.trim_age(now, window, &mut Trimmed::default());
+            stream.trim_age(now, window, &mut aged);
             outlet.set_offsets(Some(stream.prefix().clone()));
             let resumed = since.map(|offset| recovery.resume(offset));
             recovery.issue(outlet.id, now);
@@ -224,6 +227,7 @@ impl Core {
             let first = (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>());
             (resumed, first)
         };
+        self.count_trimmed(aged);
         if let Some(devices) = first {
             self.presence(session, devices, true);
         }
