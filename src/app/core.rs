@@ -387,12 +387,22 @@ impl Core {
                 // Without a relay (one instance) every partition is read here.
                 Some(Some(p)) => Source::Partition(p, relay.as_ref().is_none_or(|r| r.reads_partition(p))),
             });
+            // With a store, a device is handed to it as it is ingested, while its entry is in
+            // cache (`DeviceTable::ingest_recording`); the unit is committed by `persist`.
+            let storing = self.store.borrow().is_some();
+            let mut store = self.store.borrow_mut();
+            let mut put = |c: crate::store::Change<'_>| {
+                if let Some(s) = store.as_mut() {
+                    s.put(c);
+                }
+            };
             for msg in batch {
                 self.metrics.message_in(msg.source as usize);
                 if let Some(relay) = &relay {
                     relay.offer(&msg);
                 }
-                devices.ingest_and_publish(msg, now, &mut deliveries);
+                let record: Option<&mut dyn FnMut(crate::store::Change<'_>)> = if storing { Some(&mut put) } else { None };
+                devices.ingest_recording(msg, now, &mut deliveries, record);
             }
         }
         if let Some(relay) = &relay {

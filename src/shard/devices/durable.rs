@@ -18,11 +18,21 @@ use crate::shard::DeviceOp;
 use crate::shard::change::{Change, Loaded};
 
 /// Keys changed since the last commit. Marks nothing while `on` is false (memory only).
-#[derive(Default)]
 pub struct Dirty {
     pub on: bool,
     devices: HashSet<Box<str>>,
     access: HashSet<(Box<str>, SessionId)>,
+    /// The unit of work being built: raised by each [`DeviceTable::drain_dirty`]. A device
+    /// handed to the store as it was ingested notes the unit ([`Device::recorded_in`]), so a
+    /// second change in the same unit is marked instead. Starts at 1 (a new device says 0);
+    /// after a wrap a device may take a later unit for its own and be marked: still written.
+    pub unit: u32,
+}
+
+impl Default for Dirty {
+    fn default() -> Self {
+        Self { on: false, devices: HashSet::new(), access: HashSet::new(), unit: 1 }
+    }
 }
 
 impl Dirty {
@@ -82,6 +92,7 @@ fn data_of(d: &Device) -> Option<&Device> {
 impl DeviceTable {
     /// Hands the current state of every key changed since the last call to `put`.
     pub fn drain_dirty(&mut self, put: &mut dyn FnMut(Change<'_>)) {
+        self.dirty.unit = self.dirty.unit.wrapping_add(1).max(1);
         let mut devices = std::mem::take(&mut self.dirty.devices);
         for id in &devices {
             put(Change::Device { id, device: self.devices.get(&**id).and_then(data_of) });

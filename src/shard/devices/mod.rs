@@ -120,6 +120,9 @@ pub struct Device {
     /// store, or learnt from others before a Redis outage). A read then asks the others for
     /// newer data ([`Local::current`]). Inverted (`false` = current) so a new entry is current.
     stale: bool,
+    /// The unit of work ([`Dirty::unit`]) in which the device was last handed to the store
+    /// as it was ingested ([`DeviceTable::ingest_recording`]).
+    recorded_in: u32,
 }
 
 /// [`Device::from`]: this instance's own source without partitions (`POST /ingest`, the
@@ -795,6 +798,50 @@ mod tests {
         assert!(read(&mut t, "r").0);
         assert_eq!(t.replicas_not_current(), 1, "after a Redis outage");
         assert_eq!(read(&mut t, "r"), (false, 20), "kept: nobody else may hold newer");
+    }
+
+    /// With a store, a device is recorded as it is ingested the first time in a unit; a
+    /// second message in the same unit marks it, so the unit's last record is its state at
+    /// the commit; the next unit records it at once again.
+    #[test]
+    fn a_device_ingested_twice_in_a_unit_is_stored_as_it_is_at_the_commit() {
+        use crate::shard::change::Change;
+        let settings = IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        };
+        let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None });
+        table.dirty.on = true;
+        let msg = |v: u32| IngestMessage {
+            device_id: "d".into(),
+            source: SourceKind::Telemetry,
+            properties: Default::default(),
+            body: format!(r#"{{"t":{v}}}"#).into_bytes(),
+            enqueued_at: None,
+            arrived: None,
+        };
+        let records = std::cell::RefCell::new(Vec::new());
+        let mut put = |c: Change<'_>| {
+            if let Change::Device { id, device } = c {
+                let t = device.and_then(|d| d.telemetry.get("t")).map(|(v, _)| v.to_string());
+                records.borrow_mut().push((id.to_string(), t));
+            }
+        };
+        let (now, mut out) = (Instant::now(), Vec::new());
+        table.ingest_recording(msg(1), now, &mut out, Some(&mut put));
+        table.ingest_recording(msg(22), now, &mut out, Some(&mut put));
+        table.drain_dirty(&mut put);
+        let d = |t: &str| ("d".to_string(), Some(t.to_string()));
+        assert_eq!(records.take(), [d("1"), d("22")], "the last record of the unit is the state at its commit");
+        table.ingest_recording(msg(3), now, &mut out, Some(&mut put));
+        table.drain_dirty(&mut put);
+        assert_eq!(records.take(), [d("3")], "recorded once, as ingested");
+        // Without a sink (or without a store) the device is marked and drained as before.
+        table.ingest_and_publish(msg(4), now, &mut out);
+        table.drain_dirty(&mut put);
+        assert_eq!(records.take(), [d("4")]);
     }
 
     #[test]
