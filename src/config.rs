@@ -411,6 +411,12 @@ pub struct Config {
     #[arg(long = "redis-url", env = "REDIS_URL", value_parser = parse_redis_url)]
     pub redis_url: Option<String>,
 
+    /// A Redis Cluster (Redis 7 or newer) instead of one Redis: some of its nodes as seeds,
+    /// comma-separated (`redis://[:PASSWORD@]HOST:PORT,…`, all `redis://` or all `rediss://`);
+    /// the others are discovered. Not together with `--redis-url`.
+    #[arg(long = "redis-cluster-nodes", env = "REDIS_CLUSTER_NODES", value_parser = parse_redis_seeds)]
+    pub redis_cluster_nodes: Option<RedisSeeds>,
+
     /// Prefix of every Redis key and channel, so several deployments share one Redis.
     #[arg(long = "redis-prefix", env = "REDIS_PREFIX", default_value = "hubcast",
           value_parser = parse_redis_prefix)]
@@ -439,6 +445,25 @@ fn parse_redis_url(s: &str) -> Result<String, String> {
     } else {
         Err("expected a URL starting with redis:// or rediss:// (TLS)".into())
     }
+}
+
+/// `--redis-cluster-nodes`: the seed URLs, each as `--redis-url` accepts it, one scheme.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSeeds(pub Vec<String>);
+
+fn parse_redis_seeds(s: &str) -> Result<RedisSeeds, String> {
+    let seeds: Vec<String> = s.split(',').map(str::trim).map(str::to_string).collect();
+    if seeds.iter().any(String::is_empty) {
+        return Err("expected comma-separated URLs (redis://host:port,redis://host:port), found an empty one".into());
+    }
+    for seed in &seeds {
+        parse_redis_url(seed).map_err(|e| format!("{seed:?}: {e}"))?;
+    }
+    let tls = |u: &str| u.starts_with("rediss://") || u.starts_with("valkeys://");
+    if seeds.iter().any(|u| tls(u)) && !seeds.iter().all(|u| tls(u)) {
+        return Err("the seeds mix TLS (rediss://) and plain (redis://) URLs: one cluster speaks one".into());
+    }
+    Ok(RedisSeeds(seeds))
 }
 
 /// Prefixes and instance ids: 1–64 of `A-Z a-z 0-9 - _ .` (they are parts of Redis keys).

@@ -22,7 +22,7 @@
 //!   cross-core messages ([`app::mesh::CoreMsg`]), clock, store, the door for outside sources
 //!   ([`app::Ingress`]), the session directory every core holds ([`app::directory`]);
 //!   [`shutdown`]: graceful SIGTERM/SIGINT shutdown of the cores.
-//! - [`cluster`]: several instances on Redis (`--redis-url`): shared sessions and grants,
+//! - [`cluster`]: several instances on Redis (`--redis-url`, or a Redis Cluster): shared sessions and grants,
 //!   live data across instances; the Redis engine of [`app::directory`], named only by main.rs.
 //! - the network protocols: [`tls`], [`http`] (HTTP/1.1 connections, handing requests to an
 //!   [`http::Service`]), [`transport`] (WebSocket, Engine.IO), [`admission`] (the connection

@@ -83,7 +83,17 @@ fn main() -> ExitCode {
     };
     let hub_metrics = hub.clone();
     // Several instances on Redis: its link shows on GET /status like a source.
-    let cluster = match settings.config.redis_url.as_deref().map(|url| hubcast::cluster::Cluster::new(&settings, url)) {
+    // `--redis-url` or `--redis-cluster-nodes`, never both: the rest never knows which.
+    let engine = match (&settings.config.redis_url, &settings.config.redis_cluster_nodes) {
+        (Some(_), Some(_)) => {
+            eprintln!("hubcast: --redis-url and --redis-cluster-nodes cannot be used together: give one Redis or one Redis Cluster");
+            return ExitCode::FAILURE;
+        }
+        (Some(url), None) => Some(hubcast::cluster::Engine::Single(url.clone())),
+        (None, Some(seeds)) => Some(hubcast::cluster::Engine::Sharded(seeds.0.clone())),
+        (None, None) => None,
+    };
+    let cluster = match engine.map(|engine| hubcast::cluster::Cluster::new(&settings, engine)) {
         Some(Ok(cluster)) => Some((cluster, status.add_source("redis"))),
         Some(Err(message)) => {
             eprintln!("hubcast: {message}");

@@ -1,18 +1,37 @@
-//! Several instances on one Redis (issue 12): real hubcast processes, a real redis-server,
-//! standard clients spread over the instances.
+//! Several instances on one Redis (issue 12) or a Redis Cluster (issue 23): real hubcast
+//! processes, a real redis-server (or three, clustered), standard clients spread over the
+//! instances. The scale-out tests run on both engines (`both_engines!`: `name::single`,
+//! `name::cluster`); the URL, password and TLS tests of one Redis have cluster twins.
 
 mod common;
 
 use std::time::Duration;
 
-use common::redis::Redis;
+use common::redis::{Engine, Redis};
 use common::{assert_error, Server, Want, ADMIN};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn instance(redis: &Redis, id: &str) -> Server {
-    let server = Server::start(&["--redis-url", &redis.url(), "--instance-id", id, "--redis-prefix", "t"]);
+both_engines!(
+    a_session_opened_on_one_instance_is_served_by_another_and_live_data_crosses_once,
+    a_device_no_other_instance_watches_never_crosses_redis,
+    a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once,
+    deleting_a_session_on_one_instance_closes_its_socket_on_another,
+    redis_down_is_a_503_with_the_reason_and_each_instance_recovers_by_itself,
+    reads_answer_the_same_on_an_instance_that_neither_ingests_nor_watches_the_device,
+    behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instance_and_keeps_its_session,
+    live_data_between_instances_resumes_by_itself_after_redis_restarts,
+    a_grant_given_on_one_instance_holds_at_once_on_another,
+    a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere,
+    values_loaded_from_the_store_are_not_answered_once_newer_data_exists_elsewhere,
+    a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips,
+);
+
+fn instance(engine: &Engine, id: &str) -> Server {
+    let mut args: Vec<String> = engine.flags();
+    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
+    let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
     // The instance connects to Redis.
     server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
     server
@@ -32,9 +51,7 @@ fn telemetry_values(frames: &[Value], key: &str) -> Vec<i64> {
     frames.iter().filter_map(|f| f["telemetry"][key].as_i64()).collect()
 }
 
-#[test]
-fn a_session_opened_on_one_instance_is_served_by_another_and_live_data_crosses_once() {
-    let redis = Redis::start();
+fn a_session_opened_on_one_instance_is_served_by_another_and_live_data_crosses_once(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     // Opened on A, granted on B, subscribed on A: every call may land anywhere.
@@ -71,9 +88,7 @@ fn a_session_opened_on_one_instance_is_served_by_another_and_live_data_crosses_o
     assert_eq!(common::parse_json(&body)["data"]["n"], json!(19));
 }
 
-#[test]
-fn a_device_no_other_instance_watches_never_crosses_redis() {
-    let redis = Redis::start();
+fn a_device_no_other_instance_watches_never_crosses_redis(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     let session = a.new_session();
@@ -107,9 +122,7 @@ fn a_device_no_other_instance_watches_never_crosses_redis() {
     assert_eq!(published, 1.0, "the unwatched device was not published");
 }
 
-#[test]
-fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once() {
-    let redis = Redis::start();
+fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     let session = a.new_session();
@@ -137,9 +150,7 @@ fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once() {
     assert!(after.iter().all(|f| f.get("telemetry").is_none()), "no telemetry after the revoke: {after:?}");
 }
 
-#[test]
-fn deleting_a_session_on_one_instance_closes_its_socket_on_another() {
-    let redis = Redis::start();
+fn deleting_a_session_on_one_instance_closes_its_socket_on_another(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     let session = a.new_session();
@@ -158,9 +169,7 @@ fn deleting_a_session_on_one_instance_closes_its_socket_on_another() {
     assert_error(status, &body, 404, "No such sessionId");
 }
 
-#[test]
-fn redis_down_is_a_503_with_the_reason_and_each_instance_recovers_by_itself() {
-    let mut redis = Redis::start();
+fn redis_down_is_a_503_with_the_reason_and_each_instance_recovers_by_itself(mut redis: Engine) {
     let a = instance(&redis, "a");
     let session = a.new_session();
     assert_eq!(a.call("GET", "/status", &[], None).0, 200);
@@ -188,9 +197,28 @@ fn an_invalid_redis_url_stops_start_up_naming_the_flag() {
     assert!(stderr.contains("--redis-url") && stderr.contains("redis://"), "{stderr}");
 }
 
+/// The cluster twin: bad seeds, or both flags (on the command line or from the environment),
+/// stop start-up naming what is wrong.
 #[test]
-fn reads_answer_the_same_on_an_instance_that_neither_ingests_nor_watches_the_device() {
-    let redis = Redis::start();
+fn bad_redis_cluster_nodes_or_both_redis_flags_stop_start_up_naming_them() {
+    for (seeds, needle) in [
+        ("localhost:7000", "redis://"),
+        ("redis://127.0.0.1:7000,,redis://127.0.0.1:7001", "empty"),
+        ("redis://127.0.0.1:7000,rediss://127.0.0.1:7001", "mix"),
+    ] {
+        let args = common::full_args(&["--redis-cluster-nodes", seeds], true);
+        let (ok, _, stderr) = common::run_expecting_exit(&args, &[]);
+        assert!(!ok && stderr.contains("--redis-cluster-nodes") && stderr.contains(needle), "{seeds}: {stderr}");
+    }
+    let both = ["--redis-url", "redis://127.0.0.1:6379", "--redis-cluster-nodes", "redis://127.0.0.1:7000"];
+    let (ok, _, stderr) = common::run_expecting_exit(&common::full_args(&both, true), &[]);
+    assert!(!ok && stderr.contains("--redis-url") && stderr.contains("--redis-cluster-nodes"), "{stderr}");
+    let args = common::full_args(&["--redis-url", "redis://127.0.0.1:6379"], true);
+    let (ok, _, stderr) = common::run_expecting_exit(&args, &[("REDIS_CLUSTER_NODES", "redis://127.0.0.1:7000")]);
+    assert!(!ok && stderr.contains("--redis-url") && stderr.contains("--redis-cluster-nodes"), "from the environment: {stderr}");
+}
+
+fn reads_answer_the_same_on_an_instance_that_neither_ingests_nor_watches_the_device(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     a.ingest(json!([
@@ -322,9 +350,7 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     assert!(!ok && stderr.contains("--redis-ca-file"), "{stderr}");
 }
 
-#[test]
-fn behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instance_and_keeps_its_session() {
-    let redis = Redis::start();
+fn behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instance_and_keeps_its_session(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     let lb = common::lb::Balancer::start(&[a.port, b.port]);
@@ -371,9 +397,7 @@ fn behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instanc
     assert_eq!(survivor.metric("hubcast_sockets{transport=\"socketio_websocket\"}"), Some(1.0), "{survivor_id} holds it now");
 }
 
-#[test]
-fn live_data_between_instances_resumes_by_itself_after_redis_restarts() {
-    let mut redis = Redis::start();
+fn live_data_between_instances_resumes_by_itself_after_redis_restarts(mut redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     let session = a.new_session();
@@ -397,7 +421,7 @@ fn live_data_between_instances_resumes_by_itself_after_redis_restarts() {
         let series = format!("hubcast_redis_connected{{instance=\"{id}\"}}");
         s.wait_for_metric(&series, WAIT, Want::Eq(1.0)); // and reconnects by itself
     }
-    let watching = redis.command("SMEMBERS t:watching:b").unwrap_or_default();
+    let watching = redis.command(&format!("SMEMBERS {}", redis.control_key("t", "watching:b"))).unwrap_or_default();
     assert!(watching.contains("tank"), "B announced its watch again: {watching}");
     a.ingest(json!({"deviceId": "tank", "body": {"level": 2}}));
     assert_eq!(ws.next_json(WAIT).expect("after the restart, on the same socket")["telemetry"], json!({"level": 2}));
@@ -409,9 +433,7 @@ fn live_data_between_instances_resumes_by_itself_after_redis_restarts() {
 /// Read-your-writes across instances: B answers a grant once it is in Redis; A decides a
 /// subscription on Redis's copy, and reads the session again before refusing a read, so a
 /// change published but not yet applied on A neither refuses nor (written back) erases it.
-#[test]
-fn a_grant_given_on_one_instance_holds_at_once_on_another() {
-    let redis = Redis::start();
+fn a_grant_given_on_one_instance_holds_at_once_on_another(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     a.ingest(json!({"deviceId": "meter", "body": {"kwh": 3}}));
@@ -426,7 +448,7 @@ fn a_grant_given_on_one_instance_holds_at_once_on_another() {
         let (status, body, _) = a.call("GET", "/lastValue/meter/kwh", &[("sessionId", &session)], None);
         assert_eq!(status, 200, "round {round}: {body}");
         assert!(
-            redis.command(&format!("HGETALL t:session:{session}")).is_some_and(|r| r.contains("a:meter")),
+            redis.command(&format!("HGETALL {}", redis.session_key("t", &session))).is_some_and(|r| r.contains("a:meter")),
             "round {round}: the grant is still in Redis"
         );
         b.revoke(&session, json!({"type": "telemetry", "deviceId": "meter"}));
@@ -480,9 +502,7 @@ fn wait_last_n(server: &Server, device: &str, n: i64, on: &str) {
 /// Issue 23 item 5: a copy learnt from another instance while a socket here watched the
 /// device is not current once nobody here watches it (no more messages come): reads ask the
 /// device's reader again instead of answering the old copy for good.
-#[test]
-fn a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere() {
-    let redis = Redis::start();
+fn a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
     let session = b.new_session();
@@ -506,12 +526,11 @@ fn a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere(
 
 /// Issue 23 item 5: values an instance loads from its durable store at start were written
 /// before it (re)joined; another instance may hold newer, and then answers.
-#[test]
-fn values_loaded_from_the_store_are_not_answered_once_newer_data_exists_elsewhere() {
-    let redis = Redis::start();
+fn values_loaded_from_the_store_are_not_answered_once_newer_data_exists_elsewhere(redis: Engine) {
     let dir = common::TempDir::new();
-    let url = redis.url();
-    let args = ["--redis-url", url.as_str(), "--instance-id", "a", "--redis-prefix", "t", "--data-dir", dir.0.to_str().unwrap()];
+    let mut args = redis.flags();
+    args.extend(["--instance-id", "a", "--redis-prefix", "t", "--data-dir", dir.0.to_str().unwrap()].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut a = Server::start(&args);
     a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0));
     let b = instance(&redis, "b");
@@ -526,9 +545,21 @@ fn values_loaded_from_the_store_are_not_answered_once_newer_data_exists_elsewher
     wait_last_n(&a, "only-a", 7, "A");
 }
 
-/// Calls per command (`INFO commandstats`) on `redis`, e.g. `hmget` → 3.
-fn command_calls(redis: &Redis) -> std::collections::HashMap<String, u64> {
-    let info = redis.command("INFO commandstats").unwrap_or_default();
+/// The node holding `key` (a cluster: the master where it exists; one Redis: 0).
+fn node_of(redis: &Engine, key: &str) -> Option<usize> {
+    match redis {
+        Engine::Single(_) => Some(0),
+        Engine::Cluster(c) => c.masters().into_iter().find(|m| c.command_on(*m, &format!("EXISTS {key}")).as_deref() == Some(":1\r\n")),
+    }
+}
+
+/// Calls per command (`INFO commandstats`) on node `node` of `redis`, e.g. `hmget` → 3.
+fn command_calls(redis: &Engine, node: usize) -> std::collections::HashMap<String, u64> {
+    let info = match redis {
+        Engine::Single(r) => r.command("INFO commandstats"),
+        Engine::Cluster(c) => c.command_on(node, "INFO commandstats"),
+    }
+    .unwrap_or_default();
     info.lines()
         .filter_map(|l| {
             let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
@@ -544,17 +575,24 @@ fn command_calls(redis: &Redis) -> std::collections::HashMap<String, u64> {
 /// `EVAL` that checks the version, writes every field and publishes one change (before: a
 /// `WATCH`, `EXISTS`/`HGET`, `MULTI`…`EXEC` and a wait for the echo per device, 1,000 in a
 /// row). With a second instance holding the session, the same; it applies the one change.
-#[test]
-fn a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips() {
+fn a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips(redis: Engine) {
     const DEVICES: usize = 1000;
-    let redis = Redis::start();
     let a = instance(&redis, "a");
     let mut b = None;
     for instances in [1, 2] {
         if instances == 2 {
             b = Some(instance(&redis, "b"));
         }
-        let session = a.new_session();
+        // On a cluster: a session on another master than the control slot's, whose
+        // heartbeat scripts would be counted too; its node's commands are counted.
+        let control = node_of(&redis, &redis.control_key("t", "instances"));
+        let (session, node) = loop {
+            let session = a.new_session();
+            let node = node_of(&redis, &redis.session_key("t", &session)).expect("the session is stored");
+            if !redis.is_cluster() || Some(node) != control {
+                break (session, node);
+            }
+        };
         let devices: Vec<String> = (0..DEVICES).map(|i| format!("bulk-{instances}-{i}")).collect();
         for device in &devices {
             a.grant(&session, json!({"type": "telemetry", "deviceId": device}));
@@ -565,11 +603,12 @@ fn a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips() {
         }
         let body: Vec<Value> = devices.iter().map(|d| json!({"sessionId": session, "type": "telemetry", "deviceId": d})).collect();
         let watched = ["hmget", "eval", "evalsha", "watch", "multi", "exec", "hget", "hset", "hdel", "publish"];
-        let before = command_calls(&redis);
+        let publishes = || command_calls(&redis, control.unwrap_or(0)).get("publish").copied().unwrap_or(0);
+        let (before, published_before) = (command_calls(&redis, node), publishes());
         let started = std::time::Instant::now();
         let (status, answer, _) = a.call("PUT", "/subscriptions", &[], Some(Value::Array(body)));
         let took = started.elapsed();
-        let after = command_calls(&redis);
+        let (after, published_after) = (command_calls(&redis, node), publishes());
         let delta: Vec<(&str, u64)> = watched
             .iter()
             .map(|c| (*c, after.get(*c).unwrap_or(&0) - before.get(*c).unwrap_or(&0)))
@@ -582,7 +621,8 @@ fn a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips() {
         // script runs: an HGET of the version, an HSET per device, one PUBLISH).
         let sent: Vec<(&str, u64)> = delta.iter().copied().filter(|(c, _)| ["hmget", "eval", "evalsha", "watch", "multi", "exec"].contains(c)).collect();
         assert_eq!(sent, vec![("hmget", 1), ("eval", 1)], "{instances} instance(s): two round trips for {DEVICES} devices: {delta:?}");
-        assert_eq!(delta.iter().find(|(c, _)| *c == "publish"), Some(&("publish", 1)), "one publication: {delta:?}");
+        // One publication (a cluster: from the control node, after the script).
+        assert_eq!(published_after - published_before, 1, "one publication: {delta:?}");
         // In force at once on A: a device message reaches the session's socket there.
         let mut ws = a.live(&session);
         a.ingest(json!({"deviceId": devices[DEVICES - 1], "body": {"n": 1}}));

@@ -1,6 +1,7 @@
 //! Several instances reading one event stream (issue 12): partition leases in Redis, balanced
 //! among the live instances, taken over after `kill -9` from the checkpoint, and taken by an
-//! instance that joins. Real hubcast processes, a real redis-server, the fake Event Hub.
+//! instance that joins. Real hubcast processes, a real redis-server (or a Redis Cluster: every
+//! test runs on both engines, `both_engines!`), the fake Event Hub.
 
 mod amqp_support;
 mod common;
@@ -8,21 +9,32 @@ mod common;
 use std::time::{Duration, Instant};
 
 use amqp_support::{FakeAuth, FakeHub, NewEvent};
-use common::redis::Redis;
+use common::redis::Engine;
 use common::{Server, Want, ADMIN};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(20);
 const PARTITIONS: [&str; 8] = ["0", "1", "2", "3", "4", "5", "6", "7"];
 
-fn instance(redis: &Redis, hub: &FakeHub, id: &str) -> Server {
+both_engines!(
+    partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_instance,
+    a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated,
+    redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothing_is_lost,
+    every_instance_answers_the_current_value_after_partitions_move_and_after_a_takeover,
+    a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_and_takes_them_back,
+);
+
+fn instance(redis: &Engine, hub: &FakeHub, id: &str) -> Server {
     let cs = hub.connection_string();
-    let url = redis.url();
-    let args = [
-        "--redis-url", url.as_str(), "--redis-prefix", "t", "--instance-id", id, "--lease-ttl", "2",
-        "--iot-hub-event-hub-connection-string", cs.as_str(), "--event-hub-start-position", "earliest",
-    ];
-    Server::start(&args)
+    let mut args = redis.flags();
+    args.extend(
+        [
+            "--redis-prefix", "t", "--instance-id", id, "--lease-ttl", "2",
+            "--iot-hub-event-hub-connection-string", cs.as_str(), "--event-hub-start-position", "earliest",
+        ]
+        .map(String::from),
+    );
+    Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 fn leases(server: &Server, id: &str) -> f64 {
@@ -70,9 +82,7 @@ fn wait_last_values(server: &Server, n: i64) {
     }
 }
 
-#[test]
-fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_instance() {
-    let redis = Redis::start();
+fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_instance(redis: Engine) {
     let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
     let a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
@@ -236,10 +246,10 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 }
 
 /// The checkpoints in Redis (prefix `t`): partition → sequence number.
-fn checkpoints(redis: &Redis) -> std::collections::BTreeMap<String, i64> {
-    let keys = redis.command("KEYS t:checkpoint:*").unwrap_or_default();
-    keys.lines()
-        .filter(|l| l.starts_with("t:checkpoint:"))
+fn checkpoints(redis: &Engine) -> std::collections::BTreeMap<String, i64> {
+    redis
+        .keys(&redis.control_key("t", "checkpoint:*"))
+        .into_iter()
         .filter_map(|key| {
             let value = redis.command(&format!("GET {key}"))?;
             Some((key.rsplit(':').next()?.to_string(), value.lines().nth(1)?.trim().parse().ok()?))
@@ -247,9 +257,7 @@ fn checkpoints(redis: &Redis) -> std::collections::BTreeMap<String, i64> {
         .collect()
 }
 
-#[test]
-fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated() {
-    let redis = Redis::start();
+fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated(redis: Engine) {
     let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
     let mut a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
@@ -305,9 +313,7 @@ fn partitions_of(server: &Server) -> Vec<String> {
     partitions
 }
 
-#[test]
-fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothing_is_lost() {
-    let mut redis = Redis::start();
+fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothing_is_lost(mut redis: Engine) {
     let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
     let a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
@@ -345,7 +351,7 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     assert_eq!(partitions_of(&b), of_b, "B takes back its own partitions");
     // ...and leaves A's free while the instances settle: two more of B's heartbeats (each one
     // a pass over the leases; B's instance key holds the time of its last) change nothing.
-    let heartbeat = || redis.command("GET t:instance:b").and_then(|r| r.lines().nth(1).map(str::to_string));
+    let heartbeat = || redis.heartbeat("t", "b");
     let mut beats = vec![heartbeat()];
     let deadline = Instant::now() + WAIT;
     while beats.len() < 3 {
@@ -415,9 +421,7 @@ fn wait_same_everywhere(instances: &[(&Server, &str)], n: i64) {
 /// partitions rebalance; after more messages `GET /lastValue` answers the current value on
 /// all four, also on the instance that read a moved partition before and still holds its
 /// old copy (before the fix it answered that copy for good). Then a takeover after kill -9.
-#[test]
-fn every_instance_answers_the_current_value_after_partitions_move_and_after_a_takeover() {
-    let redis = Redis::start();
+fn every_instance_answers_the_current_value_after_partitions_move_and_after_a_takeover(redis: Engine) {
     let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
     let a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
@@ -455,8 +459,8 @@ fn stall(url: String, core: usize, ms: u64) {
 
 /// Waits until instance `id` has renewed its instance key in Redis `n` more times (each a
 /// heartbeat, which renews its leases and takes or gives them up).
-fn wait_heartbeats(redis: &Redis, id: &str, n: usize) {
-    let beat = || redis.command(&format!("GET t:instance:{id}")).and_then(|r| r.lines().nth(1).map(str::to_string));
+fn wait_heartbeats(redis: &Engine, id: &str, n: usize) {
+    let beat = || redis.heartbeat("t", id);
     let mut beats = vec![beat()];
     let deadline = Instant::now() + WAIT;
     while beats.len() <= n {
@@ -474,20 +478,22 @@ fn wait_heartbeats(redis: &Redis, id: &str, n: usize) {
 /// cores for their marks with a deadline); blocked for 4 × the TTL, the instance gives its
 /// leases up cleanly once the core has been silent 3 × the TTL, logs why, and takes its share
 /// back when the core answers again.
-#[test]
-fn a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_and_takes_them_back() {
-    let redis = Redis::start();
+fn a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_and_takes_them_back(redis: Engine) {
     let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
     // A keeps a durable store: its checkpoints are the cores' applied marks, asked of every
     // core at each heartbeat (before: waited for inline, 5 s per core, with a 2 s TTL).
     let dir = common::TempDir::new();
     let cs = hub.connection_string();
-    let url = redis.url();
-    let a = Server::start(&[
-        "--redis-url", url.as_str(), "--redis-prefix", "t", "--instance-id", "a", "--lease-ttl", "2",
-        "--iot-hub-event-hub-connection-string", cs.as_str(), "--event-hub-start-position", "earliest",
-        "--data-dir", dir.path(),
-    ]);
+    let mut args = redis.flags();
+    args.extend(
+        [
+            "--redis-prefix", "t", "--instance-id", "a", "--lease-ttl", "2",
+            "--iot-hub-event-hub-connection-string", cs.as_str(), "--event-hub-start-position", "earliest",
+            "--data-dir", dir.path(),
+        ]
+        .map(String::from),
+    );
+    let a = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let b = instance(&redis, &hub, "b");
     wait_balanced(&[(&a, "a"), (&b, "b")]);
     let held = leases(&a, "a");

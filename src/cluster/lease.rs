@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use futures_channel::oneshot;
 use hashbrown::{HashMap, HashSet};
-use redis::aio::MultiplexedConnection;
+use super::conn::Conn;
 use tokio::time::Instant;
 
 use super::link::{within, Ctx, Failed, State};
@@ -128,7 +128,7 @@ pub(super) async fn run(
     ctx: &Ctx,
     state: &State,
     lease: &mut Leases,
-    mut conn: MultiplexedConnection,
+    mut conn: Conn,
     ctl: &mut tokio::sync::mpsc::Receiver<Ctl>,
 ) -> Failed {
     let mut beat = tokio::time::interval(ctx.o.heartbeat());
@@ -162,20 +162,15 @@ fn stream_key(stream: &super::StreamPlan) -> String {
     format!("{:08x}", crc32fast::hash(stream.key.as_bytes()))
 }
 
-async fn heartbeat(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+async fn heartbeat(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Conn) -> Result<(), Failed> {
     if lease.left {
         return Ok(());
     }
     // Renewal first: nothing below may delay it.
     renew(ctx, lease, conn).await?;
-    let me = ctx.o.instance.clone();
-    let set = redis::cmd("SET")
-        .arg(ctx.key("instance", &me))
-        .arg(crate::timefmt::now_millis())
-        .arg("PX")
-        .arg(ctx.o.lease_ttl.as_millis() as u64)
-        .to_owned();
-    within("SET instance", set.query_async::<()>(conn)).await?;
+    let mut pipe = redis::pipe();
+    ctx.presence(&mut pipe);
+    within("SET instance", pipe.query_async::<()>(conn)).await?;
     let live = super::link::live_instances(ctx, conn).await?;
     let (gone, joined): (Vec<Arc<str>>, Vec<Arc<str>>) = {
         let s = state.borrow();
@@ -218,7 +213,7 @@ async fn heartbeat(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Mult
 }
 
 /// Renews every lease held, in one call; a lease found taken by another instance is lost.
-async fn renew(ctx: &Ctx, lease: &mut Leases, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+async fn renew(ctx: &Ctx, lease: &mut Leases, conn: &mut Conn) -> Result<(), Failed> {
     let Some(stream) = &lease.stream else {
         return Ok(());
     };
@@ -315,7 +310,7 @@ fn applied_marks(lease: &Leases) -> HashMap<Box<str>, i64> {
 /// over this instance's share (`ceil(partitions / live instances)`, stalled instances not
 /// counted; none while a core here is stalled), and take free partitions (never held, or
 /// whose lease expired) up to it. Renewal is [`renew`], first in every heartbeat.
-async fn leases(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+async fn leases(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Conn) -> Result<(), Failed> {
     let Some(stream) = &lease.stream else {
         return Ok(());
     };
@@ -430,7 +425,7 @@ async fn leases(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Multipl
 
 /// Graceful shutdown: a last checkpoint (`leases` writes it), every lease given up,
 /// watches withdrawn, the instance key deleted: the others rebalance at once.
-async fn leave(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut MultiplexedConnection) -> Result<(), Failed> {
+async fn leave(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Conn) -> Result<(), Failed> {
     // The cores' marks as of now (the consumer has stopped): the last checkpoint must cover
     // everything they applied, or the next holder applies it again. Nothing to renew after.
     for probe in &mut lease.probes {
@@ -452,7 +447,7 @@ async fn leave(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Multiple
     }
     pipe.cmd("DEL").arg(ctx.key("watching", &me)).ignore();
     pipe.cmd("DEL").arg(ctx.key("stalled", &me)).ignore();
-    pipe.cmd("DEL").arg(ctx.key("instance", &me)).ignore();
+    ctx.absence(&mut pipe);
     lease.left = true;
     lease.stream = None;
     within("leave", pipe.query_async::<()>(conn)).await?;

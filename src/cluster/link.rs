@@ -11,10 +11,12 @@
 //! - **leases** ([`super::lease`]): heartbeat, live instances, partition leases and
 //!   checkpoints on a connection of their own; renewal first, cores asked with a deadline.
 //!
-//! Keys and channels (`P` = `--redis-prefix`, all documented in docs/OPERATIONS.md, "Several instances on Redis"):
+//! The command connections are one Redis or a Redis Cluster ([`super::conn`]); keys and
+//! channels ([`super::names`], all documented in docs/OPERATIONS.md, "Several instances on Redis"):
 //! - `P:session:<id>` hash: `created`, and `a:<device>` → the session's access on the device;
 //!   expires unless an instance holding the session refreshes it.
-//! - `P:instance:<id>` string with a TTL, renewed every heartbeat: the live instances.
+//! - `P:instance:<id>` string with a TTL (a cluster: `{P}:instances`, a sorted set), renewed
+//!   every heartbeat: the live instances.
 //! - `P:watching:<id>` set: the devices instance `<id>` watches.
 //! - channel `P:ops`: shared session changes; `P:watch`: `+<id>\t<device>` / `-<id>\t<device>`;
 //!   `P:device:<device>`: the device's messages, for the instances watching it.
@@ -32,7 +34,10 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use hashbrown::{HashMap, HashSet};
-use redis::aio::{MultiplexedConnection, PubSubSink, PubSubStream};
+use redis::aio::{PubSubSink, PubSubStream};
+
+use super::conn::Conn;
+use super::names::Names;
 
 use super::lease::{self, Ctl, Leases};
 use super::wire::{self, SharedOp};
@@ -61,7 +66,8 @@ const CHANGES_RUNNING: usize = 64;
 /// Writes every field of a change if the session is still at version `ARGV[1]`, bumps the
 /// version, keeps the key alive and publishes the change, in one step: the new version; 0
 /// when the session changed meanwhile (read it again); -1 when it is gone.
-/// `ARGV`: version, TTL ms, ops channel, op, then field / value pairs (`""`: deleted).
+/// `ARGV`: version, TTL ms, ops channel (`""`: not published here, see `Ctx::op_after`), op,
+/// then field / value pairs (`""`: deleted).
 const CHANGE: &str = "if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end \
 local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0') \
 if v ~= tonumber(ARGV[1]) then return 0 end \
@@ -70,7 +76,7 @@ if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('
 end \
 local nv = redis.call('HINCRBY', KEYS[1], 'v', 1) \
 redis.call('PEXPIRE', KEYS[1], ARGV[2]) \
-redis.call('PUBLISH', ARGV[3], ARGV[4]) \
+if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[3], ARGV[4]) end \
 return nv";
 
 /// A read sent to the other instances, waiting for their answers.
@@ -83,10 +89,12 @@ pub(super) struct PendingRead {
 }
 
 pub struct Options {
-    pub url: String,
+    /// One Redis or a Redis Cluster.
+    pub engine: super::Engine,
+    /// Every key and channel name (hash tags on a cluster).
+    pub names: Names,
     /// `--redis-ca-file`: PEM roots for `rediss://` instead of the public web roots.
     pub ca: Option<Vec<u8>>,
-    pub prefix: String,
     pub instance: Arc<str>,
     pub session_ttl: Duration,
     /// `--lease-ttl`: how long partition leases and the instance key live unrenewed.
@@ -111,15 +119,64 @@ pub(super) struct Ctx {
 
 impl Ctx {
     pub fn key(&self, kind: &str, id: &str) -> String {
-        format!("{}:{kind}:{id}", self.o.prefix)
+        self.o.names.key(kind, id)
     }
     pub fn channel(&self, name: &str) -> String {
-        format!("{}:{name}", self.o.prefix)
+        self.o.names.channel(name)
     }
     fn session_key(&self, id: SessionId) -> String {
-        self.key("session", &id.to_string())
+        self.o.names.session(id)
+    }
+
+    fn is_cluster(&self) -> bool {
+        self.o.names.is_cluster()
+    }
+
+    /// This instance's presence, renewed every heartbeat: its `instance` key with a TTL on
+    /// one Redis; on a cluster its member of the `instances` sorted set, scored with when it
+    /// expires by Redis's own clock (the script reads `TIME`), so no instance's clock counts.
+    pub fn presence(&self, pipe: &mut redis::Pipeline) {
+        let (me, ttl) = (&*self.o.instance, self.o.lease_ttl.as_millis() as u64);
+        if self.is_cluster() {
+            pipe.cmd("EVAL").arg(PRESENT).arg(1).arg(self.o.names.instances()).arg(me).arg(ttl).ignore();
+        } else {
+            pipe.cmd("SET").arg(self.key("instance", me)).arg(crate::timefmt::now_millis()).arg("PX").arg(ttl).ignore();
+        }
+    }
+
+    /// Withdraws this instance's presence (a graceful leave).
+    pub fn absence(&self, pipe: &mut redis::Pipeline) {
+        if self.is_cluster() {
+            pipe.cmd("ZREM").arg(self.o.names.instances()).arg(&*self.o.instance).ignore();
+        } else {
+            pipe.cmd("DEL").arg(self.key("instance", &self.o.instance)).ignore();
+        }
+    }
+
+    /// A session change's publication on `ops`: in the change's transaction on one Redis.
+    /// On a cluster the session's key is on its own node while every publication of this
+    /// instance goes through the control node (the master of `{P}`), so that the others get
+    /// its changes and its device messages in the order it made them (the cluster bus keeps
+    /// one order per publishing node): written first, then published ([`Ctx::op_after`]).
+    fn with_op(&self, tx: &mut redis::Pipeline, payload: &[u8]) {
+        if !self.is_cluster() {
+            tx.cmd("PUBLISH").arg(self.channel("ops")).arg(payload).ignore();
+        }
+    }
+
+    async fn op_after(&self, payload: &[u8], conn: &mut Conn) -> Result<(), Failed> {
+        if !self.is_cluster() {
+            return Ok(());
+        }
+        within("PUBLISH ops", redis::cmd("PUBLISH").arg(self.channel("ops")).arg(payload).query_async::<()>(conn)).await
     }
 }
+
+/// A cluster's presence: this instance's member of the `instances` sorted set, scored with
+/// when it expires by Redis's clock; answers that time.
+const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) return now";
+/// A cluster's live instances: expired members dropped, the rest answered.
+const LIVE: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) return redis.call('ZRANGE', KEYS[1], 0, -1)";
 
 /// What the link's tasks share. One thread: a `RefCell`, never borrowed across an await.
 pub(super) struct Shared {
@@ -181,8 +238,8 @@ pub(super) async fn within<T>(what: &str, f: impl std::future::Future<Output = r
 
 /// The connections of one session with Redis, and what the cores must learn first.
 struct Conns {
-    conn: MultiplexedConnection,
-    lease_conn: MultiplexedConnection,
+    conn: Conn,
+    lease_conn: Conn,
     sink: PubSubSink,
     stream: PubSubStream,
     /// Devices other instances started or stopped watching while this one was away.
@@ -315,24 +372,18 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
 
 async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     let o = &ctx.o;
-    let client = match &o.ca {
-        Some(ca) => redis::Client::build_with_tls(o.url.as_str(), redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) }),
-        None => redis::Client::open(o.url.as_str()),
-    }
-    .map_err(|e| format!("invalid --redis-url: {e}"))?;
-    // Our own deadline per call (the client's default answer timeout is 500 ms).
-    let config = redis::AsyncConnectionConfig::new().set_connection_timeout(Some(CALL_DEADLINE)).set_response_timeout(Some(CALL_DEADLINE));
-    let mut conn = within("connect", client.get_multiplexed_async_connection_with_config(&config)).await?;
+    let ca = o.ca.as_deref();
+    let mut conn = within("connect", super::conn::connect(&o.engine, ca, CALL_DEADLINE)).await?;
     // The lease task's own: a renewal never queues behind a burst of publications.
-    let lease_conn = within("connect (leases)", client.get_multiplexed_async_connection_with_config(&config)).await?;
-    let pubsub = within("connect (pub/sub)", client.get_async_pubsub()).await?;
+    let lease_conn = within("connect (leases)", super::conn::connect(&o.engine, ca, CALL_DEADLINE)).await?;
+    let pubsub = within("connect (pub/sub)", super::conn::pubsub(&o.engine, ca, CALL_DEADLINE)).await?;
     let (mut sink, stream) = pubsub.split();
     let channels = [ctx.channel("ops"), ctx.channel("watch"), ctx.channel("read"), ctx.key("answer", &o.instance)];
     within("SUBSCRIBE", sink.subscribe(&channels)).await?;
     // Announce this instance and what it watches (after a reconnect: again, whole).
     let me = o.instance.clone();
     let mut pipe = redis::pipe();
-    pipe.cmd("SET").arg(ctx.key("instance", &me)).arg(crate::timefmt::now_millis()).arg("PX").arg(o.lease_ttl.as_millis() as u64).ignore();
+    ctx.presence(&mut pipe);
     pipe.cmd("DEL").arg(ctx.key("watching", &me)).ignore();
     within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
     let local: Vec<Box<str>> = state.borrow().local.iter().cloned().collect();
@@ -377,32 +428,24 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     Ok(Conns { conn, lease_conn, sink, stream, changes })
 }
 
-/// Other instances whose `instance` key is alive.
-pub(super) async fn live_instances(ctx: &Ctx, conn: &mut MultiplexedConnection) -> Result<HashSet<Arc<str>>, Failed> {
-    let pattern = ctx.key("instance", "*");
-    let strip = pattern.len() - 1;
-    let mut cursor: u64 = 0;
-    let mut out = HashSet::new();
-    loop {
-        let (next, keys): (u64, Vec<String>) =
-            within("SCAN", redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn)).await?;
-        for key in keys {
-            let id = &key[strip..];
-            if id != &*ctx.o.instance {
-                out.insert(Arc::from(id));
-            }
-        }
-        if next == 0 {
-            return Ok(out);
-        }
-        cursor = next;
-    }
+/// Other instances whose presence is alive (one Redis: `SCAN` of the instance keys; a
+/// cluster: the sorted set, expired members dropped first).
+pub(super) async fn live_instances(ctx: &Ctx, conn: &mut Conn) -> Result<HashSet<Arc<str>>, Failed> {
+    let ids: Vec<String> = if ctx.is_cluster() {
+        within("live instances", redis::cmd("EVAL").arg(LIVE).arg(1).arg(ctx.o.names.instances()).query_async(conn)).await?
+    } else {
+        let pattern = ctx.o.names.instances_pattern();
+        let strip = pattern.len() - 1;
+        let keys = within("SCAN", conn.scan(&pattern)).await?;
+        keys.into_iter().map(|k| k[strip..].to_string()).collect()
+    };
+    Ok(ids.into_iter().filter(|id| id != &*ctx.o.instance).map(Arc::from).collect())
 }
 
 /// How many of the other live instances take a share of the partitions: those without a
 /// stalled core (`P:stalled:<instance>`). Announces this instance's own stalled cores first
 /// (`None`: none), in the same round trip.
-pub(super) async fn instances_taking_a_share(ctx: &Ctx, state: &State, stalled: Option<&str>, conn: &mut MultiplexedConnection) -> Result<usize, Failed> {
+pub(super) async fn instances_taking_a_share(ctx: &Ctx, state: &State, stalled: Option<&str>, conn: &mut Conn) -> Result<usize, Failed> {
     let others: Vec<Arc<str>> = state.borrow().instances.iter().cloned().collect();
     let mine = ctx.key("stalled", &ctx.o.instance);
     let mut pipe = redis::pipe();
@@ -440,7 +483,7 @@ async fn pubsub(
     ctx: &Rc<Ctx>,
     state: &State,
     stream: PubSubStream,
-    conn: MultiplexedConnection,
+    conn: Conn,
     reconnected: bool,
     changes: Vec<(Box<str>, bool)>,
 ) -> Failed {
@@ -464,7 +507,7 @@ async fn pubsub(
 async fn command_loop(
     ctx: &Rc<Ctx>,
     state: &State,
-    mut conn: MultiplexedConnection,
+    mut conn: Conn,
     mut sink: PubSubSink,
     commands: &async_channel::Receiver<Command>,
     ctl: &tokio::sync::mpsc::Sender<Ctl>,
@@ -501,7 +544,7 @@ fn expire_reads(state: &State) {
     }
 }
 
-async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut MultiplexedConnection, sink: &mut PubSubSink) -> Result<(), Failed> {
+async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut Conn, sink: &mut PubSubSink) -> Result<(), Failed> {
     match command {
         Command::Save { op, reply } => {
             let result = save(ctx, &op, conn).await;
@@ -550,7 +593,8 @@ async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut M
             for (device, payload) in &items {
                 pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
             }
-            if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(conn)).await {
+            // Device channels are of many slots: the whole pipeline to the control node.
+            if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(&mut conn.at(&ctx.channel("ops")))).await {
                 ctx.stats.dropped.fetch_add(n, Ordering::Relaxed);
                 return Err(reason);
             }
@@ -618,7 +662,7 @@ async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut M
                 for id in chunk {
                     pipe.cmd("PEXPIRE").arg(ctx.session_key(*id)).arg(ttl).ignore();
                 }
-                within("PEXPIRE", pipe.query_async::<()>(conn)).await?;
+                within("PEXPIRE", conn.each(&pipe)).await?;
             }
         }
     }
@@ -630,7 +674,7 @@ async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut M
 /// place of the access rules), then one [`CHANGE`] script writes them and publishes one
 /// `SharedOp::Accesses` if the version still holds; else read again, at most
 /// [`CHANGE_TRIES`] times.
-async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::AccessChange)>, conn: &mut MultiplexedConnection) -> Result<super::Changed, Failed> {
+async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::AccessChange)>, conn: &mut Conn) -> Result<super::Changed, Failed> {
     let key = ctx.session_key(session);
     let ttl = ctx.o.session_ttl.as_millis() as u64;
     // The devices touched, each once, in the request's order.
@@ -686,7 +730,11 @@ async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::Ac
         }
         let op = SharedOp::Accesses { session, v: v + 1, changes: after };
         let mut call = redis::cmd("EVAL");
-        call.arg(CHANGE).arg(1).arg(&key).arg(v).arg(ttl).arg(ctx.channel("ops")).arg(wire::encode_op(&ctx.o.instance, &op));
+        let payload = wire::encode_op(&ctx.o.instance, &op);
+        // Published by the script on one Redis; on a cluster after it, from the control node
+        // (`Ctx::op_after`: one publishing node per instance).
+        let channel = if ctx.is_cluster() { String::new() } else { ctx.channel("ops") };
+        call.arg(CHANGE).arg(1).arg(&key).arg(v).arg(ttl).arg(channel).arg(if ctx.is_cluster() { &[][..] } else { &payload[..] });
         let SharedOp::Accesses { changes: after, .. } = op else { unreachable!() };
         for (device, access) in &after {
             call.arg(format!("a:{device}"));
@@ -699,13 +747,16 @@ async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::Ac
         match done {
             -1 => return Ok(None),
             0 => continue,
-            nv => return Ok(Some((nv as u64, after, permitted))),
+            nv => {
+                ctx.op_after(&payload, conn).await?;
+                return Ok(Some((nv as u64, after, permitted)));
+            }
         }
     }
     Err(format!("a session changed on other instances faster than this one could write it ({CHANGE_TRIES} tries)"))
 }
 
-async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut MultiplexedConnection) -> Result<bool, Failed> {
+async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut Conn) -> Result<bool, Failed> {
     let ttl = ctx.o.session_ttl.as_millis() as u64;
     let ops_channel = ctx.channel("ops");
     match op {
@@ -718,28 +769,19 @@ async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut MultiplexedConnection) -> Res
             Ok(true)
         }
         SharedOp::Delete(id) => {
+            let key = ctx.session_key(*id);
             let mut pipe = redis::pipe();
-            pipe.atomic().cmd("DEL").arg(ctx.session_key(*id));
-            pipe.cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&ctx.o.instance, op)).ignore();
-            let (deleted,): (i64,) = within("DEL session", pipe.query_async(conn)).await?;
+            pipe.atomic().cmd("DEL").arg(&key);
+            let payload = wire::encode_op(&ctx.o.instance, op);
+            ctx.with_op(&mut pipe, &payload);
+            let (deleted,): (i64,) = within("DEL session", pipe.query_async(&mut conn.at(&key))).await?;
+            ctx.op_after(&payload, conn).await?;
             Ok(deleted > 0)
         }
         SharedOp::DeleteAll => {
-            let pattern = ctx.key("session", "*");
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = within(
-                    "SCAN",
-                    redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn),
-                )
-                .await?;
-                if !keys.is_empty() {
-                    within("DEL sessions", redis::cmd("DEL").arg(keys).query_async::<()>(conn)).await?;
-                }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
+            let keys = within("SCAN", conn.scan(&ctx.o.names.sessions_pattern())).await?;
+            for chunk in keys.chunks(CHUNK) {
+                within("DEL sessions", redis::cmd("DEL").arg(chunk).query_async::<()>(conn)).await?;
             }
             let publish = redis::cmd("PUBLISH").arg(&ops_channel).arg(wire::encode_op(&ctx.o.instance, op)).to_owned();
             within("PUBLISH ops", publish.query_async::<()>(conn)).await?;
@@ -753,7 +795,7 @@ async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut MultiplexedConnection) -> Res
 /// A burst of pub/sub messages, in order: device messages are grouped per core between two
 /// control messages, each handed to its core's queue in the order Redis gave them. Nothing
 /// here waits for a core's answer.
-async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &MultiplexedConnection, batch: Vec<redis::Msg>) {
+async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch: Vec<redis::Msg>) {
     let ops = ctx.channel("ops");
     let watch = ctx.channel("watch");
     let read = ctx.channel("read");
@@ -801,7 +843,7 @@ async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &MultiplexedConnection,
 
 /// Another instance's read, answered by a task of its own: it asks the device's core here
 /// (at most [`READ_DEADLINE`]) and publishes the answer on the asker's channel.
-fn spawn_answer(ctx: &Rc<Ctx>, state: &State, conn: &MultiplexedConnection, payload: &[u8]) {
+fn spawn_answer(ctx: &Rc<Ctx>, state: &State, conn: &Conn, payload: &[u8]) {
     let Some((origin, id, device, kind, newer_than)) = wire::decode_read(payload) else {
         ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
         return;

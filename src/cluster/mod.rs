@@ -1,6 +1,7 @@
-//! Several hubcast instances behind one load balancer, sharing one Redis (`--redis-url`).
+//! Several hubcast instances behind one load balancer, sharing one Redis (`--redis-url`) or
+//! one Redis Cluster (`--redis-cluster-nodes`; `conn.rs` and `names.rs` are all that differ).
 //!
-//! Without `--redis-url` none of this runs. With it:
+//! Without either none of this runs. With one:
 //! - **Sessions are shared.** A session lives in Redis (`<prefix>:session:<id>`: its access
 //!   on every device, in the durable store's encoding) and as a copy on each instance that
 //!   uses it. An instance that meets an unknown session id (a REST call, a socket) loads it
@@ -23,7 +24,7 @@
 //! (`app::directory::Directory`), which the plugin here replaces on every core with its Redis
 //! engine (`Redis`: the functions below, each falling back to `app::directory::local` for the
 //! copy here), and the event stream consumer holds [`Cluster`] as its `app::directory::Leases`.
-//! Only main.rs names it, to start it with `--redis-url`.
+//! Only main.rs names it, to start it with `--redis-url` or `--redis-cluster-nodes`.
 //!
 //! The Redis client runs on its own thread ([`link`]); cores reach it through one bounded
 //! command queue and it reaches them through one bounded queue per core. Back-pressure:
@@ -32,9 +33,13 @@
 //! Redis buffers the instance's pub/sub output up to its `client-output-buffer-limit` and
 //! then drops the connection (the link reconnects and logs it).
 
+mod conn;
 mod lease;
 mod link;
+mod names;
 pub mod wire;
+
+pub use conn::Engine;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -186,8 +191,8 @@ type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_cha
 
 impl Cluster {
     /// Prepares the link; [`Cluster::run`] starts its thread once the process is assembled.
-    /// `Err` names what is wrong with `--redis-ca-file`.
-    pub fn new(settings: &Settings, url: &str) -> Result<Arc<Self>, String> {
+    /// `Err` names what is wrong with `--redis-ca-file` or the engine's URLs.
+    pub fn new(settings: &Settings, engine: Engine) -> Result<Arc<Self>, String> {
         let c = &settings.config;
         let instance: Arc<str> = match &c.instance_id {
             Some(id) => id.as_str().into(),
@@ -207,10 +212,11 @@ impl Cluster {
             }
             None => None,
         };
+        conn::check(&engine, ca.as_deref())?;
         let options = link::Options {
-            url: url.to_string(),
+            names: names::Names::new(&c.redis_prefix, engine.is_cluster()),
+            engine,
             ca,
-            prefix: c.redis_prefix.clone(),
             instance: instance.clone(),
             session_ttl: grace + 2 * refresh + Duration::from_secs(1),
             lease_ttl: Duration::from_secs(c.lease_ttl),
