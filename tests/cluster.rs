@@ -1,7 +1,8 @@
 //! Several instances on one Redis (issue 12) or a Redis Cluster (issue 23): real hubcast
 //! processes, a real redis-server (or three, clustered), standard clients spread over the
 //! instances. The scale-out tests run on both engines (`both_engines!`: `name::single`,
-//! `name::cluster`); the URL, password and TLS tests of one Redis have cluster twins.
+//! `name::cluster`); the URL and password tests of one Redis have cluster twins (TLS has
+//! none: socat in front of the nodes cannot work, the cluster announces their own addresses).
 
 mod common;
 
@@ -286,6 +287,34 @@ fn a_password_protected_redis_is_reached_with_the_password_in_the_url_and_refuse
     let (status, body, _) = wrong.call("GET", "/status", &[], None);
     assert_error(status, &body, 503, "redis");
     assert_eq!(wrong.metric("hubcast_redis_connected{instance=\"w\"}"), Some(0.0));
+}
+
+/// The cluster twin: the password in the seeds' URLs reaches every node, the discovered ones
+/// too; seeds with different passwords stop start-up; without it the link is refused.
+#[test]
+fn a_password_protected_cluster_is_reached_with_the_password_in_the_first_seed_and_refused_without() {
+    let cluster = common::redis::RedisCluster::start_with(3, 0, Some("s3cret"));
+    let seeds = format!("redis://:s3cret@127.0.0.1:{}", cluster.port(0));
+    let a = Server::start(&["--redis-cluster-nodes", &seeds, "--instance-id", "a"]);
+    a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0));
+    // Sessions land on every master: each is reached with the password.
+    let sessions: Vec<String> = (0..12).map(|_| a.new_session()).collect();
+    for session in &sessions {
+        a.grant(session, json!({"type": "telemetry", "deviceId": "d"}));
+    }
+    let keys = cluster.keys("hubcast:session:*");
+    assert!(sessions.iter().all(|s| keys.iter().any(|k| k.contains(s.as_str()))), "every session stored: {keys:?}");
+    let masters_used = cluster.masters().iter().filter(|m| cluster.command_on(**m, "DBSIZE").is_some_and(|r| r != ":0\r\n")).count();
+    assert!(masters_used >= 2, "sessions spread over the masters");
+    let mixed = format!("{seeds},redis://:other@127.0.0.1:{}", cluster.port(1));
+    let (ok, _, stderr) = common::run_expecting_exit(&common::full_args(&["--redis-cluster-nodes", &mixed], true), &[]);
+    assert!(!ok && stderr.contains("--redis-cluster-nodes") && stderr.contains("password"), "{stderr}");
+    let plain = format!("redis://127.0.0.1:{}", cluster.port(0));
+    let wrong = Server::start(&["--redis-cluster-nodes", &plain, "--instance-id", "w"]);
+    let refused = wrong.wait_for_stderr(WAIT, |l| l.contains("Redis unreachable")).expect("the connect without the password fails");
+    assert!(refused.contains("NOAUTH") || refused.contains("Authentication"), "refused for want of the password: {refused}");
+    let (status, body, _) = wrong.call("GET", "/status", &[], None);
+    assert_error(status, &body, 503, "redis");
 }
 
 #[test]

@@ -97,7 +97,7 @@ pub(crate) async fn pubsub(engine: &Engine, ca: Option<&[u8]>, deadline: Duratio
         Engine::Sharded(seeds) => {
             let mut last = None;
             for seed in seeds {
-                let attempt = async { client(seeds_first_credentials(seeds, seed).as_str(), ca)?.get_async_pubsub().await };
+                let attempt = async { client(seed, ca)?.get_async_pubsub().await };
                 match tokio::time::timeout(deadline, attempt).await {
                     Ok(Ok(pubsub)) => return Ok(pubsub),
                     Ok(Err(e)) => last = Some(e),
@@ -106,19 +106,6 @@ pub(crate) async fn pubsub(engine: &Engine, ca: Option<&[u8]>, deadline: Duratio
             }
             Err(last.unwrap_or_else(|| std::io::Error::other("no seed").into()))
         }
-    }
-}
-
-/// A seed's URL; the redis crate takes a cluster's credentials from the first seed, so a seed
-/// written without them is reached with the first seed's.
-fn seeds_first_credentials(seeds: &[String], seed: &str) -> String {
-    let creds = |u: &str| u.split_once("://").and_then(|(_, rest)| rest.split_once('@')).map(|(c, _)| c.to_string());
-    match (creds(seed), seeds.first().and_then(|f| creds(f))) {
-        (None, Some(c)) => match seed.split_once("://") {
-            Some((scheme, rest)) => format!("{scheme}://{c}@{rest}"),
-            None => seed.to_string(),
-        },
-        _ => seed.to_string(),
     }
 }
 
@@ -243,17 +230,4 @@ async fn masters(c: &mut ClusterConnection) -> RedisResult<Vec<(String, u16)>> {
         }
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_seed_without_credentials_borrows_the_first_seeds() {
-        let seeds = vec!["redis://:pw@h1:7000".to_string(), "redis://h2:7001".to_string()];
-        assert_eq!(seeds_first_credentials(&seeds, "redis://h2:7001"), "redis://:pw@h2:7001");
-        assert_eq!(seeds_first_credentials(&seeds, "redis://:other@h3:1"), "redis://:other@h3:1");
-        assert_eq!(seeds_first_credentials(&seeds[1..], "redis://h2:7001"), "redis://h2:7001");
-    }
 }

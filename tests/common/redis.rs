@@ -205,16 +205,23 @@ struct Node {
 pub struct RedisCluster {
     nodes: Vec<Node>,
     dir: super::TempDir,
+    /// `requirepass` (and `masterauth`) of every node.
+    password: Option<String>,
 }
 
 impl RedisCluster {
     /// Starts the nodes, creates the cluster, and returns once every node says
     /// `cluster_state:ok` and they agree on the slot map.
     pub fn start(masters: usize, replicas: usize) -> RedisCluster {
+        Self::start_with(masters, replicas, None)
+    }
+
+    /// With a password on every node (clients and replicas need it).
+    pub fn start_with(masters: usize, replicas: usize, password: Option<&str>) -> RedisCluster {
         assert!(masters >= 3, "redis-cli --cluster create needs at least 3 masters");
         let dir = super::TempDir::new();
         std::fs::create_dir_all(dir.path()).expect("the cluster's temp dir");
-        let mut c = RedisCluster { nodes: Vec::new(), dir };
+        let mut c = RedisCluster { nodes: Vec::new(), dir, password: password.map(str::to_string) };
         for _ in 0..masters * (1 + replicas) {
             let mut node = Node { port: 0, bus: 0, child: None };
             // The free ports may be taken again before redis-server binds them: fresh ones.
@@ -228,6 +235,7 @@ impl RedisCluster {
         }
         let addrs: Vec<String> = c.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let out = Command::new("redis-cli")
+            .args(c.cli_auth())
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
@@ -236,6 +244,26 @@ impl RedisCluster {
         assert!(out.status.success(), "redis-cli --cluster create: {}", String::from_utf8_lossy(&out.stdout));
         c.wait_ok();
         c
+    }
+
+    /// `redis-cli`'s password flags.
+    fn cli_auth(&self) -> Vec<String> {
+        self.password.iter().flat_map(|p| ["-a".to_string(), p.clone(), "--no-auth-warning".to_string()]).collect()
+    }
+
+    /// [`raw`] with `AUTH` first when the nodes have a password.
+    fn raw_n(&self, port: u16, line: &str, replies: usize) -> Option<String> {
+        match &self.password {
+            None => raw_n(port, line, replies),
+            Some(p) => {
+                let reply = raw_n(port, &format!("AUTH {p}\r\n{line}"), replies + 1)?;
+                Some(reply.strip_prefix("+OK\r\n").unwrap_or(&reply).to_string())
+            }
+        }
+    }
+
+    fn raw(&self, port: u16, line: &str) -> Option<String> {
+        self.raw_n(port, line, 1)
     }
 
     fn conf(&self, port: u16) -> String {
@@ -250,6 +278,7 @@ impl RedisCluster {
             .args(["--cluster-enabled", "yes", "--cluster-port", &node.bus.to_string()])
             .args(["--cluster-config-file", &self.conf(node.port), "--cluster-node-timeout", "1000"])
             .args(["--dir", self.dir.path()])
+            .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str(), "--masterauth", p.as_str()]))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -260,7 +289,7 @@ impl RedisCluster {
             if matches!(child.try_wait(), Ok(Some(_))) {
                 return false;
             }
-            let answered = raw(node.port, "INFO server").and_then(|t| info_field(&t, "process_id")).and_then(|p| p.parse().ok());
+            let answered = self.raw(node.port, "INFO server").and_then(|t| info_field(&t, "process_id")).and_then(|p| p.parse().ok());
             if answered == Some(pid) {
                 node.child = Some(child);
                 return true;
@@ -280,14 +309,38 @@ impl RedisCluster {
             let running: Vec<u16> = self.nodes.iter().filter(|n| n.child.is_some()).map(|n| n.port).collect();
             let ok = running
                 .iter()
-                .all(|p| raw(*p, "CLUSTER INFO").and_then(|t| info_field(&t, "cluster_state")).as_deref() == Some("ok"));
-            let maps: Vec<Vec<(u16, u16, u16)>> = running.iter().map(|p| slot_map_at(*p)).collect();
+                .all(|p| self.raw(*p, "CLUSTER INFO").and_then(|t| info_field(&t, "cluster_state")).as_deref() == Some("ok"));
+            let maps: Vec<Vec<(u16, u16, u16)>> = running.iter().map(|p| self.slot_map_at(*p)).collect();
             if ok && !maps.is_empty() && maps.iter().all(|m| *m == maps[0] && !m.is_empty()) {
                 return;
             }
             assert!(Instant::now() < deadline, "the cluster is ok and agreed on every node within 30 s: {maps:?}");
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// `(first slot, last slot, master port)` ranges as the node on `port` sees them (sorted).
+    fn slot_map_at(&self, port: u16) -> Vec<(u16, u16, u16)> {
+        let Some(text) = self.raw(port, "CLUSTER NODES") else { return Vec::new() };
+        let mut out = Vec::new();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split(' ').collect();
+            if f.len() < 8 || !f[2].contains("master") || f[2].contains("fail") {
+                continue;
+            }
+            let Some(node_port) = f[1].split(['@', ':']).nth(1).and_then(|p| p.parse().ok()) else { continue };
+            for range in &f[8..] {
+                if range.starts_with('[') {
+                    continue; // a slot being migrated
+                }
+                let (a, b) = range.split_once('-').unwrap_or((range, range));
+                if let (Ok(a), Ok(b)) = (a.trim().parse(), b.trim().parse()) {
+                    out.push((a, b, node_port));
+                }
+            }
+        }
+        out.sort();
+        out
     }
 
     /// `--redis-cluster-nodes`: every node as a seed.
@@ -305,7 +358,7 @@ impl RedisCluster {
 
     /// The node's id (`CLUSTER MYID`).
     pub fn id(&self, node: usize) -> String {
-        let reply = raw(self.nodes[node].port, "CLUSTER MYID").unwrap_or_default();
+        let reply = self.raw(self.nodes[node].port, "CLUSTER MYID").unwrap_or_default();
         bulk_strings(&reply).into_iter().next().unwrap_or_else(|| panic!("node {node} has an id: {reply}"))
     }
 
@@ -313,7 +366,7 @@ impl RedisCluster {
     pub fn masters(&self) -> Vec<usize> {
         (0..self.nodes.len())
             .filter(|i| self.nodes[*i].child.is_some())
-            .filter(|i| raw(self.nodes[*i].port, "ROLE").is_some_and(|r| r.contains("master")))
+            .filter(|i| self.raw(self.nodes[*i].port, "ROLE").is_some_and(|r| r.contains("master")))
             .collect()
     }
 
@@ -356,6 +409,7 @@ impl RedisCluster {
     /// reshard`, with their keys), and waits until every node agrees.
     pub fn reshard(&self, from: usize, to: usize, slots: usize) {
         let out = Command::new("redis-cli")
+            .args(self.cli_auth())
             .args(["--cluster", "reshard", &format!("127.0.0.1:{}", self.nodes[from].port)])
             .args(["--cluster-from", &self.id(from), "--cluster-to", &self.id(to)])
             .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
@@ -372,7 +426,7 @@ impl RedisCluster {
 
     /// One inline command on node `i`; the raw reply.
     pub fn command_on(&self, i: usize, line: &str) -> Option<String> {
-        raw(self.nodes[i].port, line)
+        self.raw(self.nodes[i].port, line)
     }
 
     /// One inline command on whichever node serves its key: sent to a running node and
@@ -381,7 +435,7 @@ impl RedisCluster {
         let mut port = self.nodes.iter().find(|n| n.child.is_some())?.port;
         let mut asking = false;
         for _ in 0..5 {
-            let mut reply = if asking { raw_n(port, &format!("ASKING\r\n{line}"), 2)? } else { raw(port, line)? };
+            let mut reply = if asking { self.raw_n(port, &format!("ASKING\r\n{line}"), 2)? } else { self.raw(port, line)? };
             if asking {
                 reply = reply.strip_prefix("+OK\r\n").unwrap_or(&reply).to_string();
             }
@@ -399,35 +453,11 @@ impl RedisCluster {
         let mut out: Vec<String> = self
             .masters()
             .into_iter()
-            .flat_map(|i| bulk_strings(&raw(self.nodes[i].port, &format!("KEYS {pattern}")).unwrap_or_default()))
+            .flat_map(|i| bulk_strings(&self.raw(self.nodes[i].port, &format!("KEYS {pattern}")).unwrap_or_default()))
             .collect();
         out.sort();
         out
     }
-}
-
-/// `(first slot, last slot, master port)` ranges as the node on `port` sees them (sorted).
-fn slot_map_at(port: u16) -> Vec<(u16, u16, u16)> {
-    let Some(text) = raw(port, "CLUSTER NODES") else { return Vec::new() };
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let f: Vec<&str> = line.split(' ').collect();
-        if f.len() < 8 || !f[2].contains("master") || f[2].contains("fail") {
-            continue;
-        }
-        let Some(node_port) = f[1].split(['@', ':']).nth(1).and_then(|p| p.parse().ok()) else { continue };
-        for range in &f[8..] {
-            if range.starts_with('[') {
-                continue; // a slot being migrated
-            }
-            let (a, b) = range.split_once('-').unwrap_or((range, range));
-            if let (Ok(a), Ok(b)) = (a.trim().parse(), b.trim().parse()) {
-                out.push((a, b, node_port));
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 impl Drop for RedisCluster {
