@@ -277,6 +277,9 @@ impl RedisCluster {
             .args(["--port", &node.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--cluster-enabled", "yes", "--cluster-port", &node.bus.to_string()])
             .args(["--cluster-config-file", &self.conf(node.port), "--cluster-node-timeout", "1000"])
+            // A master whose slots all moved away stays a master (Redis 7 would make it a
+            // replica of the taker): tests move slots back and forth.
+            .args(["--cluster-allow-replica-migration", "no"])
             .args(["--dir", self.dir.path()])
             .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str(), "--masterauth", p.as_str()]))
             .stdout(Stdio::null())
