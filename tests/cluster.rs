@@ -706,3 +706,65 @@ fn a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips(redis: Eng
         assert_eq!(frame["deviceId"].as_str(), Some(devices[DEVICES - 1].as_str()));
     }
 }
+
+/// `PUBLISH <channel> <payload>` with a binary payload (RESP, one reply read).
+fn publish_bytes(redis: &Redis, channel: &str, payload: &[u8]) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", redis.port)).expect("redis-server answers");
+    let mut cmd = format!("*3\r\n$7\r\nPUBLISH\r\n${}\r\n{channel}\r\n${}\r\n", channel.len(), payload.len()).into_bytes();
+    cmd.extend_from_slice(payload);
+    cmd.extend_from_slice(b"\r\n");
+    s.write_all(&cmd).unwrap();
+    let mut reply = [0u8; 64];
+    let n = s.read(&mut reply).unwrap();
+    assert!(reply[..n].starts_with(b":"), "PUBLISH answered {:?}", String::from_utf8_lossy(&reply[..n]));
+}
+
+/// Issue 23 item 3b: every instance applies a shared access change only if its version is
+/// newer than what it holds. A revoke (the session's version 2) is in force on B; a late copy
+/// of the grant it replaced (version 1, as a slow publication would bring it) must not bring
+/// the grant back there. Crafted with hubcast's own encoder, from a made-up instance.
+#[test]
+fn a_late_older_access_change_does_not_undo_a_newer_one() {
+    use hubcast::cluster::wire::{encode_op, SharedOp};
+    use hubcast::model::{DataKind, Grant, GrantKind};
+    // One Redis: the version rule is the instances', whatever the engine.
+    let engine = Engine::single();
+    let Engine::Single(redis) = &engine else { unreachable!() };
+    let a = instance(&engine, "a");
+    let b = instance(&engine, "b");
+    let core = |d: &str| hubcast::runtime::routing::core_of_device(d, 2);
+    // `marker` is a device of the same core on B as `late`: that core's queue is FIFO.
+    let late = "late-dev";
+    let marker = (0..).map(|i| format!("marker-{i}")).find(|d| core(d) == core(late)).unwrap();
+    a.ingest(json!({"deviceId": late, "body": {"k": 1}}));
+    // A socket on B watches `marker`, so its messages cross Redis to that core of B.
+    let watcher = a.new_session();
+    let request = json!({"type": "telemetry", "deviceId": marker});
+    a.grant(&watcher, request.clone());
+    assert_eq!(a.subscribe(&watcher, request).0, 204);
+    let mut ws = b.live(&watcher);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    let session = a.new_session();
+    let read = |device: &str| b.call("GET", &format!("/lastValue/{device}/k"), &[("sessionId", &session)], None).0;
+    a.grant(&session, json!({"type": "telemetry", "deviceId": late})); // version 1
+    assert_eq!(read(late), 200, "B loads the session and reads with the grant");
+    a.revoke(&session, json!({"type": "telemetry", "deviceId": late})); // version 2
+    let deadline = std::time::Instant::now() + WAIT;
+    while read(late) != 403 {
+        assert!(std::time::Instant::now() < deadline, "the revoke is in force on B");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The grant at version 1 again, late, then a message of `marker`: Redis hands B both in
+    // that order, into the same core's queue, so once the message reaches the socket the
+    // late change has been handled.
+    let mut granted = hubcast::shard::access::Access::default();
+    granted.add_grant(&Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None });
+    let id = hubcast::ids::SessionId::parse(&session).expect("a session id");
+    let stale = SharedOp::Accesses { session: id, v: 1, changes: vec![(late.into(), Some((granted.grants, granted.subs)))] };
+    publish_bytes(redis, "t:ops", &encode_op("z", &stale));
+    a.ingest(json!({"deviceId": marker, "body": {"k": 2}}));
+    let frame = ws.next_json(WAIT).expect("the marker's message reaches B's socket");
+    assert_eq!(frame["deviceId"].as_str(), Some(marker.as_str()));
+    assert_eq!(read(late), 403, "the late grant at version 1 did not undo the revoke at version 2 on B");
+}
