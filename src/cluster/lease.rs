@@ -455,3 +455,62 @@ async fn leave(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Conn) ->
     tracing::info!(partitions = held.len(), "left Redis: partition leases given up, watches withdrawn");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn ctx(cores: Vec<async_channel::Sender<Inbound>>, lease_ttl: Duration) -> Ctx {
+        let o = super::super::link::Options {
+            engine: super::super::Engine::Single("redis://127.0.0.1:1".into()),
+            names: super::super::names::Names::new("t", false),
+            ca: None,
+            instance: "i".into(),
+            session_ttl: Duration::from_secs(1),
+            lease_ttl,
+        };
+        Ctx { o, cores, stats: Arc::default(), changes: Arc::new(tokio::sync::Semaphore::new(1)) }
+    }
+
+    /// A core that answers keeps its marks fresh; one that stays silent keeps its last ones,
+    /// is declared stalled past 3 × the TTL (never before: the probe waits at most half a
+    /// heartbeat, and asks a silent core once), and is no longer stalled once it answers.
+    #[test]
+    fn a_silent_core_is_waited_for_briefly_then_stalled_then_taken_back() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        runtime.block_on(async {
+            let (tx0, rx0) = async_channel::bounded(8);
+            let (tx1, rx1) = async_channel::bounded(8);
+            // 300 ms TTL: stalled past 900 ms.
+            let ctx = ctx(vec![tx0, tx1], Duration::from_millis(300));
+            let (owned, _) = tokio::sync::watch::channel(super::super::Owned::default());
+            let mut lease = Leases::new(2, owned);
+            // A core's inbound task: answers one probe with mark `mark` for partition "p".
+            let answer = |rx: async_channel::Receiver<Inbound>, mark: i64| async move {
+                if let Ok(Inbound::Applied(reply)) = rx.recv().await {
+                    let _ = reply.send(vec![("p".into(), mark)]);
+                }
+            };
+            let wait = Duration::from_millis(20);
+            tokio::join!(probe_cores(&ctx, &mut lease, wait), answer(rx0.clone(), 7), answer(rx1.clone(), 5));
+            assert_eq!(applied_marks(&lease).get("p"), Some(&5), "the lowest mark over every core");
+            // Core 1 falls silent: each probe waits for it at most its deadline.
+            for _ in 0..2 {
+                let t = Instant::now();
+                tokio::join!(probe_cores(&ctx, &mut lease, wait), answer(rx0.clone(), 9));
+                assert!(t.elapsed() < Duration::from_millis(200), "a probe waits at most its deadline: {:?}", t.elapsed());
+                assert_eq!(ctx.stats.stalled.load(Ordering::Relaxed), 0, "not stalled within 3 x the TTL");
+            }
+            assert_eq!(applied_marks(&lease).get("p"), Some(&5), "core 1's last mark is kept");
+            assert_eq!(rx1.len(), 1, "a silent core is asked once, not at every probe");
+            tokio::time::sleep(Duration::from_millis(950)).await;
+            tokio::join!(probe_cores(&ctx, &mut lease, wait), answer(rx0.clone(), 9));
+            assert_eq!(ctx.stats.stalled.load(Ordering::Relaxed), 1, "silent past 3 x the TTL: stalled");
+            // It answers (the question it was asked): no longer stalled, its mark is current.
+            tokio::join!(probe_cores(&ctx, &mut lease, Duration::from_millis(200)), answer(rx0.clone(), 9), answer(rx1.clone(), 8));
+            assert_eq!(ctx.stats.stalled.load(Ordering::Relaxed), 0);
+            assert_eq!(applied_marks(&lease).get("p"), Some(&8));
+        });
+    }
+}
