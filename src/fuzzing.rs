@@ -582,6 +582,9 @@ pub fn store_write(l: &crate::store::Loaded) -> Vec<u8> {
         let set: hashbrown::HashSet<Box<str>> = devices.iter().cloned().collect();
         encode(&mut file, Change::Session { id: *id, devices: Some(&set) });
     }
+    for (id, stream) in &l.streams {
+        encode(&mut file, Change::Stream { id: *id, recovery: Some(stream) });
+    }
     for (key, seq) in &l.applied {
         encode(&mut file, Change::Applied { key, seq: *seq });
     }

@@ -675,3 +675,138 @@ fn a_socket_upgraded_from_polling_keeps_its_pid_and_offsets_and_recovers() {
     let got: Vec<u64> = (0..10).map(|_| next_n(&client).0).collect();
     assert_eq!(got, (0..10).collect::<Vec<_>>());
 }
+
+/// `n` d2c messages `from..from + n` as one ingest.
+fn ingest_range(server: &Server, from: u64, n: u64) {
+    server.ingest(json!((from..from + n)
+        .map(|i| message("dev-1", i))
+        .collect::<Vec<_>>()));
+}
+
+/// A graceful stop: SIGTERM, and a clean exit.
+fn sigterm(server: &mut Server) {
+    server.signal(libc::SIGTERM);
+    let exit = server.wait_exit(WAIT).expect("exits after SIGTERM");
+    assert!(
+        exit.success(),
+        "{exit:?}\n{}",
+        server.stderr_lines().join("\n")
+    );
+}
+
+/// Issue 24, "a graceful SIGTERM deploy", design step 5: the session's stream and pids are in
+/// the final commit and come back with the session on the same `--data-dir`. Twice: a client
+/// cut off before the stop (what was ingested before the stop and after the restart, 40
+/// messages), then a client connected when the stop says goodbye (its pid is away from then;
+/// 10 ingested after the restart). The client reconnects by itself each time.
+#[test]
+fn a_sigterm_and_a_restart_on_the_same_data_dir_replay_what_the_client_missed() {
+    let dir = TempDir::new();
+    let start = |port: &str| Server::start(&["--data-dir", dir.path(), "--port", port]);
+    let mut server = start("0");
+    let port = server.port.to_string();
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
+    cut(&cutter, &server, &client, WS_GAUGE);
+    ingest_range(&server, 0, 20);
+    sigterm(&mut server);
+    server = start(&port);
+    assert!(
+        server
+            .wait_for_stderr(WAIT, |l| l.contains("recovery streams read back"))
+            .is_some(),
+        "{}",
+        server.stderr_lines().join("\n")
+    );
+    ingest_range(&server, 20, 20);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    server.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..41).map(|_| next_n(&client).0).collect();
+    let mut want: Vec<u64> = (0..40).collect();
+    want.push(999);
+    assert_eq!(
+        got, want,
+        "every missed message once, in order, across the restart, then live"
+    );
+    assert_eq!(
+        server.metric("hubcast_recovery_replayed_frames_total"),
+        Some(40.0)
+    );
+
+    // Connected when the stop comes: the goodbye is a transport close to the client, which
+    // keeps its pid and offset and tries again by itself.
+    server.signal(libc::SIGTERM);
+    let gone = client.wait_for("disconnect", WAIT).expect("the goodbye");
+    assert!(
+        gone["reason"].as_str().unwrap().starts_with("transport "),
+        "{gone}"
+    );
+    let exit = server.wait_exit(WAIT).expect("exits after SIGTERM");
+    assert!(exit.success(), "{exit:?}");
+    cutter.hold();
+    server = start(&port);
+    ingest_range(&server, 40, 10);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    server.ingest(message("dev-1", 1001));
+    let got: Vec<u64> = (0..11).map(|_| next_n(&client).0).collect();
+    let mut want: Vec<u64> = (40..50).collect();
+    want.push(1001);
+    assert_eq!(got, want, "nothing twice, nothing lost");
+    assert_eq!(
+        server.metric("hubcast_recovery_succeeded_total{transport=\"socketio_websocket\"}"),
+        Some(1.0)
+    );
+}
+
+/// The time the process was down counts against the window: the pid's away time is wall
+/// clock, so a client back after the window (the restarted instance's clock dropped the
+/// history it read back) is not recovered, counted `window`, and gets live data at once.
+#[test]
+fn past_the_window_after_a_restart_the_client_is_not_recovered_and_live_data_flows() {
+    let dir = TempDir::new();
+    let start = |port: &str| {
+        Server::start(&[
+            "--data-dir",
+            dir.path(),
+            "--port",
+            port,
+            "--recovery-window",
+            "4",
+        ])
+    };
+    let mut server = start("0");
+    let port = server.port.to_string();
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
+    cut(&cutter, &server, &client, WS_GAUGE);
+    ingest_range(&server, 0, 5);
+    sigterm(&mut server);
+    server = start(&port);
+    let read = server
+        .wait_for_stderr(WAIT, |l| {
+            l.contains("recovery streams read back") && l.contains("restored=1")
+        })
+        .is_some();
+    assert!(
+        read,
+        "the stream came back: {}",
+        server.stderr_lines().join("\n")
+    );
+    server.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], false, "{back}");
+    assert_eq!(
+        server.metric("hubcast_recovery_failed_total{reason=\"window\"}"),
+        Some(1.0)
+    );
+    server.ingest(message("dev-1", 7));
+    assert_eq!(
+        next_n(&client).0,
+        7,
+        "live data at once, nothing of the past"
+    );
+}

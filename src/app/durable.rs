@@ -78,6 +78,7 @@ impl Core {
         }
         *self.applied.borrow_mut() = loaded.applied.drain().collect();
         *self.store.borrow_mut() = Some(store);
+        self.restore_recovery(std::mem::take(&mut loaded.streams));
         monoio::spawn(self.clone().write_snapshots());
         tracing::debug!(core = self.index, ms = now.elapsed().as_millis() as u64, "stored state restored");
     }

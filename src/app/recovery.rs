@@ -25,7 +25,8 @@ use hashbrown::HashSet;
 use crate::app::Core;
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Outlet};
-use crate::push::stream::{Failure, TrimCause, Trimmed};
+use crate::push::stream::{Failure, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
+use crate::store::Change;
 
 /// How often the core bound's trim is logged at `info` per core.
 const BOUND_LOG_EVERY: Duration = Duration::from_secs(60);
@@ -431,6 +432,79 @@ impl Core {
             }
         }
         self.count_trimmed(trimmed);
+    }
+
+    /// Graceful shutdown, before the final commit (its sockets said goodbye, so every pid is
+    /// away): each stream of this core and its pids go into that commit (design step 5).
+    /// Returns how many.
+    pub(crate) fn persist_recovery(&self) -> usize {
+        if self.recovery.window.is_none() {
+            return 0;
+        }
+        let mut store = self.store.borrow_mut();
+        let Some(store) = store.as_mut() else { return 0 };
+        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        let sessions = self.sessions.borrow();
+        let mut written = 0;
+        for id in self.recovery.streamed.borrow().iter() {
+            let stored = sessions
+                .get(*id)
+                .and_then(|r| r.recovery.as_ref())
+                .and_then(|r| r.to_stored(now, now_ms));
+            if let Some(stored) = stored {
+                store.put(Change::Stream { id: *id, recovery: Some(&stored) });
+                written += 1;
+            }
+        }
+        written
+    }
+
+    /// Start: the streams the last graceful shutdown wrote come back with their sessions, each
+    /// pid away since it left (the time down counts against the window). Each is marked gone
+    /// in the store at once: from here on the stream grows in memory only, so a later crash
+    /// must find no stream rather than this stale one (a client would be replayed frames that
+    /// are not what followed its offset). A stream of a session that is gone, or any stream
+    /// when recovery is now off, is dropped.
+    pub(crate) fn restore_recovery(&self, streams: hashbrown::HashMap<SessionId, StoredRecovery>) {
+        if streams.is_empty() {
+            return;
+        }
+        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        let mut restored = 0;
+        if let Some(window) = self.recovery.window {
+            let mut sessions = self.sessions.borrow_mut();
+            let mut trimmed = Trimmed::default();
+            for (id, stored) in &streams {
+                let Some(record) = sessions.get_mut(*id) else { continue };
+                let mut recovery = SessionRecovery::from_stored(stored.clone(), self.recovery.total.clone(), now, now_ms);
+                let t = recovery.sweep(now, window);
+                for (all, part) in trimmed.0.iter_mut().zip(t.0) {
+                    *all += part;
+                }
+                match recovery.stream_deadline(window) {
+                    Some(at) => {
+                        self.recovery.deadlines.borrow_mut().push(Reverse((at, *id)));
+                        self.recovery.streamed.borrow_mut().insert(*id);
+                        restored += 1;
+                    }
+                    // No pid to come back with it.
+                    None => recovery.stream = None,
+                }
+                record.recovery = Some(Box::new(recovery));
+            }
+            drop(sessions);
+            self.count_trimmed(trimmed);
+            if self.recovery.total.get() > self.recovery.core_bytes {
+                self.trim_to_core_bound();
+            }
+        }
+        if let Some(store) = self.store.borrow_mut().as_mut() {
+            for id in streams.keys() {
+                store.put(Change::Stream { id: *id, recovery: None });
+            }
+            store.commit();
+        }
+        tracing::info!(core = self.index, read = streams.len(), restored, "recovery streams read back from the last graceful shutdown");
     }
 
     /// A session ended: it leaves the streamed set (its stream went with its record).

@@ -68,6 +68,10 @@ pub async fn core_task(
 /// The durable store's per-core flush plugs in here (state and AMQP positions, on the core
 /// that owns them): commit what is pending and sync it to disk. Without a store: a no-op.
 pub fn flush_state(core: &Rc<Core>) {
+    let streams = core.persist_recovery();
+    if streams > 0 {
+        tracing::info!(core = core.index, streams, "recovery streams written for the next start");
+    }
     if let Err(e) = core.flush_store() {
         tracing::error!(core = core.index, error = %e, "cannot sync the durable state to disk");
     }

@@ -184,6 +184,7 @@ fn store(dir: &Path) {
                 Change::Access { device, session, access } => Change::Access { device, session: *session, access: *access },
                 Change::Session { id, devices } => Change::Session { id: *id, devices: *devices },
                 Change::Applied { key, seq } => Change::Applied { key, seq: *seq },
+                Change::Stream { id, recovery } => Change::Stream { id: *id, recovery: *recovery },
             };
             encode(&mut out, ch);
         }

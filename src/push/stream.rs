@@ -565,6 +565,140 @@ impl SessionRecovery {
     }
 }
 
+/// A session's recovery state as the store keeps it across a restart (a graceful shutdown
+/// writes it, the next start reads it back: docs/design/recovery.md step 5). Times are wall
+/// clock (unix ms), since `Instant`s mean nothing to another process; frames are shared, not
+/// copied, until encoded.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StoredRecovery {
+    pub epoch: u32,
+    pub next_seq: u64,
+    pub first_seq: u64,
+    /// 0: nothing trimmed; else 1 + the [`TrimCause`] index.
+    pub cut_by: u8,
+    /// The epoch of the stream last dropped for the window (0: none).
+    pub lost_epoch: u32,
+    /// `(seq, unix ms it was delivered, frame)`, oldest first.
+    pub entries: Vec<(u64, i64, Arc<str>)>,
+    pub pids: Vec<StoredPid>,
+}
+
+/// A pid as stored: always away (a shutdown said goodbye to its socket), since `away_ms`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredPid {
+    pub pid: Box<str>,
+    pub sid: Box<str>,
+    /// Unix ms it left (a pid still connected when written counts as leaving then).
+    pub away_ms: i64,
+    pub epoch: u32,
+    pub start_seq: u64,
+}
+
+/// `at` in unix ms, given that `now` is `now_ms`.
+fn wall_ms(at: Instant, now: Instant, now_ms: i64) -> i64 {
+    now_ms - now.saturating_duration_since(at).as_millis() as i64
+}
+
+/// Unix ms `ms` as an `Instant`, given that `now` is `now_ms` (a time in the future, e.g. a
+/// clock set back, is now; one before the process's `Instant` range is the earliest there is).
+fn instant_of(ms: i64, now: Instant, now_ms: i64) -> Instant {
+    let age = Duration::from_millis(now_ms.saturating_sub(ms).max(0) as u64);
+    now.checked_sub(age).unwrap_or(now)
+}
+
+impl SessionRecovery {
+    /// What the store keeps of it (`None`: it has no stream, nothing to recover from).
+    pub fn to_stored(&self, now: Instant, now_ms: i64) -> Option<StoredRecovery> {
+        let stream = self.stream.as_ref()?;
+        let started_ms = wall_ms(stream.started, now, now_ms);
+        Some(StoredRecovery {
+            epoch: stream.epoch,
+            next_seq: stream.next_seq,
+            first_seq: stream.first_seq,
+            cut_by: stream.cut_by.map_or(0, |c| 1 + c.index() as u8),
+            lost_epoch: self.lost_epoch.unwrap_or(0),
+            entries: stream
+                .entries
+                .iter()
+                .map(|e| (e.seq, started_ms + i64::from(e.at_ms), e.frame.clone()))
+                .collect(),
+            pids: self
+                .pids
+                .iter()
+                .map(|p| StoredPid {
+                    pid: p.pid.clone(),
+                    sid: p.sid.clone(),
+                    away_ms: if p.socket.is_some() {
+                        now_ms
+                    } else {
+                        wall_ms(p.since, now, now_ms)
+                    },
+                    epoch: p.epoch,
+                    start_seq: p.start_seq,
+                })
+                .collect(),
+        })
+    }
+
+    /// Rebuilds it from the store at start: the same epoch and seqs, each pid away since its
+    /// wall-clock time (so the time the process was down counts against the window), each
+    /// frame its own allocation again, charged to `core_total`.
+    pub fn from_stored(
+        stored: StoredRecovery,
+        core_total: Rc<Cell<usize>>,
+        now: Instant,
+        now_ms: i64,
+    ) -> Self {
+        let mut stream = SessionStream::with_epoch(stored.epoch.max(1), core_total, now);
+        stream.next_seq = stored.next_seq.max(1);
+        stream.first_seq = stored.first_seq;
+        stream.cut_by = TrimCause::ALL
+            .get(usize::from(stored.cut_by).wrapping_sub(1))
+            .copied();
+        for (seq, at, frame) in stored.entries {
+            if seq < stream.first_seq || seq >= stream.next_seq {
+                continue;
+            }
+            // Milliseconds since the stream's start, which is now: older entries wrap below
+            // zero, and every age test subtracts wrapping (entries never live 49 days).
+            let age = now_ms.saturating_sub(at).clamp(0, i64::from(u32::MAX)) as u32;
+            let charged = frame.len() + ENTRY_OVERHEAD;
+            stream.entries.push_back(Entry {
+                seq,
+                at_ms: 0u32.wrapping_sub(age),
+                frame,
+            });
+            stream.bytes += charged;
+        }
+        if let Some(first) = stream.entries.front() {
+            stream.first_seq = first.seq;
+        } else if stream.first_seq < stream.next_seq {
+            stream.first_seq = stream.next_seq;
+        }
+        stream
+            .core_total
+            .set(stream.core_total.get() + stream.bytes);
+        let pids = stored
+            .pids
+            .into_iter()
+            .take(MAX_PIDS)
+            .map(|p| PidEntry {
+                pid: p.pid,
+                sid: p.sid,
+                socket: None,
+                since: instant_of(p.away_ms, now, now_ms),
+                epoch: p.epoch,
+                start_seq: p.start_seq,
+            })
+            .collect();
+        Self {
+            stream: Some(stream),
+            pids,
+            lost_epoch: (stored.lost_epoch != 0).then_some(stored.lost_epoch),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -805,7 +939,11 @@ mod tests {
         r.sweep(t0 + W, W);
         assert!(r.stream.is_none());
         r.stream_or_new(&total, t0 + W);
-        assert_eq!(r.resume(&offset).err(), Some(Failure::Window), "an offset of the stream dropped for the window");
+        assert_eq!(
+            r.resume(&offset).err(),
+            Some(Failure::Window),
+            "an offset of the stream dropped for the window"
+        );
     }
 
     #[test]
@@ -830,5 +968,71 @@ mod tests {
         assert_eq!(t.0[TrimCause::Window.index()], 1 + ENTRY_OVERHEAD);
         assert!(r.stream.is_none());
         assert_eq!(total.get(), 0);
+    }
+
+    #[test]
+    fn a_stored_recovery_comes_back_with_its_epoch_seqs_frames_and_away_time() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut r = SessionRecovery::default();
+        r.stream_or_new(&total, t0);
+        let (sid, pid) = r.issue(1, t0);
+        let mut t = Trimmed::default();
+        let stream = r.stream.as_mut().unwrap();
+        for i in 0..5 {
+            stream.push(&frame(&format!("f{i}")), t0, W, 1 << 20, &mut t);
+        }
+        stream.trim_to(3 * (2 + ENTRY_OVERHEAD), TrimCause::SessionBound);
+        let offset = stream.offset(3);
+        let epoch = stream.epoch();
+        r.left(1, t0);
+        // Written 10 s after it left; read back by a process whose clock says 30 s later.
+        let now_ms = 1_700_000_000_000;
+        let stored = r.to_stored(t0 + Duration::from_secs(10), now_ms).unwrap();
+        assert_eq!(stored.pids[0].away_ms, now_ms - 10_000);
+        assert_eq!(
+            stored.entries.iter().map(|e| e.0).collect::<Vec<_>>(),
+            [3, 4, 5]
+        );
+        drop(r);
+        assert_eq!(total.get(), 0);
+        let later = Instant::now();
+        let mut back =
+            SessionRecovery::from_stored(stored.clone(), total.clone(), later, now_ms + 20_000);
+        assert_eq!(total.get(), 3 * (2 + ENTRY_OVERHEAD));
+        assert_eq!(
+            back.to_stored(later, now_ms + 20_000)
+                .unwrap()
+                .entries
+                .len(),
+            3
+        );
+        assert_eq!(back.stream.as_ref().unwrap().epoch(), epoch);
+        assert_eq!(back.stream.as_ref().unwrap().head(), 5);
+        assert_eq!(
+            back.resume(&offset)
+                .unwrap()
+                .iter()
+                .map(|(f, s)| (f.to_string(), *s))
+                .collect::<Vec<_>>(),
+            [("f3".to_string(), 4), ("f4".to_string(), 5)]
+        );
+        // Seq 1 was trimmed by the bound before the write: still `bound` after it.
+        let before = offset_text(back.stream.as_ref().unwrap().prefix(), 1);
+        assert_eq!(back.resume(&before).err(), Some(Failure::Bound));
+        // Away 30 s: inside the window, the same sid comes back; 91 s later it is past it.
+        let restored = back.restore(&pid, Some(&offset), 2, later, W).ok().unwrap();
+        assert_eq!(restored.sid, sid);
+        assert_eq!(restored.frames.len(), 2);
+        let mut again =
+            SessionRecovery::from_stored(stored, total.clone(), later, now_ms + 111_000);
+        assert_eq!(
+            again.restore(&pid, Some(&offset), 3, later, W).err(),
+            Some(Failure::Window)
+        );
+        // The stream's entries aged past the window too.
+        let mut t = Trimmed::default();
+        again.stream.as_mut().unwrap().trim_age(later, W, &mut t);
+        assert!(again.stream.as_ref().unwrap().is_empty());
     }
 }

@@ -8,6 +8,7 @@
 use hashbrown::HashMap;
 
 use crate::ids::SessionId;
+use crate::push::stream::StoredRecovery;
 use crate::shard::access::{Access, Grants, Subscriptions};
 use crate::shard::devices::Device;
 
@@ -21,6 +22,10 @@ pub enum Change<'a> {
     Session { id: SessionId, devices: Option<&'a hashbrown::HashSet<Box<str>>> },
     /// Every event of the source partition `key` up to sequence number `seq` is applied.
     Applied { key: &'a str, seq: i64 },
+    /// A session's recovery stream and pids, written by a graceful shutdown and loaded back
+    /// at the next start; `None`: gone (the start that loaded it writes this, so a later
+    /// crash never brings back a stream that went on without being written).
+    Stream { id: SessionId, recovery: Option<&'a StoredRecovery> },
 }
 
 /// One core's state as read back at start. Devices are rebuilt as the shard's own [`Device`]s
@@ -33,6 +38,8 @@ pub struct Loaded {
     pub sessions: HashMap<SessionId, Vec<Box<str>>>,
     /// Source partition → the highest sequence number this core has applied.
     pub applied: HashMap<Box<str>, i64>,
+    /// Sessions' recovery streams a graceful shutdown wrote (docs/design/recovery.md step 5).
+    pub streams: HashMap<SessionId, StoredRecovery>,
     /// When the devices were read back: a device with a connection state counts as heard from
     /// then (its connection-state TTL starts again).
     pub heard: Option<std::time::Instant>,

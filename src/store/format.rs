@@ -23,11 +23,17 @@
 
 use crate::ids::SessionId;
 use crate::ingest::JsonText;
+use crate::push::stream::{StoredPid, StoredRecovery};
 use crate::shard::access::{Grants, KeySet, Subscriptions};
 
 pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// Bump on any incompatible change, and teach [`check_header`] the old one or refuse it.
-pub const VERSION: u32 = 1;
+/// Version 2 added the recovery stream records ([`TAG_STREAM`], [`TAG_STREAM_GONE`]); a
+/// version 1 file holds none of them and reads as it always did ([`READS`]).
+pub const VERSION: u32 = 2;
+/// The versions this hubcast reads (it writes [`VERSION`]). An older hubcast refuses a
+/// version 2 file by name: a downgrade is not supported once one was written.
+pub const READS: [u32; 2] = [1, 2];
 pub const HEADER_LEN: usize = 16;
 pub const KIND_LOG: u8 = 1;
 pub const KIND_SNAPSHOT: u8 = 2;
@@ -43,6 +49,9 @@ const TAG_ACCESS_GONE: u8 = 4;
 const TAG_SESSION: u8 = 5;
 const TAG_SESSION_GONE: u8 = 6;
 const TAG_APPLIED: u8 = 7;
+/// A session's recovery stream and pids (version 2: docs/design/recovery.md step 5).
+const TAG_STREAM: u8 = 8;
+const TAG_STREAM_GONE: u8 = 9;
 pub const TAG_END: u8 = 0xFF;
 
 pub use crate::shard::change::Change;
@@ -65,6 +74,7 @@ pub enum Record {
     Access(Box<str>, SessionId, Option<(Grants, Subscriptions)>),
     Session(SessionId, Option<Vec<Box<str>>>),
     Applied(Box<str>, i64),
+    Stream(SessionId, Option<StoredRecovery>),
     End,
 }
 
@@ -96,8 +106,8 @@ pub fn check_header(bytes: &[u8], kind: u8) -> Result<(), String> {
         return Err("not a hubcast store file (bad magic)".into());
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    if version != VERSION {
-        return Err(format!("store format version {version}, this hubcast reads version {VERSION} only"));
+    if !READS.contains(&version) {
+        return Err(format!("store format version {version}, this hubcast reads versions {READS:?} only"));
     }
     if bytes[12] != kind {
         return Err(format!("file kind {} where {kind} was expected", bytes[12]));
@@ -210,7 +220,63 @@ pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
             put_str(buf, key);
             buf.extend_from_slice(&seq.to_le_bytes());
         }
+        Change::Stream { id, recovery: Some(r) } => encode_stream(buf, id, r),
+        Change::Stream { id, recovery: None } => {
+            buf.push(TAG_STREAM_GONE);
+            buf.extend_from_slice(&id.0.to_le_bytes());
+        }
     }
+}
+
+/// `TAG_STREAM`, session, epoch u32, next_seq u64, first_seq u64, cut_by u8, lost_epoch u32,
+/// entry count u32 and each `(seq u64, unix ms i64, frame str)`, pid count u32 and each
+/// `(pid str, sid str, away unix ms i64, epoch u32, start_seq u64)`.
+fn encode_stream(buf: &mut Vec<u8>, id: SessionId, r: &StoredRecovery) {
+    buf.push(TAG_STREAM);
+    buf.extend_from_slice(&id.0.to_le_bytes());
+    buf.extend_from_slice(&r.epoch.to_le_bytes());
+    buf.extend_from_slice(&r.next_seq.to_le_bytes());
+    buf.extend_from_slice(&r.first_seq.to_le_bytes());
+    buf.push(r.cut_by);
+    buf.extend_from_slice(&r.lost_epoch.to_le_bytes());
+    buf.extend_from_slice(&(r.entries.len() as u32).to_le_bytes());
+    for (seq, at, frame) in &r.entries {
+        buf.extend_from_slice(&seq.to_le_bytes());
+        buf.extend_from_slice(&at.to_le_bytes());
+        put_str(buf, frame);
+    }
+    buf.extend_from_slice(&(r.pids.len() as u32).to_le_bytes());
+    for p in &r.pids {
+        put_str(buf, &p.pid);
+        put_str(buf, &p.sid);
+        buf.extend_from_slice(&p.away_ms.to_le_bytes());
+        buf.extend_from_slice(&p.epoch.to_le_bytes());
+        buf.extend_from_slice(&p.start_seq.to_le_bytes());
+    }
+}
+
+fn decode_stream(r: &mut Reader<'_>) -> Result<Record, String> {
+    let id = SessionId(r.u128()?);
+    let epoch = r.u32()?;
+    let next_seq = r.u64()?;
+    let first_seq = r.u64()?;
+    let cut_by = r.u8()?;
+    let lost_epoch = r.u32()?;
+    let n = r.u32()?;
+    let mut entries = Vec::with_capacity(n.min(1 << 12) as usize);
+    for _ in 0..n {
+        let seq = r.u64()?;
+        let at = r.i64()?;
+        entries.push((seq, at, std::sync::Arc::from(r.str()?)));
+    }
+    let n = r.u32()?;
+    let mut pids = Vec::with_capacity(n.min(16) as usize);
+    for _ in 0..n {
+        let pid = r.str()?.into();
+        let sid = r.str()?.into();
+        pids.push(StoredPid { pid, sid, away_ms: r.i64()?, epoch: r.u32()?, start_seq: r.u64()? });
+    }
+    Ok(Record::Stream(id, Some(StoredRecovery { epoch, next_seq, first_seq, cut_by, lost_epoch, entries, pids })))
 }
 
 /// A cursor over a frame's payload; every read is bounds-checked (corrupt data is an error).
@@ -240,6 +306,9 @@ impl<'a> Reader<'a> {
     }
     fn u32(&mut self) -> R<u32> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> R<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
     }
     fn i64(&mut self) -> R<i64> {
         Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
@@ -327,6 +396,8 @@ fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
                 let key = r.str()?.into();
                 Record::Applied(key, r.i64()?)
             }
+            TAG_STREAM => decode_stream(r)?,
+            TAG_STREAM_GONE => Record::Stream(SessionId(r.u128()?), None),
             TAG_END => Record::End,
             t => return Err(format!("unknown record tag {t}")),
         };
@@ -441,6 +512,7 @@ pub struct NewestFirst {
     /// Access entries and sessions whose newest record has been taken (present or gone).
     access: hashbrown::HashSet<(Box<str>, SessionId)>,
     sessions: hashbrown::HashSet<SessionId>,
+    streams: hashbrown::HashSet<SessionId>,
 }
 
 impl NewestFirst {
@@ -534,6 +606,13 @@ impl NewestFirst {
                 if self.sessions.insert(id) {
                     if let Some(d) = devices {
                         into.sessions.insert(id, d);
+                    }
+                }
+            }
+            Record::Stream(id, recovery) => {
+                if self.streams.insert(id) {
+                    if let Some(r) = recovery {
+                        into.streams.insert(id, r);
                     }
                 }
             }

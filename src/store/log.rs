@@ -342,7 +342,7 @@ fn read_file(path: &Path, kind: u8) -> Result<Result<Vec<u8>, Damage>, String> {
     let bytes = fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     match format::check_header(&bytes, kind) {
         Ok(()) => Ok(Ok(bytes)),
-        Err(e) if bytes.len() >= format::HEADER_LEN && &bytes[..8] == format::MAGIC && bytes[8..12] != format::VERSION.to_le_bytes() => {
+        Err(e) if bytes.len() >= format::HEADER_LEN && &bytes[..8] == format::MAGIC && !format::READS.iter().any(|v| bytes[8..12] == v.to_le_bytes()) => {
             Err(format!("{}: {e}", path.display()))
         }
         Err(e) => Ok(Err(Damage::new(path, &[(0, bytes.len(), e)], 0))),
@@ -446,6 +446,9 @@ fn reshard(old: Vec<Loaded>, cores: usize) -> Vec<Loaded> {
         for (id, devices) in l.sessions {
             out[core_of_session(id, cores)].sessions.insert(id, devices);
         }
+        for (id, stream) in l.streams {
+            out[core_of_session(id, cores)].streams.insert(id, stream);
+        }
     }
     for o in &mut out {
         o.applied = marks.clone();
@@ -476,6 +479,10 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
     for (id, devices) in &loaded.sessions {
         let set: hashbrown::HashSet<Box<str>> = devices.iter().cloned().collect();
         format::encode(&mut buf, Change::Session { id: *id, devices: Some(&set) });
+        split(&mut buf, &mut frame);
+    }
+    for (id, stream) in &loaded.streams {
+        format::encode(&mut buf, Change::Stream { id: *id, recovery: Some(stream) });
         split(&mut buf, &mut frame);
     }
     for (key, seq) in &loaded.applied {
@@ -1217,7 +1224,70 @@ mod tests {
         bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
         fs::write(&log, bytes).unwrap();
         let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
-        assert!(err.contains("store format version 7") && err.contains("version 1"), "{err}");
+        assert!(err.contains("store format version 7") && err.contains("versions [1, 2]"), "{err}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_data_dir_of_format_version_1_is_read_as_before() {
+        let dir = temp_dir("version-1");
+        write_some(&dir, 2);
+        let expected = all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap());
+        // Every file as the previous hubcast wrote it: the same records under a version 1 header.
+        for e in fs::read_dir(&dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.ends_with(".log") || name.ends_with(".snap") {
+                let mut bytes = fs::read(e.path()).unwrap();
+                assert_eq!(bytes[8..12], format::VERSION.to_le_bytes());
+                bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+                fs::write(e.path(), bytes).unwrap();
+            }
+        }
+        let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(all_devices(&o), expected);
+        assert_eq!(expected.len(), 6);
+        assert_eq!(o.loaded[0].sessions.get(&SessionId(7)).unwrap(), &vec![Box::<str>::from("dev-0-0")]);
+        assert_eq!(o.resume_positions().get("p0"), Some(&2));
+        assert!(o.loaded.iter().all(|l| l.streams.is_empty()));
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_recovery_stream_comes_back_until_marked_gone_and_follows_a_reshard() {
+        use crate::push::stream::{StoredPid, StoredRecovery};
+        let dir = temp_dir("streams");
+        let stream = StoredRecovery {
+            epoch: 77,
+            next_seq: 4,
+            first_seq: 2,
+            cut_by: 2,
+            lost_epoch: 5,
+            entries: vec![(2, 1_000, "{\"a\":1}".into()), (3, 1_001, "{\"b\":\"é\"}".into())],
+            pids: vec![StoredPid { pid: "p".into(), sid: "s".into(), away_ms: 999, epoch: 77, start_seq: 1 }],
+        };
+        let id = SessionId(0xfeed_f00d_1234);
+        let home = core_of_session(id, 2);
+        {
+            let mut o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+            o.stores[home].put(Change::Stream { id, recovery: Some(&stream) });
+            o.stores[home].commit();
+            o.stores.iter_mut().for_each(|s| s.close().unwrap());
+        }
+        let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(o.loaded[home].streams.get(&id), Some(&stream));
+        drop(o);
+        // Three cores: re-sharded into a snapshot, on the session's new core.
+        let mut o = open(&dir, 3, Options::new(Duration::ZERO)).unwrap();
+        let home = core_of_session(id, 3);
+        assert_eq!(o.loaded[home].streams.get(&id), Some(&stream));
+        o.stores[home].put(Change::Stream { id, recovery: None });
+        o.stores[home].commit();
+        o.stores.iter_mut().for_each(|s| s.close().unwrap());
+        drop(o);
+        let o = open(&dir, 3, Options::new(Duration::ZERO)).unwrap();
+        assert!(o.loaded.iter().all(|l| l.streams.is_empty()), "marked gone");
+        drop(o);
         let _ = fs::remove_dir_all(&dir);
     }
 

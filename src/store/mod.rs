@@ -91,12 +91,18 @@ impl Loaded {
                 let mark = self.applied.entry(key).or_insert(seq);
                 *mark = (*mark).max(seq);
             }
+            Record::Stream(id, Some(r)) => {
+                self.streams.insert(id, r);
+            }
+            Record::Stream(id, None) => {
+                self.streams.remove(&id);
+            }
             Record::End => {}
         }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.devices.is_empty() && self.access.is_empty() && self.sessions.is_empty() && self.applied.is_empty()
+        self.devices.is_empty() && self.access.is_empty() && self.sessions.is_empty() && self.applied.is_empty() && self.streams.is_empty()
     }
 }
 
