@@ -529,9 +529,50 @@ fn a_cluster_resharded_under_the_instances_keeps_sessions_and_live_data() {
         panic!("after the reshard, on the same socket: nothing; {seen:?}\nA: {:?}\nB: {:?}", a.stderr_lines(), b.stderr_lines())
     });
     assert_eq!(after["telemetry"], json!({"n": 2}));
+    // The device's channel moved three times: each time its old master unsubscribed B unasked
+    // (sharded pub/sub), which B counted and followed.
+    assert!(metric(&b, "hubcast_redis_slot_moves_total", "b") >= 1.0, "slot moves counted on B");
+    let resubscribed = b.metric("hubcast_redis_resubscribes_total{instance=\"b\",reason=\"sunsubscribe\"}").unwrap_or(0.0);
+    assert!(resubscribed >= 1.0, "and followed: {resubscribed}");
     for (s, id) in [(&a, "a"), (&b, "b")] {
         assert_eq!(metric(s, "hubcast_redis_reconnects_total", id), 0.0, "{id} never lost its link");
     }
+}
+
+/// Sharded pub/sub (issue 23.1): an instance receiving devices whose channels are spread over
+/// every master holds exactly one subscriber connection per master (`CLIENT LIST`, named
+/// `hubcast-<instance>-shard`), and each device's messages reach it.
+#[test]
+fn one_shard_subscriber_per_master_carries_every_device() {
+    let redis = Engine::cluster();
+    let Engine::Cluster(cluster) = &redis else { unreachable!() };
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = b.new_session();
+    let devices: Vec<String> = (0..30).map(|i| format!("spread-{i}")).collect();
+    for d in &devices {
+        let request = json!({"type": "telemetry", "deviceId": d});
+        b.grant(&session, request.clone());
+        assert_eq!(b.subscribe(&session, request).0, 204);
+    }
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", devices.len() as f64);
+    for (i, d) in devices.iter().enumerate() {
+        a.ingest(json!({"deviceId": d, "body": {"n": i}}));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    while seen.len() < devices.len() {
+        let frame = ws.next_json(WAIT).unwrap_or_else(|| panic!("every device's message reaches B; got {seen:?}"));
+        seen.insert(frame["deviceId"].as_str().unwrap_or_default().to_string());
+    }
+    for m in cluster.masters() {
+        let clients = cluster.command_on(m, "CLIENT LIST").unwrap_or_default();
+        let shard = clients.lines().filter(|l| l.contains("name=hubcast-b-shard ")).count();
+        assert_eq!(shard, 1, "one subscriber of B on master {m}: {clients}");
+        assert!(!clients.contains("name=hubcast-a-shard "), "A watches nothing: no subscriber of A on master {m}");
+    }
+    assert_eq!(metric(&b, "hubcast_redis_cluster_masters", "b"), 3.0);
+    assert_eq!(metric(&b, "hubcast_redis_pubsub_connections", "b"), 4.0, "3 shard subscribers and the control one");
 }
 
 /// The Redis Cluster harness itself (tests/common/redis.rs): a key is found wherever it

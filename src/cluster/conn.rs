@@ -212,6 +212,25 @@ impl Conn {
     }
 }
 
+/// The slot map, from `CLUSTER SLOTS` (`[start, end, [host, port, id], replicas…]`):
+/// `(first slot, last slot, master)`, sorted by slot.
+pub(crate) async fn slot_map(conn: &mut Conn) -> RedisResult<Vec<(u16, u16, (String, u16))>> {
+    let Conn::Cluster(c) = conn else { return Ok(Vec::new()) };
+    let slots = c.route_command(redis::cmd("CLUSTER").arg("SLOTS").to_owned(), RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random)).await?;
+    let ranges: Vec<Vec<Value>> = redis::from_redis_value(slots)?;
+    let mut out = Vec::new();
+    for range in ranges {
+        let (Some(first), Some(last), Some(Value::Array(master))) = (range.first(), range.get(1), range.get(2)) else { continue };
+        if let (Some(host), Some(port)) = (master.first(), master.get(1)) {
+            let first: u16 = redis::from_redis_value_ref(first)?;
+            let last: u16 = redis::from_redis_value_ref(last)?;
+            out.push((first, last, (redis::from_redis_value_ref(host)?, redis::from_redis_value_ref(port)?)));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// The masters' addresses, from `CLUSTER SLOTS` (`[start, end, [host, port, id], replicas…]`).
 async fn masters(c: &mut ClusterConnection) -> RedisResult<Vec<(String, u16)>> {
     let slots = c.route_command(redis::cmd("CLUSTER").arg("SLOTS").to_owned(), RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random)).await?;

@@ -40,6 +40,7 @@ use super::conn::Conn;
 use super::names::Names;
 
 use super::lease::{self, Ctl, Leases};
+use super::shards;
 use super::wire::{self, SharedOp};
 use super::{Command, Inbound, Stats};
 use crate::ids::SessionId;
@@ -58,6 +59,9 @@ const READ_DEADLINE: Duration = Duration::from_millis(1000);
 /// and other instances' reads being answered here at once (beyond: not answered; the asker's
 /// deadline answers for them).
 const READS_PENDING: usize = 4096;
+/// Requests waiting for the shard task (subscriptions and unsubscriptions of device
+/// channels; the command task waits for room).
+const SHARD_REQUESTS: usize = 64;
 /// Tries of one change when other instances change the session meanwhile (then 503).
 const CHANGE_TRIES: usize = 8;
 /// Changes running at once (each its own task); beyond, the command task waits for one to
@@ -244,6 +248,8 @@ struct Conns {
     stream: PubSubStream,
     /// Devices other instances started or stopped watching while this one was away.
     changes: Vec<(Box<str>, bool)>,
+    /// A cluster: the device channels this instance receives, for the shard task.
+    initial: Vec<String>,
 }
 
 async fn run(
@@ -272,12 +278,24 @@ async fn run(
                 down_since_logged = false;
                 let reason = {
                     let pubsub = pubsub(&ctx, &state, conns.stream, conns.conn.clone(), reconnected, conns.changes);
-                    let commands = command_loop(&ctx, &state, conns.conn, conns.sink, &commands, &ctl_tx);
+                    // A cluster's device channels: the shard task (sharded pub/sub).
+                    let (shard_tx, shard_rx) = async_channel::bounded(SHARD_REQUESTS);
+                    let cluster = ctx.is_cluster();
+                    let (shard_conn, initial) = (conns.conn.clone(), conns.initial);
+                    let shards = async {
+                        if cluster {
+                            shards::run(&ctx, &state, shard_conn, shard_rx, initial).await
+                        } else {
+                            std::future::pending().await
+                        }
+                    };
+                    let commands = command_loop(&ctx, &state, conns.conn, conns.sink, cluster.then_some(shard_tx), &commands, &ctl_tx);
                     let leases = lease::run(&ctx, &state, &mut lease, conns.lease_conn, &mut ctl_rx);
                     tokio::select! {
                         r = pubsub => r,
                         r = commands => r,
                         r = leases => r,
+                        r = shards => r,
                     }
                 };
                 let lost = format!("the link to Redis was lost ({reason})");
@@ -387,6 +405,8 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     pipe.cmd("DEL").arg(ctx.key("watching", &me)).ignore();
     within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
     let local: Vec<Box<str>> = state.borrow().local.iter().cloned().collect();
+    // A cluster's device channels, subscribed by the shard task (before its first message).
+    let mut initial = Vec::new();
     for chunk in local.chunks(CHUNK) {
         let mut pipe = redis::pipe();
         pipe.cmd("SADD").arg(ctx.key("watching", &me));
@@ -399,7 +419,11 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
         }
         within("SADD watching", pipe.query_async::<()>(&mut conn)).await?;
         let channels: Vec<String> = chunk.iter().map(|d| ctx.key("device", d)).collect();
-        within("SUBSCRIBE devices", sink.subscribe(channels)).await?;
+        if ctx.is_cluster() {
+            initial.extend(channels);
+        } else {
+            within("SUBSCRIBE devices", sink.subscribe(channels)).await?;
+        }
     }
     // What the others watch, read after subscribing to `watch` so no change is missed.
     let live = live_instances(ctx, &mut conn).await?;
@@ -425,7 +449,7 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     s.remote = remote;
     s.instances = live;
     ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
-    Ok(Conns { conn, lease_conn, sink, stream, changes })
+    Ok(Conns { conn, lease_conn, sink, stream, changes, initial })
 }
 
 /// Other instances whose presence is alive (one Redis: `SCAN` of the instance keys; a
@@ -509,6 +533,7 @@ async fn command_loop(
     state: &State,
     mut conn: Conn,
     mut sink: PubSubSink,
+    shards: Option<async_channel::Sender<shards::Req>>,
     commands: &async_channel::Receiver<Command>,
     ctl: &tokio::sync::mpsc::Sender<Ctl>,
 ) -> Failed {
@@ -522,7 +547,7 @@ async fn command_loop(
             command = commands.recv() => match command {
                 Ok(Command::Stream(plan)) => ctl.send(Ctl::Stream(plan)).await.map_err(|_| "stopped".to_string()),
                 Ok(Command::Leave(done)) => ctl.send(Ctl::Leave(done)).await.map_err(|_| "stopped".to_string()),
-                Ok(command) => on_command(ctx, state, command, &mut conn, &mut sink).await,
+                Ok(command) => on_command(ctx, state, command, &mut conn, &mut sink, shards.as_ref()).await,
                 Err(_) => Err("stopped".to_string()),
             },
         };
@@ -544,7 +569,14 @@ fn expire_reads(state: &State) {
     }
 }
 
-async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut Conn, sink: &mut PubSubSink) -> Result<(), Failed> {
+async fn on_command(
+    ctx: &Rc<Ctx>,
+    state: &State,
+    command: Command,
+    conn: &mut Conn,
+    sink: &mut PubSubSink,
+    shards: Option<&async_channel::Sender<shards::Req>>,
+) -> Result<(), Failed> {
     match command {
         Command::Save { op, reply } => {
             let result = save(ctx, &op, conn).await;
@@ -589,12 +621,17 @@ async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut C
         }
         Command::Publish(items) => {
             let n = items.len() as u64;
-            let mut pipe = redis::pipe();
-            for (device, payload) in &items {
-                pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
-            }
-            // Device channels are of many slots: the whole pipeline to the control node.
-            if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(&mut conn.at(&ctx.channel("ops")))).await {
+            let sent = if ctx.is_cluster() {
+                // Sharded: each to its channel's master.
+                within("SPUBLISH", shards::publish(conn, &items, |d| ctx.key("device", d))).await
+            } else {
+                let mut pipe = redis::pipe();
+                for (device, payload) in &items {
+                    pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
+                }
+                within("PUBLISH", pipe.query_async::<()>(conn)).await
+            };
+            if let Err(reason) = sent {
                 ctx.stats.dropped.fetch_add(n, Ordering::Relaxed);
                 return Err(reason);
             }
@@ -625,11 +662,22 @@ async fn on_command(ctx: &Rc<Ctx>, state: &State, command: Command, conn: &mut C
                 ctx.stats.watched_here.store(s.local.len() as u64, Ordering::Relaxed);
             }
             // Subscribed before announced: once another instance knows, messages arrive.
-            if !on.is_empty() {
-                within("SUBSCRIBE", sink.subscribe(on)).await?;
-            }
-            if !off.is_empty() {
-                within("UNSUBSCRIBE", sink.unsubscribe(off)).await?;
+            if let Some(shards) = shards {
+                if !on.is_empty() {
+                    let (reply, done) = futures_channel::oneshot::channel();
+                    shards.send(shards::Req::Subscribe(on, reply)).await.map_err(|_| "the shard task stopped".to_string())?;
+                    done.await.map_err(|_| "the shard task stopped".to_string())??;
+                }
+                if !off.is_empty() {
+                    shards.send(shards::Req::Unsubscribe(off)).await.map_err(|_| "the shard task stopped".to_string())?;
+                }
+            } else {
+                if !on.is_empty() {
+                    within("SUBSCRIBE", sink.subscribe(on)).await?;
+                }
+                if !off.is_empty() {
+                    within("UNSUBSCRIBE", sink.unsubscribe(off)).await?;
+                }
             }
             within("announce watch", pipe.query_async::<()>(conn)).await?;
         }
@@ -795,7 +843,7 @@ async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut Conn) -> Result<bool, Failed>
 /// A burst of pub/sub messages, in order: device messages are grouped per core between two
 /// control messages, each handed to its core's queue in the order Redis gave them. Nothing
 /// here waits for a core's answer.
-async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch: Vec<redis::Msg>) {
+pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch: Vec<redis::Msg>) {
     let ops = ctx.channel("ops");
     let watch = ctx.channel("watch");
     let read = ctx.channel("read");

@@ -1,5 +1,6 @@
 //! Several hubcast instances behind one load balancer, sharing one Redis (`--redis-url`) or
-//! one Redis Cluster (`--redis-cluster-nodes`; `conn.rs` and `names.rs` are all that differ).
+//! one Redis Cluster (`--redis-cluster-nodes`; `conn.rs`, `names.rs` and `shards.rs`, its sharded
+//! pub/sub for device channels, are all that differ).
 //!
 //! Without either none of this runs. With one:
 //! - **Sessions are shared.** A session lives in Redis (`<prefix>:session:<id>`: its access
@@ -37,6 +38,7 @@ mod conn;
 mod lease;
 mod link;
 mod names;
+mod shards;
 pub mod wire;
 
 pub use conn::Engine;
@@ -173,6 +175,13 @@ pub struct Stats {
     pub replayed: AtomicU64,
     /// Cores of this instance that have not answered for 3 × `--lease-ttl` (cluster/lease.rs).
     pub stalled: AtomicU64,
+    /// A Redis Cluster's sharded pub/sub (cluster/shards.rs): masters in the slot map,
+    /// subscriber connections open, slot moves seen, resubscriptions per reason, map reads.
+    pub cluster_masters: AtomicU64,
+    pub shard_connections: AtomicU64,
+    pub slot_moves: AtomicU64,
+    pub resubscribes: [AtomicU64; 5],
+    pub topology_refreshes: AtomicU64,
 }
 
 pub struct Cluster {
@@ -185,6 +194,8 @@ pub struct Cluster {
     /// What the Redis thread takes when it starts.
     link: Mutex<Option<LinkParts>>,
     owned: tokio::sync::watch::Receiver<Owned>,
+    /// On a Redis Cluster (`--redis-cluster-nodes`).
+    cluster: bool,
 }
 
 type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_channel::Sender<Inbound>>, tokio::sync::watch::Sender<Owned>);
@@ -228,6 +239,7 @@ impl Cluster {
             commands,
             inbound: Mutex::new(receivers.into_iter().map(Some).collect()),
             refresh,
+            cluster: options.engine.is_cluster(),
             link: Mutex::new(Some((options, command_rx, senders, owned_tx))),
             owned,
         }))
@@ -311,9 +323,32 @@ impl Cluster {
             ("hubcast_redis_partition_takeovers_total".into(), "Partition leases taken that another instance held before (it left, died, or gave it up to balance); events after its last checkpoint may be applied twice.".into(), label.clone(), get(&s.takeovers)),
             ("hubcast_redis_partition_replayed_events_total".into(), "Events read again after taking a partition over: the previous holder had handed them to its cores past its last checkpoint (at its last heartbeat; at most a heartbeat more).".into(), label.clone(), get(&s.replayed)),
             ("hubcast_redis_stalled_cores".into(), "Cores of this instance silent for 3 x --lease-ttl: while any is, the instance holds no partition lease.".into(), label.clone(), get(&s.stalled)),
-            ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label, get(&s.reconnects)),
+            ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label.clone(), get(&s.reconnects)),
         ])
+        .chain(self.cluster_series(&label))
         .collect()
+    }
+}
+
+impl Cluster {
+    /// A Redis Cluster's series (none on one Redis).
+    fn cluster_series(&self, label: &str) -> Vec<(String, String, String, u64)> {
+        if !self.cluster {
+            return Vec::new();
+        }
+        let s = &self.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out: Vec<(String, String, String, u64)> = vec![
+            ("hubcast_redis_cluster_masters".into(), "Masters in the Redis Cluster's slot map as last read.".into(), label.to_string(), get(&s.cluster_masters)),
+            ("hubcast_redis_pubsub_connections".into(), "Pub/sub connections open: one for control channels, at most one sharded subscriber per master.".into(), label.to_string(), get(&s.shard_connections) + get(&s.connected)),
+            ("hubcast_redis_slot_moves_total".into(), "Device channels a master unsubscribed unasked (their slot moved): subscribed again on the new master.".into(), label.to_string(), get(&s.slot_moves)),
+            ("hubcast_redis_topology_refreshes_total".into(), "Times the slot map was read (CLUSTER SLOTS).".into(), label.to_string(), get(&s.topology_refreshes)),
+        ];
+        for (i, reason) in shards::REASONS.iter().enumerate() {
+            let labels = format!("{{instance=\"{}\",reason=\"{reason}\"}}", self.instance);
+            out.push(("hubcast_redis_resubscribes_total".into(), "Device channels subscribed again, by why: moved (MOVED), sunsubscribe (a slot move), reconnect (a subscriber lost), desync (a reply that was not its confirmation), full (the push queue was full).".into(), labels, get(&s.resubscribes[i])));
+        }
+        out
     }
 }
 

@@ -1,0 +1,465 @@
+//! Sharded pub/sub on a Redis Cluster (docs/design/redis-cluster.md §1, §2 "Reshard and
+//! failover", step 6): device channels over `SSUBSCRIBE`/`SPUBLISH`, so each device message
+//! goes to the master of its channel's slot only (and the masters share the traffic), not to
+//! every node as a classic `PUBLISH` does.
+//!
+//! A task of the Redis thread owns **at most one subscriber connection per master**, built
+//! from the redis crate's parts (a RESP3 multiplexed connection with a push sender), not the
+//! crate's cluster `ssubscribe`, which in 1.8.1 forgets a channel on the server's unsolicited
+//! `sunsubscribe` and resubscribes a node's channels in one cross-slot command. Here:
+//! - `SSUBSCRIBE`/`SUNSUBSCRIBE` go **one per slot** (all of a command's channels in one
+//!   slot), and the confirmation answered is checked against what was asked: a mismatch means
+//!   an unsolicited push was taken for a reply, so that master's subscriber is rebuilt
+//!   (`reason="desync"`).
+//! - The trap of a slot move: the old owner unsubscribes the channel with a `sunsubscribe`
+//!   push nobody asked for. It is counted (`hubcast_redis_slot_moves_total`), the slot map is
+//!   read again (`CLUSTER SLOTS`) and the channel subscribed on its new master.
+//! - `MOVED` on `SSUBSCRIBE`: the map is read again and the channel tried there (3 tries,
+//!   50 ms apart). A subscriber connection lost (`Disconnection` push): its channels are
+//!   placed again by the new map. The map is also read every 30 s (a failover nobody here
+//!   saw), moving channels whose master changed and closing subscribers of former masters.
+//! - Bounds: pushes wait in one queue of [`PUSHES`]; when it is full the push is dropped
+//!   and that subscriber is rebuilt (`reason="full"`; its messages meanwhile are lost, as
+//!   with any pub/sub outage).
+//!
+//! Not yet (step 7): a message published while a slot moves may be lost (moves are counted,
+//! delivery resumes).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_channel::oneshot;
+use redis::aio::MultiplexedConnection;
+use redis::{PushInfo, PushKind, Value};
+
+use super::conn::Conn;
+use super::link::{within, Ctx, Failed, State};
+use super::Engine;
+
+/// Pushes (device messages and confirmations) waiting for the shard task, all subscribers.
+const PUSHES: usize = 4096;
+/// How often the slot map is read when nothing asked for it.
+const REFRESH: Duration = Duration::from_secs(30);
+/// Tries of one subscription when `MOVED` answers it.
+const TRIES: usize = 3;
+/// Messages handed over at once.
+const BATCH: usize = 256;
+
+/// Why channels were subscribed again (`hubcast_redis_resubscribes_total{reason}`).
+#[derive(Clone, Copy)]
+pub(super) enum Reason {
+    Moved = 0,
+    Sunsubscribe = 1,
+    Reconnect = 2,
+    Desync = 3,
+    Full = 4,
+}
+
+pub(super) const REASONS: [&str; 5] = ["moved", "sunsubscribe", "reconnect", "desync", "full"];
+
+/// What the command task asks of the shard task.
+pub(super) enum Req {
+    /// Device channels to receive: answered once every one is confirmed by its master.
+    Subscribe(Vec<String>, oneshot::Sender<Result<(), Failed>>),
+    Unsubscribe(Vec<String>),
+}
+
+/// A channel's hash slot, as Redis computes it: CRC16 (XMODEM) of the hash tag if there is
+/// one (`{…}`, not empty), else of the whole name, modulo 16384.
+pub(super) fn slot(channel: &str) -> u16 {
+    let k = channel.as_bytes();
+    let tagged = k.iter().position(|b| *b == b'{').and_then(|open| {
+        let close = k[open + 1..].iter().position(|b| *b == b'}')?;
+        (close > 0).then(|| &k[open + 1..open + 1 + close])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(k)) % 16384
+}
+
+type Addr = (String, u16);
+
+struct Sub {
+    conn: MultiplexedConnection,
+    channels: HashSet<String>,
+    /// Set by the push sender when the queue was full.
+    overflow: Arc<AtomicBool>,
+}
+
+struct Shards<'a> {
+    ctx: &'a Rc<Ctx>,
+    state: &'a State,
+    conn: Conn,
+    /// `(first slot, last slot, master)`, sorted.
+    map: Vec<(u16, u16, Addr)>,
+    subs: HashMap<Addr, Sub>,
+    /// Every device channel this instance receives.
+    want: HashSet<String>,
+    tx: async_channel::Sender<(Addr, PushInfo)>,
+}
+
+/// The shard task: until a Redis call fails (the link then reconnects everything).
+pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_channel::Receiver<Req>, initial: Vec<String>) -> Failed {
+    let (tx, rx) = async_channel::bounded(PUSHES);
+    let mut s = Shards { ctx, state, conn, map: Vec::new(), subs: HashMap::new(), want: HashSet::new(), tx };
+    let result = s.serve(&reqs, &rx, initial).await;
+    ctx.stats.shard_connections.store(0, Ordering::Relaxed);
+    match result {
+        Ok(()) => "stopped".to_string(),
+        Err(reason) => reason,
+    }
+}
+
+impl Shards<'_> {
+    async fn serve(&mut self, reqs: &async_channel::Receiver<Req>, rx: &async_channel::Receiver<(Addr, PushInfo)>, initial: Vec<String>) -> Result<(), Failed> {
+        self.refresh().await?;
+        self.want.extend(initial.iter().cloned());
+        self.place(initial, None).await?;
+        let mut tick = tokio::time::interval(REFRESH);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                req = reqs.recv() => match req {
+                    Ok(Req::Subscribe(channels, reply)) => {
+                        let fresh: Vec<String> = channels.into_iter().filter(|c| self.want.insert(c.clone())).collect();
+                        let result = self.place(fresh, None).await;
+                        let failed = result.as_ref().err().cloned();
+                        let _ = reply.send(result);
+                        if let Some(reason) = failed {
+                            return Err(reason);
+                        }
+                    }
+                    Ok(Req::Unsubscribe(channels)) => self.unsubscribe(channels).await?,
+                    Err(_) => return Ok(()),
+                },
+                push = rx.recv() => {
+                    let Ok(first) = push else { return Ok(()) };
+                    let mut pushes = vec![first];
+                    while pushes.len() < BATCH {
+                        match rx.try_recv() {
+                            Ok(p) => pushes.push(p),
+                            Err(_) => break,
+                        }
+                    }
+                    self.on_pushes(pushes).await?;
+                }
+                _ = tick.tick() => {
+                    self.refresh().await?;
+                    self.rebalance().await?;
+                }
+            }
+        }
+    }
+
+    fn owner(&self, slot: u16) -> Option<Addr> {
+        let i = self.map.partition_point(|(_, last, _)| *last < slot);
+        self.map.get(i).filter(|(first, _, _)| *first <= slot).map(|(_, _, a)| a.clone())
+    }
+
+    /// Reads the slot map again; closes subscribers of nodes that are no longer masters and
+    /// places their channels by the new map.
+    async fn refresh(&mut self) -> Result<(), Failed> {
+        self.map = within("CLUSTER SLOTS", super::conn::slot_map(&mut self.conn)).await?;
+        self.ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
+        let masters: HashSet<&Addr> = self.map.iter().map(|(_, _, a)| a).collect();
+        self.ctx.stats.cluster_masters.store(masters.len() as u64, Ordering::Relaxed);
+        let gone: Vec<Addr> = self.subs.keys().filter(|a| !masters.contains(a)).cloned().collect();
+        let mut orphans = Vec::new();
+        for a in gone {
+            if let Some(sub) = self.subs.remove(&a) {
+                orphans.extend(sub.channels);
+            }
+        }
+        self.count_connections();
+        if !orphans.is_empty() {
+            Box::pin(self.place(orphans, Some(Reason::Reconnect))).await?;
+        }
+        Ok(())
+    }
+
+    /// Channels whose master changed under a subscriber that still serves (a move nobody
+    /// announced to this instance): moved to their master.
+    async fn rebalance(&mut self) -> Result<(), Failed> {
+        let mut misplaced = Vec::new();
+        let owners: Vec<(Addr, Vec<String>)> = self
+            .subs
+            .iter()
+            .map(|(a, sub)| (a.clone(), sub.channels.iter().filter(|c| self.owner(slot(c)).as_ref() != Some(a)).cloned().collect()))
+            .collect();
+        for (a, channels) in owners {
+            if let Some(sub) = self.subs.get_mut(&a) {
+                for c in &channels {
+                    sub.channels.remove(c);
+                }
+            }
+            misplaced.extend(channels);
+        }
+        if misplaced.is_empty() {
+            return Ok(());
+        }
+        self.place(misplaced, Some(Reason::Moved)).await
+    }
+
+    fn count_connections(&self) {
+        self.ctx.stats.shard_connections.store(self.subs.len() as u64, Ordering::Relaxed);
+    }
+
+    fn count(&self, reason: Reason, n: usize) {
+        self.ctx.stats.resubscribes[reason as usize].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The subscriber of master `a`, opened if there is none.
+    async fn sub(&mut self, a: &Addr) -> Result<MultiplexedConnection, Failed> {
+        if let Some(sub) = self.subs.get(a) {
+            return Ok(sub.conn.clone());
+        }
+        let Engine::Sharded(seeds) = &self.ctx.o.engine else { return Err("sharded pub/sub needs a Redis Cluster".into()) };
+        let url = node_url(&seeds[0], &a.0, a.1);
+        let client = match &self.ctx.o.ca {
+            Some(ca) => redis::Client::build_with_tls(url.as_str(), redis::TlsCertificates { client_tls: None, root_cert: Some(ca.clone()) }),
+            None => redis::Client::open(url.as_str()),
+        }
+        .map_err(|e| format!("shard subscriber {}:{}: {e}", a.0, a.1))?;
+        let overflow = Arc::new(AtomicBool::new(false));
+        let (tx, addr, full) = (self.tx.clone(), a.clone(), overflow.clone());
+        // Never blocks the connection: a full queue drops the push and marks the subscriber
+        // for a rebuild.
+        let sender = move |info: PushInfo| -> Result<(), ()> {
+            if tx.try_send((addr.clone(), info)).is_err() {
+                full.store(true, Ordering::Relaxed);
+            }
+            Ok(())
+        };
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(5)))
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_push_sender(sender);
+        let mut conn = within("connect (shard subscriber)", client.get_multiplexed_async_connection_with_config(&config)).await?;
+        let name = format!("hubcast-{}-shard", self.ctx.o.instance);
+        within("CLIENT SETNAME", redis::cmd("CLIENT").arg("SETNAME").arg(name).query_async::<()>(&mut conn)).await?;
+        self.subs.insert(a.clone(), Sub { conn: conn.clone(), channels: HashSet::new(), overflow });
+        self.count_connections();
+        Ok(conn)
+    }
+
+    /// Subscribes `channels` on their masters, one `SSUBSCRIBE` per slot, confirmations
+    /// checked; `MOVED` and desyncs are placed again after a fresh map. `reason`: why they
+    /// are subscribed again (`None`: first time).
+    async fn place(&mut self, mut channels: Vec<String>, reason: Option<Reason>) -> Result<(), Failed> {
+        if let Some(r) = reason {
+            self.count(r, channels.len());
+        }
+        for attempt in 0..TRIES {
+            channels.retain(|c| self.want.contains(c));
+            if channels.is_empty() {
+                return Ok(());
+            }
+            let mut groups: BTreeMap<Addr, BTreeMap<u16, Vec<String>>> = BTreeMap::new();
+            for c in channels.drain(..) {
+                let s = slot(&c);
+                let Some(owner) = self.owner(s) else { return Err(format!("no master serves slot {s} (the cluster is not ok)")) };
+                groups.entry(owner).or_default().entry(s).or_default().push(c);
+            }
+            let mut again = Vec::new();
+            for (a, slots) in groups {
+                let conn = self.sub(&a).await?;
+                let sent = slots.into_values().map(|chans| {
+                    let mut c = conn.clone();
+                    async move {
+                        let answer = tokio::time::timeout(Duration::from_secs(5), redis::cmd("SSUBSCRIBE").arg(&chans).query_async::<Value>(&mut c)).await;
+                        (chans, answer)
+                    }
+                });
+                for (chans, answer) in futures_util::future::join_all(sent).await {
+                    match answer {
+                        Ok(Ok(v)) if confirms(&v, &PushKind::SSubscribe, &chans) => {
+                            if let Some(sub) = self.subs.get_mut(&a) {
+                                sub.channels.extend(chans);
+                            }
+                        }
+                        Ok(Ok(v)) => {
+                            tracing::warn!(master = %format!("{}:{}", a.0, a.1), answer = ?v, "SSUBSCRIBE answered with something else than its confirmations: rebuilding that subscriber");
+                            self.count(Reason::Desync, chans.len());
+                            if let Some(sub) = self.subs.remove(&a) {
+                                again.extend(sub.channels);
+                            }
+                            self.count_connections();
+                            again.extend(chans);
+                        }
+                        Ok(Err(e)) if e.redirect_node().is_some() => {
+                            self.count(Reason::Moved, chans.len());
+                            again.extend(chans);
+                        }
+                        Ok(Err(e)) => return Err(format!("SSUBSCRIBE: {e}")),
+                        Err(_) => return Err("SSUBSCRIBE: no answer within 5 s".into()),
+                    }
+                }
+            }
+            if again.is_empty() {
+                return Ok(());
+            }
+            channels = again;
+            tokio::time::sleep(Duration::from_millis(50 * (attempt as u64 + 1))).await;
+            self.map = within("CLUSTER SLOTS", super::conn::slot_map(&mut self.conn)).await?;
+            self.ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(format!("{} device channels could not be subscribed on their masters ({TRIES} tries)", channels.len()))
+    }
+
+    async fn unsubscribe(&mut self, channels: Vec<String>) -> Result<(), Failed> {
+        let mut groups: BTreeMap<Addr, BTreeMap<u16, Vec<String>>> = BTreeMap::new();
+        for c in channels {
+            self.want.remove(&c);
+            if let Some((a, sub)) = self.subs.iter_mut().find(|(_, sub)| sub.channels.contains(&c)) {
+                sub.channels.remove(&c);
+                groups.entry(a.clone()).or_default().entry(slot(&c)).or_default().push(c);
+            }
+        }
+        for (a, slots) in groups {
+            let Some(sub) = self.subs.get(&a) else { continue };
+            let mut conn = sub.conn.clone();
+            for chans in slots.into_values() {
+                // A failure here is that subscriber's loss, seen as its `Disconnection`.
+                let _ = tokio::time::timeout(Duration::from_secs(5), redis::cmd("SUNSUBSCRIBE").arg(&chans).query_async::<Value>(&mut conn)).await;
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_pushes(&mut self, pushes: Vec<(Addr, PushInfo)>) -> Result<(), Failed> {
+        let mut messages = Vec::new();
+        let mut moved = Vec::new();
+        let mut lost: HashSet<Addr> = HashSet::new();
+        for (a, info) in pushes {
+            match info.kind {
+                PushKind::SMessage => messages.extend(redis::Msg::from_push_info(info)),
+                PushKind::SUnsubscribe => {
+                    let Some(channel) = info.data.first().and_then(|v| redis::from_redis_value_ref::<String>(v).ok()) else { continue };
+                    if let Some(sub) = self.subs.get_mut(&a) {
+                        sub.channels.remove(&channel);
+                    }
+                    // Not asked for: the slot moved away from that master.
+                    if self.want.contains(&channel) {
+                        self.ctx.stats.slot_moves.fetch_add(1, Ordering::Relaxed);
+                        moved.push(channel);
+                    }
+                }
+                PushKind::Disconnection => {
+                    lost.insert(a);
+                }
+                _ => {}
+            }
+        }
+        if !messages.is_empty() {
+            super::link::on_messages(self.ctx, self.state, &self.conn, messages).await;
+        }
+        let overflowed: Vec<Addr> = self.subs.iter().filter(|(_, s)| s.overflow.load(Ordering::Relaxed)).map(|(a, _)| a.clone()).collect();
+        for a in &overflowed {
+            tracing::warn!(master = %format!("{}:{}", a.0, a.1), "shard subscriber's queue was full: rebuilding it (messages meanwhile lost)");
+        }
+        let mut again = Vec::new();
+        for a in lost.iter().chain(&overflowed) {
+            if let Some(sub) = self.subs.remove(a) {
+                let reason = if overflowed.contains(a) { Reason::Full } else { Reason::Reconnect };
+                self.count(reason, sub.channels.len());
+                again.extend(sub.channels);
+            }
+        }
+        self.count_connections();
+        if !moved.is_empty() || !again.is_empty() {
+            tracing::info!(moved = moved.len(), lost = again.len(), "device channels subscribed again on their masters");
+            self.refresh().await?;
+            self.place(moved, Some(Reason::Sunsubscribe)).await?;
+            self.place(again, None).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `answer` confirms `channels`: the redis crate answers a subscription with its
+/// first confirmation (it consumes the others itself, one per channel, so later replies stay
+/// in step); every confirmation given must be of `kind` and of a channel asked for. Anything
+/// else (an unsolicited `sunsubscribe` taken for the reply) is a desync.
+fn confirms(answer: &Value, kind: &PushKind, channels: &[String]) -> bool {
+    let items: &[Value] = match answer {
+        Value::Array(items) => items,
+        single @ Value::Push { .. } => std::slice::from_ref(single),
+        _ => return false,
+    };
+    !items.is_empty()
+        && items.iter().all(|item| {
+            let Value::Push { kind: k, data } = item else { return false };
+            k == kind && data.first().and_then(|v| redis::from_redis_value_ref::<String>(v).ok()).is_some_and(|c| channels.contains(&c))
+        })
+}
+
+/// A master's URL: the first seed's scheme and credentials, the node's address, RESP3 (push
+/// messages on a multiplexed connection).
+fn node_url(seed: &str, host: &str, port: u16) -> String {
+    let (scheme, rest) = seed.split_once("://").unwrap_or(("redis", seed));
+    let creds = rest.split('/').next().and_then(|authority| authority.rsplit_once('@')).map(|(c, _)| format!("{c}@")).unwrap_or_default();
+    let host = if host.contains(':') { format!("[{host}]") } else { host.to_string() };
+    format!("{scheme}://{creds}{host}:{port}/?protocol=resp3")
+}
+
+/// `SPUBLISH`es device messages: one pipeline per slot (a device's messages stay in order),
+/// all slots at once.
+pub(super) async fn publish(conn: &Conn, items: &[(Box<str>, Vec<u8>)], channel: impl Fn(&str) -> String) -> redis::RedisResult<()> {
+    let mut per_slot: BTreeMap<u16, (String, redis::Pipeline)> = BTreeMap::new();
+    for (device, payload) in items {
+        let c = channel(device);
+        let entry = per_slot.entry(slot(&c)).or_insert_with(|| (c.clone(), redis::pipe()));
+        entry.1.cmd("SPUBLISH").arg(&c).arg(payload.as_slice()).ignore();
+    }
+    let sent = per_slot.into_values().map(|(key, pipe)| {
+        let mut conn = conn.clone();
+        async move { pipe.query_async::<()>(&mut conn.at(&key)).await }
+    });
+    for answer in futures_util::future::join_all(sent).await {
+        answer?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::cluster_routing::{Route, SlotAddr};
+
+    /// Our slot is the redis crate's (which routes `SPUBLISH`), hash tags included.
+    #[test]
+    fn the_slot_of_a_channel_is_the_redis_crates() {
+        for i in 0..10_000 {
+            let key = match i % 4 {
+                0 => format!("hubcast:device:dev-{i}"),
+                1 => format!("{{t}}:ops:{i}"),
+                2 => format!("a{{}}b{i}"),
+                _ => format!("x{{{i}}}y{{z}}"),
+            };
+            assert_eq!(Route::new(slot(&key), SlotAddr::Master), Route::with_key(&key, SlotAddr::Master), "{key}");
+        }
+    }
+
+    #[test]
+    fn a_node_is_reached_with_the_first_seeds_scheme_and_credentials_over_resp3() {
+        assert_eq!(node_url("redis://:pw@10.0.0.5:7000", "10.0.0.6", 7001), "redis://:pw@10.0.0.6:7001/?protocol=resp3");
+        assert_eq!(node_url("rediss://u:p@h:1/0", "::1", 7002), "rediss://u:p@[::1]:7002/?protocol=resp3");
+        assert_eq!(node_url("redis://h:1", "n", 2), "redis://n:2/?protocol=resp3");
+    }
+
+    #[test]
+    fn only_the_confirmations_asked_for_confirm() {
+        let push = |kind: PushKind, c: &str| Value::Push { kind, data: vec![Value::BulkString(c.as_bytes().to_vec()), Value::Int(1)] };
+        let asked = vec!["a".to_string(), "b".to_string()];
+        assert!(confirms(&push(PushKind::SSubscribe, "a"), &PushKind::SSubscribe, &asked));
+        assert!(confirms(&Value::Array(vec![push(PushKind::SSubscribe, "b"), push(PushKind::SSubscribe, "a")]), &PushKind::SSubscribe, &asked));
+        // An unsolicited sunsubscribe taken for a reply: the subscriber is rebuilt.
+        assert!(!confirms(&push(PushKind::SUnsubscribe, "a"), &PushKind::SSubscribe, &asked));
+        assert!(!confirms(&Value::Array(vec![push(PushKind::SUnsubscribe, "x"), push(PushKind::SSubscribe, "a")]), &PushKind::SSubscribe, &asked));
+        assert!(!confirms(&push(PushKind::SSubscribe, "c"), &PushKind::SSubscribe, &asked));
+        assert!(!confirms(&Value::Array(vec![]), &PushKind::SSubscribe, &asked));
+        assert!(!confirms(&Value::Okay, &PushKind::SSubscribe, &asked));
+    }
+}
