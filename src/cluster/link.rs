@@ -684,6 +684,8 @@ async fn on_command(
         // Handed to the lease task by the command loop.
         Command::Stream(_) | Command::Leave(_) => {}
         Command::Read { device, kind, newer_than, reply } => {
+            // Waiting before it is asked: the answers come on the pub/sub connection, which
+            // may deliver them before this task sees its PUBLISH answered.
             let id = {
                 let mut s = state.borrow_mut();
                 if s.instances.is_empty() || s.reads.len() >= READS_PENDING {
@@ -691,17 +693,19 @@ async fn on_command(
                     return Ok(());
                 }
                 s.next_read += 1;
-                s.next_read
+                let id = s.next_read;
+                let deadline = tokio::time::Instant::now() + READ_DEADLINE;
+                let expected = s.instances.len();
+                s.reads.insert(id, PendingRead { reply, expected, got: 0, best: None, deadline });
+                id
             };
             let publish = redis::cmd("PUBLISH").arg(ctx.channel("read")).arg(wire::encode_read(&ctx.o.instance, id, &device, &kind, newer_than)).to_owned();
             if let Err(reason) = within("PUBLISH read", publish.query_async::<()>(conn)).await {
-                let _ = reply.send(Err(reason.clone()));
+                if let Some(read) = state.borrow_mut().reads.remove(&id) {
+                    let _ = read.reply.send(Err(reason.clone()));
+                }
                 return Err(reason);
             }
-            let deadline = tokio::time::Instant::now() + READ_DEADLINE;
-            let mut s = state.borrow_mut();
-            let expected = s.instances.len();
-            s.reads.insert(id, PendingRead { reply, expected, got: 0, best: None, deadline });
         }
         Command::Refresh(ids) => {
             let ttl = ctx.o.session_ttl.as_millis() as u64;
