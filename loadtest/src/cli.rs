@@ -180,6 +180,13 @@ pub struct IdleArgs {
     /// Idle sockets to open (each with its own session).
     #[arg(long, default_value_t = 1000)]
     pub clients: usize,
+    /// Grants and subscriptions per session (a wildcard telemetry grant and a subscription
+    /// on each of `subs` devices, as `fanout` sets them up); 0: bare sessions.
+    #[arg(long, default_value_t = 0)]
+    pub subs: usize,
+    /// Devices the grants and subscriptions are spread over (with `--subs`).
+    #[arg(long, default_value_t = 1000)]
+    pub devices: usize,
     #[arg(long, value_enum, default_value_t = Transport::Ws)]
     pub transport: Transport,
     #[arg(long, default_value_t = 8)]

@@ -332,6 +332,9 @@ pub async fn idle(global: &Global, args: &IdleArgs) -> io::Result<Results> {
     let rss = |t: &Target| t.proc_sample().map(|s| s.rss_kb);
     let before = rss(target);
     let sessions = open_sessions(target.addr, clients, args.setup_conns).await?;
+    if args.subs > 0 {
+        grant_and_subscribe(target.addr, &target.admin_key, &sessions, args.subs, args.devices.max(1), args.setup_conns).await?;
+    }
     let with_sessions = rss(target);
     let live = Arc::new(LiveStats::default());
     let mut sockets = JoinSet::new();
@@ -349,6 +352,8 @@ pub async fn idle(global: &Global, args: &IdleArgs) -> io::Result<Results> {
         .param("transport", args.transport.name())
         .param("cores", target.cores.map_or(serde_json::Value::Null, |c| c.into()))
         .param("asked", args.clients)
+        .param("subs", args.subs)
+        .param("devices", args.devices)
         .param("file_limit", limit);
     let mut row = Row::default();
     row.put("sockets", connected);
@@ -564,7 +569,7 @@ pub async fn all(global: &Global, args: &AllArgs) -> io::Result<Vec<Results>> {
     eprintln!("hubcast-load all: REST");
     let rest_r = rest(&g, &RestArgs { conns: 32, devices: scaled(1000.0, s, 10), rounds: 3 }).await?;
     eprintln!("hubcast-load all: idle sockets");
-    let idle_r = idle(&g, &IdleArgs { clients: scaled(args.idle as f64, s, 10), transport: Transport::Ws, setup_conns: 8, connect_concurrency: 256 }).await?;
+    let idle_r = idle(&g, &IdleArgs { clients: scaled(args.idle as f64, s, 10), subs: 0, devices: 1000, transport: Transport::Ws, setup_conns: 8, connect_concurrency: 256 }).await?;
 
     let mut summary = Results::new("summary (targets)");
     let mut line = |what: &str, measured: f64, target: &str, met: Option<bool>| {
