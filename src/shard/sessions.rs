@@ -232,9 +232,11 @@ impl SessionTable {
 impl SessionTable {
     pub fn drain_dirty(&mut self, put: &mut dyn FnMut(Change<'_>)) {
         let mut ids = std::mem::take(&mut self.dirty.ids);
+        let drained = ids.len();
         for id in ids.drain() {
             put(Change::Session { id, devices: self.sessions.get(&id).map(|r| &r.devices) });
         }
+        crate::shard::devices::shrink_after(&mut ids, drained);
         self.dirty.ids = ids;
     }
 

@@ -323,7 +323,7 @@ impl<'a> Reader<'a> {
     fn keys(&mut self) -> R<KeySet> {
         let all = self.bool()?;
         let n = self.u32()?;
-        let mut keys = smallvec::SmallVec::new();
+        let mut keys = crate::shard::access::Keys::default();
         for _ in 0..n {
             keys.push(self.str()?.into());
         }

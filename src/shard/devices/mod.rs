@@ -31,6 +31,7 @@ use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 // Durable-state hooks (what changed, restore at start): kept apart from the data path.
 mod durable;
 pub use durable::{Dirty, SnapshotWalk};
+pub(crate) use durable::shrink_after;
 mod fanout;
 mod ingest;
 mod telemetry;
