@@ -248,8 +248,9 @@ struct Conns {
     stream: PubSubStream,
     /// Devices other instances started or stopped watching while this one was away.
     changes: Vec<(Box<str>, bool)>,
-    /// A cluster: the device channels this instance receives, for the shard task.
-    initial: Vec<String>,
+    /// A cluster: the devices this instance watches, for the shard task to subscribe and
+    /// then announce.
+    initial: Vec<Box<str>>,
 }
 
 async fn run(
@@ -405,24 +406,16 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     pipe.cmd("DEL").arg(ctx.key("watching", &me)).ignore();
     within("SET instance", pipe.query_async::<()>(&mut conn)).await?;
     let local: Vec<Box<str>> = state.borrow().local.iter().cloned().collect();
-    // A cluster's device channels, subscribed by the shard task (before its first message).
+    // A cluster's device channels: subscribed, then announced, by the shard task.
     let mut initial = Vec::new();
-    for chunk in local.chunks(CHUNK) {
-        let mut pipe = redis::pipe();
-        pipe.cmd("SADD").arg(ctx.key("watching", &me));
-        for device in chunk {
-            pipe.arg(&**device);
-        }
-        pipe.ignore();
-        for device in chunk {
-            pipe.cmd("PUBLISH").arg(ctx.channel("watch")).arg(format!("+{me}\t{device}")).ignore();
-        }
-        within("SADD watching", pipe.query_async::<()>(&mut conn)).await?;
-        let channels: Vec<String> = chunk.iter().map(|d| ctx.key("device", d)).collect();
-        if ctx.is_cluster() {
-            initial.extend(channels);
-        } else {
+    if ctx.is_cluster() {
+        initial = local;
+    } else {
+        for chunk in local.chunks(CHUNK) {
+            // Subscribed before announced: once another instance knows, messages arrive.
+            let channels: Vec<String> = chunk.iter().map(|d| ctx.key("device", d)).collect();
             within("SUBSCRIBE devices", sink.subscribe(channels)).await?;
+            announce(ctx, &mut conn, chunk).await?;
         }
     }
     // What the others watch, read after subscribing to `watch` so no change is missed.
@@ -450,6 +443,25 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     s.instances = live;
     ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
     Ok(Conns { conn, lease_conn, sink, stream, changes, initial })
+}
+
+/// Tells the others this instance watches `devices` (its `watching` set and the `watch`
+/// channel), once it receives their channels.
+pub(super) async fn announce(ctx: &Ctx, conn: &mut Conn, devices: &[Box<str>]) -> Result<(), Failed> {
+    let me = &*ctx.o.instance;
+    for chunk in devices.chunks(CHUNK) {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SADD").arg(ctx.key("watching", me));
+        for device in chunk {
+            pipe.arg(&**device);
+        }
+        pipe.ignore();
+        for device in chunk {
+            pipe.cmd("PUBLISH").arg(ctx.channel("watch")).arg(format!("+{me}\t{device}")).ignore();
+        }
+        within("SADD watching", pipe.query_async::<()>(conn)).await?;
+    }
+    Ok(())
 }
 
 /// Other instances whose presence is alive (one Redis: `SCAN` of the instance keys; a

@@ -100,7 +100,9 @@ struct Shards<'a> {
 }
 
 /// The shard task: until a Redis call fails (the link then reconnects everything).
-pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_channel::Receiver<Req>, initial: Vec<String>) -> Failed {
+/// `initial`: the devices this instance watches (after a reconnect), subscribed and then
+/// announced to the others, so none of their messages is published before it receives them.
+pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_channel::Receiver<Req>, initial: Vec<Box<str>>) -> Failed {
     let (tx, rx) = async_channel::bounded(PUSHES);
     let mut s = Shards { ctx, state, conn, map: Vec::new(), subs: HashMap::new(), want: HashSet::new(), tx };
     let result = s.serve(&reqs, &rx, initial).await;
@@ -112,10 +114,12 @@ pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_ch
 }
 
 impl Shards<'_> {
-    async fn serve(&mut self, reqs: &async_channel::Receiver<Req>, rx: &async_channel::Receiver<(Addr, PushInfo)>, initial: Vec<String>) -> Result<(), Failed> {
+    async fn serve(&mut self, reqs: &async_channel::Receiver<Req>, rx: &async_channel::Receiver<(Addr, PushInfo)>, initial: Vec<Box<str>>) -> Result<(), Failed> {
         self.refresh().await?;
-        self.want.extend(initial.iter().cloned());
-        self.place(initial, None).await?;
+        let channels: Vec<String> = initial.iter().map(|d| self.ctx.key("device", d)).collect();
+        self.want.extend(channels.iter().cloned());
+        self.place(channels, None).await?;
+        super::link::announce(self.ctx, &mut self.conn, &initial).await?;
         let mut tick = tokio::time::interval(REFRESH);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
