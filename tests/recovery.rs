@@ -810,3 +810,41 @@ fn past_the_window_after_a_restart_the_client_is_not_recovered_and_live_data_flo
         "live data at once, nothing of the past"
     );
 }
+
+/// Step 5 with scale-out: a session whose stream came back from the store watches its devices
+/// again at start (as an away session does), so what another instance on the same Redis takes
+/// in while the client is still away reaches the restarted instance and is replayed.
+#[test]
+fn after_a_sigterm_and_restart_what_another_instance_took_in_is_recovered() {
+    let redis = common::redis::Redis::start();
+    let dir = TempDir::new();
+    let url = redis.url();
+    let start_a = |port: &str| {
+        let args = ["--redis-url", &url, "--instance-id", "a", "--redis-prefix", "t", "--data-dir", dir.path(), "--port", port];
+        let server = Server::start(&args);
+        server.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0));
+        server
+    };
+    let mut a = start_a("0");
+    let port = a.port.to_string();
+    let b = instance(&redis, "b");
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    b.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::AtLeast(1.0));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
+    sigterm(&mut a);
+    a = start_a(&port);
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    b.ingest(json!((10..30).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    b.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..31).map(|_| next_n(&client).0).collect();
+    let mut want: Vec<u64> = (0..30).collect();
+    want.push(999);
+    assert_eq!(got, want, "B's messages before the stop and after the start, once, in order, then live");
+}

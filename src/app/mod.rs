@@ -173,6 +173,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>, wiring: Wiring) -> io
                 for plugin in &core.shared.plugins {
                     plugin.clone().start(&core);
                 }
+                core.watch_restored_streams();
                 for _ in 0..ACCEPTORS_PER_CORE {
                     monoio::spawn(accept(core.clone(), listener.clone()));
                 }

@@ -507,6 +507,31 @@ impl Core {
         tracing::info!(core = self.index, read = streams.len(), restored, "recovery streams read back from the last graceful shutdown");
     }
 
+    /// Scale-out, once the plugins started (the relay is set): the sessions whose streams came
+    /// back from the store and have no socket yet watch their devices, as an away session does
+    /// (Core::detach_socket), so what other instances take in before the client is back
+    /// reaches the stream.
+    pub(crate) fn watch_restored_streams(self: &Rc<Self>) {
+        if self.relay.borrow().is_none() {
+            return;
+        }
+        let away: Vec<(SessionId, Vec<Box<str>>)> = {
+            let sessions = self.sessions.borrow();
+            self.recovery
+                .streamed
+                .borrow()
+                .iter()
+                .filter_map(|id| {
+                    let record = sessions.get(*id).filter(|r| r.sockets.is_empty())?;
+                    Some((*id, record.devices.iter().cloned().collect()))
+                })
+                .collect()
+        };
+        for (id, devices) in away {
+            self.presence(id, devices, true);
+        }
+    }
+
     /// A session ended: it leaves the streamed set (its stream went with its record).
     pub(crate) fn recovery_session_gone(&self, session: SessionId) {
         if self.recovery.window.is_some() {
