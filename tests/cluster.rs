@@ -575,6 +575,55 @@ fn one_shard_subscriber_per_master_carries_every_device() {
     assert_eq!(metric(&b, "hubcast_redis_pubsub_connections", "b"), 4.0, "3 shard subscribers and the control one");
 }
 
+/// A master fails over to its replica (3 masters with a replica each; the one serving the
+/// device's channel killed): the instances follow the new master (commands through the
+/// cluster connection, the shard subscriber by its lost connection and a fresh slot map) and
+/// live data crosses again on the same socket. Messages published during the failover may be
+/// lost (design step 7).
+#[test]
+fn a_master_failing_over_to_its_replica_keeps_live_data_crossing() {
+    let mut redis = Engine::Cluster(common::redis::RedisCluster::start(3, 1));
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let session = a.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "pump"});
+    a.grant(&session, request.clone());
+    assert_eq!(a.subscribe(&session, request).0, 204);
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    a.ingest(json!({"deviceId": "pump", "body": {"n": 0}}));
+    assert_eq!(ws.next_json(WAIT).expect("before the failover")["telemetry"], json!({"n": 0}));
+    let Engine::Cluster(cluster) = &mut redis else { unreachable!() };
+    // A key of the channel's slot (its whole name as the hash tag) finds the channel's master.
+    assert_eq!(cluster.command("SET {t:device:pump} 1").as_deref(), Some("+OK\r\n"));
+    let masters = cluster.masters();
+    let serving = *masters.iter().find(|m| cluster.command_on(**m, "EXISTS {t:device:pump}").as_deref() == Some(":1\r\n")).expect("a master serves the channel");
+    cluster.kill(serving);
+    let deadline = std::time::Instant::now() + WAIT;
+    while cluster.masters().len() < 3 {
+        assert!(std::time::Instant::now() < deadline, "a replica took over: masters {:?}", cluster.masters());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    cluster.wait_ok();
+    // Ingested until one arrives (what is published before B follows may be lost).
+    let mut n = 1;
+    let frame = loop {
+        a.ingest(json!({"deviceId": "pump", "body": {"n": n}}));
+        if let Some(frame) = ws.next_json(Duration::from_millis(500)) {
+            break frame;
+        }
+        assert!(n < 40, "live data crosses again within 20 s of the failover");
+        n += 1;
+    };
+    assert!(frame["telemetry"]["n"].as_i64().is_some_and(|got| got >= 1), "{frame}");
+    let followed: f64 = ["reconnect", "sunsubscribe", "moved"]
+        .iter()
+        .map(|r| b.metric(&format!("hubcast_redis_resubscribes_total{{instance=\"b\",reason=\"{r}\"}}")).unwrap_or(0.0))
+        .sum::<f64>()
+        + metric(&b, "hubcast_redis_reconnects_total", "b");
+    assert!(followed >= 1.0, "B followed the channel to the new master");
+}
+
 /// The Redis Cluster harness itself (tests/common/redis.rs): a key is found wherever it
 /// lives (`MOVED` followed), a reshard moves slots with their keys, a killed node restarts
 /// as itself and the cluster is whole again.

@@ -280,6 +280,9 @@ impl RedisCluster {
             // A master whose slots all moved away stays a master (Redis 7 would make it a
             // replica of the taker): tests move slots back and forth.
             .args(["--cluster-allow-replica-migration", "no"])
+            // A replica takes over whenever its master fails (the default refuses one whose
+            // master was idle longer than 10 node timeouts: a test's idle master always is).
+            .args(["--cluster-replica-validity-factor", "0"])
             .args(["--dir", self.dir.path()])
             .args(self.password.iter().flat_map(|p| ["--requirepass", p.as_str(), "--masterauth", p.as_str()]))
             .stdout(Stdio::null())
