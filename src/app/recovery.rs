@@ -28,6 +28,12 @@ use crate::push::outlet::{CloseReason, Outlet};
 use crate::push::stream::{Failure, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
 use crate::store::Change;
 
+/// The shutdown writes the streams in commits of about this many bytes, apart from the state's
+/// own commit (each session's record whole in one): a core's streams may exceed what one store
+/// frame may hold (`store::format::MAX_FRAME`, 256 MiB, while `--recovery-core-bytes` may be
+/// set higher), and a frame too long to be read back would lose its whole commit.
+const STREAM_COMMIT_BYTES: usize = 4 << 20;
+
 /// How often the core bound's trim is logged at `info` per core.
 const BOUND_LOG_EVERY: Duration = Duration::from_secs(60);
 
@@ -441,21 +447,35 @@ impl Core {
         if self.recovery.window.is_none() {
             return 0;
         }
+        // The state's last changes first, in a commit of their own.
+        self.persist(None);
         let mut store = self.store.borrow_mut();
         let Some(store) = store.as_mut() else { return 0 };
         let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
         let sessions = self.sessions.borrow();
         let mut written = 0;
+        let mut pending = 0;
         for id in self.recovery.streamed.borrow().iter() {
             let stored = sessions
                 .get(*id)
                 .and_then(|r| r.recovery.as_ref())
                 .and_then(|r| r.to_stored(now, now_ms));
             if let Some(stored) = stored {
+                let bytes = stored.encoded_bytes_at_most();
+                if bytes > crate::store::format::MAX_FRAME / 2 {
+                    tracing::warn!(core = self.index, session = %id, bytes, "a recovery stream too large for one store frame is not written (--recovery-session-bytes): its clients will not recover after the restart");
+                    continue;
+                }
+                pending += bytes;
                 store.put(Change::Stream { id: *id, recovery: Some(&stored) });
                 written += 1;
+                if pending > STREAM_COMMIT_BYTES {
+                    store.commit();
+                    pending = 0;
+                }
             }
         }
+        store.commit();
         written
     }
 

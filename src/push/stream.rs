@@ -583,6 +583,16 @@ pub struct StoredRecovery {
     pub pids: Vec<StoredPid>,
 }
 
+impl StoredRecovery {
+    /// An upper bound of its encoded size (`store::format`: fixed fields, then per entry
+    /// 8 + 8 + 4 + frame bytes, per pid 8 + 4 + 8 + 4 + 4 + pid and sid bytes): the shutdown
+    /// groups records into commits by it, so no frame passes what a reader accepts.
+    pub fn encoded_bytes_at_most(&self) -> usize {
+        64 + self.entries.iter().map(|e| 20 + e.2.len()).sum::<usize>()
+            + self.pids.iter().map(|p| 28 + p.pid.len() + p.sid.len()).sum::<usize>()
+    }
+}
+
 /// A pid as stored: always away (a shutdown said goodbye to its socket), since `away_ms`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredPid {

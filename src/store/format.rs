@@ -781,6 +781,24 @@ mod tests {
         d
     }
 
+    #[test]
+    fn a_stream_record_round_trips_within_its_size_bound() {
+        use crate::push::stream::StoredPid;
+        let mut r = StoredRecovery { epoch: 9, next_seq: 40, first_seq: 3, cut_by: 1, lost_epoch: 2, ..Default::default() };
+        r.entries = (3..40).map(|s| (s, 1_700_000_000_000 + s as i64, std::sync::Arc::from("x".repeat(s as usize)))).collect();
+        r.pids = vec![StoredPid { pid: "p".repeat(22).into(), sid: "s".repeat(20).into(), away_ms: -5, epoch: 9, start_seq: 3 }];
+        let mut buf = Vec::new();
+        encode(&mut buf, Change::Stream { id: SessionId(42), recovery: Some(&r) });
+        assert!(buf.len() <= r.encoded_bytes_at_most(), "{} > {}", buf.len(), r.encoded_bytes_at_most());
+        encode(&mut buf, Change::Stream { id: SessionId(43), recovery: None });
+        let mut got = Vec::new();
+        decode(&buf, &mut |rec| got.push(rec)).unwrap();
+        assert_eq!(got, [Record::Stream(SessionId(42), Some(r)), Record::Stream(SessionId(43), None)]);
+        for cut in 1..buf.len() {
+            assert!(decode(&buf[..cut], &mut |_| {}).is_err() || cut == buf.len() - 17, "cut at {cut}");
+        }
+    }
+
     fn file(frames: &[Vec<Change<'_>>]) -> Vec<u8> {
         let mut bytes = header(KIND_LOG).to_vec();
         for changes in frames {
