@@ -258,7 +258,7 @@ async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: 
                 }
                 OP_TEXT => {
                     let data = match transport {
-                        Transport::Ws | Transport::WsBatch => true,
+                        Transport::Ws | Transport::WsBatch | Transport::WsOffsets => true,
                         Transport::Socketio => {
                             if payload == b"2" {
                                 replies.push((OP_TEXT, b"3".to_vec()));

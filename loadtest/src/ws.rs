@@ -29,6 +29,12 @@ pub enum Transport {
     #[value(name = "ws-batch")]
     #[serde(rename = "ws-batch")]
     WsBatch,
+    /// Plain WebSocket with recovery offsets, `/ws?sessionId=…&offsets=1`: one text frame per
+    /// envelope, each with its `"offset"` first; hubcast keeps the session's recovery history
+    /// (needs `--recovery-window` > 0). What recovery costs plain WebSocket clients.
+    #[value(name = "ws-offsets")]
+    #[serde(rename = "ws-offsets")]
+    WsOffsets,
     /// Socket.IO v4 over WebSocket at `/socket.io/?EIO=4&transport=websocket&sessionId=…`.
     Socketio,
 }
@@ -38,6 +44,7 @@ impl Transport {
         match self {
             Transport::Ws => format!("/ws?sessionId={session}"),
             Transport::WsBatch => format!("/ws?sessionId={session}&batch=1"),
+            Transport::WsOffsets => format!("/ws?sessionId={session}&offsets=1"),
             Transport::Socketio => format!("/socket.io/?EIO=4&transport=websocket&sessionId={session}"),
         }
     }
@@ -46,6 +53,7 @@ impl Transport {
         match self {
             Transport::Ws => "ws",
             Transport::WsBatch => "ws-batch",
+            Transport::WsOffsets => "ws-offsets",
             Transport::Socketio => "socketio",
         }
     }
