@@ -519,18 +519,31 @@ fn a_cluster_resharded_under_the_instances_keeps_sessions_and_live_data() {
             }
             n - 100
         });
+        // B's client reads meanwhile, as a real one does (it answers the server's pings): on a
+        // loaded machine the reshard outlasts pingInterval + pingTimeout (45 s), after which
+        // the server rightly closes a socket that never answered, and B stops watching.
+        let reading = scope.spawn(|| {
+            let mut mid: Vec<i64> = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Some(frame) = ws.next_json(Duration::from_millis(200)) {
+                    mid.extend(frame["telemetry"]["n"].as_i64());
+                }
+            }
+            mid
+        });
         for (from, to) in [(0, 1), (1, 2), (2, 0)] {
             cluster.reshard(from, to, 16384);
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        ingesting.join().expect("the ingesting thread")
+        (ingesting.join().expect("the ingesting thread"), reading.join().expect("the reading thread"))
     });
+    let (sent, mut mid) = sent;
     // What arrived mid-stream: once each, in order (a message published while its slot moved
     // may be lost: design step 7).
-    let mut mid: Vec<i64> = Vec::new();
     while let Some(frame) = ws.next_json(Duration::from_millis(1000)) {
         mid.extend(frame["telemetry"]["n"].as_i64());
     }
+    assert_eq!(ws.closed, None, "B's socket stayed open through the reshard");
     assert!(mid.windows(2).all(|w| w[0] < w[1]), "once each, in order: {mid:?}");
     assert!(!mid.is_empty() && sent > 0, "messages crossed during the reshard: {} of {sent}", mid.len());
     eprintln!("reshard mid-stream: {} of {sent} messages arrived", mid.len());
