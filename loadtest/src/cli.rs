@@ -104,6 +104,10 @@ pub enum Mode {
     Rest(RestArgs),
     /// The whole suite of docs/BENCHMARKS.md, with the ratios, each part on a fresh hubcast (needs --spawn).
     All(AllArgs),
+    /// Fleet scale (issue 25 item 5): D devices over AMQP, S sockets × subs, the store on, on
+    /// 1 or N instances on a private Redis: memory per device and socket, store bytes, fan-out,
+    /// kill -9 and restart (needs --spawn). docs/benchmarks/fleet.sh.
+    Fleet(crate::scale::ScaleArgs),
 }
 
 #[derive(Args, Debug, Clone)]

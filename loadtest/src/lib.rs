@@ -10,6 +10,7 @@
 //! - [`http`], [`ws`]: the small HTTP/1.1 and WebSocket / Engine.IO clients;
 //! - [`hist`]: latency histograms;
 //! - [`modes`]: `ingest`, `fanout`, `idle`, `rest`, `all`;
+//! - [`scale`]: `fleet`, the fleet-scale run (1 or N instances, kill -9 and restart);
 //! - [`report`]: tables, JSON, the machine's description;
 //! - [`pin`]: `--pin`, hubcast and the harness on separate CPUs.
 
@@ -21,6 +22,7 @@ pub mod http;
 pub mod modes;
 pub mod pin;
 pub mod report;
+pub mod scale;
 pub mod target;
 pub mod ws;
 
@@ -46,6 +48,7 @@ pub fn run(cli: Cli) -> io::Result<Vec<Results>> {
             Mode::Idle(a) => modes::idle(&global, a).await.map(|r| vec![r]),
             Mode::Rest(a) => modes::rest(&global, a).await.map(|r| vec![r]),
             Mode::All(a) => modes::all(&global, a).await,
+            Mode::Fleet(a) => scale::fleet_scale(&global, a).await,
         }
     });
     // Socket tasks may still be parked: do not wait for them.

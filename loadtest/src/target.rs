@@ -92,7 +92,11 @@ impl Target {
 
     fn spawn(path: &str, spec: &TargetSpec, more_args: &[String]) -> io::Result<Target> {
         let mut cmd = Command::new(path);
-        cmd.args(["--bind", "127.0.0.1", "--port", "0", "--primary-admin-secret", &spec.admin_key, "--log-level", "warn"]);
+        cmd.args(["--bind", "127.0.0.1", "--primary-admin-secret", &spec.admin_key, "--log-level", "warn"]);
+        // A free port, unless the arguments name one (a restart on the same port).
+        if !spec.extra_args.iter().chain(more_args).any(|a| a == "--port" || a.starts_with("--port=")) {
+            cmd.args(["--port", "0"]);
+        }
         // Every simulated client comes from 127.0.0.1: the per-client rate limit on new
         // sessions and handshakes (hubcast's --client-rate) is off for a spawned target.
         cmd.args(["--client-rate", "0"]);
@@ -182,6 +186,15 @@ impl Target {
             stderr,
             data_dir,
         })
+    }
+
+    /// `kill -9` of a spawned hubcast, reaped: a crash, no shutdown and no final commit.
+    pub fn kill_hard(&mut self) -> io::Result<()> {
+        let child = self.child.as_mut().ok_or_else(|| io::Error::other("only a spawned hubcast can be killed"))?;
+        child.kill()?;
+        child.wait()?;
+        self.child = None;
+        Ok(())
     }
 
     pub fn base(&self) -> String {
