@@ -437,6 +437,13 @@ pub struct Config {
     #[arg(long = "lease-ttl", env = "LEASE_TTL", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=300))]
     pub lease_ttl: u64,
+
+    /// Bytes received from Redis (other instances' device messages and changes) that the cores
+    /// have not taken yet; past it the link drops its subscriber and reconnects, as after an
+    /// outage (Redis's own `client-output-buffer-limit` for pub/sub does the same).
+    #[arg(long = "redis-inbound-bytes", env = "REDIS_INBOUND_BYTES", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u64).range(65_536..=1 << 40))]
+    pub redis_inbound_bytes: u64,
 }
 
 fn parse_redis_url(s: &str) -> Result<String, String> {

@@ -68,7 +68,7 @@ impl CoreMsg {
     /// Bytes it is charged for against the bounds (an estimate of what it holds).
     pub fn bytes(&self) -> usize {
         match self {
-            CoreMsg::Ingest { batch, .. } => batch.iter().map(|m| m.body.len() + m.device_id.len() + 128).sum(),
+            CoreMsg::Ingest { batch, .. } => batch.iter().map(IngestMessage::charge).sum(),
             CoreMsg::Deliver(deliveries) => deliveries.iter().map(delivery_bytes).sum(),
             CoreMsg::Devices { ops, .. } => ops.len() * 128,
             CoreMsg::Task(task) => task.bytes(),

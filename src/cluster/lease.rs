@@ -469,6 +469,7 @@ mod tests {
             instance: "i".into(),
             session_ttl: Duration::from_secs(1),
             lease_ttl,
+            inbound_bytes: 1 << 20,
         };
         Ctx { o, cores, stats: Arc::default(), changes: Arc::new(tokio::sync::Semaphore::new(1)) }
     }

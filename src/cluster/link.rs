@@ -27,6 +27,7 @@
 //! announced on reconnect).
 
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -103,6 +104,8 @@ pub struct Options {
     pub session_ttl: Duration,
     /// `--lease-ttl`: how long partition leases and the instance key live unrenewed.
     pub lease_ttl: Duration,
+    /// `--redis-inbound-bytes`: what may wait between Redis and the cores (see [`pubsub`]).
+    pub inbound_bytes: u64,
 }
 
 impl Options {
@@ -533,10 +536,62 @@ async fn pubsub(
     }
     send_remote_watch(ctx, changes).await;
     let mut stream = stream.ready_chunks(256);
-    loop {
-        let Some(batch) = stream.next().await else { return "the pub/sub connection closed".to_string() };
-        on_messages(ctx, state, &conn, batch).await;
-    }
+    // **Bounded in bytes.** The redis crate reads the connection into an unbounded queue
+    // whenever its driver runs, whether or not this task takes the messages: were this task
+    // to wait on a full core queue before reading on, that queue would grow without bound
+    // while a core is behind. So one future reads the stream without pause into `held`,
+    // and another applies what is held, in order (a core's queue full: it waits). What waits
+    // between Redis and the cores (held here, queued for a core and not yet taken) is charged
+    // to `inbound_bytes`; past `--redis-inbound-bytes` the subscriber is dropped: the link
+    // reconnects as after an outage (what was published meanwhile is lost; values learnt
+    // from the others stop being current), which is what Redis's own pub/sub
+    // `client-output-buffer-limit` does to a client that reads too slowly. Counted in
+    // `hubcast_redis_overruns_total`, logged at WARN.
+    let held: RefCell<VecDeque<(Vec<redis::Msg>, u64)>> = RefCell::default();
+    let charged = std::cell::Cell::new(0u64);
+    let arrived = tokio::sync::Notify::new();
+    let read = async {
+        loop {
+            let Some(batch) = stream.next().await else { return "the pub/sub connection closed".to_string() };
+            let bytes: u64 = batch.iter().map(|m| m.get_payload_bytes().len() as u64 + 64).sum();
+            let before = ctx.stats.inbound_bytes.fetch_add(bytes, Ordering::Relaxed);
+            charged.set(charged.get() + bytes);
+            if before > 0 && before + bytes > ctx.o.inbound_bytes {
+                return overrun(ctx, before + bytes);
+            }
+            held.borrow_mut().push_back((batch, bytes));
+            arrived.notify_one();
+        }
+    };
+    let apply = async {
+        loop {
+            let next = held.borrow_mut().pop_front();
+            match next {
+                Some((batch, bytes)) => {
+                    on_messages(ctx, state, &conn, batch).await;
+                    ctx.stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                    charged.set(charged.get() - bytes);
+                }
+                None => arrived.notified().await,
+            }
+        }
+    };
+    let reason = tokio::select! {
+        reason = read => reason,
+        _ = apply => unreachable!("applies for ever"),
+    };
+    // What was held (or being applied) goes with the connection.
+    ctx.stats.inbound_bytes.fetch_sub(charged.get(), Ordering::Relaxed);
+    reason
+}
+
+/// The cores are `waiting` bytes behind Redis, past `--redis-inbound-bytes`: counted, logged,
+/// and the reason the subscriber is dropped.
+pub(super) fn overrun(ctx: &Ctx, waiting: u64) -> Failed {
+    ctx.stats.overruns.fetch_add(1, Ordering::Relaxed);
+    let reason = format!("the cores fell behind Redis: {waiting} bytes waiting, more than --redis-inbound-bytes {}", ctx.o.inbound_bytes);
+    tracing::warn!(waiting, bound = ctx.o.inbound_bytes, "the cores fell behind what Redis sends: dropping the subscriber and connecting again (messages meanwhile are lost, as in an outage)");
+    reason
 }
 
 /// The command task: until a Redis call fails.
@@ -969,7 +1024,12 @@ fn on_answer(ctx: &Ctx, state: &State, payload: &[u8]) {
 async fn flush_messages(ctx: &Ctx, per_core: &mut [Vec<crate::ingest::IngestMessage>]) {
     for (core, batch) in per_core.iter_mut().enumerate() {
         if !batch.is_empty() {
-            let _ = ctx.cores[core].send(Inbound::Messages(std::mem::take(batch))).await;
+            // Released by the core once it has taken them (`cluster::serve`).
+            let bytes: usize = batch.iter().map(crate::ingest::IngestMessage::charge).sum();
+            ctx.stats.inbound_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            if ctx.cores[core].send(Inbound::Messages(std::mem::take(batch))).await.is_err() {
+                ctx.stats.inbound_bytes.fetch_sub(bytes as u64, Ordering::Relaxed);
+            }
         }
     }
 }

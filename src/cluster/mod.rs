@@ -175,6 +175,10 @@ pub struct Stats {
     pub replayed: AtomicU64,
     /// Cores of this instance that have not answered for 3 × `--lease-ttl` (cluster/lease.rs).
     pub stalled: AtomicU64,
+    /// Bytes received from Redis that the cores have not taken yet (bounded by
+    /// `--redis-inbound-bytes`, see `link::pubsub`), and the times the bound was passed.
+    pub inbound_bytes: AtomicU64,
+    pub overruns: AtomicU64,
     /// A Redis Cluster's sharded pub/sub (cluster/shards.rs): masters in the slot map,
     /// subscriber connections open, slot moves seen, resubscriptions per reason, map reads.
     pub cluster_masters: AtomicU64,
@@ -231,6 +235,7 @@ impl Cluster {
             instance: instance.clone(),
             session_ttl: grace + 2 * refresh + Duration::from_secs(1),
             lease_ttl: Duration::from_secs(c.lease_ttl),
+            inbound_bytes: c.redis_inbound_bytes,
         };
         let (owned_tx, owned) = tokio::sync::watch::channel(Owned::default());
         Ok(Arc::new(Self {
@@ -324,6 +329,8 @@ impl Cluster {
             ("hubcast_redis_partition_replayed_events_total".into(), "Events read again after taking a partition over: the previous holder had handed them to its cores past its last checkpoint (at its last heartbeat; at most a heartbeat more).".into(), label.clone(), get(&s.replayed)),
             ("hubcast_redis_stalled_cores".into(), "Cores of this instance silent for 3 x --lease-ttl: while any is, the instance holds no partition lease.".into(), label.clone(), get(&s.stalled)),
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label.clone(), get(&s.reconnects)),
+            ("hubcast_redis_inbound_bytes".into(), "Bytes received from Redis that the cores have not taken yet (bounded by --redis-inbound-bytes).".into(), label.clone(), get(&s.inbound_bytes)),
+            ("hubcast_redis_overruns_total".into(), "Times the cores fell --redis-inbound-bytes behind what Redis sent: the subscriber was dropped and made again (messages meanwhile lost, as in an outage).".into(), label.clone(), get(&s.overruns)),
         ])
         .chain(self.cluster_series(&label))
         .collect()
@@ -489,8 +496,11 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 }
             }
             Inbound::Messages(batch) => {
+                // Charged by the link when it queued them (`link::flush_messages`).
+                let charged: usize = batch.iter().map(IngestMessage::charge).sum();
                 core.mesh.wait_for_room().await;
                 core.ingest_replicas(batch);
+                relay.stats.inbound_bytes.fetch_sub(charged as u64, Ordering::Relaxed);
             }
             Inbound::Applied(reply) => {
                 let _ = reply.send(core.applied.borrow().iter().map(|(k, v)| (k.clone(), *v)).collect());

@@ -96,7 +96,18 @@ struct Shards<'a> {
     subs: HashMap<Addr, Sub>,
     /// Every device channel this instance receives.
     want: HashSet<String>,
-    tx: async_channel::Sender<(Addr, PushInfo)>,
+    tx: async_channel::Sender<Push>,
+}
+
+/// A push from a subscriber, with the bytes charged for it to `Stats::inbound_bytes`.
+type Push = (Addr, PushInfo, u64);
+
+/// What a push is charged: its strings and a fixed part.
+fn push_bytes(info: &PushInfo) -> u64 {
+    info.data.iter().map(|v| match v {
+        Value::BulkString(b) => b.len() as u64,
+        _ => 16,
+    }).sum::<u64>() + 64
 }
 
 /// The shard task: until a Redis call fails (the link then reconnects everything).
@@ -107,6 +118,10 @@ pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_ch
     let mut s = Shards { ctx, state, conn, map: Vec::new(), subs: HashMap::new(), want: HashSet::new(), tx };
     let result = s.serve(&reqs, &rx, initial).await;
     ctx.stats.shard_connections.store(0, Ordering::Relaxed);
+    // Pushes not taken go with the subscribers.
+    while let Ok((_, _, bytes)) = rx.try_recv() {
+        ctx.stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
     match result {
         Ok(()) => "stopped".to_string(),
         Err(reason) => reason,
@@ -114,7 +129,7 @@ pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_ch
 }
 
 impl Shards<'_> {
-    async fn serve(&mut self, reqs: &async_channel::Receiver<Req>, rx: &async_channel::Receiver<(Addr, PushInfo)>, initial: Vec<Box<str>>) -> Result<(), Failed> {
+    async fn serve(&mut self, reqs: &async_channel::Receiver<Req>, rx: &async_channel::Receiver<Push>, initial: Vec<Box<str>>) -> Result<(), Failed> {
         self.refresh().await?;
         let channels: Vec<String> = initial.iter().map(|d| self.ctx.key("device", d)).collect();
         self.want.extend(channels.iter().cloned());
@@ -228,11 +243,20 @@ impl Shards<'_> {
         .map_err(|e| format!("shard subscriber {}:{}: {e}", a.0, a.1))?;
         let overflow = Arc::new(AtomicBool::new(false));
         let (tx, addr, full) = (self.tx.clone(), a.clone(), overflow.clone());
-        // Never blocks the connection: a full queue drops the push and marks the subscriber
-        // for a rebuild.
+        let (stats, bound) = (self.ctx.stats.clone(), self.ctx.o.inbound_bytes);
+        // Never blocks the connection: a full queue, or more than `--redis-inbound-bytes`
+        // waiting between Redis and the cores (charged here, released once the cores took
+        // it: see `link::pubsub`), drops the push and marks the subscriber for a rebuild
+        // (messages meanwhile lost, as in an outage; counted in `overruns` when it is bytes).
         let sender = move |info: PushInfo| -> Result<(), ()> {
-            if tx.try_send((addr.clone(), info)).is_err() {
-                full.store(true, Ordering::Relaxed);
+            let bytes = push_bytes(&info);
+            let before = stats.inbound_bytes.fetch_add(bytes, Ordering::Relaxed);
+            let over = before > 0 && before + bytes > bound;
+            if over || tx.try_send((addr.clone(), info, bytes)).is_err() {
+                stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                if !full.swap(true, Ordering::Relaxed) && over {
+                    stats.overruns.fetch_add(1, Ordering::Relaxed);
+                }
             }
             Ok(())
         };
@@ -332,11 +356,18 @@ impl Shards<'_> {
         Ok(())
     }
 
-    async fn on_pushes(&mut self, pushes: Vec<(Addr, PushInfo)>) -> Result<(), Failed> {
+    async fn on_pushes(&mut self, pushes: Vec<Push>) -> Result<(), Failed> {
+        let charged: u64 = pushes.iter().map(|p| p.2).sum();
+        let result = self.take_pushes(pushes).await;
+        self.ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+        result
+    }
+
+    async fn take_pushes(&mut self, pushes: Vec<Push>) -> Result<(), Failed> {
         let mut messages = Vec::new();
         let mut moved = Vec::new();
         let mut lost: HashSet<Addr> = HashSet::new();
-        for (a, info) in pushes {
+        for (a, info, _) in pushes {
             match info.kind {
                 PushKind::SMessage => messages.extend(redis::Msg::from_push_info(info)),
                 PushKind::SUnsubscribe => {

@@ -57,6 +57,14 @@ pub struct IngestMessage {
     pub arrived: Option<crate::metrics::Arrival>,
 }
 
+impl IngestMessage {
+    /// Bytes it is charged for against queue bounds (an estimate of what it holds: body, id,
+    /// properties and the struct).
+    pub fn charge(&self) -> usize {
+        self.body.len() + self.device_id.len() + self.properties.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>() + 128
+    }
+}
+
 /// The deployment parameters that shape how bodies are read.
 #[derive(Debug, Clone)]
 pub struct IngestSettings {

@@ -1,0 +1,91 @@
+//! What waits between Redis and the cores is bounded in bytes (`--redis-inbound-bytes`), on
+//! both engines: a core stalled while another instance publishes a flood of its devices'
+//! messages makes the link drop its subscriber (counted, as an outage), never hold the
+//! flood in memory; live data resumes on the same socket once the core is back.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::redis::Engine;
+use common::{Server, Want, ADMIN};
+use serde_json::{json, Value};
+
+const WAIT: Duration = Duration::from_secs(10);
+const STALL_MS: u64 = 5_000;
+
+both_engines!(cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes);
+
+fn instance(engine: &Engine, id: &str, extra: &[&str]) -> Server {
+    let mut args: Vec<String> = engine.flags();
+    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
+    server
+}
+
+/// Reads frames until one carries telemetry `n == want` (others are kept), or `within` ends.
+fn read_until(ws: &mut common::ws::Live, want: i64, within: Duration, seen: &mut Vec<i64>) -> bool {
+    let end = Instant::now() + within;
+    while let Some(left) = end.checked_duration_since(Instant::now()) {
+        let Some(frame) = ws.next_json(left) else { return false };
+        if let Some(n) = frame["telemetry"]["n"].as_i64() {
+            seen.push(n);
+            if n == want {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+fn cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes(redis: Engine) {
+    let a = instance(&redis, "a", &[]);
+    let b = instance(&redis, "b", &["--cores", "1", "--redis-inbound-bytes", "262144"]);
+    let session = b.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "big"});
+    b.grant(&session, request.clone());
+    assert_eq!(b.subscribe(&session, request).0, 204);
+    let mut ws = b.live(&session);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(1.0));
+    // A message crosses while the core keeps up.
+    a.ingest(json!({"deviceId": "big", "body": {"n": 0}}));
+    let mut seen = Vec::new();
+    assert!(read_until(&mut ws, 0, WAIT, &mut seen), "a message ingested on A reaches B's socket first: {seen:?}");
+
+    // B's only core blocked; A ingests 40 messages of 16 KiB (640 KiB) of B's device.
+    let url = b.url("");
+    let stall = std::thread::spawn(move || {
+        let agent = ureq::AgentBuilder::new().timeout(Duration::from_millis(STALL_MS) + WAIT).build();
+        let answer = agent.post(&format!("{url}/_debug/stall?core=0&ms={STALL_MS}")).set(ADMIN.0, ADMIN.1).call();
+        answer.map(|r| r.status()).map_err(|e| e.to_string())
+    });
+    assert!(b.wait_for_stderr(WAIT, |l| l.contains("debug: blocking a core")).is_some(), "B's core is blocked");
+    let pad = "x".repeat(16 << 10);
+    let flood: Vec<Value> = (1..=40).map(|n| json!({"deviceId": "big", "body": {"n": n, "pad": pad}})).collect();
+    a.ingest(Value::Array(flood));
+    assert_eq!(stall.join().unwrap(), Ok(204), "the stall is served");
+
+    // The link passed the bound while the core was blocked: the subscriber was dropped.
+    let overruns = b.wait_for_metric("hubcast_redis_overruns_total{instance=\"b\"}", WAIT, Want::AtLeast(1.0));
+    assert!(overruns >= 1.0);
+    b.wait_for_metric("hubcast_redis_inbound_bytes{instance=\"b\"}", WAIT, Want::Eq(0.0));
+    b.assert_alive();
+    // Live data resumes on the same socket (what was published before the subscriber was
+    // back is lost, as in an outage: marker messages until one arrives).
+    let mut resumed = false;
+    for marker in 1000..1040 {
+        a.ingest(json!({"deviceId": "big", "body": {"n": marker}}));
+        if read_until(&mut ws, marker, Duration::from_millis(500), &mut seen) {
+            resumed = true;
+            break;
+        }
+    }
+    assert!(resumed, "live data resumes after the subscriber is made again: {seen:?}");
+    let mut sorted = seen.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(seen, sorted, "what arrived came once each and in order");
+    assert!(seen.len() < 42, "not every message of the flood can have arrived: {seen:?}");
+}
