@@ -621,6 +621,16 @@ mod tests {
     }
     use serde_json::json;
 
+    /// The default deployment's ingest settings.
+    fn settings() -> IngestSettings {
+        IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        }
+    }
+
     #[test]
     fn held_twin_changes_never_exceed_the_byte_bound_not_even_one_big_change() {
         let mut pending = PendingTwin::default();
@@ -644,12 +654,7 @@ mod tests {
 
     #[test]
     fn hub_twin_cache_keeps_a_newer_cached_version_and_honours_the_ttl() {
-        let settings = IngestSettings {
-            custom_timestamp_key: "_ts".into(),
-            custom_device_id_key: "deviceId".into(),
-            custom_connection_state_key: String::new(),
-            connection_state_on_telemetry: true,
-        };
+        let settings = settings();
         let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None });
         let read = |t: &mut DeviceTable, ttl| answer(t, |reply| DeviceOp::ReadHubTwin { device: "d".into(), viewer: Viewer::Admin, ttl, reply });
         assert_eq!(read(&mut table, TwinCacheTtl::Forever), Ok(None));
@@ -671,12 +676,7 @@ mod tests {
     fn twin_changes_held_beyond_the_bound_make_the_twin_read_again() {
         use crate::ids::SessionId;
         use crate::model::{DataKind, GrantKind, Subscription};
-        let settings = IngestSettings {
-            custom_timestamp_key: "_ts".into(),
-            custom_device_id_key: "deviceId".into(),
-            custom_connection_state_key: String::new(),
-            connection_state_on_telemetry: true,
-        };
+        let settings = settings();
         let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None })
             .with_hub_twins(TwinCacheTtl::Off);
         let session = SessionId(7);
@@ -714,12 +714,7 @@ mod tests {
     }
 
     fn table() -> DeviceTable {
-        let settings = IngestSettings {
-            custom_timestamp_key: "_ts".into(),
-            custom_device_id_key: "deviceId".into(),
-            custom_connection_state_key: String::new(),
-            connection_state_on_telemetry: true,
-        };
+        let settings = settings();
         DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None })
     }
 
@@ -807,12 +802,7 @@ mod tests {
     #[test]
     fn a_device_ingested_twice_in_a_unit_is_stored_as_it_is_at_the_commit() {
         use crate::shard::change::Change;
-        let settings = IngestSettings {
-            custom_timestamp_key: "_ts".into(),
-            custom_device_id_key: "deviceId".into(),
-            custom_connection_state_key: String::new(),
-            connection_state_on_telemetry: true,
-        };
+        let settings = settings();
         let mut table = DeviceTable::new(settings, PushTiming { throttle: None, connection_ttl: None });
         table.dirty.on = true;
         let msg = |v: u32| IngestMessage {
