@@ -209,7 +209,8 @@ async fn heartbeat(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Conn
     state.borrow_mut().instances = live;
     ctx.stats.instances.store(state.borrow().instances.len() as u64 + 1, Ordering::Relaxed);
     probe_cores(ctx, lease, ctx.o.heartbeat() / 2).await;
-    leases(ctx, state, lease, conn).await
+    leases(ctx, state, lease, conn).await?;
+    super::link::check_watches(ctx, state, conn).await
 }
 
 /// Renews every lease held, in one call; a lease found taken by another instance is lost.

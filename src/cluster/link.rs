@@ -9,7 +9,9 @@
 //! - **commands** (here): the cores' commands (session changes, publications, watches,
 //!   reads), on the command connection.
 //! - **leases** ([`super::lease`]): heartbeat, live instances, partition leases and
-//!   checkpoints on a connection of their own; renewal first, cores asked with a deadline.
+//!   checkpoints on a connection of their own; renewal first, cores asked with a deadline;
+//!   then the check of the others' `watching` sets against what `watch` said
+//!   ([`check_watches`]: an announcement lost is corrected within two heartbeats).
 //!
 //! The command connections are one Redis or a Redis Cluster ([`super::conn`]); keys and
 //! channels ([`super::names`], all documented in docs/OPERATIONS.md, "Several instances on Redis"):
@@ -63,6 +65,9 @@ const READS_PENDING: usize = 4096;
 /// Requests waiting for the shard task (subscriptions and unsubscriptions of device
 /// channels; the command task waits for room).
 const SHARD_REQUESTS: usize = 64;
+/// Watch changes remembered while a check reads `watching` sets (beyond: the check gives up
+/// and is made again a heartbeat later).
+const TOUCHED: usize = 65_536;
 /// Tries of one change when other instances change the session meanwhile (then 503).
 const CHANGE_TRIES: usize = 8;
 /// Changes running at once (each its own task); beyond, the command task waits for one to
@@ -197,6 +202,12 @@ pub(super) struct Shared {
     next_read: u64,
     /// Other instances' reads being answered here by spawned tasks.
     answering: usize,
+    /// Instances whose `watching` set's size differed from what this instance learnt on the
+    /// `watch` channel at the last check ([`check_watches`]).
+    suspects: HashSet<Arc<str>>,
+    /// While [`check_watches`] reads `watching` sets: the (instance, device) pairs the
+    /// `watch` channel spoke of meanwhile (newer than, or as new as, what the read answers).
+    touched: Option<HashSet<(Box<str>, Box<str>)>>,
 }
 
 pub(super) type State = Rc<RefCell<Shared>>;
@@ -226,6 +237,8 @@ pub fn start(
             reads: HashMap::new(),
             next_read: 0,
             answering: 0,
+            suspects: HashSet::new(),
+            touched: None,
         }));
         let tasks = tokio::task::LocalSet::new();
         tasks.block_on(&runtime, run(ctx, state, lease, status, commands));
@@ -443,6 +456,7 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
         }
     }
     s.remote = remote;
+    s.suspects.clear();
     s.instances = live;
     ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
     Ok(Conns { conn, lease_conn, sink, stream, changes, initial })
@@ -479,6 +493,111 @@ pub(super) async fn live_instances(ctx: &Ctx, conn: &mut Conn) -> Result<HashSet
         keys.into_iter().map(|k| k[strip..].to_string()).collect()
     };
     Ok(ids.into_iter().filter(|id| id != &*ctx.o.instance).map(Arc::from).collect())
+}
+
+/// The `watch` channel's safety net, every heartbeat (from the lease task): what this
+/// instance learnt on `watch` can miss an announcement (on a cluster a classic `PUBLISH`
+/// reaches only the nodes its node has a bus link to at that moment, so one made while the
+/// cluster's links come back after a restart is lost; an instance that reconnects also
+/// replaces its set without publishing what it dropped). So each live instance's `watching`
+/// set size (`SCARD`, one pipeline) is compared with what this instance holds for it; an
+/// instance that differs at two checks in a row (one may be announcements still on their
+/// way) has its set read (`SMEMBERS`) and this instance's view of it corrected: devices
+/// added and removed, except those the `watch` channel spoke of while the sets were read
+/// (newer). Each corrected (instance, device) is counted
+/// (`hubcast_redis_watch_resyncs_total`) and the check logged at `warn`: it means an
+/// announcement was lost. Cores learn the devices that start or stop being watched
+/// elsewhere by a task of their own (a full core queue never holds the heartbeat).
+pub(super) async fn check_watches(ctx: &Ctx, state: &State, conn: &mut Conn) -> Result<(), Failed> {
+    let others: Vec<Arc<str>> = state.borrow().instances.iter().cloned().collect();
+    if others.is_empty() {
+        state.borrow_mut().suspects.clear();
+        return Ok(());
+    }
+    let mut pipe = redis::pipe();
+    for i in &others {
+        pipe.cmd("SCARD").arg(ctx.key("watching", i));
+    }
+    let sizes: Vec<usize> = within("SCARD watching", pipe.query_async(conn)).await?;
+    let resync: Vec<Arc<str>> = {
+        let mut guard = state.borrow_mut();
+        let s = &mut *guard;
+        let mut known: HashMap<&Arc<str>, usize> = HashMap::new();
+        for watchers in s.remote.values() {
+            for i in watchers {
+                *known.entry(i).or_default() += 1;
+            }
+        }
+        let differ: HashSet<Arc<str>> =
+            others.iter().zip(&sizes).filter(|(i, n)| known.get(i).copied().unwrap_or(0) != **n).map(|(i, _)| i.clone()).collect();
+        let again = differ.iter().filter(|i| s.suspects.contains(*i)).cloned().collect();
+        s.suspects = differ;
+        again
+    };
+    if resync.is_empty() {
+        return Ok(());
+    }
+    state.borrow_mut().touched = Some(HashSet::new());
+    let mut pipe = redis::pipe();
+    for i in &resync {
+        pipe.cmd("SMEMBERS").arg(ctx.key("watching", i));
+    }
+    let read: Result<Vec<Vec<String>>, Failed> = within("SMEMBERS watching", pipe.query_async(conn)).await;
+    let touched = state.borrow_mut().touched.take();
+    let (Some(touched), sets) = (touched, read?) else { return Ok(()) };
+    let (mut added, mut removed) = (0usize, 0usize);
+    let mut changes: WatchChanges = Vec::new();
+    {
+        let mut s = state.borrow_mut();
+        for (i, set) in resync.iter().zip(sets) {
+            if !s.instances.contains(i) {
+                continue; // gone meanwhile
+            }
+            let fresh = |d: &str| !touched.contains(&(Box::from(&**i), Box::from(d)));
+            let set: HashSet<Box<str>> = set.into_iter().map(String::into_boxed_str).collect();
+            for device in &set {
+                if !fresh(device) {
+                    continue;
+                }
+                let watchers = s.remote.entry(device.clone()).or_default();
+                if watchers.insert(i.clone()) {
+                    added += 1;
+                    if watchers.len() == 1 {
+                        changes.push((device.clone(), true));
+                    }
+                }
+            }
+            s.remote.retain(|device, watchers| {
+                if watchers.contains(i) && !set.contains(device) && fresh(device) {
+                    watchers.remove(i);
+                    removed += 1;
+                    if watchers.is_empty() {
+                        changes.push((device.clone(), false));
+                        return false;
+                    }
+                }
+                true
+            });
+            s.suspects.remove(i);
+        }
+    }
+    if added + removed == 0 {
+        return Ok(());
+    }
+    ctx.stats.watch_resyncs.fetch_add((added + removed) as u64, Ordering::Relaxed);
+    tracing::warn!(
+        instances = resync.len(),
+        added,
+        removed,
+        "watches corrected from the instances' watching sets: an announcement on the watch channel was missed"
+    );
+    let sends = remote_watch_batches(ctx, changes);
+    tokio::task::spawn_local(async move {
+        for (core, batch) in sends {
+            let _ = core.send(Inbound::RemoteWatch(batch)).await;
+        }
+    });
+    Ok(())
 }
 
 /// How many of the other live instances take a share of the partitions: those without a
@@ -1071,6 +1190,14 @@ async fn on_watch(ctx: &Ctx, state: &State, payload: &[u8]) {
     let mut change = None;
     {
         let mut s = state.borrow_mut();
+        if let Some(touched) = s.touched.as_mut() {
+            if touched.len() < TOUCHED {
+                touched.insert((Box::from(&*instance), Box::from(device)));
+            } else {
+                // Too many changes meanwhile: that check gives up (tried at the next one).
+                s.touched = None;
+            }
+        }
         if !s.instances.contains(&instance) {
             s.instances.insert(instance.clone());
             ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);

@@ -167,6 +167,9 @@ pub struct Stats {
     pub dropped: AtomicU64,
     pub undecodable: AtomicU64,
     pub reconnects: AtomicU64,
+    /// Watches (instance, device) corrected by reading the instances' `watching` sets: an
+    /// announcement on the `watch` channel was missed (link.rs, `check_watches`).
+    pub watch_resyncs: AtomicU64,
     pub instances: AtomicU64,
     pub watched_here: AtomicU64,
     pub watched_elsewhere: AtomicU64,
@@ -331,6 +334,7 @@ impl Cluster {
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label.clone(), get(&s.reconnects)),
             ("hubcast_redis_inbound_bytes".into(), "Bytes received from Redis that the cores have not taken yet (bounded by --redis-inbound-bytes).".into(), label.clone(), get(&s.inbound_bytes)),
             ("hubcast_redis_overruns_total".into(), "Times the cores fell --redis-inbound-bytes behind what Redis sent: the subscriber was dropped and made again (messages meanwhile lost, as in an outage).".into(), label.clone(), get(&s.overruns)),
+            ("hubcast_redis_watch_resyncs_total".into(), "Watches (instance, device) corrected by reading the instances' watching sets: an announcement on the watch channel was missed.".into(), label.clone(), get(&s.watch_resyncs)),
         ])
         .chain(self.cluster_series(&label))
         .collect()
