@@ -67,6 +67,10 @@ pub struct Global {
     /// With --pin: the harness's CPUs instead (default: every CPU hubcast does not have).
     #[arg(long, global = true, value_name = "LIST", requires = "pin")]
     pub harness_cpus: Option<String>,
+    /// Fan-out: a shell command run just before and just after each measured window
+    /// (env HUBCAST_LOAD_STEP=begin|end, HUBCAST_LOAD_RATE), e.g. to read Redis's INFO there.
+    #[arg(long, global = true, value_name = "CMD")]
+    pub step_hook: Option<String>,
 }
 
 impl Global {

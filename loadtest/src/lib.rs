@@ -12,12 +12,14 @@
 //! - [`modes`]: `ingest`, `fanout`, `idle`, `rest`, `all`;
 //! - [`scale`]: `fleet`, the fleet-scale run (1 or N instances, kill -9 and restart);
 //! - [`report`]: tables, JSON, the machine's description;
-//! - [`pin`]: `--pin`, hubcast and the harness on separate CPUs.
+//! - [`pin`]: `--pin`, hubcast and the harness on separate CPUs;
+//! - [`hook`]: `--step-hook`, a command run at the edges of each measured fan-out window.
 
 pub mod cli;
 pub mod clients;
 pub mod fleet;
 pub mod hist;
+pub mod hook;
 pub mod http;
 pub mod modes;
 pub mod pin;

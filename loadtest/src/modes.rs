@@ -277,9 +277,11 @@ async fn fanout_step(global: &Global, setup: &Setup, plan: &FleetPlan, live: &Ar
     sleep(secs(global.warmup)).await;
     live.latency.reset();
     live.measuring.store(true, Ordering::Relaxed);
+    crate::hook::run(global.step_hook.as_deref(), "begin", plan.rate).await?;
     let a = snapshot(target, Some(&stats), Some(live)).await?;
     sleep(secs(global.duration)).await;
     let b = snapshot(target, Some(&stats), Some(live)).await?;
+    crate::hook::run(global.step_hook.as_deref(), "end", plan.rate).await?;
     live.measuring.store(false, Ordering::Relaxed);
     stop_fleet(&stats, &mut tasks).await;
     let latency: Histogram = live.latency.merged();
