@@ -45,7 +45,7 @@ SELF=$(realpath "$0"); SUBS=$(dirname "$SELF")/redis-cluster-subs.py
 N="nice -n 5"
 exec > >(tee "$OUT/all.txt") 2>&1
 pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; }
+cleanup() { kill "${pids[@]}" 2>/dev/null; }   # no `wait`: the tee of the output would never end
 trap cleanup EXIT
 
 # Redis: one server, one cluster of 3 masters (no replicas), private ports.
