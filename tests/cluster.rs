@@ -451,8 +451,17 @@ fn live_data_between_instances_resumes_by_itself_after_redis_restarts(mut redis:
         let series = format!("hubcast_redis_connected{{instance=\"{id}\"}}");
         s.wait_for_metric(&series, WAIT, Want::Eq(1.0)); // and reconnects by itself
     }
-    let watching = redis.command(&format!("SMEMBERS {}", redis.control_key("t", "watching:b"))).unwrap_or_default();
-    assert!(watching.contains("tank"), "B announced its watch again: {watching}");
+    // B announces its watch again (on a cluster once its shard subscriber is back, after it
+    // says it is connected).
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let watching = redis.command(&format!("SMEMBERS {}", redis.control_key("t", "watching:b"))).unwrap_or_default();
+        if watching.contains("tank") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "B announced its watch again: {watching}\nB: {:?}", b.stderr_lines());
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Live data resumes by itself: A ingests until B's socket has it. A learns B's watch on
     // the watch channel or, were that announcement lost (on a cluster: published while the
     // restarted nodes' bus links came back), from B's watching set within a few heartbeats.
