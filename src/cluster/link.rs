@@ -43,6 +43,7 @@ use super::conn::Conn;
 use super::names::Names;
 
 use super::lease::{self, Ctl, Leases};
+use super::resend;
 use super::shards;
 use super::wire::{self, SharedOp};
 use super::{Command, Inbound, Stats};
@@ -68,6 +69,9 @@ const SHARD_REQUESTS: usize = 64;
 /// Watch changes remembered while a check reads `watching` sets (beyond: the check gives up
 /// and is made again a heartbeat later).
 const TOUCHED: usize = 65_536;
+/// Origins remembered per device for dropping messages received twice (a device's
+/// partition moves between instances now and then; beyond, the oldest is forgotten).
+const ORIGINS: usize = 4;
 /// Tries of one change when other instances change the session meanwhile (then 503).
 const CHANGE_TRIES: usize = 8;
 /// Changes running at once (each its own task); beyond, the command task waits for one to
@@ -208,6 +212,30 @@ pub(super) struct Shared {
     /// While [`check_watches`] reads `watching` sets: the (instance, device) pairs the
     /// `watch` channel spoke of meanwhile (newer than, or as new as, what the read answers).
     touched: Option<HashSet<(Box<str>, Box<str>)>>,
+    /// Per device watched here, the last sequence number applied from each origin (wire v2,
+    /// at most [`ORIGINS`] a device): a message not newer is received again and dropped.
+    /// Devices no longer watched here are forgotten every heartbeat ([`check_watches`]).
+    last_seq: HashMap<Box<str>, Vec<(Box<str>, u64)>>,
+}
+
+impl Shared {
+    /// Whether message `seq` of `device` from `origin` is newer than the last applied; it is
+    /// the last applied from now on if so.
+    fn fresh(&mut self, origin: &str, device: &str, seq: u64) -> bool {
+        let seen = self.last_seq.entry_ref(device).or_default();
+        if let Some((_, last)) = seen.iter_mut().find(|(o, _)| &**o == origin) {
+            if seq <= *last {
+                return false;
+            }
+            *last = seq;
+            return true;
+        }
+        if seen.len() >= ORIGINS {
+            seen.remove(0);
+        }
+        seen.push((origin.into(), seq));
+        true
+    }
 }
 
 pub(super) type State = Rc<RefCell<Shared>>;
@@ -239,6 +267,7 @@ pub fn start(
             answering: 0,
             suspects: HashSet::new(),
             touched: None,
+            last_seq: HashMap::new(),
         }));
         let tasks = tokio::task::LocalSet::new();
         tasks.block_on(&runtime, run(ctx, state, lease, status, commands));
@@ -509,6 +538,11 @@ pub(super) async fn live_instances(ctx: &Ctx, conn: &mut Conn) -> Result<HashSet
 /// announcement was lost. Cores learn the devices that start or stop being watched
 /// elsewhere by a task of their own (a full core queue never holds the heartbeat).
 pub(super) async fn check_watches(ctx: &Ctx, state: &State, conn: &mut Conn) -> Result<(), Failed> {
+    {
+        let mut guard = state.borrow_mut();
+        let s = &mut *guard;
+        s.last_seq.retain(|device, _| s.local.contains(device));
+    }
     let others: Vec<Arc<str>> = state.borrow().instances.iter().cloned().collect();
     if others.is_empty() {
         state.borrow_mut().suspects.clear();
@@ -723,6 +757,8 @@ async fn command_loop(
     commands: &async_channel::Receiver<Command>,
     ctl: &tokio::sync::mpsc::Sender<Ctl>,
 ) -> Failed {
+    // A cluster's device messages short of their watchers (a slot moving), published again.
+    let mut resend = resend::Resend::default();
     loop {
         let next_read = state.borrow().reads.values().map(|r| r.deadline).min();
         let result = tokio::select! {
@@ -730,14 +766,18 @@ async fn command_loop(
                 expire_reads(state);
                 Ok(())
             }
+            _ = tokio::time::sleep_until(resend.due.unwrap_or_else(tokio::time::Instant::now)), if resend.due.is_some() => {
+                resend::again(ctx, state, &conn, &mut resend).await
+            }
             command = commands.recv() => match command {
                 Ok(Command::Stream(plan)) => ctl.send(Ctl::Stream(plan)).await.map_err(|_| "stopped".to_string()),
                 Ok(Command::Leave(done)) => ctl.send(Ctl::Leave(done)).await.map_err(|_| "stopped".to_string()),
-                Ok(command) => on_command(ctx, state, command, &mut conn, &mut sink, shards.as_ref()).await,
+                Ok(command) => on_command(ctx, state, command, &mut conn, &mut sink, shards.as_ref(), &mut resend).await,
                 Err(_) => Err("stopped".to_string()),
             },
         };
         if let Err(reason) = result {
+            resend.abandon(ctx);
             return reason;
         }
     }
@@ -762,6 +802,7 @@ async fn on_command(
     conn: &mut Conn,
     sink: &mut PubSubSink,
     shards: Option<&async_channel::Sender<shards::Req>>,
+    resend: &mut resend::Resend,
 ) -> Result<(), Failed> {
     match command {
         Command::Save { op, reply } => {
@@ -806,18 +847,16 @@ async fn on_command(
             }
         }
         Command::Publish(items) => {
+            if ctx.is_cluster() {
+                // Sharded: each to its channel's master, counted against its watchers.
+                return resend::publish(ctx, state, &*conn, items, resend).await;
+            }
             let n = items.len() as u64;
-            let sent = if ctx.is_cluster() {
-                // Sharded: each to its channel's master.
-                within("SPUBLISH", shards::publish(conn, &items, |d| ctx.key("device", d))).await
-            } else {
-                let mut pipe = redis::pipe();
-                for (device, payload) in &items {
-                    pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
-                }
-                within("PUBLISH", pipe.query_async::<()>(conn)).await
-            };
-            if let Err(reason) = sent {
+            let mut pipe = redis::pipe();
+            for (device, payload) in &items {
+                pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
+            }
+            if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(conn)).await {
                 ctx.stats.dropped.fetch_add(n, Ordering::Relaxed);
                 return Err(reason);
             }
@@ -1045,7 +1084,12 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
         let payload = msg.get_payload_bytes();
         if channel.starts_with(&device_prefix) {
             match wire::decode_message(payload) {
-                Some((origin, m)) if origin != &*ctx.o.instance => {
+                Some((origin, seq, m)) if origin != &*ctx.o.instance => {
+                    // Published again after a slot move (cluster/resend.rs): applied once.
+                    if seq.is_some_and(|seq| !state.borrow_mut().fresh(origin, &m.device_id, seq)) {
+                        ctx.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
                     ctx.stats.received.fetch_add(1, Ordering::Relaxed);
                     let core = core_of_device(&m.device_id, ctx.cores.len());
                     per_core[core].push(m);

@@ -38,6 +38,7 @@ mod conn;
 mod lease;
 mod link;
 mod names;
+mod resend;
 mod shards;
 pub mod wire;
 
@@ -170,6 +171,13 @@ pub struct Stats {
     /// Watches (instance, device) corrected by reading the instances' `watching` sets: an
     /// announcement on the `watch` channel was missed (link.rs, `check_watches`).
     pub watch_resyncs: AtomicU64,
+    /// Device messages received again (a sequence number not newer than the last applied
+    /// from its origin for its device: published again after a slot move), not applied.
+    pub duplicates: AtomicU64,
+    /// A Redis Cluster: messages published again because fewer instances received them than
+    /// watch their device (a slot moving), and those given up after 2 s or past the bounds.
+    pub republished: AtomicU64,
+    pub republish_given_up: AtomicU64,
     pub instances: AtomicU64,
     pub watched_here: AtomicU64,
     pub watched_elsewhere: AtomicU64,
@@ -334,6 +342,7 @@ impl Cluster {
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label.clone(), get(&s.reconnects)),
             ("hubcast_redis_inbound_bytes".into(), "Bytes received from Redis that the cores have not taken yet (bounded by --redis-inbound-bytes).".into(), label.clone(), get(&s.inbound_bytes)),
             ("hubcast_redis_overruns_total".into(), "Times the cores fell --redis-inbound-bytes behind what Redis sent: the subscriber was dropped and made again (messages meanwhile lost, as in an outage).".into(), label.clone(), get(&s.overruns)),
+            ("hubcast_redis_duplicates_dropped_total".into(), "Device messages received again from another instance (published again after a slot move) and not applied twice.".into(), label.clone(), get(&s.duplicates)),
             ("hubcast_redis_watch_resyncs_total".into(), "Watches (instance, device) corrected by reading the instances' watching sets: an announcement on the watch channel was missed.".into(), label.clone(), get(&s.watch_resyncs)),
         ])
         .chain(self.cluster_series(&label))
@@ -354,6 +363,8 @@ impl Cluster {
             ("hubcast_redis_pubsub_connections".into(), "Pub/sub connections open: one for control channels, at most one sharded subscriber per master.".into(), label.to_string(), get(&s.shard_connections) + get(&s.connected)),
             ("hubcast_redis_slot_moves_total".into(), "Device channels a master unsubscribed unasked (their slot moved): subscribed again on the new master.".into(), label.to_string(), get(&s.slot_moves)),
             ("hubcast_redis_topology_refreshes_total".into(), "Times the slot map was read (CLUSTER SLOTS).".into(), label.to_string(), get(&s.topology_refreshes)),
+            ("hubcast_redis_republished_total".into(), "Device messages published again: fewer instances received them than watch their device (its slot was moving).".into(), label.to_string(), get(&s.republished)),
+            ("hubcast_redis_republish_given_up_total".into(), "Device messages no longer published again: still short of their watchers after 2 s, or past the bounds of what waits (64 messages or 256 KiB a device, 16 MiB in all).".into(), label.to_string(), get(&s.republish_given_up)),
         ];
         for (i, reason) in shards::REASONS.iter().enumerate() {
             let labels = format!("{{instance=\"{}\",reason=\"{reason}\"}}", self.instance);
@@ -397,6 +408,9 @@ impl CorePlugin for Cluster {
             remote: RefCell::default(),
             outbox: RefCell::default(),
             pending_watch: RefCell::default(),
+            // From the clock, so that an instance started again under the same id goes on
+            // above what it published before (one message per nanosecond would catch up).
+            seq: std::cell::Cell::new(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)),
         });
         *core.relay.borrow_mut() = Some(relay.clone());
         monoio::spawn(serve(core.clone(), relay, inbound));
@@ -415,6 +429,9 @@ struct CoreRelay {
     outbox: RefCell<Outbox>,
     /// Watch changes the command queue had no room for (latest per device), sent later.
     pending_watch: RefCell<HashMap<Box<str>, bool>>,
+    /// The last sequence number published from this core (wire v2): a device's messages
+    /// all go through its one core, so each device's numbers grow.
+    seq: std::cell::Cell<u64>,
 }
 
 #[derive(Default)]
@@ -434,7 +451,9 @@ impl Relay for CoreRelay {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let payload = wire::encode_message(&self.instance, msg);
+        let seq = self.seq.get() + 1;
+        self.seq.set(seq);
+        let payload = wire::encode_message(&self.instance, seq, msg);
         outbox.bytes += payload.len();
         outbox.items.push((msg.device_id.clone(), payload));
     }

@@ -22,8 +22,8 @@
 //!   and that subscriber is rebuilt (`reason="full"`; its messages meanwhile are lost, as
 //!   with any pub/sub outage).
 //!
-//! Not yet (step 7): a message published while a slot moves may be lost (moves are counted,
-//! delivery resumes).
+//! A message published while a slot moves is published again until every watcher got it
+//! (cluster/resend.rs, step 7).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
@@ -440,22 +440,26 @@ fn node_url(seed: &str, host: &str, port: u16) -> String {
 }
 
 /// `SPUBLISH`es device messages: one pipeline per slot (a device's messages stay in order),
-/// all slots at once.
-pub(super) async fn publish(conn: &Conn, items: &[(Box<str>, Vec<u8>)], channel: impl Fn(&str) -> String) -> redis::RedisResult<()> {
-    let mut per_slot: BTreeMap<u16, (String, redis::Pipeline)> = BTreeMap::new();
-    for (device, payload) in items {
+/// all slots at once; answers how many subscribers got each (in `items`' order).
+pub(super) async fn publish(conn: &Conn, items: &[(&str, &[u8])], channel: impl Fn(&str) -> String) -> redis::RedisResult<Vec<i64>> {
+    let mut per_slot: BTreeMap<u16, (String, redis::Pipeline, Vec<usize>)> = BTreeMap::new();
+    for (i, (device, payload)) in items.iter().enumerate() {
         let c = channel(device);
-        let entry = per_slot.entry(slot(&c)).or_insert_with(|| (c.clone(), redis::pipe()));
-        entry.1.cmd("SPUBLISH").arg(&c).arg(payload.as_slice()).ignore();
+        let entry = per_slot.entry(slot(&c)).or_insert_with(|| (c.clone(), redis::pipe(), Vec::new()));
+        entry.1.cmd("SPUBLISH").arg(&c).arg(*payload);
+        entry.2.push(i);
     }
-    let sent = per_slot.into_values().map(|(key, pipe)| {
+    let sent = per_slot.into_values().map(|(key, pipe, at)| {
         let mut conn = conn.clone();
-        async move { pipe.query_async::<()>(&mut conn.at(&key)).await }
+        async move { (pipe.query_async::<Vec<i64>>(&mut conn.at(&key)).await, at) }
     });
-    for answer in futures_util::future::join_all(sent).await {
-        answer?;
+    let mut counts = vec![0; items.len()];
+    for (answer, at) in futures_util::future::join_all(sent).await {
+        for (i, got) in at.into_iter().zip(answer?) {
+            counts[i] = got;
+        }
     }
-    Ok(())
+    Ok(counts)
 }
 
 #[cfg(test)]

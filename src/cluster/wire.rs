@@ -12,6 +12,10 @@ use crate::shard::{ConnectionView, Grants, Subscriptions, TelemetryView, TwinVie
 use crate::store::{format, Change, Record};
 
 const VERSION: u8 = 1;
+/// Device messages carry the origin's sequence number since version 2 (design step 7: a
+/// message published again after a slot move is applied once); version 1 still decodes,
+/// without one.
+const MESSAGE_VERSION: u8 = 2;
 
 /// A change every instance applies to its copy of a session.
 #[derive(Debug, Clone, PartialEq)]
@@ -357,12 +361,14 @@ fn source_of(code: u8) -> Option<SourceKind> {
     })
 }
 
-/// A device message as published on its device's channel.
-pub fn encode_message(origin: &str, msg: &IngestMessage) -> Vec<u8> {
+/// A device message as published on its device's channel: `seq` grows with every message
+/// the origin publishes of the device (receivers drop one not newer than the last applied).
+pub fn encode_message(origin: &str, seq: u64, msg: &IngestMessage) -> Vec<u8> {
     let props: usize = msg.properties.iter().map(|(k, v)| k.len() + v.len() + 8).sum();
-    let mut buf = Vec::with_capacity(32 + origin.len() + msg.device_id.len() + props + msg.body.len());
-    buf.push(VERSION);
+    let mut buf = Vec::with_capacity(40 + origin.len() + msg.device_id.len() + props + msg.body.len());
+    buf.push(MESSAGE_VERSION);
     put_str(&mut buf, origin.as_bytes());
+    buf.extend_from_slice(&seq.to_le_bytes());
     put_str(&mut buf, msg.device_id.as_bytes());
     buf.push(source_code(msg.source));
     buf.extend_from_slice(&msg.enqueued_at.unwrap_or(i64::MIN).to_le_bytes());
@@ -375,13 +381,16 @@ pub fn encode_message(origin: &str, msg: &IngestMessage) -> Vec<u8> {
     buf
 }
 
-/// The origin instance and the message; `None` for a payload that does not decode.
-pub fn decode_message(bytes: &[u8]) -> Option<(&str, IngestMessage)> {
+/// The origin instance, its sequence number (`None`: version 1, from an instance before
+/// step 7) and the message; `None` for a payload that does not decode.
+pub fn decode_message(bytes: &[u8]) -> Option<(&str, Option<u64>, IngestMessage)> {
     let mut r = Reader { bytes, at: 0 };
-    if r.u8()? != VERSION {
+    let version = r.u8()?;
+    if version != VERSION && version != MESSAGE_VERSION {
         return None;
     }
     let origin = r.str()?;
+    let seq = if version == MESSAGE_VERSION { Some(r.i64()? as u64) } else { None };
     let device_id: Box<str> = r.str()?.into();
     let source = source_of(r.u8()?)?;
     let enqueued_at = Some(r.i64()?).filter(|t| *t != i64::MIN);
@@ -396,7 +405,7 @@ pub fn decode_message(bytes: &[u8]) -> Option<(&str, IngestMessage)> {
         return None;
     }
     let body = r.rest().to_vec();
-    Some((origin, IngestMessage { device_id, source, properties, body, enqueued_at, arrived: Some(crate::metrics::Arrival::now()) }))
+    Some((origin, seq, IngestMessage { device_id, source, properties, body, enqueued_at, arrived: Some(crate::metrics::Arrival::now()) }))
 }
 
 #[cfg(test)]
@@ -416,9 +425,15 @@ mod tests {
             enqueued_at: Some(42),
             arrived: None,
         };
-        let bytes = encode_message("i1", &msg);
-        let (origin, back) = decode_message(&bytes).unwrap();
-        assert_eq!(origin, "i1");
+        let bytes = encode_message("i1", u64::MAX - 1, &msg);
+        let (origin, seq, back) = decode_message(&bytes).unwrap();
+        assert_eq!((origin, seq), ("i1", Some(u64::MAX - 1)));
+        // Version 1 (no sequence number) still decodes.
+        let mut v1 = vec![VERSION];
+        v1.extend_from_slice(&bytes[1..7]);
+        v1.extend_from_slice(&bytes[15..]);
+        let (origin, seq, old) = decode_message(&v1).unwrap();
+        assert_eq!((origin, seq, &*old.device_id, old.body.as_slice()), ("i1", None, "pump-1", &br#"{"a":1}"#[..]));
         assert_eq!((&*back.device_id, back.source, back.body.as_slice(), back.enqueued_at), ("pump-1", SourceKind::TwinChange, &br#"{"a":1}"#[..], Some(42)));
         assert_eq!(back.properties.as_slice(), msg.properties.as_slice());
         for cut in 0..bytes.len() - msg.body.len() {

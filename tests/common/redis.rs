@@ -430,6 +430,50 @@ impl RedisCluster {
         self.wait_ok();
     }
 
+    /// The hash slot of `key` (`CLUSTER KEYSLOT`).
+    pub fn slot_of(&self, key: &str) -> u16 {
+        let port = self.nodes.iter().find(|n| n.child.is_some()).expect("a running node").port;
+        let reply = self.raw(port, &format!("CLUSTER KEYSLOT {key}")).unwrap_or_default();
+        reply.trim().trim_start_matches(':').parse().unwrap_or_else(|_| panic!("CLUSTER KEYSLOT {key}: {reply}"))
+    }
+
+    /// The node serving `slot` now.
+    pub fn owner_of(&self, slot: u16) -> usize {
+        let port = self.nodes.iter().find(|n| n.child.is_some()).expect("a running node").port;
+        let owner = self.slot_map_at(port).into_iter().find(|(a, b, _)| *a <= slot && slot <= *b).map(|(_, _, p)| p);
+        self.nodes.iter().position(|n| Some(n.port) == owner).unwrap_or_else(|| panic!("a node serves slot {slot}"))
+    }
+
+    /// Moves one slot to master `to`, by hand as `redis-cli --cluster reshard` does it
+    /// (`IMPORTING` on the target, `MIGRATING` on the source, its keys `MIGRATE`d, then `NODE`
+    /// on both and every other master), and waits until every node agrees.
+    pub fn move_slot(&self, slot: u16, to: usize) {
+        let from = self.owner_of(slot);
+        assert_ne!(from, to, "slot {slot} is on node {to} already");
+        let (from_id, to_id) = (self.id(from), self.id(to));
+        let (from_port, to_port) = (self.nodes[from].port, self.nodes[to].port);
+        let ok = |reply: Option<String>, what: &str| assert!(reply.as_deref().is_some_and(|r| r.starts_with("+OK")), "{what}: {reply:?}");
+        ok(self.raw(to_port, &format!("CLUSTER SETSLOT {slot} IMPORTING {from_id}")), "IMPORTING");
+        ok(self.raw(from_port, &format!("CLUSTER SETSLOT {slot} MIGRATING {to_id}")), "MIGRATING");
+        loop {
+            let keys = bulk_strings(&self.raw(from_port, &format!("CLUSTER GETKEYSINSLOT {slot} 100")).unwrap_or_default());
+            if keys.is_empty() {
+                break;
+            }
+            let auth = self.password.as_ref().map(|p| format!(" AUTH {p}")).unwrap_or_default();
+            let reply = self.raw(from_port, &format!("MIGRATE 127.0.0.1 {to_port} \"\" 0 5000{auth} KEYS {}", keys.join(" ")));
+            assert!(reply.as_deref().is_some_and(|r| r.starts_with('+')), "MIGRATE: {reply:?}");
+        }
+        ok(self.raw(to_port, &format!("CLUSTER SETSLOT {slot} NODE {to_id}")), "NODE on the target");
+        ok(self.raw(from_port, &format!("CLUSTER SETSLOT {slot} NODE {to_id}")), "NODE on the source");
+        for m in self.masters() {
+            if m != from && m != to {
+                let _ = self.raw(self.nodes[m].port, &format!("CLUSTER SETSLOT {slot} NODE {to_id}"));
+            }
+        }
+        self.wait_ok();
+    }
+
     /// One inline command on node `i`; the raw reply.
     pub fn command_on(&self, i: usize, line: &str) -> Option<String> {
         self.raw(self.nodes[i].port, line)
