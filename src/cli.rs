@@ -69,6 +69,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "recovery_window",
             "recovery_session_bytes",
             "recovery_core_bytes",
+            "recovery_durable",
         ],
     ),
     (

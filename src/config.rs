@@ -269,6 +269,13 @@ pub struct Config {
           value_parser = clap::value_parser!(u64).range(1024..=1 << 40))]
     pub recovery_core_bytes: u64,
 
+    /// With `--data-dir`: write every frame appended to a recovery history to the store before
+    /// it reaches a socket, so a `kill -9` and a restart on the same data dir replay what was
+    /// committed (false: only a graceful shutdown keeps the histories).
+    #[arg(long = "recovery-durable", env = "RECOVERY_DURABLE", default_value_t = true,
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    pub recovery_durable: bool,
+
     /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
     /// senders keep a backlog, conflate telemetry and slow their sources down.
     #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,

@@ -509,7 +509,9 @@ pub fn store(input: &[u8]) {
     let (tail_in_place, _) = read_frames_into(&file, &mut in_place, false);
     assert_eq!(tail_in_place, tail, "read_frames_into vs read_frames");
     let mut newest = Loaded::default();
-    let tail_newest = NewestFirst::default().apply_log(&file, &mut newest);
+    let mut nf = NewestFirst::default();
+    let tail_newest = nf.apply_log(&file, &mut newest);
+    nf.finish(&mut newest);
     assert_eq!(tail_newest, tail, "apply_log vs read_frames");
     let view = store_view(&in_order);
     assert_eq!(store_view(&in_place), view, "in place vs in order");
@@ -541,7 +543,7 @@ impl SplitStr for [u8] {
     }
 }
 
-type StoreView = (Vec<(String, crate::store::format::DeviceData)>, Vec<String>, Vec<String>, Vec<(String, i64)>);
+type StoreView = (Vec<(String, crate::store::DeviceData)>, Vec<String>, Vec<String>, Vec<(String, i64)>, Vec<String>, Vec<(u32, u64)>, u64);
 
 /// A loaded state in a comparable order.
 fn store_view(l: &crate::store::Loaded) -> StoreView {
@@ -562,7 +564,11 @@ fn store_view(l: &crate::store::Loaded) -> StoreView {
     sessions.sort();
     let mut applied: Vec<_> = l.applied.iter().map(|(k, v)| (k.to_string(), *v)).collect();
     applied.sort();
-    (devices, access, sessions, applied)
+    let mut streams: Vec<_> = l.streams.iter().map(|(id, r)| format!("{id:?} {r:?}")).collect();
+    streams.sort();
+    let mut posted: Vec<_> = l.posted.iter().map(|(k, v)| (*k, *v)).collect();
+    posted.sort();
+    (devices, access, sessions, applied, streams, posted, l.received)
 }
 
 /// A loaded state as a log file of one frame, written by the encoder.
@@ -588,6 +594,10 @@ pub fn store_write(l: &crate::store::Loaded) -> Vec<u8> {
     for (key, seq) in &l.applied {
         encode(&mut file, Change::Applied { key, seq: *seq });
     }
+    for (to, n) in &l.posted {
+        encode(&mut file, Change::Posted { to: *to as usize, n: *n });
+    }
+    encode(&mut file, Change::Received { n: l.received });
     end_frame(&mut file, at);
     file
 }

@@ -133,6 +133,9 @@ pub struct CoreMetrics {
     pub recovery_succeeded: [Cell<u64>; TRANSPORTS.len()],
     pub recovery_failed: [Cell<u64>; RECOVERY_FAILURES.len()],
     pub recovery_replayed: Cell<u64>,
+    /// Frames written ahead to the store (`--recovery-durable`), and streams whose history a
+    /// start dropped by the crash rule.
+    pub recovery_appended: Cell<u64>,
     pub recovery_trimmed: [Cell<u64>; RECOVERY_TRIMS.len()],
 }
 
@@ -202,6 +205,7 @@ impl CoreMetrics {
             recovery_succeeded: self.recovery_succeeded.iter().map(get).collect(),
             recovery_failed: self.recovery_failed.iter().map(get).collect(),
             recovery_replayed: self.recovery_replayed.get(),
+            recovery_appended: self.recovery_appended.get(),
             recovery_trimmed: self.recovery_trimmed.iter().map(get).collect(),
         }
     }
@@ -251,6 +255,7 @@ pub struct Snapshot {
     pub recovery_succeeded: Vec<u64>,
     pub recovery_failed: Vec<u64>,
     pub recovery_replayed: u64,
+    pub recovery_appended: u64,
     pub recovery_trimmed: Vec<u64>,
 }
 
@@ -271,6 +276,13 @@ fn render_recovery(out: &mut String, cores: &[Snapshot]) {
     }
     family(out, "hubcast_recovery_replayed_frames_total", "counter", "Events replayed to recovered connections.");
     let _ = writeln!(out, "hubcast_recovery_replayed_frames_total {}", sum(&|c| c.recovery_replayed));
+    family(
+        out,
+        "hubcast_recovery_appended_frames_total",
+        "counter",
+        "Frames of recovery histories written to the store before reaching a socket (--recovery-durable).",
+    );
+    let _ = writeln!(out, "hubcast_recovery_appended_frames_total {}", sum(&|c| c.recovery_appended));
     family(out, "hubcast_recovery_history_bytes", "gauge", "Bytes of recovery history held (frame + 40 per entry), all cores (bounded per core by --recovery-core-bytes).");
     let _ = writeln!(out, "hubcast_recovery_history_bytes {}", sum(&|c| c.state.recovery_history_bytes));
     family(out, "hubcast_recovery_trimmed_bytes_total", "counter", "Bytes of recovery history dropped before a client asked for them, by cause.");

@@ -51,6 +51,7 @@ impl Core {
                 devices.flush_throttled(now, &mut deliveries);
                 devices.expire_connections(now, &mut deliveries);
             }
+            self.recovery_posting(&deliveries);
             self.persist(None);
             for (id, record) in expired {
                 tracing::debug!(session = %id, "session expired");

@@ -326,6 +326,7 @@ impl Core {
     /// without partitions).
     pub fn ingest_from(self: &Rc<Self>, batch: Vec<IngestMessage>, partition: Option<&str>) {
         let deliveries = self.apply_ingest(batch, partition);
+        self.recovery_posting(&deliveries);
         self.persist(None);
         self.dispatch(deliveries);
         self.read_whole_twins();
@@ -346,6 +347,7 @@ impl Core {
                     };
                     let mut deliveries = Vec::new();
                     let again = me.devices.borrow_mut().hub_twin_fetched(&device, read.map(|a| a.body), Instant::now(), &mut deliveries);
+                    me.recovery_posting(&deliveries);
                     me.persist(None);
                     me.arm_clock();
                     me.dispatch(deliveries);
@@ -368,6 +370,7 @@ impl Core {
     /// relayed again), and pushes what they changed to this instance's sockets.
     pub fn ingest_replicas(self: &Rc<Self>, batch: Vec<IngestMessage>) {
         let deliveries = self.apply_ingest_from(batch, None);
+        self.recovery_posting(&deliveries);
         self.persist(None);
         self.dispatch(deliveries);
         self.read_whole_twins();
@@ -447,7 +450,7 @@ impl Core {
         let mut trimmed = crate::push::stream::Trimmed::default();
         for d in &deliveries {
             if let Some(record) = sessions.get_mut(d.session) {
-                let seq = self.recovery_push(record, &d.frame, &mut now, &mut trimmed);
+                let seq = self.recovery_push(d.session, record, &d.frame, &mut now, &mut trimmed);
                 for outlet in &record.sockets {
                     if outlet.deliver_seq(d, seq) == Delivered::Conflated {
                         self.metrics.conflated(1);
@@ -459,6 +462,8 @@ impl Core {
         if now.is_some() {
             self.recovery_after_batch(trimmed);
         }
+        // Before any writer runs: the appended frames and the count taken in (design step 7).
+        self.recovery_taken_in(deliveries.len());
         // Held socket writes wait for the core's next inbound batch (push/linger.rs).
         self.linger.inbound_applied();
     }

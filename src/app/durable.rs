@@ -78,7 +78,9 @@ impl Core {
         }
         *self.applied.borrow_mut() = loaded.applied.drain().collect();
         *self.store.borrow_mut() = Some(store);
-        self.restore_recovery(std::mem::take(&mut loaded.streams));
+        self.recovery.durable.set(self.recovery.window.is_some() && self.settings.config.recovery_durable);
+        let received = loaded.received_reset.then_some(loaded.received);
+        self.restore_recovery(std::mem::take(&mut loaded.streams), &loaded.posted, loaded.received, received);
         monoio::spawn(self.clone().write_snapshots());
         tracing::debug!(core = self.index, ms = now.elapsed().as_millis() as u64, "stored state restored");
     }
@@ -152,6 +154,7 @@ impl Core {
                 let done = self.devices.borrow().snapshot_slice(w, max, &mut put);
                 if done {
                     self.sessions.borrow().for_each_state(&mut put);
+                    self.recovery_snapshot(&mut put);
                     for (key, seq) in self.applied.borrow().iter() {
                         put(Change::Applied { key, seq: *seq });
                     }
@@ -189,6 +192,7 @@ impl Core {
         };
         let upto = done.map_or(mark.upto, |d| d.max(mark.upto));
         let deliveries = self.apply_ingest(batch, partition);
+        self.recovery_posting(&deliveries);
         if done != Some(upto) {
             self.applied.borrow_mut().insert(mark.key.as_ref().into(), upto);
             self.persist(Some((&mark.key, upto)));

@@ -101,6 +101,7 @@ fn open_store(settings: &Settings, lock: Option<crate::store::DirLock>, ingress:
         fsync_interval: std::time::Duration::from_millis(settings.config.fsync_interval),
         snapshot_log_bytes: settings.config.snapshot_log_bytes,
         start_damaged: settings.config.store_start_damaged,
+        stream_bytes: settings.config.recovery_session_bytes as usize,
     };
     let opened = crate::store::open_locked(dir, lock, settings.cores, options).map_err(io::Error::other)?;
     let prefix = source_prefix(settings);

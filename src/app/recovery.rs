@@ -12,6 +12,13 @@
 //! the largest streams are trimmed from the front until the total is 7/8 of the bound (so the
 //! scan over streamed sessions runs once per eighth of the bound, not per delivery). A pid away
 //! longer than the window has its stream dropped by the core's clock ([`Core::expire_recovery`]).
+//!
+//! Durable (`--recovery-durable` with a data dir, design step 7): the frames a delivery batch
+//! appends and the count of deliveries taken in are committed at the end of the batch, before
+//! any socket's writer runs ([`Core::recovery_taken_in`]); pids are committed as they change,
+//! before a CONNECT answer carries one; a unit of work that posts deliveries commits how many
+//! it posts to each core ([`Core::recovery_posting`]). At start `store::log::crash_rule`
+//! compares the counts: a history that may lack a delivery posted before a crash is dropped.
 
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
@@ -51,6 +58,18 @@ pub struct CoreRecovery {
     /// skipped when they come up.
     deadlines: RefCell<BinaryHeap<Reverse<(Instant, SessionId)>>>,
     last_bound_log: Cell<Option<Instant>>,
+    /// `--recovery-durable` with a store (set when the store is attached): the streams are
+    /// written ahead (design step 7).
+    pub durable: Cell<bool>,
+    /// Deliveries this core has posted to each core (itself included), in all; committed
+    /// before they leave (the crash rule, `store::log::crash_rule`).
+    posted: RefCell<Vec<u64>>,
+    /// Deliveries this core has taken in, in all; committed with their appends.
+    received: Cell<u64>,
+    /// Whether `received` moved since it was last committed.
+    received_dirty: Cell<bool>,
+    /// The frames the delivery batch being handed out appended (reused).
+    appends: RefCell<crate::push::stream::AppendBatch>,
 }
 
 impl CoreRecovery {
@@ -64,6 +83,11 @@ impl CoreRecovery {
             streamed: RefCell::default(),
             deadlines: RefCell::default(),
             last_bound_log: Cell::new(None),
+            durable: Cell::new(false),
+            posted: RefCell::new(vec![0; settings.cores]),
+            received: Cell::new(0),
+            received_dirty: Cell::new(false),
+            appends: RefCell::default(),
         }
     }
 
@@ -71,6 +95,12 @@ impl CoreRecovery {
     pub fn next_deadline(&self) -> Option<Instant> {
         self.deadlines.borrow().peek().map(|Reverse((at, _))| *at)
     }
+}
+
+/// A session's recovery state as the write-ahead commits it after a change of its pids.
+enum Written {
+    Whole(Box<StoredRecovery>),
+    Pids(Vec<crate::push::stream::StoredPid>),
 }
 
 /// What a Socket.IO CONNECT on a known session gets.
@@ -120,11 +150,13 @@ impl Core {
         };
         let now = Instant::now();
         let mut aged = Trimmed::default();
+        let written;
         let (attached, displaced, first) = {
             let mut sessions = self.sessions.borrow_mut();
             let record = sessions.touch(session, now)?;
             let recovery = record.recovery.get_or_insert_with(Default::default);
-            if recovery.stream.is_none() {
+            let created = recovery.stream.is_none();
+            if created {
                 self.recovery.streamed.borrow_mut().insert(session);
             }
             let stream = recovery.stream_or_new(&self.recovery.total, now);
@@ -156,6 +188,7 @@ impl Core {
                     }
                 }
             };
+            written = self.durable_record(recovery, created, now);
             outlet.set_offsets(Some(prefix));
             record.sockets.push(outlet.clone());
             record.had_socket = true;
@@ -166,6 +199,8 @@ impl Core {
             (attached, displaced, first)
         };
         self.count_trimmed(aged);
+        // The pid is durable before the CONNECT answer carries it (design step 7b).
+        self.recovery_write(session, written);
         if let Some(old) = displaced {
             old.close(CloseReason::new(1000, "replaced by a recovered connection"));
         }
@@ -217,11 +252,13 @@ impl Core {
         let window = self.recovery.window?;
         let now = Instant::now();
         let mut aged = Trimmed::default();
+        let written;
         let (resumed, first) = {
             let mut sessions = self.sessions.borrow_mut();
             let record = sessions.touch(session, now)?;
             let recovery = record.recovery.get_or_insert_with(Default::default);
-            if recovery.stream.is_none() {
+            let created = recovery.stream.is_none();
+            if created {
                 self.recovery.streamed.borrow_mut().insert(session);
             }
             let stream = recovery.stream_or_new(&self.recovery.total, now);
@@ -229,12 +266,14 @@ impl Core {
             outlet.set_offsets(Some(stream.prefix().clone()));
             let resumed = since.map(|offset| recovery.resume(offset));
             recovery.issue(outlet.id, now);
+            written = self.durable_record(recovery, created, now);
             record.sockets.push(outlet.clone());
             record.had_socket = true;
             let first = (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>());
             (resumed, first)
         };
         self.count_trimmed(aged);
+        self.recovery_write(session, written);
         if let Some(devices) = first {
             self.presence(session, devices, true);
         }
@@ -285,6 +324,125 @@ impl Core {
                     .borrow_mut()
                     .push(Reverse((at, session)));
             }
+            // The table is borrowed: written straight to the store (no other change pends).
+            if let Some(Written::Pids(pids)) = self.durable_record(recovery, false, now) {
+                if let Some(store) = self.store.borrow_mut().as_mut() {
+                    store.put(Change::StreamPids { id: session, pids: &pids });
+                    store.commit();
+                }
+            }
+        }
+    }
+
+    /// What the write-ahead keeps of a session's recovery state after a change of its pids
+    /// (the whole stream when it was just `created`); `None` unless `--recovery-durable`.
+    fn durable_record(&self, recovery: &SessionRecovery, created: bool, now: Instant) -> Option<Written> {
+        if !self.recovery.durable.get() {
+            return None;
+        }
+        let now_ms = crate::timefmt::now_millis();
+        Some(match recovery.to_stored_live(now, now_ms).filter(|_| created) {
+            Some(whole) => Written::Whole(Box::new(whole)),
+            None => Written::Pids(recovery.stored_pids(now, now_ms)),
+        })
+    }
+
+    /// Commits a [`Core::durable_record`] (the session table not borrowed).
+    fn recovery_write(&self, session: SessionId, written: Option<Written>) {
+        let Some(written) = written else { return };
+        if let Some(store) = self.store.borrow_mut().as_mut() {
+            match &written {
+                Written::Whole(whole) => store.put(Change::Stream { id: session, recovery: Some(whole) }),
+                Written::Pids(pids) => store.put(Change::StreamPids { id: session, pids }),
+            }
+            // A core that had no stream left its count of deliveries uncommitted.
+            if self.recovery.received_dirty.take() {
+                store.put(Change::Received { n: self.recovery.received.get() });
+            }
+        }
+        self.persist(None);
+    }
+
+    /// Before a unit of work that posts `deliveries` is committed (`--recovery-durable`):
+    /// adds to the unit how many it posts to each core in all, so they are committed before
+    /// they leave (the crash rule: `store::log::crash_rule`).
+    pub(crate) fn recovery_posting(&self, deliveries: &[crate::push::Delivery]) {
+        if deliveries.is_empty() || !self.recovery.durable.get() {
+            return;
+        }
+        let mut posted = self.recovery.posted.borrow_mut();
+        let cores = posted.len();
+        if cores == 1 {
+            posted[0] += deliveries.len() as u64;
+        } else {
+            for d in deliveries {
+                posted[crate::runtime::routing::core_of_session(d.session, cores)] += 1;
+            }
+        }
+        let mut store = self.store.borrow_mut();
+        let Some(store) = store.as_mut() else { return };
+        if cores == 1 {
+            store.put(Change::Posted { to: 0, n: posted[0] });
+            return;
+        }
+        let mut seen = vec![false; cores];
+        for d in deliveries {
+            let to = crate::runtime::routing::core_of_session(d.session, cores);
+            if !std::mem::replace(&mut seen[to], true) {
+                store.put(Change::Posted { to, n: posted[to] });
+            }
+        }
+    }
+
+    /// At the end of a delivery batch of `n` deliveries (`--recovery-durable`): the frames it
+    /// appended to streams and the count of deliveries taken in, committed before the
+    /// writers run (they are tasks that run after this returns to the event loop).
+    pub(crate) fn recovery_taken_in(&self, n: usize) {
+        if !self.recovery.durable.get() {
+            return;
+        }
+        let received = self.recovery.received.get() + n as u64;
+        self.recovery.received.set(received);
+        {
+            let mut appends = self.recovery.appends.borrow_mut();
+            if appends.is_empty() && self.recovery.streamed.borrow().is_empty() {
+                // No history on this core: written with the next one's first record.
+                self.recovery.received_dirty.set(true);
+                return;
+            }
+            let mut store = self.store.borrow_mut();
+            let Some(store) = store.as_mut() else { return };
+            if !appends.is_empty() {
+                appends.at_ms = crate::timefmt::now_millis();
+                store.put(Change::StreamAppend(&appends));
+                let frames: usize = appends.sessions.iter().map(|s| s.3.len()).sum();
+                let m = &self.metrics.recovery_appended;
+                m.set(m.get() + frames as u64);
+                appends.clear();
+            }
+            store.put(Change::Received { n: received });
+            self.recovery.received_dirty.set(false);
+        }
+        self.persist(None);
+    }
+
+    /// The snapshot's last slice (design step 7d): every stream whole (the logs it replaces
+    /// hold their appends) and the delivery counts.
+    pub(crate) fn recovery_snapshot(&self, put: &mut dyn FnMut(Change<'_>)) {
+        for (to, n) in self.recovery.posted.borrow().iter().enumerate() {
+            put(Change::Posted { to, n: *n });
+        }
+        put(Change::Received { n: self.recovery.received.get() });
+        if !self.recovery.durable.get() {
+            return;
+        }
+        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        let sessions = self.sessions.borrow();
+        for id in self.recovery.streamed.borrow().iter() {
+            let stored = sessions.get(*id).and_then(|r| r.recovery.as_ref()).and_then(|r| r.to_stored_live(now, now_ms));
+            if let Some(stored) = stored {
+                put(Change::Stream { id: *id, recovery: Some(&stored) });
+            }
         }
     }
 
@@ -304,6 +462,7 @@ impl Core {
     #[inline]
     pub(crate) fn recovery_push(
         &self,
+        session: SessionId,
         record: &mut crate::shard::sessions::SessionRecord,
         frame: &Arc<str>,
         now: &mut Option<Instant>,
@@ -318,7 +477,11 @@ impl Core {
         };
         let now = *now.get_or_insert_with(Instant::now);
         let window = self.recovery.window.unwrap_or_default();
-        stream.push(frame, now, window, self.recovery.session_bytes, trimmed)
+        let seq = stream.push(frame, now, window, self.recovery.session_bytes, trimmed);
+        if self.recovery.durable.get() {
+            self.recovery.appends.borrow_mut().add(session, stream.epoch(), seq, frame);
+        }
+        seq
     }
 
     /// After a delivery batch: count what was trimmed, and hold the core bound.
@@ -425,6 +588,12 @@ impl Core {
             let mut unwatch = None;
             if recovery.stream.is_none() {
                 self.recovery.streamed.borrow_mut().remove(&id);
+                if self.recovery.durable.get() {
+                    if let Some(store) = self.store.borrow_mut().as_mut() {
+                        store.put(Change::Stream { id, recovery: None });
+                        store.commit();
+                    }
+                }
                 // Its devices stayed watched for it (Core::detach_socket): no longer.
                 if record.sockets.is_empty() {
                     unwatch = Some(record.devices.iter().cloned().collect::<Vec<_>>());
@@ -479,13 +648,37 @@ impl Core {
         written
     }
 
-    /// Start: the streams the last graceful shutdown wrote come back with their sessions, each
-    /// pid away since it left (the time down counts against the window). Each is marked gone
-    /// in the store at once: from here on the stream grows in memory only, so a later crash
-    /// must find no stream rather than this stale one (a client would be replayed frames that
-    /// are not what followed its offset). A stream of a session that is gone, or any stream
-    /// when recovery is now off, is dropped.
-    pub(crate) fn restore_recovery(&self, streams: hashbrown::HashMap<SessionId, StoredRecovery>) {
+    /// Start: the streams the store kept (written by the last graceful shutdown, or ahead
+    /// while running with `--recovery-durable`) come back with their sessions, each pid away
+    /// since it left (the time down counts against the window; one connected at a crash, since
+    /// this start). With `--recovery-durable` each kept stream is written whole again, the base
+    /// its appends of this run follow; without, each is marked gone in the store at once: from
+    /// here on the stream grows in memory only, so a later crash must find no stream rather
+    /// than this stale one (a client would be replayed frames that are not what followed its
+    /// offset). A stream of a session that is gone, or any stream when recovery is now off, is
+    /// dropped. The delivery counts continue from the stored ones (`reset`: the crash rule
+    /// changed this core's, committed again).
+    pub(crate) fn restore_recovery(
+        &self,
+        streams: hashbrown::HashMap<SessionId, StoredRecovery>,
+        posted: &hashbrown::HashMap<u32, u64>,
+        received: u64,
+        reset: Option<u64>,
+    ) {
+        {
+            let mut mine = self.recovery.posted.borrow_mut();
+            for (to, n) in posted {
+                if let Some(p) = mine.get_mut(*to as usize) {
+                    *p = *n;
+                }
+            }
+        }
+        // The crash rule made it equal to what was posted here (store::log::crash_rule).
+        self.recovery.received.set(received);
+        if let (Some(n), Some(store)) = (reset, self.store.borrow_mut().as_mut()) {
+            store.put(Change::Received { n });
+            store.commit();
+        }
         if streams.is_empty() {
             return;
         }
@@ -519,8 +712,24 @@ impl Core {
             }
         }
         if let Some(store) = self.store.borrow_mut().as_mut() {
+            let durable = self.recovery.durable.get();
+            let (sessions, streamed) = (self.sessions.borrow(), self.recovery.streamed.borrow());
+            let mut pending = 0;
             for id in streams.keys() {
-                store.put(Change::Stream { id: *id, recovery: None });
+                // Durable: each stream kept is written whole again, the base its appends
+                // follow in this run (with the epoch the crash rule may have changed).
+                let kept = sessions.get(*id).and_then(|r| r.recovery.as_ref()).filter(|_| durable && streamed.contains(id)).and_then(|r| r.to_stored_live(now, now_ms));
+                match kept {
+                    Some(whole) => {
+                        pending += whole.encoded_bytes_at_most();
+                        store.put(Change::Stream { id: *id, recovery: Some(&whole) });
+                    }
+                    None => store.put(Change::Stream { id: *id, recovery: None }),
+                }
+                if pending > STREAM_COMMIT_BYTES {
+                    store.commit();
+                    pending = 0;
+                }
             }
             store.commit();
         }

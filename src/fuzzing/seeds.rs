@@ -185,6 +185,10 @@ fn store(dir: &Path) {
                 Change::Session { id, devices } => Change::Session { id: *id, devices: *devices },
                 Change::Applied { key, seq } => Change::Applied { key, seq: *seq },
                 Change::Stream { id, recovery } => Change::Stream { id: *id, recovery: *recovery },
+                Change::StreamAppend(batch) => Change::StreamAppend(batch),
+                Change::StreamPids { id, pids } => Change::StreamPids { id: *id, pids },
+                Change::Posted { to, n } => Change::Posted { to: *to, n: *n },
+                Change::Received { n } => Change::Received { n: *n },
             };
             encode(&mut out, ch);
         }
@@ -216,6 +220,20 @@ fn store(dir: &Path) {
     put(dir, "access-session-applied", &frames(std::slice::from_ref(&access)));
     put(dir, "log", &frames(&[devices.clone(), access.clone(), changed, gone]));
     put(dir, "end-mark", &frames(&[devices.clone(), vec![TAG_END]]));
+    // A recovery stream's base, its write-ahead (appends, pids) and the crash rule's counts.
+    {
+        use crate::push::stream::{AppendBatch, StoredPid, StoredRecovery};
+        let pids = [StoredPid { pid: "p".into(), sid: "s".into(), away_ms: i64::MIN, epoch: 9, start_seq: 0 }];
+        let base = StoredRecovery { epoch: 9, next_seq: 1, first_seq: 1, pids: pids.to_vec(), ..Default::default() };
+        let mut batch = AppendBatch::default();
+        let frame: std::sync::Arc<str> = "{\"n\":1}".into();
+        for seq in 1..4 {
+            batch.add(SessionId(1), 9, seq, &frame);
+        }
+        let stream = records(&[Change::Stream { id: SessionId(1), recovery: Some(&base) }, Change::StreamAppend(&batch), Change::Posted { to: 0, n: 3 }, Change::Received { n: 3 }]);
+        let later = records(&[Change::StreamPids { id: SessionId(1), pids: &pids }, Change::StreamAppend(&batch)]);
+        put(dir, "stream-write-ahead", &frames(&[stream, later]));
+    }
     // A file as written (odd first byte: the bytes after the header as they are).
     let mut raw = vec![1u8];
     let at = raw.len();

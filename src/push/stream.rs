@@ -593,6 +593,129 @@ impl StoredRecovery {
     }
 }
 
+/// The frames one delivery batch appended to the streams of a core, as the store writes them
+/// (`store::format`, tag 10, design step 7a): each distinct frame once (a frame shared by many
+/// sessions is one `Arc`), then per session its epoch, the seq of its first frame and its
+/// frames' indexes. Committed before the batch's writers run, so no frame reaches a socket
+/// before it is written to the OS. Reused from batch to batch (cleared, not freed).
+#[derive(Default)]
+pub struct AppendBatch {
+    /// Unix ms of the batch (every entry of it gets this time).
+    pub at_ms: i64,
+    pub frames: Vec<Arc<str>>,
+    /// Frame (by address) to its index in `frames`.
+    index: hashbrown::HashMap<usize, u32>,
+    /// `(session, epoch, first seq, frame indexes)`; a session's seqs in one batch follow
+    /// each other.
+    pub sessions: Vec<(crate::ids::SessionId, u32, u64, Vec<u32>)>,
+    /// The session of each entry of `sessions`, to find its entry again.
+    at: hashbrown::HashMap<crate::ids::SessionId, usize>,
+}
+
+impl AppendBatch {
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.frames.clear();
+        self.index.clear();
+        self.sessions.clear();
+        self.at.clear();
+    }
+
+    /// Frame `frame` got `seq` in `session`'s stream of epoch `epoch`.
+    pub fn add(&mut self, session: crate::ids::SessionId, epoch: u32, seq: u64, frame: &Arc<str>) {
+        // A fan-out gives one frame to many sessions in a row: the last frame first.
+        let i = match self.frames.last() {
+            Some(last) if Arc::ptr_eq(last, frame) => (self.frames.len() - 1) as u32,
+            _ => {
+                let key = Arc::as_ptr(frame) as *const u8 as usize;
+                let frames = &mut self.frames;
+                *self.index.entry(key).or_insert_with(|| {
+                    frames.push(frame.clone());
+                    (frames.len() - 1) as u32
+                })
+            }
+        };
+        let at = match self.sessions.last() {
+            Some(last) if last.0 == session => self.sessions.len() - 1,
+            _ => {
+                let sessions = &mut self.sessions;
+                *self.at.entry(session).or_insert_with(|| {
+                    sessions.push((session, epoch, seq, Vec::new()));
+                    sessions.len() - 1
+                })
+            }
+        };
+        let entry = &mut self.sessions[at];
+        if entry.1 == epoch && entry.2 + entry.3.len() as u64 == seq {
+            entry.3.push(i);
+        } else {
+            // Not the next seq of this entry (never within one batch): an entry of its own.
+            self.sessions.push((session, epoch, seq, vec![i]));
+            self.at.insert(session, self.sessions.len() - 1);
+        }
+    }
+}
+
+/// Applies one session's appended frames (tag 10) over its stored stream: seqs at or below
+/// what it holds are skipped (a snapshot's stream may already hold appends committed after
+/// its snapshot point), a gap (never written so) drops what came before it, counted as cut by
+/// the session bound; then at most `cap` charged bytes are kept (trimmed, when twice over,
+/// from the front).
+pub fn apply_append(r: &mut StoredRecovery, first_seq: u64, at_ms: i64, frames: &[Arc<str>], cap: usize, held: &mut usize) {
+    for (i, frame) in frames.iter().enumerate() {
+        let seq = first_seq + i as u64;
+        if seq < r.next_seq {
+            continue;
+        }
+        if seq > r.next_seq {
+            r.entries.clear();
+            *held = 0;
+            r.first_seq = seq;
+            r.cut_by = 1 + TrimCause::SessionBound.index() as u8;
+        }
+        r.entries.push((seq, at_ms, frame.clone()));
+        *held += frame.len() + ENTRY_OVERHEAD;
+        r.next_seq = seq + 1;
+    }
+    if r.entries.is_empty() {
+        r.first_seq = r.next_seq;
+    }
+    if cap > 0 && *held > 2 * cap {
+        let mut cut = 0;
+        while *held > cap && cut < r.entries.len() {
+            *held -= r.entries[cut].2.len() + ENTRY_OVERHEAD;
+            cut += 1;
+        }
+        r.entries.drain(..cut);
+        r.first_seq = r.entries.first().map_or(r.next_seq, |e| e.0);
+        r.cut_by = 1 + TrimCause::SessionBound.index() as u8;
+    }
+}
+
+/// The charged bytes of a stored stream's entries.
+pub fn stored_bytes(r: &StoredRecovery) -> usize {
+    r.entries.iter().map(|e| e.2.len() + ENTRY_OVERHEAD).sum()
+}
+
+impl StoredRecovery {
+    /// After a crash that may have lost deliveries before they were appended (design step 7e):
+    /// a new epoch, nothing held, so every offset of the old one fails `history_lost` and no
+    /// replay is claimed that cannot be made. The pids stay (with the old epoch).
+    pub fn lose_history(&mut self) {
+        let mut epoch = fastrand::u32(1..);
+        while epoch == self.epoch {
+            epoch = fastrand::u32(1..);
+        }
+        self.epoch = epoch;
+        self.entries.clear();
+        self.first_seq = self.next_seq;
+        self.cut_by = 0;
+    }
+}
+
 /// A pid as stored: always away (a shutdown said goodbye to its socket), since `away_ms`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredPid {
@@ -620,7 +743,6 @@ impl SessionRecovery {
     /// What the store keeps of it (`None`: it has no stream, nothing to recover from).
     pub fn to_stored(&self, now: Instant, now_ms: i64) -> Option<StoredRecovery> {
         let stream = self.stream.as_ref()?;
-        let started_ms = wall_ms(stream.started, now, now_ms);
         Some(StoredRecovery {
             epoch: stream.epoch,
             next_seq: stream.next_seq,
@@ -630,7 +752,9 @@ impl SessionRecovery {
             entries: stream
                 .entries
                 .iter()
-                .map(|e| (e.seq, started_ms + i64::from(e.at_ms), e.frame.clone()))
+                // Its age now (wrapping: an entry read back from the store may predate the
+                // stream's start), so the time is right whichever way it wrapped.
+                .map(|e| (e.seq, now_ms - i64::from(stream.ms(now).wrapping_sub(e.at_ms)), e.frame.clone()))
                 .collect(),
             pids: self
                 .pids
@@ -648,6 +772,29 @@ impl SessionRecovery {
                 })
                 .collect(),
         })
+    }
+
+    /// [`SessionRecovery::to_stored`] for the write-ahead (design step 7): a pid still
+    /// connected is written with `away_ms` `i64::MIN`, away since the start that reads it back
+    /// (the crash time is unknown).
+    pub fn to_stored_live(&self, now: Instant, now_ms: i64) -> Option<StoredRecovery> {
+        let mut stored = self.to_stored(now, now_ms)?;
+        stored.pids = self.stored_pids(now, now_ms);
+        Some(stored)
+    }
+
+    /// The pids as the write-ahead keeps them ([`SessionRecovery::to_stored_live`]).
+    pub fn stored_pids(&self, now: Instant, now_ms: i64) -> Vec<StoredPid> {
+        self.pids
+            .iter()
+            .map(|p| StoredPid {
+                pid: p.pid.clone(),
+                sid: p.sid.clone(),
+                away_ms: if p.socket.is_some() { i64::MIN } else { wall_ms(p.since, now, now_ms) },
+                epoch: p.epoch,
+                start_seq: p.start_seq,
+            })
+            .collect()
     }
 
     /// Rebuilds it from the store at start: the same epoch and seqs, each pid away since its
@@ -696,7 +843,8 @@ impl SessionRecovery {
                 pid: p.pid,
                 sid: p.sid,
                 socket: None,
-                since: instant_of(p.away_ms, now, now_ms),
+                // Written while connected (the write-ahead): away since this start.
+                since: if p.away_ms == i64::MIN { now } else { instant_of(p.away_ms, now, now_ms) },
                 epoch: p.epoch,
                 start_seq: p.start_seq,
             })

@@ -8,7 +8,7 @@
 use hashbrown::HashMap;
 
 use crate::ids::SessionId;
-use crate::push::stream::StoredRecovery;
+use crate::push::stream::{AppendBatch, StoredPid, StoredRecovery};
 use crate::shard::access::{Access, Grants, Subscriptions};
 use crate::shard::devices::Device;
 
@@ -26,6 +26,15 @@ pub enum Change<'a> {
     /// at the next start; `None`: gone (the start that loaded it writes this, so a later
     /// crash never brings back a stream that went on without being written).
     Stream { id: SessionId, recovery: Option<&'a StoredRecovery> },
+    /// Frames a delivery batch appended to streams (docs/design/recovery.md step 7a).
+    StreamAppend(&'a AppendBatch),
+    /// A session's pids (a connected one with `away_ms` `i64::MIN`: away since the start
+    /// that reads it back).
+    StreamPids { id: SessionId, pids: &'a [StoredPid] },
+    /// Deliveries this core has posted to core `to`, in all, committed before they leave.
+    Posted { to: usize, n: u64 },
+    /// Deliveries this core has taken in, in all, committed with their appends.
+    Received { n: u64 },
 }
 
 /// One core's state as read back at start. Devices are rebuilt as the shard's own [`Device`]s
@@ -40,6 +49,16 @@ pub struct Loaded {
     pub applied: HashMap<Box<str>, i64>,
     /// Sessions' recovery streams a graceful shutdown wrote (docs/design/recovery.md step 5).
     pub streams: HashMap<SessionId, StoredRecovery>,
+    /// Core → deliveries this core posted to it, in all (design step 7e).
+    pub posted: HashMap<u32, u64>,
+    /// Deliveries this core took in, in all.
+    pub received: u64,
+    /// The start changed `received` (the crash rule): it is to be committed again.
+    pub received_reset: bool,
+    /// Charged bytes kept per stream while appends are applied (`--recovery-session-bytes`;
+    /// 0: no bound), and what each stream holds.
+    pub stream_cap: usize,
+    pub stream_held: HashMap<SessionId, usize>,
     /// When the devices were read back: a device with a connection state counts as heard from
     /// then (its connection-state TTL starts again).
     pub heard: Option<std::time::Instant>,

@@ -29,11 +29,13 @@ use crate::shard::access::{Grants, KeySet, Subscriptions};
 pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// Bump on any incompatible change, and teach [`check_header`] the old one or refuse it.
 /// Version 2 added the recovery stream records ([`TAG_STREAM`], [`TAG_STREAM_GONE`]); a
-/// version 1 file holds none of them and reads as it always did ([`READS`]).
-pub const VERSION: u32 = 2;
+/// version 1 file holds none of them and reads as it always did ([`READS`]). Version 3 added
+/// the write-ahead of the streams ([`TAG_STREAM_APPEND`], [`TAG_STREAM_PIDS`]) and the
+/// delivery counts of the crash rule ([`TAG_POSTED`], [`TAG_RECEIVED`]): design step 7.
+pub const VERSION: u32 = 3;
 /// The versions this hubcast reads (it writes [`VERSION`]). An older hubcast refuses a
 /// version 2 file by name: a downgrade is not supported once one was written.
-pub const READS: [u32; 2] = [1, 2];
+pub const READS: [u32; 3] = [1, 2, 3];
 pub const HEADER_LEN: usize = 16;
 pub const KIND_LOG: u8 = 1;
 pub const KIND_SNAPSHOT: u8 = 2;
@@ -52,6 +54,14 @@ const TAG_APPLIED: u8 = 7;
 /// A session's recovery stream and pids (version 2: docs/design/recovery.md step 5).
 const TAG_STREAM: u8 = 8;
 const TAG_STREAM_GONE: u8 = 9;
+/// Frames one delivery batch appended to streams (version 3: design step 7a).
+const TAG_STREAM_APPEND: u8 = 10;
+/// A session's pids, written on every issue, restore and leave (step 7b).
+const TAG_STREAM_PIDS: u8 = 11;
+/// How many deliveries this core has posted to a session core, in all (step 7e).
+const TAG_POSTED: u8 = 12;
+/// How many deliveries this core has taken in and appended, in all (step 7e).
+const TAG_RECEIVED: u8 = 13;
 pub const TAG_END: u8 = 0xFF;
 
 pub use crate::shard::change::Change;
@@ -75,6 +85,13 @@ pub enum Record {
     Session(SessionId, Option<Vec<Box<str>>>),
     Applied(Box<str>, i64),
     Stream(SessionId, Option<StoredRecovery>),
+    /// Frames appended to streams: unix ms, and per session `(epoch, first seq, frames)`.
+    StreamAppend(i64, Vec<(SessionId, u32, u64, Vec<std::sync::Arc<str>>)>),
+    StreamPids(SessionId, Vec<StoredPid>),
+    /// `(to core, deliveries in all)`.
+    Posted(u32, u64),
+    /// Deliveries taken in, in all.
+    Received(u64),
     End,
 }
 
@@ -225,7 +242,90 @@ pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
             buf.push(TAG_STREAM_GONE);
             buf.extend_from_slice(&id.0.to_le_bytes());
         }
+        Change::StreamAppend(batch) => {
+            // at ms, frame count, frames, session count, each (session, epoch, first seq,
+            // count, frame indexes u32).
+            buf.push(TAG_STREAM_APPEND);
+            buf.extend_from_slice(&batch.at_ms.to_le_bytes());
+            buf.extend_from_slice(&(batch.frames.len() as u32).to_le_bytes());
+            for f in &batch.frames {
+                put_str(buf, f);
+            }
+            buf.extend_from_slice(&(batch.sessions.len() as u32).to_le_bytes());
+            for (id, epoch, first, frames) in &batch.sessions {
+                buf.extend_from_slice(&id.0.to_le_bytes());
+                buf.extend_from_slice(&epoch.to_le_bytes());
+                buf.extend_from_slice(&first.to_le_bytes());
+                buf.extend_from_slice(&(frames.len() as u32).to_le_bytes());
+                for i in frames {
+                    buf.extend_from_slice(&i.to_le_bytes());
+                }
+            }
+        }
+        Change::StreamPids { id, pids } => {
+            buf.push(TAG_STREAM_PIDS);
+            buf.extend_from_slice(&id.0.to_le_bytes());
+            put_pids(buf, pids);
+        }
+        Change::Posted { to, n } => {
+            buf.push(TAG_POSTED);
+            buf.extend_from_slice(&(to as u32).to_le_bytes());
+            buf.extend_from_slice(&n.to_le_bytes());
+        }
+        Change::Received { n } => {
+            buf.push(TAG_RECEIVED);
+            buf.extend_from_slice(&n.to_le_bytes());
+        }
     }
+}
+
+fn put_pids(buf: &mut Vec<u8>, pids: &[StoredPid]) {
+    buf.extend_from_slice(&(pids.len() as u32).to_le_bytes());
+    for p in pids {
+        put_str(buf, &p.pid);
+        put_str(buf, &p.sid);
+        buf.extend_from_slice(&p.away_ms.to_le_bytes());
+        buf.extend_from_slice(&p.epoch.to_le_bytes());
+        buf.extend_from_slice(&p.start_seq.to_le_bytes());
+    }
+}
+
+fn read_pids(r: &mut Reader<'_>) -> Result<Vec<StoredPid>, String> {
+    let n = r.u32()?;
+    let mut pids = Vec::with_capacity(n.min(16) as usize);
+    for _ in 0..n {
+        let pid = r.str()?.into();
+        let sid = r.str()?.into();
+        pids.push(StoredPid { pid, sid, away_ms: r.i64()?, epoch: r.u32()?, start_seq: r.u64()? });
+    }
+    Ok(pids)
+}
+
+fn decode_append(r: &mut Reader<'_>) -> Result<Record, String> {
+    let at = r.i64()?;
+    let n = r.u32()?;
+    let mut frames = Vec::with_capacity(n.min(1 << 12) as usize);
+    for _ in 0..n {
+        frames.push(std::sync::Arc::<str>::from(r.str()?));
+    }
+    let n = r.u32()?;
+    let mut sessions = Vec::with_capacity(n.min(1 << 12) as usize);
+    for _ in 0..n {
+        let id = SessionId(r.u128()?);
+        let epoch = r.u32()?;
+        let first = r.u64()?;
+        let count = r.u32()?;
+        let mut own = Vec::with_capacity(count.min(1 << 12) as usize);
+        for _ in 0..count {
+            let i = r.u32()? as usize;
+            own.push(frames.get(i).ok_or("a frame index past the record's frames")?.clone());
+        }
+        if first.checked_add(count as u64).is_none() {
+            return Err("seqs past the largest".into());
+        }
+        sessions.push((id, epoch, first, own));
+    }
+    Ok(Record::StreamAppend(at, sessions))
 }
 
 /// `TAG_STREAM`, session, epoch u32, next_seq u64, first_seq u64, cut_by u8, lost_epoch u32,
@@ -245,14 +345,7 @@ fn encode_stream(buf: &mut Vec<u8>, id: SessionId, r: &StoredRecovery) {
         buf.extend_from_slice(&at.to_le_bytes());
         put_str(buf, frame);
     }
-    buf.extend_from_slice(&(r.pids.len() as u32).to_le_bytes());
-    for p in &r.pids {
-        put_str(buf, &p.pid);
-        put_str(buf, &p.sid);
-        buf.extend_from_slice(&p.away_ms.to_le_bytes());
-        buf.extend_from_slice(&p.epoch.to_le_bytes());
-        buf.extend_from_slice(&p.start_seq.to_le_bytes());
-    }
+    put_pids(buf, &r.pids);
 }
 
 fn decode_stream(r: &mut Reader<'_>) -> Result<Record, String> {
@@ -269,13 +362,7 @@ fn decode_stream(r: &mut Reader<'_>) -> Result<Record, String> {
         let at = r.i64()?;
         entries.push((seq, at, std::sync::Arc::from(r.str()?)));
     }
-    let n = r.u32()?;
-    let mut pids = Vec::with_capacity(n.min(16) as usize);
-    for _ in 0..n {
-        let pid = r.str()?.into();
-        let sid = r.str()?.into();
-        pids.push(StoredPid { pid, sid, away_ms: r.i64()?, epoch: r.u32()?, start_seq: r.u64()? });
-    }
+    let pids = read_pids(r)?;
     Ok(Record::Stream(id, Some(StoredRecovery { epoch, next_seq, first_seq, cut_by, lost_epoch, entries, pids })))
 }
 
@@ -398,6 +485,16 @@ fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
             }
             TAG_STREAM => decode_stream(r)?,
             TAG_STREAM_GONE => Record::Stream(SessionId(r.u128()?), None),
+            TAG_STREAM_APPEND => decode_append(r)?,
+            TAG_STREAM_PIDS => {
+                let id = SessionId(r.u128()?);
+                Record::StreamPids(id, read_pids(r)?)
+            }
+            TAG_POSTED => {
+                let to = r.u32()?;
+                Record::Posted(to, r.u64()?)
+            }
+            TAG_RECEIVED => Record::Received(r.u64()?),
             TAG_END => Record::End,
             t => return Err(format!("unknown record tag {t}")),
         };
@@ -512,7 +609,13 @@ pub struct NewestFirst {
     /// Access entries and sessions whose newest record has been taken (present or gone).
     access: hashbrown::HashSet<(Box<str>, SessionId)>,
     sessions: hashbrown::HashSet<SessionId>,
-    streams: hashbrown::HashSet<SessionId>,
+    /// The recovery streams' records (whole streams, appends, pids: tags 8 to 11) are not
+    /// states of one key but a base and what follows it, so they are kept aside and applied
+    /// in the order they were written by [`NewestFirst::finish`]: the current file's, the
+    /// logs' (newest first) and the snapshot's.
+    stream_records: Vec<Record>,
+    log_streams: Vec<Vec<Record>>,
+    snapshot_streams: Vec<Record>,
 }
 
 impl NewestFirst {
@@ -551,10 +654,26 @@ impl NewestFirst {
             if let Err(e) = self.apply_one(&mut r, into) {
                 // Checked above: cannot happen; never trust what follows.
                 scan.tail = Tail::Bad { offset: start, why: format!("undecodable after checking: {e}") };
-                return scan;
+                break;
             }
         }
+        let mut streams = std::mem::take(&mut self.stream_records);
+        streams.reverse();
+        self.log_streams.push(streams);
         scan
+    }
+
+    /// After the logs and the snapshot: applies the streams' records in the order they were
+    /// written (the snapshot's, then the logs' oldest first), as [`super::Loaded::apply`] does.
+    pub fn finish(&mut self, into: &mut super::Loaded) {
+        for record in std::mem::take(&mut self.snapshot_streams) {
+            into.apply(record);
+        }
+        for log in std::mem::take(&mut self.log_streams).into_iter().rev() {
+            for record in log {
+                into.apply(record);
+            }
+        }
     }
 
     /// The snapshot (header checked), after the logs: each key once, taken unless a log had a
@@ -576,6 +695,7 @@ impl NewestFirst {
             }
             Ok(())
         });
+        self.snapshot_streams = std::mem::take(&mut self.stream_records);
         (scan, ended, devices)
     }
 
@@ -609,13 +729,7 @@ impl NewestFirst {
                     }
                 }
             }
-            Record::Stream(id, recovery) => {
-                if self.streams.insert(id) {
-                    if let Some(r) = recovery {
-                        into.streams.insert(id, r);
-                    }
-                }
-            }
+            record @ (Record::Stream(..) | Record::StreamAppend(..) | Record::StreamPids(..)) => self.stream_records.push(record),
             other => into.apply(other),
         }
         Ok(())

@@ -353,10 +353,10 @@ fn read_file(path: &Path, kind: u8) -> Result<Result<Vec<u8>, Damage>, String> {
 /// ([`format::NewestFirst`]: each key's newest record wins, each device is built once).
 /// Returns the state, the highest generation seen and the damage found (what is valid is
 /// loaded either way; a log's cut-off end is no damage).
-fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Loaded, u64, Vec<Damage>), String> {
+fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize, stream_cap: usize) -> Result<(Loaded, u64, Vec<Damage>), String> {
     let mine: Vec<_> = files.iter().filter(|f| f.0 == core).collect();
     let snap = mine.iter().filter(|f| f.2 == "snap").map(|f| f.1).max();
-    let mut loaded = Loaded::default();
+    let mut loaded = Loaded { stream_cap, ..Loaded::default() };
     let mut damages = Vec::new();
     let mut top = snap.unwrap_or(0);
     let mut logs: Vec<_> = mine.iter().filter(|f| f.2 == "log" && snap.is_none_or(|s| f.1 >= s)).collect();
@@ -419,11 +419,45 @@ fn load_core(files: &[(usize, u64, String, PathBuf)], core: usize) -> Result<(Lo
             damages.push(Damage::new(&path, &spans, format::device_hint(&bytes).saturating_sub(devices)));
         }
     }
+    newest.finish(&mut loaded);
     Ok((loaded, top, damages))
 }
 
 fn file_name_of(files: &[&(usize, u64, String, PathBuf)], gen: u64, ext: &str) -> PathBuf {
     files.iter().find(|f| f.1 == gen && f.2 == ext).map(|f| f.3.clone()).expect("listed")
+}
+
+/// The crash rule of the recovery streams (docs/design/recovery.md, step 7e). A device's core
+/// commits a unit of work, with how many deliveries it posts to each session core in all
+/// (`Posted`), before the deliveries leave; a session core commits how many it has taken in
+/// (`Received`) with the frames it appended for them. Every delivery taken in was counted
+/// as posted in a commit before, so `Received[j] <= sum over k of Posted[k][j]`, equal only
+/// when every delivery of a committed unit reached core j's streams. When they differ (a
+/// `kill -9` between a commit and the append; a delivery conflated on the way, which is
+/// counted once where two were posted), core j's streams may lack frames their clients never
+/// got: each gets a new epoch, so its clients fail with `history_lost` instead of a replay
+/// with a hole. Then the counts are made equal again for the run that starts.
+fn crash_rule(loaded: &mut [Loaded]) {
+    let cores = loaded.len();
+    for j in 0..cores {
+        let posted: u64 = loaded.iter().map(|l| l.posted.get(&(j as u32)).copied().unwrap_or(0)).sum();
+        let l = &mut loaded[j];
+        if posted != l.received && !l.streams.is_empty() {
+            tracing::warn!(
+                core = j,
+                posted,
+                received = l.received,
+                streams = l.streams.len(),
+                "recovery streams may lack deliveries posted before a crash: their history is dropped (clients get recovered false, history_lost)"
+            );
+            for stream in l.streams.values_mut() {
+                stream.lose_history();
+            }
+        }
+        l.received_reset = l.received != posted;
+        l.received = posted;
+        l.stream_held.clear();
+    }
 }
 
 /// Routes every record to its owner among `cores` new cores (sessions by session, the rest
@@ -450,6 +484,7 @@ fn reshard(old: Vec<Loaded>, cores: usize) -> Vec<Loaded> {
             out[core_of_session(id, cores)].streams.insert(id, stream);
         }
     }
+    // Delivery counts belong to the old layout (checked before): the new one starts at zero.
     for o in &mut out {
         o.applied = marks.clone();
     }
@@ -488,6 +523,10 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
     for (key, seq) in &loaded.applied {
         format::encode(&mut buf, Change::Applied { key, seq: *seq });
     }
+    for (to, n) in &loaded.posted {
+        format::encode(&mut buf, Change::Posted { to: *to as usize, n: *n });
+    }
+    format::encode(&mut buf, Change::Received { n: loaded.received });
     format::end_frame(&mut buf, frame);
     let end = format::begin_frame(&mut buf);
     buf.push(format::TAG_END);
@@ -599,7 +638,7 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
     let results: Vec<CoreLoad> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..old_cores).map(|c| s.spawn({
             let files = &files;
-            move || load_core(files, c)
+            move || load_core(files, c, options.stream_bytes)
         })).collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a loader thread panicked".into()))).collect()
     });
@@ -626,6 +665,7 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
     if !damages.is_empty() && !options.start_damaged {
         return Err(refusal(&damages));
     }
+    crash_rule(&mut loaded);
     let devices: usize = loaded.iter().map(|l| l.devices.len()).sum();
     let sessions: usize = loaded.iter().map(|l| l.sessions.len()).sum();
     let mut manifest = manifest.unwrap_or(Manifest { epoch, cores, snaps: vec![None; cores] });
@@ -1224,7 +1264,7 @@ mod tests {
         bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
         fs::write(&log, bytes).unwrap();
         let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
-        assert!(err.contains("store format version 7") && err.contains("versions [1, 2]"), "{err}");
+        assert!(err.contains("store format version 7") && err.contains("versions [1, 2, 3]"), "{err}");
         let _ = fs::remove_dir_all(&dir);
     }
 
@@ -1289,6 +1329,109 @@ mod tests {
         assert!(o.loaded.iter().all(|l| l.streams.is_empty()), "marked gone");
         drop(o);
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// Design step 7: a stream's base (tag 8), its appends (tag 10) and pids (tag 11) come
+    /// back after a crash (the store dropped unclosed) in the order written; a snapshot's base
+    /// that already holds appends committed after its snapshot point gets each frame once.
+    #[test]
+    fn a_streams_write_ahead_comes_back_over_its_base_and_a_snapshot_once_each() {
+        use crate::push::stream::{AppendBatch, StoredPid, StoredRecovery};
+        let dir = temp_dir("append");
+        let id = SessionId(0xabc);
+        let pid = |away_ms| StoredPid { pid: "p".into(), sid: "s".into(), away_ms, epoch: 9, start_seq: 0 };
+        let base = StoredRecovery { epoch: 9, next_seq: 1, first_seq: 1, pids: vec![pid(i64::MIN)], ..Default::default() };
+        let frames: Vec<std::sync::Arc<str>> = (1..=7).map(|i| format!("f{i}").into()).collect();
+        let append = |store: &mut Box<dyn StateStore + Send>, seqs: std::ops::Range<u64>| {
+            let mut batch = AppendBatch::default();
+            batch.at_ms = 5;
+            for seq in seqs {
+                batch.add(id, 9, seq, &frames[seq as usize - 1]);
+                // Another epoch's append (an older stream) is ignored.
+                batch.add(SessionId(0xdef), 3, seq, &frames[0]);
+            }
+            store.put(Change::StreamAppend(&batch));
+            store.commit();
+        };
+        let seqs = |o: &Opened| o.loaded[0].streams[&id].entries.iter().map(|e| (e.0, e.2.to_string())).collect::<Vec<_>>();
+        let want = |n: u64| (1..=n).map(|i| (i, format!("f{i}"))).collect::<Vec<_>>();
+        {
+            let mut o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+            let store = &mut o.stores[0];
+            store.put(Change::Stream { id, recovery: Some(&base) });
+            store.commit();
+            append(store, 1..4);
+            store.put(Change::StreamPids { id, pids: &[pid(1234)] });
+            store.commit();
+        }
+        let mut o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(seqs(&o), want(3));
+        let got = &o.loaded[0].streams[&id];
+        assert_eq!((got.next_seq, got.first_seq, got.pids.clone()), (4, 1, vec![pid(1234)]));
+        // A snapshot whose base is read after two more appends were committed past its point.
+        let mut whole = o.loaded[0].streams[&id].clone();
+        let store = &mut o.stores[0];
+        store.begin_snapshot();
+        append(store, 4..6);
+        for seq in 4..6 {
+            whole.entries.push((seq, 5, frames[seq as usize - 1].clone()));
+        }
+        whole.next_seq = 6;
+        store.put_snapshot(Change::Stream { id, recovery: Some(&whole) });
+        store.end_snapshot();
+        append(store, 6..8);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while log_files(&dir).len() > 1 || !fs::read_dir(&dir).unwrap().flatten().any(|e| e.file_name().to_string_lossy().ends_with(".snap")) {
+            assert!(std::time::Instant::now() < deadline, "snapshot in place");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(o);
+        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(seqs(&o), want(7), "each frame once, in order");
+        assert!(!o.loaded[0].streams.contains_key(&SessionId(0xdef)));
+        drop(o);
+        // Read back with a bound of about two entries: the oldest go, counted as cut.
+        let o = open(&dir, 1, Options { stream_bytes: 2 * (2 + crate::push::stream::ENTRY_OVERHEAD), ..Options::new(Duration::ZERO) }).unwrap();
+        let got = &o.loaded[0].streams[&id];
+        assert!(got.entries.len() < 7 && got.entries.last().map(|e| e.0) == Some(7), "{:?}", got.entries);
+        assert_eq!(got.first_seq, got.entries[0].0);
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// The crash rule (design step 7e): a session core that took in fewer deliveries than
+    /// the cores committed as posted to it loses its streams' history (a new epoch, nothing
+    /// held), so no client is told it recovered what never reached the stream; equal counts
+    /// keep it. Either way the counts are equal for the run that starts.
+    #[test]
+    fn a_core_that_took_in_fewer_deliveries_than_were_posted_to_it_drops_its_histories() {
+        use crate::push::stream::StoredRecovery;
+        for (posted, kept) in [(5u64, true), (6, false)] {
+            let dir = temp_dir("crash-rule");
+            let id = (0u128..).map(SessionId).find(|id| core_of_session(*id, 2) == 1).unwrap();
+            let stream = StoredRecovery { epoch: 9, next_seq: 3, first_seq: 1, entries: vec![(1, 5, "a".into()), (2, 5, "b".into())], ..Default::default() };
+            {
+                let mut o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+                o.stores[0].put(Change::Posted { to: 1, n: 2 });
+                o.stores[0].commit();
+                o.stores[1].put(Change::Posted { to: 1, n: 3 });
+                o.stores[1].put(Change::Stream { id, recovery: Some(&stream) });
+                o.stores[1].put(Change::Received { n: 5 });
+                o.stores[1].commit();
+                o.stores[0].put(Change::Posted { to: 1, n: posted - 3 });
+                o.stores[0].commit();
+            }
+            let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+            let got = &o.loaded[1].streams[&id];
+            assert_eq!(got == &stream, kept, "posted {posted}: {got:?}");
+            if !kept {
+                assert_ne!(got.epoch, 9);
+                assert!(got.entries.is_empty() && got.first_seq == got.next_seq);
+            }
+            assert_eq!(o.loaded[1].received, posted);
+            drop(o);
+            let _ = fs::remove_dir_all(&dir);
+        }
     }
 
     #[test]

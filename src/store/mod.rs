@@ -92,17 +92,38 @@ impl Loaded {
                 *mark = (*mark).max(seq);
             }
             Record::Stream(id, Some(r)) => {
+                self.stream_held.insert(id, crate::push::stream::stored_bytes(&r));
                 self.streams.insert(id, r);
             }
             Record::Stream(id, None) => {
                 self.streams.remove(&id);
+                self.stream_held.remove(&id);
             }
+            Record::StreamAppend(at, sessions) => {
+                for (id, epoch, first, frames) in sessions {
+                    // Appends of another epoch than the stream held (an older incarnation,
+                    // or one whose base record is gone) have nothing to continue.
+                    let Some(r) = self.streams.get_mut(&id).filter(|r| r.epoch == epoch) else { continue };
+                    let held = self.stream_held.entry(id).or_default();
+                    crate::push::stream::apply_append(r, first, at, &frames, self.stream_cap, held);
+                }
+            }
+            Record::StreamPids(id, pids) => {
+                if let Some(r) = self.streams.get_mut(&id) {
+                    r.pids = pids;
+                }
+            }
+            Record::Posted(to, n) => {
+                let mark = self.posted.entry(to).or_insert(n);
+                *mark = (*mark).max(n);
+            }
+            Record::Received(n) => self.received = self.received.max(n),
             Record::End => {}
         }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.devices.is_empty() && self.access.is_empty() && self.sessions.is_empty() && self.applied.is_empty() && self.streams.is_empty()
+        self.devices.is_empty() && self.access.is_empty() && self.sessions.is_empty() && self.applied.is_empty() && self.streams.is_empty() && self.posted.is_empty() && self.received == 0
     }
 }
 
@@ -176,11 +197,14 @@ pub struct Options {
     /// `--store-start-damaged`: start on damaged store files (kept aside, the loss logged and
     /// counted) instead of refusing to.
     pub start_damaged: bool,
+    /// Charged bytes of a recovery stream kept while its appends are read back
+    /// (`--recovery-session-bytes`; 0: no bound).
+    pub stream_bytes: usize,
 }
 
 impl Options {
     pub fn new(fsync_interval: Duration) -> Self {
-        Self { fsync_interval, snapshot_log_bytes: log::SNAPSHOT_MIN_LOG, start_damaged: false }
+        Self { fsync_interval, snapshot_log_bytes: log::SNAPSHOT_MIN_LOG, start_damaged: false, stream_bytes: 0 }
     }
 }
 
