@@ -32,7 +32,7 @@ use hashbrown::HashSet;
 use crate::app::Core;
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Outlet};
-use crate::push::stream::{Failure, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
+use crate::push::stream::{cut_largest_first, Failure, PushClock, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
 use crate::store::Change;
 
 /// The shutdown writes the streams in commits of about this many bytes, apart from the state's
@@ -459,13 +459,14 @@ impl Core {
     }
 
     /// The recovery step of a delivery to a session with a stream: its seq (0: no stream).
+    /// `clock` is read once per delivery batch, at its first streamed delivery.
     #[inline]
     pub(crate) fn recovery_push(
         &self,
         session: SessionId,
         record: &mut crate::shard::sessions::SessionRecord,
         frame: &Arc<str>,
-        now: &mut Option<Instant>,
+        clock: &mut Option<PushClock>,
         trimmed: &mut Trimmed,
     ) -> u64 {
         let Some(stream) = record
@@ -475,9 +476,10 @@ impl Core {
         else {
             return 0;
         };
-        let now = *now.get_or_insert_with(Instant::now);
-        let window = self.recovery.window.unwrap_or_default();
-        let seq = stream.push(frame, now, window, self.recovery.session_bytes, trimmed);
+        let clock = clock.get_or_insert_with(|| {
+            PushClock::new(Instant::now(), self.recovery.window.unwrap_or_default())
+        });
+        let seq = stream.push_at(frame, clock, self.recovery.session_bytes, trimmed);
         if self.recovery.durable.get() {
             self.recovery.appends.borrow_mut().add(session, stream.epoch(), seq, frame);
         }
@@ -521,23 +523,14 @@ impl Core {
             }
             size.is_some()
         });
-        // Largest first, each cut by what is still over: a few histories lose their past, the
-        // others keep all of theirs (cutting every one a little would fail every recovery).
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let mut freed = 0;
-        for (size, id) in sizes {
-            let over = self.recovery.total.get().saturating_sub(target);
-            if over == 0 {
-                break;
-            }
-            if let Some(stream) = sessions
+        // Largest first, each cut by what is still over (push/stream.rs).
+        let freed = cut_largest_first(sizes, &self.recovery.total, target, |id, keep| {
+            sessions
                 .get_mut(id)
                 .and_then(|r| r.recovery.as_deref_mut())
                 .and_then(|r| r.stream.as_mut())
-            {
-                freed += stream.trim_to(size.saturating_sub(over), TrimCause::CoreBound);
-            }
-        }
+                .map_or(0, |stream| stream.trim_to(keep, TrimCause::CoreBound))
+        });
         drop((sessions, streamed));
         let mut trimmed = Trimmed::default();
         trimmed.0[TrimCause::CoreBound.index()] = freed;

@@ -702,23 +702,33 @@ mod write_pool {
 /// A plain socket opened with `offsets=1` gets the offset as each envelope's first member
 /// (`{"offset":"h1.<epoch>.<seq>","deviceId":…}`, in arrays too), written before the shared
 /// envelope's text without copying it.
+///
+/// Per offset, what is the same for every frame of the socket is written once per call (the
+/// Socket.IO `,"h1.<epoch>.` and the plain `{"offset":"h1.<epoch>.`), and the seq's digits
+/// with what follows them are one slice ([`Base36::with_suffix`]): 4 and 3 parts per frame.
 fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec<u8>) -> u64 {
     use crate::push::stream::Base36;
     let batch = matches!(kind, SocketKind::Plain { batch: true, .. });
     let plain_offsets = offsets.filter(|_| matches!(kind, SocketKind::Plain { .. }));
-    // Each item's seq in base 36, for a plain socket with offsets (referenced by the parts).
+    // What precedes the seq's digits in every offset of this socket.
+    let lead: smallvec::SmallVec<[u8; 32]> = match (kind, offsets) {
+        (SocketKind::Plain { .. }, Some(prefix)) => [b"{\"offset\":\"".as_slice(), prefix.as_bytes()].concat().into(),
+        (_, Some(prefix)) => [b",\"".as_slice(), prefix.as_bytes()].concat().into(),
+        (_, None) => smallvec::SmallVec::new(),
+    };
+    // Each item's seq in base 36 and `",`, for a plain socket with offsets (referenced by the parts).
     let digits: Vec<Base36> = match plain_offsets {
-        Some(_) => items.iter().map(|i| Base36::new(if let Out::Envelope(_, seq) = i { *seq } else { 0 })).collect(),
+        Some(_) => items.iter().map(|i| Base36::with_suffix(if let Out::Envelope(_, seq) = i { *seq } else { 0 }, b"\",")).collect(),
         None => Vec::new(),
     };
     let mut frames = 0;
     // The batch being gathered: its envelopes (as parts) and its payload length so far.
-    let mut run: Vec<[&[u8]; 5]> = Vec::new();
+    let mut run: Vec<[&[u8]; 3]> = Vec::new();
     let mut run_len = 0;
     for (i, item) in items.iter().enumerate() {
         match (kind, item) {
             (SocketKind::Plain { .. }, Out::Envelope(e, seq)) if batch => {
-                let parts = plain_parts(e.as_bytes(), *seq, plain_offsets, digits.get(i));
+                let parts = plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i));
                 let added = parts.iter().map(|p| p.len()).sum::<usize>() + 1; // the envelope and its `[` or `,`
                 if !run.is_empty() && run_len + added + 1 > BATCH_FRAME_BYTES {
                     frames += frame::write_text_array(buf, &run, run_len + 1);
@@ -739,14 +749,12 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec
         frames += 1;
         match (kind, item) {
             (SocketKind::Plain { .. }, Out::Envelope(e, seq)) => {
-                frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets, digits.get(i)))
+                frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i)))
             }
             (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
-                Some(prefix) => {
-                    let seq = crate::push::stream::Base36::new(*seq);
-                    let parts: [&[u8]; 6] =
-                        [socketio::EVENT_PREFIX, e.as_bytes(), b",\"", prefix.as_bytes(), seq.as_bytes(), b"\"]"];
-                    frame::write_text(buf, &parts)
+                Some(_) => {
+                    let seq = Base36::with_suffix(*seq, b"\"]");
+                    frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, seq.as_bytes()])
                 }
                 None => frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), b"]"]),
             },
@@ -761,14 +769,12 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec
     frames
 }
 
-/// A plain envelope's text as parts: with an offset, `{"offset":"<prefix><seq>",` and the
-/// envelope after its `{`; without, the envelope alone.
-fn plain_parts<'a>(e: &'a [u8], seq: u64, prefix: Option<&'a str>, digits: Option<&'a crate::push::stream::Base36>) -> [&'a [u8]; 5] {
-    match (prefix, digits) {
-        (Some(prefix), Some(digits)) if seq > 0 && e.first() == Some(&b'{') && e.len() > 2 => {
-            [b"{\"offset\":\"", prefix.as_bytes(), digits.as_bytes(), b"\",", &e[1..]]
-        }
-        _ => [e, b"", b"", b"", b""],
+/// A plain envelope's text as parts: with an offset, `{"offset":"<prefix>` (`lead`), the
+/// seq's digits and `",`, and the envelope after its `{`; without, the envelope alone.
+fn plain_parts<'a>(e: &'a [u8], seq: u64, lead: Option<&'a [u8]>, digits: Option<&'a crate::push::stream::Base36>) -> [&'a [u8]; 3] {
+    match (lead, digits) {
+        (Some(lead), Some(digits)) if seq > 0 && e.first() == Some(&b'{') && e.len() > 2 => [lead, digits.as_bytes(), &e[1..]],
+        _ => [e, b"", b""],
     }
 }
 
