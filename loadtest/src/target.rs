@@ -153,7 +153,8 @@ impl Target {
                 let _ = tx.send(line);
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(30);
+        // Long enough for a restart on a large store (1 M devices) on a loaded machine.
+        let deadline = Instant::now() + Duration::from_secs(120);
         let (url, cores) = loop {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(line) => {
@@ -168,7 +169,7 @@ impl Target {
                     let _ = child.kill();
                     let _ = child.wait();
                     return Err(io::Error::other(format!(
-                        "{path} did not print its address within 30 s:\n{}",
+                        "{path} did not print its address within 120 s:\n{}",
                         stderr.lock().unwrap().join("\n")
                     )));
                 }
