@@ -44,7 +44,7 @@ use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Out, Outlet, QueueLimits};
 use crate::app::mesh::{CoreMsg, CoreTask};
 use crate::app::Core;
-use crate::tls::{Stream, TlsState, WriteHalf};
+use crate::tls::{ReadHalf, Stream, TlsState, WriteHalf};
 use frame::{FrameReader, Incoming};
 
 /// The read buffer of a socket that is idle or reads little: it is what the kernel holds
@@ -70,16 +70,33 @@ const READ_PAUSE: Duration = Duration::from_millis(1);
 
 /// Runs `fut` to its end and tells whether it had to wait (was ever `Pending`), i.e. whether
 /// the core's other tasks could run meanwhile (see [`READ_BUDGET`]).
-async fn waited<F: std::future::Future>(fut: F) -> (F::Output, bool) {
-    let mut fut = std::pin::pin!(fut);
-    let mut waited = false;
-    let output = std::future::poll_fn(|cx| {
-        let poll = fut.as_mut().poll(cx);
-        waited |= poll.is_pending();
-        poll
-    })
-    .await;
-    (output, waited)
+/// A future, not an `async fn`: that would hold `fut` twice (its argument and its pinned
+/// copy), in the reader task of every idle socket (issue 25 item 3).
+fn waited<F: std::future::Future>(fut: F) -> Waited<F> {
+    Waited { fut, waited: false }
+}
+
+struct Waited<F> {
+    fut: F,
+    waited: bool,
+}
+
+impl<F: std::future::Future> std::future::Future for Waited<F> {
+    type Output = (F::Output, bool);
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        // Safety: structural pinning of `fut`: it is never moved out of `Waited` nor
+        // reached unpinned, and `Waited` has no `Drop` of its own.
+        let this = unsafe { self.get_unchecked_mut() };
+        let fut = unsafe { std::pin::Pin::new_unchecked(&mut this.fut) };
+        match fut.poll(cx) {
+            std::task::Poll::Ready(output) => std::task::Poll::Ready((output, this.waited)),
+            std::task::Poll::Pending => {
+                this.waited = true;
+                std::task::Poll::Pending
+            }
+        }
+    }
 }
 
 /// How long a socket closed as a slow consumer may take to get its close frame out (after the
@@ -381,14 +398,18 @@ pub fn limits(core: &Core) -> QueueLimits {
     }
 }
 
-async fn run(
+/// Sets a live socket up at once (its state, greeting, timers and writer task) and gives back
+/// its reader task. The setup is not part of the task: an `async fn` keeps every argument
+/// for its whole life, and this task lives as long as the socket (issue 25 item 3: the stream,
+/// the handshake and the socket kind held twice in every idle socket's reader).
+fn run(
     core: Rc<Core>,
     stream: Stream,
     leftover: Vec<u8>,
     kind: SocketKind,
     session: Option<SessionId>,
     handshake: Vec<u8>,
-) {
+) -> impl std::future::Future<Output = ()> {
     let _ = stream.set_nodelay(true);
     let fd = stream.as_raw_fd();
     let outlet = Outlet::new(NEXT_SOCKET_ID.fetch_add(1, Ordering::Relaxed), limits(&core));
@@ -408,11 +429,10 @@ async fn run(
     });
     conn.core.metrics.socket_opened(conn.transport());
     // A live socket counts towards the connection limit (released however this ends).
-    let _slot = crate::http::ConnectionSlot::acquire();
-    let (mut read, write) = stream.into_split();
-    // Counted until the reader ends (declared after `read`, so it drops first: no entry
-    // outlives the descriptor); a graceful shutdown closes it with 1001 and waits.
-    let _live = conn.core.drain.socket(&conn.outlet, fd);
+    let slot = crate::http::ConnectionSlot::acquire();
+    let (read, write) = stream.into_split();
+    // Counted until the reader ends; a graceful shutdown closes it with 1001 and waits.
+    let live = conn.core.drain.socket(&conn.outlet, fd);
     // Weak: the outlet (in the conn) holds this; both tasks clear it on exit.
     let weak = Rc::downgrade(&conn);
     conn.outlet.set_on_overflow(Some(Box::new(move || {
@@ -450,7 +470,20 @@ async fn run(
     // its own. A closing socket is never pinged; only its close write is watched.
     timers::register_websocket(&conn);
     monoio::spawn(writer(conn.clone(), write, handshake));
+    read_loop(conn, Reading { _live: live, read, _slot: slot }, leftover)
+}
 
+/// What the reader owns besides the connection, in drop order: the drain's entry first, so
+/// no entry outlives the descriptor, then the read half, then the connection slot.
+struct Reading {
+    _live: crate::shutdown::Busy,
+    read: ReadHalf,
+    _slot: crate::http::ConnectionSlot,
+}
+
+/// The reader task of a live socket: frames in until the socket ends, then its goodbyes.
+async fn read_loop(conn: Rc<Conn>, mut reading: Reading, leftover: Vec<u8>) {
+    let read = &mut reading.read;
     let mut parser = FrameReader::default();
     // Bytes read and not yet parsed (a partial frame); freed once empty, so an idle socket
     // holds nothing here.
