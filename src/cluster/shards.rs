@@ -291,38 +291,59 @@ impl Shards<'_> {
                 groups.entry(owner).or_default().entry(s).or_default().push(c);
             }
             let mut again = Vec::new();
+            let mut conns = Vec::new();
             for (a, slots) in groups {
                 let conn = self.sub(&a).await?;
-                let sent = slots.into_values().map(|chans| {
-                    let mut c = conn.clone();
-                    async move {
-                        let answer = tokio::time::timeout(Duration::from_secs(5), redis::cmd("SSUBSCRIBE").arg(&chans).query_async::<Value>(&mut c)).await;
-                        (chans, answer)
+                conns.push((a, conn, slots));
+            }
+            // One `SSUBSCRIBE` in flight per master (the masters at once): several at once on
+            // one connection had their confirmations matched to the wrong commands (2 of 14
+            // runs watching 1,000 devices at once, docs/benchmarks/redis-cluster-desync.txt),
+            // and each retry sent them the same way again. After an answer that is not a
+            // confirmation the rest of that master's slots wait for the rebuilt subscriber.
+            let per_master = conns.into_iter().map(|(a, mut conn, slots)| async move {
+                let mut answers = Vec::new();
+                let mut stopped = false;
+                for chans in slots.into_values() {
+                    if stopped {
+                        answers.push((chans, None));
+                        continue;
                     }
-                });
-                for (chans, answer) in futures_util::future::join_all(sent).await {
-                    match answer {
-                        Ok(Ok(v)) if confirms(&v, &PushKind::SSubscribe, &chans) => {
-                            if let Some(sub) = self.subs.get_mut(&a) {
-                                sub.channels.extend(chans);
-                            }
+                    let answer = tokio::time::timeout(Duration::from_secs(5), redis::cmd("SSUBSCRIBE").arg(&chans).query_async::<Value>(&mut conn)).await;
+                    stopped = !matches!(&answer, Ok(Ok(v)) if confirms(v, &PushKind::SSubscribe, &chans));
+                    answers.push((chans, Some(answer)));
+                }
+                (a, answers)
+            });
+            let mut desynced: HashSet<Addr> = HashSet::new();
+            for (chans, answer, a) in futures_util::future::join_all(per_master).await.into_iter().flat_map(|(a, answers)| answers.into_iter().map(move |(c, r)| (c, r, a.clone()))) {
+                let Some(answer) = answer.filter(|_| !desynced.contains(&a)) else {
+                    // Not sent, or sent on a subscriber since found out of step.
+                    again.extend(chans);
+                    continue;
+                };
+                match answer {
+                    Ok(Ok(v)) if confirms(&v, &PushKind::SSubscribe, &chans) => {
+                        if let Some(sub) = self.subs.get_mut(&a) {
+                            sub.channels.extend(chans);
                         }
-                        Ok(Ok(v)) => {
-                            tracing::warn!(master = %format!("{}:{}", a.0, a.1), answer = ?v, "SSUBSCRIBE answered with something else than its confirmations: rebuilding that subscriber");
-                            self.count(Reason::Desync, chans.len());
-                            if let Some(sub) = self.subs.remove(&a) {
-                                again.extend(sub.channels);
-                            }
-                            self.count_connections();
-                            again.extend(chans);
-                        }
-                        Ok(Err(e)) if e.redirect_node().is_some() => {
-                            self.count(Reason::Moved, chans.len());
-                            again.extend(chans);
-                        }
-                        Ok(Err(e)) => return Err(format!("SSUBSCRIBE: {e}")),
-                        Err(_) => return Err("SSUBSCRIBE: no answer within 5 s".into()),
                     }
+                    Ok(Ok(v)) => {
+                        tracing::warn!(master = %format!("{}:{}", a.0, a.1), answer = ?v, "SSUBSCRIBE answered with something else than its confirmations: rebuilding that subscriber");
+                        desynced.insert(a.clone());
+                        self.count(Reason::Desync, chans.len());
+                        if let Some(sub) = self.subs.remove(&a) {
+                            again.extend(sub.channels);
+                        }
+                        self.count_connections();
+                        again.extend(chans);
+                    }
+                    Ok(Err(e)) if e.redirect_node().is_some() => {
+                        self.count(Reason::Moved, chans.len());
+                        again.extend(chans);
+                    }
+                    Ok(Err(e)) => return Err(format!("SSUBSCRIBE: {e}")),
+                    Err(_) => return Err("SSUBSCRIBE: no answer within 5 s".into()),
                 }
             }
             if again.is_empty() {
