@@ -70,6 +70,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "recovery_session_bytes",
             "recovery_core_bytes",
             "recovery_durable",
+            "recovery_handoff",
         ],
     ),
     (

@@ -276,6 +276,14 @@ pub struct Config {
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     pub recovery_durable: bool,
 
+    /// With `--redis-url`: on SIGTERM, hand each away client's recovery history to another
+    /// live instance (adoption, docs/design/recovery.md step 6), so a client that reconnects
+    /// there recovers. Unset: on with `--data-dir none`, off with a data dir (the histories
+    /// then wait in it for a restart on the same data dir, step 5).
+    #[arg(long = "recovery-handoff", env = "RECOVERY_HANDOFF",
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    pub recovery_handoff: Option<bool>,
+
     /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
     /// senders keep a backlog, conflate telemetry and slow their sources down.
     #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,
@@ -581,6 +589,12 @@ impl Settings {
     /// `None`: recovery is off.
     pub fn recovery_window(&self) -> Option<std::time::Duration> {
         (self.config.recovery_window > 0).then(|| std::time::Duration::from_secs(self.config.recovery_window))
+    }
+
+    /// Whether a SIGTERM hands the recovery histories to another instance (`--recovery-handoff`;
+    /// unset: only when there is no data dir to keep them for a restart).
+    pub fn recovery_handoff(&self) -> bool {
+        self.config.recovery_handoff.unwrap_or(matches!(self.config.data_dir, DataDir::Memory))
     }
 
     /// How long a session without activity is kept (`sessionGracePeriod`).

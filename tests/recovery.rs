@@ -1035,3 +1035,104 @@ fn a_kill_9_mid_firehose_never_claims_a_replay_it_cannot_make() {
         eprintln!("the kill hit deliveries in flight: history_lost (acknowledged {acked})");
     }
 }
+
+// ---- SIGTERM, other instance: adoption (design step 6) --------------------------------------
+
+/// Which of `servers` (by instance id) adopted the history: the one whose verdict came in.
+fn adopter<'a>(servers: [(&'a Server, &'a str); 2]) -> usize {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        for (i, (server, id)) in servers.iter().enumerate() {
+            let series = format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"confirmed\"}}");
+            if server.metric(&series) == Some(1.0) {
+                return i;
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no instance confirmed the adoption");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What [`handed_over`] leaves: Redis, the adopter and the other instance (with their ids),
+/// the proxy (still aimed at the stopped A) and the client, cut off.
+struct HandedOver {
+    _redis: common::redis::Redis,
+    adopter: Server,
+    other: Server,
+    adopter_id: &'static str,
+    cutter: Cutter,
+    client: SioClient,
+}
+
+/// Three instances on one Redis, the client on A behind the [`Cutter`], cut off; C ingests
+/// 20 messages that reach A's history; A stops (SIGTERM), says goodbye and hands the history
+/// over. Returns once the adopter (B or C: by the session id) has its verdict.
+fn handed_over(extra: &[&str]) -> HandedOver {
+    let redis = common::redis::Redis::start();
+    // Each test server has a data dir of its own, where the default keeps the histories.
+    let mut flags = vec!["--recovery-handoff", "true"];
+    flags.extend_from_slice(extra);
+    let mut a = instance_with(&redis, "a", &flags);
+    let (b, c) = (instance_with(&redis, "b", &flags), instance_with(&redis, "c", &flags));
+    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    c.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"c\"}", WAIT, Want::Eq(1.0));
+    c.ingest(json!((0..20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    // The verdict is given before A leaves Redis (Cluster::leave waits for it).
+    sigterm(&mut a);
+    let lines = a.stderr_lines().join("\n");
+    assert!(lines.contains("recovery histories handed to other instances") && lines.contains("handed=1"), "{lines}");
+    let (adopter, other, adopter_id) = match adopter([(&b, "b"), (&c, "c")]) {
+        0 => (b, c, "b"),
+        _ => (c, b, "c"),
+    };
+    HandedOver { _redis: redis, adopter, other, adopter_id, cutter, client }
+}
+
+/// Issue 24, "a SIGTERM deploy where the client lands on another instance", design step 6:
+/// A hands the away client's history to B (adoption), B watches its device at once, so what
+/// C takes in while the client is still away lands in it; the client, back through the
+/// proxy now aimed at B, recovers: every missed message once, in order (the 20 taken in
+/// before A stopped and the 20 after), then live.
+#[test]
+fn a_sigterm_hands_the_history_to_another_instance_where_the_client_recovers() {
+    let h = handed_over(&[]);
+    let series = |outcome: &str| format!("hubcast_redis_adoptions_total{{instance=\"{}\",outcome=\"{outcome}\"}}", h.adopter_id);
+    assert_eq!(h.adopter.metric(&series("received")), Some(1.0));
+    // The other instance ingests while the client is away: the adopter watches the device.
+    h.other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    h.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    h.cutter.retarget(h.adopter.port);
+    let back = come_back(&h.cutter, &h.client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", h.adopter.stderr_lines().join("\n"));
+    h.other.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..41).map(|_| next_n(&h.client).0).collect();
+    let mut want: Vec<u64> = (0..40).collect();
+    want.push(999);
+    assert_eq!(got, want, "before and after A stopped, once, in order, then live");
+    assert_eq!(h.adopter.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
+    h.other.ingest(message("dev-1", 1001));
+    assert_eq!(next_n(&h.client).0, 1001, "nothing twice");
+}
+
+/// The adopted pids keep their away time (wall clock, since the cut on A): a client back
+/// after the window finds the adopter dropped the history, is not recovered (counted
+/// `window`) and gets live data at once. The positive is shown by `handed_over` (a message
+/// before the cut) and the adoption's verdict.
+#[test]
+fn an_adopted_history_past_the_window_is_not_recovered_and_live_data_flows() {
+    let h = handed_over(&["--recovery-window", "4"]);
+    // The adopter drops the history a window after the cut (an event, not a sleep).
+    h.adopter.wait_for_metric("hubcast_recovery_trimmed_bytes_total{cause=\"window\"}", WAIT, Want::AtLeast(1.0));
+    h.adopter.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    h.cutter.retarget(h.adopter.port);
+    let back = come_back(&h.cutter, &h.client);
+    assert_eq!(back["recovered"], false, "{back}");
+    assert_eq!(h.adopter.metric("hubcast_recovery_failed_total{reason=\"window\"}"), Some(1.0));
+    h.other.ingest(message("dev-1", 7));
+    assert_eq!(next_n(&h.client).0, 7, "live data at once, nothing of the past");
+}

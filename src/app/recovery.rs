@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hashbrown::HashSet;
+use smallvec::SmallVec;
 
 use crate::app::Core;
 use crate::ids::SessionId;
@@ -70,6 +71,20 @@ pub struct CoreRecovery {
     received_dirty: Cell<bool>,
     /// The frames the delivery batch being handed out appended (reused).
     appends: RefCell<crate::push::stream::AppendBatch>,
+    /// SIGTERM, adoption (design step 6), on the instance that stops: the sessions whose
+    /// histories were handed to another instance, with the head each had when written and
+    /// the marks counted so far ([`Core::adoption_marked`]). Never written to the store again.
+    handed: RefCell<hashbrown::HashMap<SessionId, Handed>>,
+    /// On the adopting instance: the pids of histories taken in and not yet confirmed by the
+    /// instance that handed them (a restore meanwhile fails `unknown_pid`).
+    adopting: RefCell<hashbrown::HashMap<SessionId, SmallVec<[crate::push::stream::PidEntry; 2]>>>,
+}
+
+/// A history handed over at SIGTERM: its head when written, marks counted, verdict given.
+struct Handed {
+    head: u64,
+    marks: usize,
+    decided: bool,
 }
 
 impl CoreRecovery {
@@ -88,6 +103,8 @@ impl CoreRecovery {
             received: Cell::new(0),
             received_dirty: Cell::new(false),
             appends: RefCell::default(),
+            handed: RefCell::default(),
+            adopting: RefCell::default(),
         }
     }
 
@@ -617,7 +634,16 @@ impl Core {
         let sessions = self.sessions.borrow();
         let mut written = 0;
         let mut pending = 0;
+        let handed = self.recovery.handed.borrow();
         for id in self.recovery.streamed.borrow().iter() {
+            if handed.contains_key(id) {
+                // Another instance holds it now (adoption): a restart here must not find a
+                // copy that stopped growing when it was handed over.
+                if self.recovery.durable.get() {
+                    store.put(Change::Stream { id: *id, recovery: None });
+                }
+                continue;
+            }
             let stored = sessions
                 .get(*id)
                 .and_then(|r| r.recovery.as_ref())
@@ -752,6 +778,138 @@ impl Core {
         for (id, devices) in away {
             self.presence(id, devices, true);
         }
+    }
+
+    /// SIGTERM with a relay and `--recovery-handoff` (design step 6, adoption), after the
+    /// goodbyes (every pid away) and before the flush: each stream of this core is handed to
+    /// another live instance ([`Relay::adopt`](crate::app::relay::Relay::adopt)), as the
+    /// store's `Change::Stream` record. The stream stays here until the process ends, still
+    /// taking deliveries: whether one arrived after it was written decides whether the
+    /// adopter may keep the history ([`Core::adoption_marked`]). Returns (handed, kept here).
+    pub(crate) fn hand_off_streams(&self) -> (usize, usize) {
+        let Some(window) = self.recovery.window else { return (0, 0) };
+        if !self.settings.recovery_handoff() {
+            return (0, 0);
+        }
+        let Some(relay) = self.relay.borrow().clone() else { return (0, 0) };
+        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        let ids: Vec<SessionId> = self.recovery.streamed.borrow().iter().copied().collect();
+        let (mut handed, mut kept) = (0, 0);
+        for id in ids {
+            let found = {
+                let sessions = self.sessions.borrow();
+                sessions.get(id).filter(|r| r.sockets.is_empty()).and_then(|record| {
+                    let recovery = record.recovery.as_ref()?;
+                    let left = recovery.stream_deadline(window)?.saturating_duration_since(now);
+                    let stored = recovery.to_stored(now, now_ms).filter(|_| !left.is_zero())?;
+                    let head = recovery.stream.as_ref().map_or(0, |s| s.head());
+                    Some((stored, record.devices.iter().cloned().collect::<Vec<_>>(), left, head))
+                })
+            };
+            let Some((stored, devices, left, head)) = found else { continue };
+            let mut blob = Vec::with_capacity(stored.encoded_bytes_at_most() + 32);
+            crate::store::format::encode(&mut blob, Change::Stream { id, recovery: Some(&stored) });
+            if relay.adopt(id, devices, blob, left) {
+                self.recovery.handed.borrow_mut().insert(id, Handed { head, marks: 0, decided: false });
+                handed += 1;
+            } else {
+                kept += 1;
+            }
+        }
+        (handed, kept)
+    }
+
+    /// On the instance that stops: one of the `cores` marks of a handed session came (each
+    /// device core of the session posts one once it has delivered every message the adopter
+    /// did not receive itself). With all of them, the verdict: kept when the history here did
+    /// not grow after it was written (the adopter has everything), else voided.
+    pub fn adoption_marked(&self, session: SessionId, cores: usize) {
+        let mut handed = self.recovery.handed.borrow_mut();
+        let Some(h) = handed.get_mut(&session).filter(|h| !h.decided) else { return };
+        h.marks += 1;
+        if h.marks < cores {
+            return;
+        }
+        h.decided = true;
+        let head = h.head;
+        drop(handed);
+        let now_head = self.sessions.borrow().get(session).and_then(|r| r.recovery.as_ref()).and_then(|r| r.stream.as_ref()).map(|s| s.head());
+        let kept = now_head == Some(head);
+        if !kept {
+            tracing::info!(session = %session, "a delivery reached the history after it was handed over: the adopter drops it (its client gets recovered false)");
+        }
+        if let Some(relay) = self.relay.borrow().clone() {
+            relay.adopt_verdict(session, kept);
+        }
+    }
+
+    /// On the adopting instance (design step 6): the history another instance handed over
+    /// at its SIGTERM, for `session` (loaded here first). Its pids are held aside until the
+    /// verdict ([`Core::adoption_verdict`]); the stream takes deliveries from now on, and the
+    /// session watches its devices at once (as an away session does), so what others take
+    /// in meanwhile lands in it. `Err` says why it is not taken.
+    pub fn adopt_stream(self: &Rc<Self>, session: SessionId, stored: StoredRecovery) -> Result<(), &'static str> {
+        let window = self.recovery.window.ok_or("recovery is off here")?;
+        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        let (devices, trimmed, written) = {
+            let mut sessions = self.sessions.borrow_mut();
+            let record = sessions.touch(session, now).ok_or("no such session here")?;
+            if record.recovery.as_ref().is_some_and(|r| r.stream.is_some()) {
+                return Err("the session has a history here already");
+            }
+            let mut recovery = SessionRecovery::from_stored(stored, self.recovery.total.clone(), now, now_ms);
+            let trimmed = recovery.sweep(now, window);
+            if recovery.stream.is_none() {
+                self.count_trimmed(trimmed);
+                return Err("past the window");
+            }
+            let pids = std::mem::take(&mut recovery.pids);
+            let written = self.durable_record(&recovery, true, now);
+            record.recovery = Some(Box::new(recovery));
+            self.recovery.streamed.borrow_mut().insert(session);
+            self.recovery.adopting.borrow_mut().insert(session, pids);
+            (record.devices.iter().cloned().collect::<Vec<_>>(), trimmed, written)
+        };
+        self.count_trimmed(trimmed);
+        self.recovery_write(session, written);
+        if self.recovery.total.get() > self.recovery.core_bytes {
+            self.trim_to_core_bound();
+        }
+        if self.sessions.borrow().get(session).is_some_and(|r| r.sockets.is_empty()) {
+            self.presence(session, devices, true);
+        }
+        Ok(())
+    }
+
+    /// On the adopting instance: the verdict of the instance that handed `session`'s history
+    /// over (or none in time: `kept` false). Kept: its pids are valid here from now on.
+    /// Voided: the history gets a new epoch with nothing in it, so every offset of the old
+    /// one fails `history_lost` (a frame may be missing) and nothing is claimed that cannot be
+    /// replayed. False when no adoption of it was pending.
+    pub fn adoption_verdict(&self, session: SessionId, kept: bool) -> bool {
+        let Some(pids) = self.recovery.adopting.borrow_mut().remove(&session) else { return false };
+        let Some(window) = self.recovery.window else { return false };
+        let now = Instant::now();
+        let written = {
+            let mut sessions = self.sessions.borrow_mut();
+            let Some(recovery) = sessions.get_mut(session).and_then(|r| r.recovery.as_deref_mut()) else { return false };
+            if !kept {
+                recovery.stream = Some(crate::push::stream::SessionStream::new(self.recovery.total.clone(), now));
+            }
+            for pid in pids {
+                if !recovery.pids.iter().any(|p| p.pid == pid.pid) {
+                    recovery.pids.push(pid);
+                }
+            }
+            if let Some(at) = recovery.stream_deadline(window) {
+                self.recovery.deadlines.borrow_mut().push(Reverse((at, session)));
+            }
+            self.durable_record(recovery, !kept, now)
+        };
+        self.recovery_write(session, written);
+        // Its deadline may be the core's earliest now.
+        self.arm_clock();
+        true
     }
 
     /// A session ended: it leaves the streamed set (its stream went with its record).

@@ -7,6 +7,7 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
+use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
 use crate::app::Core;
 
@@ -23,6 +24,19 @@ pub trait Relay {
     /// Whether this instance reads event stream partition `partition` now (holds its
     /// lease): values ingested from a partition read elsewhere are not current.
     fn reads_partition(&self, partition: &str) -> bool;
+    /// SIGTERM (design step 6, adoption): hand `session`'s recovery history (`blob`: the
+    /// store's `Change::Stream` record) to another live instance, its pids valid for `left`
+    /// more; `devices` are the session's. False when it is not sent (no live peer, past a
+    /// bound): the history stays here.
+    fn adopt(&self, _session: SessionId, _devices: Vec<Box<str>>, _blob: Vec<u8>, _left: std::time::Duration) -> bool {
+        false
+    }
+    /// The verdict on a history handed over ([`Relay::adopt`]): `kept` when nothing was
+    /// delivered to it here after it was written (`Core::adoption_marked`).
+    fn adopt_verdict(&self, _session: SessionId, _kept: bool) {}
+    /// On the adopting instance: this core's watch changes for an adopted `session` are with
+    /// the link (one of `cores` such reports; 0: the history was not taken).
+    fn adopt_watching(&self, _session: SessionId, _cores: usize) {}
 }
 
 /// Something that runs beside every core, started on the core's own thread before it serves.

@@ -41,6 +41,12 @@ pub async fn core_task(
         core.drain.idle().await;
     }
     tracing::info!(core = index, "in-flight requests answered, sockets closed");
+    // Several instances: every pid is away now; each history goes to another live instance
+    // (design step 6), while the link to Redis is still up (it leaves after every core drained).
+    let (handed, kept) = core.hand_off_streams();
+    if handed + kept > 0 {
+        tracing::info!(core = index, handed, kept, "recovery histories handed to other instances (kept: not sent, see hubcast_redis_adoptions_total)");
+    }
     let _ = report.send(Report::Drained(index));
 
     // Every core drained and the AMQP consumer gone: nothing feeds this core any more.

@@ -21,7 +21,9 @@
 //!   every heartbeat: the live instances.
 //! - `P:watching:<id>` set: the devices instance `<id>` watches.
 //! - channel `P:ops`: shared session changes; `P:watch`: `+<id>\t<device>` / `-<id>\t<device>`;
-//!   `P:device:<device>`: the device's messages, for the instances watching it.
+//!   `P:device:<device>`: the device's messages, for the instances watching it;
+//!   `P:adopt:<id>`: recovery histories handed to instance `<id>` at a SIGTERM and their
+//!   handshake, with `P:stream:<session>` naming the adopter ([`super::adopt`]).
 //!
 //! Every Redis call has a deadline; a failure drops the connections (all three tasks stop),
 //! shows on `GET /status` and is retried with a capped back-off, while commands are refused
@@ -216,6 +218,8 @@ pub(super) struct Shared {
     /// at most [`ORIGINS`] a device): a message not newer is received again and dropped.
     /// Devices no longer watched here are forgotten every heartbeat ([`check_watches`]).
     last_seq: HashMap<Box<str>, Vec<(Box<str>, u64)>>,
+    /// Recovery histories handed over and adopted (adopt.rs).
+    pub adopt: super::adopt::Adoptions,
 }
 
 impl Shared {
@@ -268,6 +272,7 @@ pub fn start(
             suspects: HashSet::new(),
             touched: None,
             last_seq: HashMap::new(),
+            adopt: Default::default(),
         }));
         let tasks = tokio::task::LocalSet::new();
         tasks.block_on(&runtime, run(ctx, state, lease, status, commands));
@@ -349,6 +354,7 @@ async fn run(
                 for (_, read) in reads {
                     let _ = read.reply.send(Err(lost.clone()));
                 }
+                super::adopt::abandon(&state);
                 ctx.stats.connected.store(0, Ordering::Relaxed);
                 ctx.stats.reconnects.fetch_add(1, Ordering::Relaxed);
                 reason
@@ -431,6 +437,13 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
         Command::Read { reply, .. } => {
             let _ = reply.send(Err(format!("not connected ({reason})")));
         }
+        Command::Adopt { .. } => {
+            ctx.stats.adoptions[super::adopt::NO_PEER].fetch_add(1, Ordering::Relaxed);
+        }
+        Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } => {}
+        Command::Settle(done) => {
+            let _ = done.send(());
+        }
     }
 }
 
@@ -442,7 +455,7 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     let lease_conn = within("connect (leases)", super::conn::connect(&o.engine, ca, CALL_DEADLINE)).await?;
     let pubsub = within("connect (pub/sub)", super::conn::pubsub(&o.engine, ca, CALL_DEADLINE)).await?;
     let (mut sink, stream) = pubsub.split();
-    let channels = [ctx.channel("ops"), ctx.channel("watch"), ctx.channel("read"), ctx.key("answer", &o.instance)];
+    let channels = [ctx.channel("ops"), ctx.channel("watch"), ctx.channel("read"), ctx.key("answer", &o.instance), ctx.key("adopt", &o.instance)];
     within("SUBSCRIBE", sink.subscribe(&channels)).await?;
     // Announce this instance and what it watches (after a reconnect: again, whole).
     let me = o.instance.clone();
@@ -804,6 +817,7 @@ async fn on_command(
     shards: Option<&async_channel::Sender<shards::Req>>,
     resend: &mut resend::Resend,
 ) -> Result<(), Failed> {
+    let Some(command) = super::adopt::on_command(ctx, state, conn, command).await? else { return Ok(()) };
     match command {
         Command::Save { op, reply } => {
             let result = save(ctx, &op, conn).await;
@@ -906,8 +920,9 @@ async fn on_command(
             }
             within("announce watch", pipe.query_async::<()>(conn)).await?;
         }
-        // Handed to the lease task by the command loop.
+        // Handed to the lease task by the command loop; adoption's above.
         Command::Stream(_) | Command::Leave(_) => {}
+        Command::Adopt { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) => {}
         Command::Read { device, kind, newer_than, reply } => {
             // Waiting before it is asked: the answers come on the pub/sub connection, which
             // may deliver them before this task sees its PUBLISH answered.
@@ -1077,6 +1092,7 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
     let watch = ctx.channel("watch");
     let read = ctx.channel("read");
     let answer = ctx.key("answer", &ctx.o.instance);
+    let adopt = ctx.key("adopt", &ctx.o.instance);
     let device_prefix = ctx.key("device", "");
     let mut per_core: Vec<Vec<crate::ingest::IngestMessage>> = (0..ctx.cores.len()).map(|_| Vec::new()).collect();
     for msg in batch {
@@ -1118,6 +1134,10 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
             spawn_answer(ctx, state, conn, payload);
         } else if channel == answer {
             on_answer(ctx, state, payload);
+        } else if channel == adopt {
+            // After the device messages before it are with their cores (adopt.rs, step 2).
+            flush_messages(ctx, &mut per_core).await;
+            super::adopt::on_message(ctx, state, payload).await;
         }
     }
     flush_messages(ctx, &mut per_core).await;

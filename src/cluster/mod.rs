@@ -34,6 +34,7 @@
 //! Redis buffers the instance's pub/sub output up to its `client-output-buffer-limit` and
 //! then drops the connection (the link reconnects and logs it).
 
+mod adopt;
 mod conn;
 mod lease;
 mod link;
@@ -108,6 +109,15 @@ pub(crate) enum Command {
     /// freshest holder's answer (typed) and when its newest data was produced, `None` when
     /// no instance holds it (or nothing newer than `newer_than`).
     Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Result<Option<(Millis, View)>, String>> },
+    /// SIGTERM: hand a session's recovery history to another live instance (adopt.rs).
+    Adopt { session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration },
+    /// Adopting: one of `cores` device cores handed its watch changes for the session over
+    /// (0: the history was not taken).
+    AdoptWatching { session: SessionId, cores: usize },
+    /// Stopping: the verdict on a history handed over.
+    AdoptVerdict { session: SessionId, kept: bool },
+    /// Stopping: answered once every history handed over has its verdict.
+    Settle(std::sync::mpsc::Sender<()>),
 }
 
 pub(crate) enum Inbound {
@@ -130,6 +140,13 @@ pub(crate) enum Inbound {
     /// reads it; the asking instance filters by its session's grants) and how new the data is.
     /// `None` when the data here is not newer than `newer_than` (the asker's own copy).
     Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Option<(Millis, View)>> },
+    /// Another instance's recovery history for a session of this core (adopt.rs).
+    Adopt { session: SessionId, blob: Vec<u8> },
+    /// A handed session's adopter watches its devices: a mark to its session's core after
+    /// this core's earlier deliveries (adopt.rs).
+    AdoptMark { session: SessionId, cores: usize },
+    /// The verdict on a history adopted here.
+    AdoptVerdict { session: SessionId, kept: bool },
 }
 
 /// A change to one session's access on one device (see [`Command::Change`]).
@@ -197,6 +214,8 @@ pub struct Stats {
     pub slot_moves: AtomicU64,
     pub resubscribes: [AtomicU64; 5],
     pub topology_refreshes: AtomicU64,
+    /// Recovery histories handed over and adopted, by outcome (`adopt::OUTCOMES`).
+    pub adoptions: [AtomicU64; 12],
 }
 
 pub struct Cluster {
@@ -281,6 +300,15 @@ impl Cluster {
     /// take the partitions over at their next heartbeat with no event applied twice. Waits
     /// at most 3 s (and never past `deadline`).
     pub fn leave(&self, deadline: std::time::Instant) {
+        // Recovery histories handed over (adopt.rs) get their verdicts first: they need this
+        // instance's cores and link, both still up. At most 2 s; the adopters void the rest.
+        let (settled, wait) = std::sync::mpsc::channel();
+        if self.commands.try_send(Command::Settle(settled)).is_ok() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now()).min(Duration::from_secs(2));
+            if wait.recv_timeout(left).is_err() {
+                tracing::warn!("recovery histories handed over without a verdict in time: their adopters drop them");
+            }
+        }
         let (done, left) = std::sync::mpsc::channel();
         if self.commands.try_send(Command::Leave(done)).is_ok() {
             let wait = deadline.saturating_duration_since(std::time::Instant::now()).min(Duration::from_secs(3));
@@ -345,6 +373,10 @@ impl Cluster {
             ("hubcast_redis_duplicates_dropped_total".into(), "Device messages received again from another instance (published again after a slot move) and not applied twice.".into(), label.clone(), get(&s.duplicates)),
             ("hubcast_redis_watch_resyncs_total".into(), "Watches (instance, device) corrected by reading the instances' watching sets: an announcement on the watch channel was missed.".into(), label.clone(), get(&s.watch_resyncs)),
         ])
+        .chain(adopt::OUTCOMES.iter().enumerate().map(|(i, outcome)| {
+            let labels = format!("{{instance=\"{}\",outcome=\"{outcome}\"}}", self.instance);
+            ("hubcast_redis_adoptions_total".to_string(), "Recovery histories at SIGTERM (docs/design/recovery.md step 6), by outcome: handed over (sent, kept, voided, refused_by_peer) or not (no_peer, too_large, over_bound, unsupported), and taken in from a stopping instance (received, confirmed, lost, refused).".to_string(), labels, get(&s.adoptions[i]))
+        }))
         .chain(self.cluster_series(&label))
         .collect()
     }
@@ -411,6 +443,9 @@ impl CorePlugin for Cluster {
             // From the clock, so that an instance started again under the same id goes on
             // above what it published before (one message per nanosecond would catch up).
             seq: std::cell::Cell::new(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)),
+            cluster: self.cluster,
+            adopt_blob_max: adopt::blob_max(core.settings.config.recovery_session_bytes),
+            adopt_budget: std::cell::Cell::new(adopt::SEND_BYTES / core.cores().max(1)),
         });
         *core.relay.borrow_mut() = Some(relay.clone());
         monoio::spawn(serve(core.clone(), relay, inbound));
@@ -432,6 +467,11 @@ struct CoreRelay {
     /// The last sequence number published from this core (wire v2): a device's messages
     /// all go through its one core, so each device's numbers grow.
     seq: std::cell::Cell<u64>,
+    /// On a Redis Cluster (no adoption: adopt.rs).
+    cluster: bool,
+    /// The largest recovery history handed over, and what this core may still send (adopt.rs).
+    adopt_blob_max: usize,
+    adopt_budget: std::cell::Cell<usize>,
 }
 
 #[derive(Default)]
@@ -487,6 +527,59 @@ impl Relay for CoreRelay {
         }
         drop(pending);
         self.send_pending_watch();
+    }
+
+    /// Bounded (adopt.rs): what is not sent stays with this instance, counted by why.
+    fn adopt(&self, session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration) -> bool {
+        let outcome = if self.cluster {
+            Some(adopt::UNSUPPORTED)
+        } else if self.stats.instances.load(Ordering::Relaxed) <= 1 {
+            Some(adopt::NO_PEER)
+        } else if blob.len() > self.adopt_blob_max {
+            Some(adopt::TOO_LARGE)
+        } else if blob.len() > self.adopt_budget.get() {
+            Some(adopt::OVER_BOUND)
+        } else {
+            None
+        };
+        if let Some(outcome) = outcome {
+            self.stats.adoptions[outcome].fetch_add(1, Ordering::Relaxed);
+            tracing::info!(session = %session, bytes = blob.len(), outcome = adopt::OUTCOMES[outcome], "recovery history not handed over: its client will not recover elsewhere");
+            return false;
+        }
+        let bytes = blob.len();
+        if self.commands.try_send(Command::Adopt { session, devices, blob, left }).is_err() {
+            self.stats.adoptions[adopt::OVER_BOUND].fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        self.adopt_budget.set(self.adopt_budget.get() - bytes);
+        true
+    }
+
+    fn adopt_verdict(&self, session: SessionId, kept: bool) {
+        let verdict = Command::AdoptVerdict { session, kept };
+        if let Err(e) = self.commands.try_send(verdict) {
+            // Never dropped: the adopter would wait its full time and void the history.
+            let commands = self.commands.clone();
+            monoio::spawn(async move {
+                let _ = commands.send(e.into_inner()).await;
+            });
+        }
+    }
+
+    /// After this core's watch changes (sent first, in the same queue): when they could not
+    /// be sent (the queue full), the adoption is refused rather than claimed on a device
+    /// this instance may not receive yet.
+    fn adopt_watching(&self, session: SessionId, cores: usize) {
+        self.send_pending_watch();
+        let cores = if self.pending_watch.borrow().is_empty() { cores } else { 0 };
+        let report = Command::AdoptWatching { session, cores };
+        if let Err(e) = self.commands.try_send(report) {
+            let commands = self.commands.clone();
+            monoio::spawn(async move {
+                let _ = commands.send(e.into_inner()).await;
+            });
+        }
     }
 }
 
@@ -547,6 +640,17 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                     }
                 };
                 let _ = reply.send(found.filter(|(newest, _)| newer_than.is_none_or(|t| *newest > t)));
+            }
+            Inbound::Adopt { session, blob } => {
+                monoio::spawn(adopt::adopt_here(core.clone(), session, blob, relay.stats.clone()));
+            }
+            Inbound::AdoptMark { session, cores } => adopt::mark(&core, session, cores),
+            Inbound::AdoptVerdict { session, kept } => {
+                if core.adoption_verdict(session, kept) {
+                    let outcome = if kept { adopt::CONFIRMED } else { adopt::LOST };
+                    relay.stats.adoptions[outcome].fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(session = %session, kept, "recovery history adopted from a stopping instance");
+                }
             }
             Inbound::Reconnected => {
                 let marked = core.devices.borrow_mut().replicas_not_current();

@@ -73,6 +73,8 @@ struct CutState {
     conns: std::sync::Mutex<Vec<(TcpStream, TcpStream)>>,
     accepted: AtomicUsize,
     refused: AtomicUsize,
+    /// The backend's port ([`Cutter::retarget`]).
+    backend: std::sync::atomic::AtomicU16,
 }
 
 impl Cutter {
@@ -80,6 +82,7 @@ impl Cutter {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a free port");
         let port = listener.local_addr().unwrap().port();
         let state = Arc::new(CutState::default());
+        state.backend.store(backend, Ordering::SeqCst);
         let st = state.clone();
         std::thread::spawn(move || {
             for client in listener.incoming() {
@@ -89,7 +92,7 @@ impl Cutter {
                     let _ = client.shutdown(Shutdown::Both);
                     continue;
                 }
-                let Ok(server) = TcpStream::connect(("127.0.0.1", backend)) else {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", st.backend.load(Ordering::SeqCst))) else {
                     let _ = client.shutdown(Shutdown::Both);
                     continue;
                 };
@@ -135,6 +138,12 @@ impl Cutter {
             let _ = client.shutdown(Shutdown::Both);
             let _ = server.shutdown(Shutdown::Both);
         }
+    }
+
+    /// New connections go to `port` from now on (the instance a load balancer would pick once
+    /// the first is gone).
+    pub fn retarget(&self, port: u16) {
+        self.state.backend.store(port, Ordering::SeqCst);
     }
 
     /// Connections refused while held.

@@ -1,0 +1,430 @@
+//! Adoption (docs/design/recovery.md step 6): on SIGTERM an instance hands each away client's
+//! recovery history to another live instance, so the client recovers there. Why a handshake
+//! and not one message: Redis pub/sub has no positions, so the history written on the stopping
+//! instance A and the device messages the adopter B starts receiving when it subscribes must
+//! be stitched without a gap, and a gap that cannot be ruled out is declared, never hidden.
+//!
+//! On `P:adopt:<instance>` (`P` = `--redis-prefix`; on a cluster `{P}`), one Redis only:
+//! 1. **A → B `adopt`** (session, the store's `Change::Stream` record): written after A's
+//!    goodbyes (every pid away); A also sets `P:stream:<session>` = B for the window left.
+//!    B loads the session, installs the history (its pids held aside: a restore fails
+//!    `unknown_pid` until step 3), watches the session's devices, and once every device core
+//!    of the session has handed its watch changes to the link (a mark per core, after them),
+//!    the link has subscribed and announced them: then
+//! 2. **B → A `watching`**. A's pub/sub connection gets it after every device message
+//!    published before B subscribed (one Redis, one connection, one order); A hands a mark
+//!    to each of the session's device cores here after those messages (same queue), each
+//!    core posts it to the session's core after the deliveries they made (same mesh order).
+//! 3. **A → B `kept`/`voided`**: with every mark in, the history here either did not grow
+//!    since it was written (B has everything: kept, the pids become valid on B) or did (a
+//!    frame B lacks may exist: voided, B's history of the session takes a new epoch, so the
+//!    client's offset fails `history_lost`). No verdict within [`VERDICT_WAIT`] is voided.
+//!
+//! A Redis Cluster is not supported: device channels are on sharded subscriber connections,
+//! not the control connection, so step 2's order does not hold; histories are kept (counted
+//! `unsupported`). Bounds and back-pressure, each counted in `hubcast_redis_adoptions_total`:
+//! one history at most [`blob_max`] bytes (`too_large`, kept); what one stopping instance sends
+//! at most [`SEND_BYTES`] in all, split over its cores (`over_bound`, kept): Redis buffers
+//! each subscriber's pub/sub output up to its `client-output-buffer-limit` (32 MiB hard by
+//! default) and would drop B's connection past it; a full command queue is `over_bound` too
+//! (nothing waits); at most [`PENDING`] adoptions in flight per instance on either side
+//! (`over_bound` on A, `refused` on B). A history kept is written to the data dir as before
+//! (step 5) and otherwise lost with the process: its client gets `recovered` false.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hashbrown::{HashMap, HashSet};
+
+use super::conn::Conn;
+use super::link::{within, Ctx, Failed, State};
+use super::{Command, Inbound};
+use crate::ids::SessionId;
+use crate::runtime::routing::{core_of_device, core_of_session};
+
+/// All histories one stopping instance sends, in bytes (split evenly over its cores).
+pub(super) const SEND_BYTES: usize = 16 << 20;
+/// Adoptions in flight per instance, on either side.
+pub(super) const PENDING: usize = 65_536;
+/// How long an adopter waits for the verdict before voiding the history.
+pub(super) const VERDICT_WAIT: Duration = Duration::from_secs(5);
+
+/// The largest history sent: twice `--recovery-session-bytes` (a stream is trimmed to it,
+/// charged 40 bytes an entry; encoded, an entry costs 24 + its frame) and room for its pids.
+pub(super) fn blob_max(session_bytes: u64) -> usize {
+    (session_bytes as usize).saturating_mul(2).saturating_add(64 << 10)
+}
+
+/// Outcomes counted in `hubcast_redis_adoptions_total{outcome}`: the stopping instance's
+/// (sent, kept, voided, refused by the adopter, and not sent: no_peer, too_large, over_bound,
+/// unsupported), then the adopter's (received, confirmed, lost: voided or no verdict in time,
+/// refused).
+pub(super) const OUTCOMES: [&str; 12] = [
+    "sent", "kept", "voided", "refused_by_peer", "no_peer", "too_large", "over_bound", "unsupported", "received", "confirmed", "lost", "refused",
+];
+pub(super) const SENT: usize = 0;
+pub(super) const KEPT: usize = 1;
+pub(super) const VOIDED: usize = 2;
+pub(super) const REFUSED_BY_PEER: usize = 3;
+pub(super) const NO_PEER: usize = 4;
+pub(super) const TOO_LARGE: usize = 5;
+pub(super) const OVER_BOUND: usize = 6;
+pub(super) const UNSUPPORTED: usize = 7;
+pub(super) const RECEIVED: usize = 8;
+pub(super) const CONFIRMED: usize = 9;
+pub(super) const LOST: usize = 10;
+pub(super) const REFUSED: usize = 11;
+
+const KIND_ADOPT: u8 = b'A';
+const KIND_WATCHING: u8 = b'W';
+const KIND_REFUSED: u8 = b'N';
+const KIND_KEPT: u8 = b'C';
+const KIND_VOIDED: u8 = b'V';
+const VERSION: u8 = 1;
+
+/// The link's adoption state (on the Redis thread).
+#[derive(Default)]
+pub(super) struct Adoptions {
+    /// Stopping: histories sent, to whom, and the session's devices (where the marks go).
+    handing: HashMap<SessionId, (Arc<str>, Vec<Box<str>>)>,
+    /// Waiting for `handing` to empty (the main thread's `Cluster::leave`).
+    settled: Vec<std::sync::mpsc::Sender<()>>,
+    /// Adopting: who handed each history, and the device cores that reported their watch.
+    adopted: HashMap<SessionId, (Arc<str>, usize)>,
+}
+
+/// `version, kind, origin (u32 length + bytes), session u128, rest`.
+fn encode(kind: u8, origin: &str, session: SessionId, rest: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(2 + 4 + origin.len() + 16 + rest.len());
+    buf.push(VERSION);
+    buf.push(kind);
+    buf.extend_from_slice(&(origin.len() as u32).to_le_bytes());
+    buf.extend_from_slice(origin.as_bytes());
+    buf.extend_from_slice(&session.0.to_le_bytes());
+    buf.extend_from_slice(rest);
+    buf
+}
+
+/// What [`encode`] wrote; `None` for anything else (counted undecodable by the caller).
+fn decode(bytes: &[u8]) -> Option<(u8, &str, SessionId, &[u8])> {
+    let (&version, rest) = bytes.split_first()?;
+    if version != VERSION {
+        return None;
+    }
+    let (&kind, rest) = rest.split_first()?;
+    let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let origin = std::str::from_utf8(rest.get(4..4 + len)?).ok()?;
+    let rest = rest.get(4 + len..)?;
+    let session = SessionId(u128::from_le_bytes(rest.get(..16)?.try_into().ok()?));
+    Some((kind, origin, session, &rest[16..]))
+}
+
+/// The adopter of `session` among the other live instances: by the session id over them in
+/// order, so every instance would pick the same one.
+fn adopter(instances: &HashSet<Arc<str>>, session: SessionId) -> Option<Arc<str>> {
+    let mut live: Vec<&Arc<str>> = instances.iter().collect();
+    if live.is_empty() {
+        return None;
+    }
+    live.sort();
+    Some(live[(session.0 % live.len() as u128) as usize].clone())
+}
+
+fn count(ctx: &Ctx, outcome: usize) {
+    ctx.stats.adoptions[outcome].fetch_add(1, Ordering::Relaxed);
+}
+
+/// Stopping: sends `session`'s history to its adopter and names it in `P:stream:<session>`
+/// for the window left.
+pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration) -> Result<(), Failed> {
+    let to = {
+        let mut s = state.borrow_mut();
+        if s.adopt.handing.len() >= PENDING {
+            drop(s);
+            count(ctx, OVER_BOUND);
+            return Ok(());
+        }
+        let Some(to) = adopter(&s.instances, session) else {
+            drop(s);
+            count(ctx, NO_PEER);
+            tracing::warn!(session = %session, "no other live instance to hand the recovery history to: its client will not recover");
+            return Ok(());
+        };
+        // Before the publication: the answer may come before this task sees it done.
+        s.adopt.handing.insert(session, (to.clone(), devices));
+        to
+    };
+    let mut pipe = redis::pipe();
+    pipe.cmd("PUBLISH").arg(ctx.key("adopt", &to)).arg(encode(KIND_ADOPT, &ctx.o.instance, session, &blob));
+    pipe.cmd("SET").arg(ctx.key("stream", &session.to_string())).arg(&*to).arg("PX").arg(left.as_millis().max(1) as u64).ignore();
+    let (receivers,): (i64,) = match within("PUBLISH adopt", pipe.query_async(conn)).await {
+        Ok(r) => r,
+        Err(reason) => {
+            forget(ctx, state, session);
+            count(ctx, NO_PEER);
+            return Err(reason);
+        }
+    };
+    if receivers == 0 {
+        forget(ctx, state, session);
+        count(ctx, NO_PEER);
+        tracing::warn!(session = %session, to = %to, "the instance chosen to adopt a recovery history is gone: its client will not recover");
+        return Ok(());
+    }
+    count(ctx, SENT);
+    tracing::debug!(session = %session, to = %to, bytes = blob.len(), "recovery history handed over");
+    Ok(())
+}
+
+/// A handed history is settled (verdict sent, refused, or never sent).
+fn forget(_ctx: &Ctx, state: &State, session: SessionId) {
+    let mut s = state.borrow_mut();
+    s.adopt.handing.remove(&session);
+    if s.adopt.handing.is_empty() {
+        for done in s.adopt.settled.drain(..) {
+            let _ = done.send(());
+        }
+    }
+}
+
+/// `Cluster::leave`: answered once every history handed over has its verdict.
+pub(super) fn settle(state: &State, done: std::sync::mpsc::Sender<()>) {
+    let mut s = state.borrow_mut();
+    if s.adopt.handing.is_empty() {
+        let _ = done.send(());
+    } else {
+        s.adopt.settled.push(done);
+    }
+}
+
+/// Stopping: the session's core decided (`Core::adoption_marked`); told to the adopter.
+pub(super) async fn verdict(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, kept: bool) -> Result<(), Failed> {
+    let Some((to, _)) = state.borrow().adopt.handing.get(&session).cloned() else { return Ok(()) };
+    forget(ctx, state, session);
+    count(ctx, if kept { KEPT } else { VOIDED });
+    let kind = if kept { KIND_KEPT } else { KIND_VOIDED };
+    let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &to)).arg(encode(kind, &ctx.o.instance, session, &[])).to_owned();
+    within("PUBLISH adoption verdict", publish.query_async::<()>(conn)).await
+}
+
+/// Adopting: one device core of the session handed its watch changes over (`cores` in all;
+/// 0: the history was not taken). With all of them, the link has subscribed to the devices
+/// (the commands before this one): `watching` goes to the stopping instance.
+pub(super) async fn watching(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, cores: usize) -> Result<(), Failed> {
+    let origin = {
+        let mut s = state.borrow_mut();
+        let Some((origin, got)) = s.adopt.adopted.get_mut(&session) else { return Ok(()) };
+        *got += 1;
+        if cores > 0 && *got < cores {
+            return Ok(());
+        }
+        let origin = origin.clone();
+        s.adopt.adopted.remove(&session);
+        origin
+    };
+    let kind = if cores == 0 { KIND_REFUSED } else { KIND_WATCHING };
+    let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &origin)).arg(encode(kind, &ctx.o.instance, session, &[])).to_owned();
+    within("PUBLISH adoption watching", publish.query_async::<()>(conn)).await
+}
+
+/// A message on this instance's `adopt` channel (from the pub/sub task, in Redis's order,
+/// after the device messages before it were handed to their cores).
+pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
+    let Some((kind, origin, session, rest)) = decode(payload) else {
+        ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let cores = ctx.cores.len();
+    match kind {
+        KIND_ADOPT => {
+            {
+                let mut s = state.borrow_mut();
+                if s.adopt.adopted.len() >= PENDING || s.adopt.adopted.contains_key(&session) {
+                    drop(s);
+                    count(ctx, REFUSED);
+                    return;
+                }
+                s.adopt.adopted.insert(session, (origin.into(), 0));
+            }
+            count(ctx, RECEIVED);
+            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::Adopt { session, blob: rest.to_vec() }).await;
+        }
+        KIND_WATCHING => {
+            let Some(devices) = state.borrow().adopt.handing.get(&session).map(|(_, d)| d.clone()) else { return };
+            let mut marked: Vec<usize> = devices.iter().map(|d| core_of_device(d, cores)).collect();
+            marked.sort_unstable();
+            marked.dedup();
+            if marked.is_empty() {
+                marked.push(core_of_session(session, cores));
+            }
+            let n = marked.len();
+            for core in marked {
+                let _ = ctx.cores[core].send(Inbound::AdoptMark { session, cores: n }).await;
+            }
+        }
+        KIND_REFUSED => {
+            if state.borrow().adopt.handing.contains_key(&session) {
+                forget(ctx, state, session);
+                count(ctx, REFUSED_BY_PEER);
+                tracing::info!(session = %session, by = origin, "the adopter refused a recovery history: its client will not recover");
+            }
+        }
+        KIND_KEPT | KIND_VOIDED => {
+            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::AdoptVerdict { session, kept: kind == KIND_KEPT }).await;
+        }
+        _ => {
+            ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The stopping instance's link is gone: nothing waits for verdicts.
+pub(super) fn abandon(state: &State) {
+    let mut s = state.borrow_mut();
+    s.adopt.handing.clear();
+    for done in s.adopt.settled.drain(..) {
+        let _ = done.send(());
+    }
+}
+
+/// Whether `cmd` is an adoption command; handles it if so.
+pub(super) async fn on_command(ctx: &Ctx, state: &State, conn: &mut Conn, command: Command) -> Result<Option<Command>, Failed> {
+    match command {
+        Command::Adopt { session, devices, blob, left } => send(ctx, state, conn, session, devices, blob, left).await.map(|_| None),
+        Command::AdoptWatching { session, cores } => watching(ctx, state, conn, session, cores).await.map(|_| None),
+        Command::AdoptVerdict { session, kept } => verdict(ctx, state, conn, session, kept).await.map(|_| None),
+        Command::Settle(done) => {
+            settle(state, done);
+            Ok(None)
+        }
+        other => Ok(Some(other)),
+    }
+}
+
+// ---- on the cores ---------------------------------------------------------------------------
+
+/// Posted to a session's core by one of its device cores: a mark (see the module's step 2).
+pub(super) struct Mark {
+    pub session: SessionId,
+    pub cores: usize,
+}
+
+impl crate::app::mesh::CoreTask for Mark {
+    fn bytes(&self) -> usize {
+        32
+    }
+    fn run(self: Box<Self>, core: &std::rc::Rc<crate::app::Core>) {
+        core.adoption_marked(self.session, self.cores);
+    }
+}
+
+/// Posted by the adopting session's core to each device core of the session after the
+/// watch operations: run after them, so that core's watch changes are with the link.
+pub(super) struct WatchBarrier {
+    pub session: SessionId,
+    pub cores: usize,
+}
+
+impl crate::app::mesh::CoreTask for WatchBarrier {
+    fn bytes(&self) -> usize {
+        32
+    }
+    fn run(self: Box<Self>, core: &std::rc::Rc<crate::app::Core>) {
+        if let Some(relay) = core.relay.borrow().clone() {
+            relay.adopt_watching(self.session, self.cores);
+        }
+    }
+}
+
+/// On the adopting session's core: loads the session, installs the history, watches its
+/// devices, then one [`WatchBarrier`] per device core; voided if no verdict comes in time.
+pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: SessionId, blob: Vec<u8>, stats: Arc<super::Stats>) {
+    let refuse = |why: &str| {
+        stats.adoptions[REFUSED].fetch_add(1, Ordering::Relaxed);
+        tracing::info!(session = %session, reason = why, "a recovery history handed over was not taken");
+        if let Some(relay) = core.relay.borrow().clone() {
+            relay.adopt_watching(session, 0);
+        }
+    };
+    let mut stored = None;
+    let decoded = crate::store::format::decode(&blob, &mut |record| {
+        if let crate::store::Record::Stream(id, Some(r)) = record {
+            if id == session {
+                stored = Some(r);
+            }
+        }
+    });
+    let Some(stored) = stored.filter(|_| decoded.is_ok()) else { return refuse("undecodable") };
+    match core.directory().ensure(&core, session).await {
+        Ok(true) => {}
+        Ok(false) => return refuse("no such session"),
+        Err(_) => return refuse("Redis unavailable"),
+    }
+    if let Err(why) = core.adopt_stream(session, stored) {
+        return refuse(why);
+    }
+    let cores = core.cores();
+    let mut marked: Vec<usize> = core.sessions.borrow().get(session).map(|r| r.devices.iter().map(|d| core_of_device(d, cores)).collect()).unwrap_or_default();
+    marked.sort_unstable();
+    marked.dedup();
+    let n = marked.len().max(1);
+    let relay = core.relay.borrow().clone();
+    if marked.is_empty() || marked.contains(&core.index) {
+        // This core's own watch changes went to the link within `adopt_stream`.
+        if let Some(relay) = &relay {
+            relay.adopt_watching(session, n);
+        }
+    }
+    for k in marked.into_iter().filter(|k| *k != core.index) {
+        core.mesh.post(k, crate::app::mesh::CoreMsg::Task(Box::new(WatchBarrier { session, cores: n })));
+    }
+    tracing::debug!(session = %session, "recovery history adopted; waiting for the verdict");
+    monoio::time::sleep(VERDICT_WAIT).await;
+    if core.adoption_verdict(session, false) {
+        stats.adoptions[LOST].fetch_add(1, Ordering::Relaxed);
+        tracing::info!(session = %session, "no verdict on an adopted recovery history in time: voided (its client gets recovered false)");
+    }
+}
+
+/// On a device core of a handed session: the mark goes to the session's core after this
+/// core's deliveries.
+pub(super) fn mark(core: &std::rc::Rc<crate::app::Core>, session: SessionId, cores: usize) {
+    let to = core_of_session(session, core.cores());
+    if to == core.index {
+        core.adoption_marked(session, cores);
+    } else {
+        core.mesh.post(to, crate::app::mesh::CoreMsg::Task(Box::new(Mark { session, cores })));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip_and_garbage_does_not_decode() {
+        let id = SessionId(0x1234_5678_9abc_def0);
+        let bytes = encode(KIND_ADOPT, "inst-a", id, b"blob");
+        assert_eq!(decode(&bytes), Some((KIND_ADOPT, "inst-a", id, &b"blob"[..])));
+        assert_eq!(decode(&encode(KIND_KEPT, "b", id, &[])), Some((KIND_KEPT, "b", id, &[][..])));
+        for cut in 0..2 + 4 + 6 + 16 {
+            assert!(decode(&bytes[..cut]).is_none(), "{cut}");
+        }
+        assert!(decode(&[2, KIND_ADOPT]).is_none());
+    }
+
+    #[test]
+    fn every_instance_picks_the_same_adopter_and_spreads_sessions() {
+        let live: HashSet<Arc<str>> = ["b", "c", "d"].into_iter().map(Arc::from).collect();
+        let mut again: Vec<Arc<str>> = live.iter().cloned().collect();
+        again.reverse();
+        let again: HashSet<Arc<str>> = again.into_iter().collect();
+        let picked: HashSet<Arc<str>> = (0..60u128).map(|i| adopter(&live, SessionId(i * 7919)).unwrap()).collect();
+        assert_eq!(picked.len(), 3);
+        for i in 0..60u128 {
+            assert_eq!(adopter(&live, SessionId(i)), adopter(&again, SessionId(i)));
+        }
+        assert!(adopter(&HashSet::new(), SessionId(1)).is_none());
+    }
+}
