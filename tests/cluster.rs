@@ -49,6 +49,26 @@ fn wait_watched_elsewhere(server: &Server, id: &str, n: f64) {
     server.wait_for_metric(&series, WAIT, Want::Eq(n)); // the instance learns what the others watch
 }
 
+/// A session opened on `server`, granted and subscribed to `device`'s telemetry.
+fn session_watching(server: &Server, device: &str) -> String {
+    let session = server.new_session();
+    let request = json!({"type": "telemetry", "deviceId": device});
+    server.grant(&session, request.clone());
+    assert_eq!(server.subscribe(&session, request).0, 204);
+    session
+}
+
+/// Instances A and B, a session opened on A watching `device`'s telemetry and its plain
+/// WebSocket on B, once A knows that B watches the device.
+fn watched_on_b(redis: &Engine, device: &str) -> (Server, Server, String, common::ws::Live) {
+    let a = instance(redis, "a");
+    let b = instance(redis, "b");
+    let session = session_watching(&a, device);
+    let ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    (a, b, session, ws)
+}
+
 fn telemetry_values(frames: &[Value], key: &str) -> Vec<i64> {
     frames.iter().filter_map(|f| f["telemetry"][key].as_i64()).collect()
 }
@@ -153,14 +173,7 @@ fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once(redis: Engi
 }
 
 fn deleting_a_session_on_one_instance_closes_its_socket_on_another(redis: Engine) {
-    let a = instance(&redis, "a");
-    let b = instance(&redis, "b");
-    let session = a.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "d"});
-    a.grant(&session, request.clone());
-    assert_eq!(a.subscribe(&session, request).0, 204);
-    let mut ws = b.live(&session);
-    wait_watched_elsewhere(&a, "a", 1.0);
+    let (a, b, session, mut ws) = watched_on_b(&redis, "d");
     a.ingest(json!({"deviceId": "d", "body": {"v": 1}}));
     assert!(ws.next_json(WAIT).is_some(), "the socket on B is live");
     let (status, body, _) = a.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
@@ -428,14 +441,7 @@ fn behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instanc
 }
 
 fn live_data_between_instances_resumes_by_itself_after_redis_restarts(mut redis: Engine) {
-    let a = instance(&redis, "a");
-    let b = instance(&redis, "b");
-    let session = a.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "tank"});
-    a.grant(&session, request.clone());
-    assert_eq!(a.subscribe(&session, request).0, 204);
-    let mut ws = b.live(&session);
-    wait_watched_elsewhere(&a, "a", 1.0);
+    let (a, b, _, mut ws) = watched_on_b(&redis, "tank");
     a.ingest(json!({"deviceId": "tank", "body": {"level": 1}}));
     assert_eq!(ws.next_json(WAIT).expect("before the restart")["telemetry"], json!({"level": 1}));
     // Redis restarts empty (no persistence): both instances see it go and come back, B
@@ -504,10 +510,7 @@ const RESYNC_WAIT: Duration = Duration::from_secs(20);
 fn a_watch_whose_announcement_was_lost_is_learnt_from_the_watching_set(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
-    let session = b.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "pump"});
-    b.grant(&session, request.clone());
-    assert_eq!(b.subscribe(&session, request).0, 204);
+    let session = session_watching(&b, "pump");
     let mut ws = b.live(&session);
     wait_watched_elsewhere(&a, "a", 1.0);
     let presence = match &redis {
@@ -669,14 +672,7 @@ fn a_cluster_resharded_under_the_instances_keeps_sessions_and_live_data() {
 fn messages_published_while_their_slot_moves_reach_the_watcher_once_and_in_order() {
     let redis = Engine::cluster();
     let Engine::Cluster(cluster) = &redis else { unreachable!() };
-    let a = instance(&redis, "a");
-    let b = instance(&redis, "b");
-    let session = a.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "pump"});
-    a.grant(&session, request.clone());
-    assert_eq!(a.subscribe(&session, request).0, 204);
-    let mut ws = b.live(&session);
-    wait_watched_elsewhere(&a, "a", 1.0);
+    let (a, b, _, mut ws) = watched_on_b(&redis, "pump");
     a.ingest(json!({"deviceId": "pump", "body": {"n": 0}}));
     assert_eq!(ws.next_json(WAIT).expect("before the move")["telemetry"], json!({"n": 0}));
     let slot = cluster.slot_of("t:device:pump");
@@ -718,10 +714,7 @@ fn a_device_message_received_twice_is_applied_once() {
     let engine = Engine::single();
     let Engine::Single(redis) = &engine else { unreachable!() };
     let b = instance(&engine, "b");
-    let session = b.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "twice"});
-    b.grant(&session, request.clone());
-    assert_eq!(b.subscribe(&session, request).0, 204);
+    let session = session_watching(&b, "twice");
     let mut ws = b.live(&session);
     // Announced once subscribed.
     let deadline = std::time::Instant::now() + WAIT;
@@ -790,14 +783,7 @@ fn one_shard_subscriber_per_master_carries_every_device() {
 #[test]
 fn a_master_failing_over_to_its_replica_keeps_live_data_crossing() {
     let mut redis = Engine::Cluster(common::redis::RedisCluster::start(3, 1));
-    let a = instance(&redis, "a");
-    let b = instance(&redis, "b");
-    let session = a.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "pump"});
-    a.grant(&session, request.clone());
-    assert_eq!(a.subscribe(&session, request).0, 204);
-    let mut ws = b.live(&session);
-    wait_watched_elsewhere(&a, "a", 1.0);
+    let (a, b, _, mut ws) = watched_on_b(&redis, "pump");
     a.ingest(json!({"deviceId": "pump", "body": {"n": 0}}));
     assert_eq!(ws.next_json(WAIT).expect("before the failover")["telemetry"], json!({"n": 0}));
     let Engine::Cluster(cluster) = &mut redis else { unreachable!() };
@@ -878,10 +864,7 @@ fn wait_last_n(server: &Server, device: &str, n: i64, on: &str) {
 fn a_replica_no_longer_watched_is_not_answered_once_newer_data_exists_elsewhere(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
-    let session = b.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "w"});
-    b.grant(&session, request.clone());
-    assert_eq!(b.subscribe(&session, request).0, 204);
+    let session = session_watching(&b, "w");
     let mut ws = b.live(&session);
     wait_watched_elsewhere(&a, "a", 1.0);
     a.ingest(json!({"deviceId": "w", "body": {"n": 1}}));

@@ -4,27 +4,13 @@
 //! every device seen, every socket connected and fed, memory and store bytes counted, and after
 //! `kill -9` and the restart of the first instance its sockets receive live data again.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 
-use serde_json::Value;
+use common::hubcast_binary;
 
-/// `target/<profile>/hubcast`, built first if missing (as in smoke.rs).
-fn hubcast_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>").to_path_buf();
-    let bin = profile_dir.join("hubcast");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--bin", "hubcast"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().expect("cargo build").success(), "cannot build hubcast");
-    }
-    bin
-}
+use serde_json::Value;
 
 fn results<'a>(doc: &'a Value, prefix: &str) -> &'a Value {
     doc["results"]

@@ -5,28 +5,13 @@
 //! The hubcast binary is the one cargo built next to this test (`target/<profile>/hubcast`);
 //! `cargo test --workspace` builds it, and when only this package is tested it is built here.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 
-use serde_json::Value;
+use common::hubcast_binary;
 
-/// `target/<profile>/hubcast`, built first if missing.
-fn hubcast_binary() -> PathBuf {
-    // This test runs as target/<profile>/deps/smoke-<hash>.
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>").to_path_buf();
-    let bin = profile_dir.join("hubcast");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--bin", "hubcast"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().expect("cargo build").success(), "cannot build hubcast");
-    }
-    bin
-}
+use serde_json::Value;
 
 fn rows<'a>(doc: &'a Value, name_prefix: &str) -> Vec<&'a Value> {
     doc["results"]

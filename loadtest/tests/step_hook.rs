@@ -2,25 +2,11 @@
 //! with the step's rate, and a failing hook stops the run (docs/benchmarks/redis-cluster.sh
 //! reads Redis's CPU there). Against the real hubcast binary of this workspace, as smoke.rs.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::Command;
 
-/// `target/<profile>/hubcast`, built first if missing (as in smoke.rs).
-fn hubcast_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>").to_path_buf();
-    let bin = profile_dir.join("hubcast");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--bin", "hubcast"]).current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-        if profile_dir.file_name().is_some_and(|n| n == "release") {
-            cmd.arg("--release");
-        }
-        assert!(cmd.status().expect("cargo build").success(), "cannot build hubcast");
-    }
-    bin
-}
+use common::hubcast_binary;
 
 fn fanout(hook: &str) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_hubcast-load"))
