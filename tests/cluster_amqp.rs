@@ -22,6 +22,7 @@ both_engines!(
     redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothing_is_lost,
     every_instance_answers_the_current_value_after_partitions_move_and_after_a_takeover,
     a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_and_takes_them_back,
+    a_survivor_reads_on_while_a_peer_dies_and_restarts_moving_links_on_its_open_connection,
 );
 
 fn instance(redis: &Engine, hub: &FakeHub, id: &str) -> Server {
@@ -238,6 +239,78 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
         .sum();
     eprintln!("after the kill -9 takeover: resumed after {resumed_after:?}, {repeated} events repeated on C, replayed counted {replayed}");
     eprintln!("failover after kill -9 with --lease-ttl 2: {failover:?}");
+}
+
+/// Continuity on the instances that stay (the fleet-scale run's open finding): when a peer
+/// dies its partitions move to a survivor, and when it comes back some move back. Each move
+/// used to drop the survivor's whole AMQP connection and connect again, so its own partitions
+/// stopped too, for as long as a reconnect takes (seconds on Event Hubs: TLS, CBS,
+/// `$management`, one attach per partition). Here the hub refuses every new connection from
+/// before the kill: the survivor must take the dead peer's partitions over, and keep reading
+/// its own, on the connection it has; its socket receives every event of every partition,
+/// once, in order; and when the peer is back it gives partitions up on that same connection.
+fn a_survivor_reads_on_while_a_peer_dies_and_restarts_moving_links_on_its_open_connection(redis: Engine) {
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    let a = instance(&redis, &hub, "a");
+    let b = instance(&redis, &hub, "b");
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    let session = b.new_session();
+    for p in 0..PARTITIONS.len() {
+        let request = json!({"type": "telemetry", "deviceId": device(p)});
+        b.grant(&session, request.clone());
+        assert_eq!(b.subscribe(&session, request).0, 204);
+    }
+    let mut live = b.live(&session);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));
+    // Reads every round up to `last` from the socket: each device's rounds, in arrival order.
+    let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
+    let mut read_until = |last: i64, what: &str| {
+        while seen.iter().any(|s| s.last() != Some(&last)) {
+            let frame: Value = live.next_json(WAIT).unwrap_or_else(|| panic!("{what}: round {last} reaches B's socket from every partition; got {seen:?}"));
+            if let (Some(dev), Some(n)) = (frame["deviceId"].as_str(), frame["telemetry"]["n"].as_i64()) {
+                seen[dev.trim_start_matches("dev-").parse::<usize>().unwrap()].push(n);
+            }
+        }
+        seen.clone()
+    };
+    publish_round(&hub, 1);
+    read_until(1, "both instances up");
+    // Round 1 checkpointed everywhere: a takeover resumes after it.
+    let deadline = Instant::now() + WAIT;
+    while checkpoints(&redis).values().filter(|&&c| c >= 0).count() < PARTITIONS.len() {
+        assert!(Instant::now() < deadline, "every partition checkpointed round 1: {:?}", checkpoints(&redis));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let connects = b.metric("hubcast_amqp_connects_total").expect("counted");
+    let of_b = partitions_of(&b);
+    // From here on a reconnect cannot succeed: only the open connection reads anything.
+    hub.refuse_new_connections(true);
+    let mut a = a;
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT);
+    publish_round(&hub, 2);
+    wait_balanced(&[(&b, "b")]);
+    read_until(2, "after A's kill -9, with the hub refusing new connections");
+    assert_eq!(b.metric("hubcast_amqp_connects_total"), Some(connects), "B took A's partitions over on its open connection");
+    assert!(b.stderr_lines().iter().any(|l| l.contains("links moved on the open connection")), "{:?}", b.stderr_lines());
+    // A comes back (same id): B gives partitions up to it, again without a reconnect, and
+    // keeps those it held from the start.
+    hub.refuse_new_connections(false);
+    let closed_before = hub.stats().closed_links;
+    let a = instance(&redis, &hub, "a");
+    let held = wait_balanced(&[(&a, "a"), (&b, "b")]);
+    // B detached each partition it gave up before round 3 (else B and A could both read it).
+    let given_up = PARTITIONS.len() - held[1] as usize;
+    hub.wait_for_stats(WAIT, |s| s.closed_links >= closed_before + given_up);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));
+    publish_round(&hub, 3);
+    let seen = read_until(3, "after A's restart");
+    assert_eq!(b.metric("hubcast_amqp_connects_total"), Some(connects), "B gave partitions up on its open connection");
+    let kept: Vec<String> = partitions_of(&b).into_iter().filter(|p| of_b.contains(p)).collect();
+    assert!(!kept.is_empty(), "B kept partitions it read from the start: {:?} of {of_b:?}", partitions_of(&b));
+    for (p, s) in seen.iter().enumerate() {
+        assert_eq!(s, &vec![1, 2, 3], "{}: every event once, in order, through the kill and the restart", device(p));
+    }
 }
 
 /// The `key=value` field of a log line (the value up to the next space).

@@ -10,6 +10,9 @@
 //! attaches one receiver per partition and waits for any of them to fail; then it reports
 //! the reason on `GET /status` (503), waits a capped exponential back-off with jitter, and
 //! connects again, resuming each partition after the last message it handed to the cores.
+//! Several instances: when the partitions leased here change, the links of those taken are
+//! attached and those given up detached on the open connection (`move_partitions`), so the
+//! partitions kept never wait for a reconnect while a peer dies, joins or comes back.
 //!
 //! - [`connect`]: endpoints, TLS, SASL, the IoT Hub redirect, `$cbs` and `$management`;
 //! - [`partition`]: one partition's receive loop, flow control and position;
@@ -278,8 +281,8 @@ fn stored_positions(ingress: &Ingress) -> HashMap<String, map::Position> {
 enum Stop {
     /// Reconnect after a back-off. `worked`: it had been connected (resets the back-off).
     Retry { reason: String, worked: bool },
-    /// Several instances: the partitions this instance holds leases on changed; read the
-    /// new set at once (no back-off, nothing wrong).
+    /// Several instances: a partition taken cannot be attached on the open connection (see
+    /// `move_partitions`); read the new set on a new one at once (no back-off).
     Rebalance,
     /// The cores are gone: the process is stopping.
     Shutdown,
@@ -314,6 +317,11 @@ pub fn backoff(failures: u32) -> Duration {
     full.mul_f64(0.5 + fastrand::f64() / 2.0)
 }
 
+/// A partition link's name: the container's, then the partition's.
+fn link_name(container_id: &str, label: &str) -> String {
+    format!("{}-{}", container_id, label.replace('/', "_"))
+}
+
 /// Resolves (true) when the set of leased partitions differs from the one being read.
 async fn lease_change(leases: &mut Option<(tokio::sync::watch::Receiver<Owned>, Owned)>) -> bool {
     let Some((rx, reading)) = leases.as_mut() else { return std::future::pending().await };
@@ -329,6 +337,94 @@ async fn lease_change(leases: &mut Option<(tokio::sync::watch::Receiver<Owned>, 
 }
 
 impl Supervisor {
+    /// Spawns the task reading one attached partition; the switch that releases it.
+    fn spawn_partition(
+        &self,
+        tasks: &mut JoinSet<End>,
+        receiver: fe2o3_amqp::Receiver,
+        name: String,
+        label: String,
+        tap: Option<tap::TapHandle>,
+    ) -> tokio::sync::watch::Sender<bool> {
+        let (release, released) = tokio::sync::watch::channel(false);
+        tasks.spawn(partition::consume(
+            receiver,
+            name,
+            label,
+            self.positions.clone(),
+            self.ingress.clone(),
+            self.map.clone(),
+            partition::HandOff { linger: self.plan.linger, prefetch: self.plan.prefetch },
+            tap,
+            released,
+        ));
+        release
+    }
+
+    /// The partitions leased here changed while connected: the links of those given up are
+    /// detached (each after the batch it is handing over) and those taken are attached on the
+    /// open session, each resuming after the later of its position here and the checkpoint
+    /// its lease came with. The partitions kept are not touched: an instance taking over a
+    /// dead peer's partitions, or giving one up to an instance that joins, reads its own on
+    /// without a gap. `Err`: reconnect instead (an attach failed, or a partition taken has no
+    /// position at all with `--event-hub-start-position latest`, which the connect pins
+    /// through `$management`).
+    #[allow(clippy::too_many_arguments)]
+    async fn move_partitions(
+        &self,
+        leases: &mut Option<(tokio::sync::watch::Receiver<Owned>, Owned)>,
+        receivers: &mut fe2o3_amqp::session::SessionHandle<()>,
+        tasks: &mut JoinSet<End>,
+        releases: &mut HashMap<String, tokio::sync::watch::Sender<bool>>,
+        partitions: &RefCell<Vec<String>>,
+        entity: &str,
+        tap: Option<&tap::TapHandle>,
+    ) -> Result<(), Stop> {
+        let Some((rx, reading)) = leases.as_mut() else { return Ok(()) };
+        let now = rx.borrow_and_update().clone();
+        let given_up: Vec<String> = reading.partitions.keys().filter(|p| !now.partitions.contains_key(*p)).cloned().collect();
+        let taken: Vec<String> = now.partitions.keys().filter(|p| !reading.partitions.contains_key(*p)).cloned().collect();
+        {
+            let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+            for p in &taken {
+                if let Some(Some(seq)) = now.partitions.get(p) {
+                    let known = positions.entry(p.clone()).or_default();
+                    if known.sequence.is_none_or(|s| s < *seq) {
+                        *known = map::Position { sequence: Some(*seq), ..Default::default() };
+                    }
+                }
+                if !positions.contains_key(p) && self.plan.start == StartPosition::Latest {
+                    return Err(Stop::Rebalance);
+                }
+            }
+        }
+        for p in &given_up {
+            if let Some(release) = releases.remove(p) {
+                let _ = release.send(true);
+            }
+        }
+        for p in &taken {
+            let position = self.positions.lock().unwrap_or_else(|e| e.into_inner()).get(p).cloned();
+            let filter = partition::start_filter(position.as_ref(), &self.plan.start);
+            let address = format!("{}/ConsumerGroups/{}/Partitions/{}", entity, self.plan.consumer_group, p);
+            let name = link_name(&self.container_id, p);
+            let receiver = partition::attach(receivers, name.clone(), &address, Some(&filter), self.plan.prefetch)
+                .await
+                .map_err(|reason| Stop::Retry { reason, worked: true })?;
+            tracing::debug!(partition = %p, filter = %filter, "receiver attached");
+            releases.insert(p.clone(), self.spawn_partition(tasks, receiver, name, p.clone(), tap.cloned()));
+        }
+        *partitions.borrow_mut() = now.partitions.keys().cloned().collect();
+        tracing::info!(
+            taken = ?taken,
+            given_up = ?given_up,
+            partitions = ?now.partitions.keys().collect::<Vec<_>>(),
+            "partition leases changed: links moved on the open connection, the others read on"
+        );
+        *reading = now;
+        Ok(())
+    }
+
     /// Several instances: names this stream's partitions to the Redis link, waits briefly for
     /// its leases, and resumes each leased partition after the later of the position known
     /// here and the checkpoint in Redis (where the instance that held it before stopped).
@@ -451,14 +547,16 @@ impl Supervisor {
         &self,
         link: &mut NodeLink,
         entity: &str,
-        partitions: &[&str],
+        partitions: &RefCell<Vec<String>>,
         token: &RefCell<Option<String>>,
     ) -> std::convert::Infallible {
         let mut tick = tokio::time::interval(self.plan.lag_interval);
         loop {
             tick.tick().await;
+            // The partitions read now (they change in place when leases move).
+            let partitions = partitions.borrow().clone();
             let mut lags = Vec::with_capacity(partitions.len());
-            for &id in partitions {
+            for id in partitions.iter().map(String::as_str) {
                 let token = token.borrow().clone();
                 match connect::last_sequence_number(link, entity, id, token.as_deref()).await {
                     Ok(last) => {
@@ -570,21 +668,14 @@ impl Supervisor {
             Err(stop) => return stop,
         };
         let mut tasks = JoinSet::new();
+        // Each partition task's release switch (its lease moved to another instance).
+        let mut releases: HashMap<String, tokio::sync::watch::Sender<bool>> = HashMap::new();
         for (label, address, filter) in &addresses {
-            let name = format!("{}-{}", self.container_id, label.replace('/', "_"));
+            let name = link_name(&self.container_id, label);
             match partition::attach(&mut receivers, name.clone(), address, filter.as_deref(), self.plan.prefetch).await {
                 Ok(receiver) => {
                     tracing::debug!(partition = %label, filter = filter.as_deref().unwrap_or("-"), "receiver attached");
-                    tasks.spawn(partition::consume(
-                        receiver,
-                        name,
-                        label.clone(),
-                        self.positions.clone(),
-                        self.ingress.clone(),
-                        self.map.clone(),
-                        partition::HandOff { linger: self.plan.linger, prefetch: self.plan.prefetch },
-                        tap.clone(),
-                    ));
+                    releases.insert(label.clone(), self.spawn_partition(&mut tasks, receiver, name, label.clone(), tap.clone()));
                 }
                 Err(e) => {
                     tasks.shutdown().await;
@@ -608,7 +699,7 @@ impl Supervisor {
         // `$management` call waiting for an answer (up to its 15 s timeout on a dead
         // connection) never keeps the loop from seeing a partition end.
         let token = RefCell::new(token);
-        let partitions: Vec<&str> = addresses.iter().map(|(id, _, _)| id.as_str()).collect();
+        let partitions = RefCell::new(addresses.iter().map(|(id, _, _)| id.clone()).collect::<Vec<_>>());
         let lag = async {
             match lag_link.as_mut() {
                 Some(link) => self.measure_lag(link, &endpoint.entity, &partitions, &token).await,
@@ -622,10 +713,16 @@ impl Supervisor {
                 _ = crate::shutdown::STOPPING.wait() => break Stop::Shutdown,
                 never = &mut lag => match never {},
                 owned = lease_change(&mut leases) => if owned {
-                    break Stop::Rebalance;
+                    // Partitions taken or given up: links attached and detached on this
+                    // connection; the others read on (a reconnect would stop them all).
+                    if let Err(stop) = self.move_partitions(&mut leases, &mut receivers, &mut tasks, &mut releases, &partitions, &endpoint.entity, tap.as_ref()).await {
+                        break stop;
+                    }
                 },
                 ended = tasks.join_next(), if !tasks.is_empty() || leases.is_none() => {
                     break match ended {
+                        // Its lease moved: detached on purpose, the others read on.
+                        Some(Ok(End::Released)) => continue,
                         Some(Ok(End::CoresGone)) => Stop::Shutdown,
                         Some(Ok(End::Lost(reason))) => Stop::Retry { reason, worked: true },
                         Some(Err(e)) => Stop::Retry { reason: format!("a partition receiver failed: {e}"), worked: true },

@@ -123,7 +123,14 @@ pub enum End {
     Lost(String),
     /// The cores are gone (shutdown): stop.
     CoresGone,
+    /// Told to let the partition go (its lease went to another instance): the link was
+    /// detached, the connection and the other partitions go on.
+    Released,
 }
+
+/// Tells one partition task to detach its link and end ([`End::Released`]) after the batch
+/// it is handing over, if any.
+pub type Release = tokio::sync::watch::Receiver<bool>;
 
 /// A message fe2o3's receiver decoded whole.
 type Got = fe2o3_amqp::link::delivery::Delivery<Body<Value>>;
@@ -170,11 +177,20 @@ pub async fn consume(
     settings: Arc<MapSettings>,
     handoff: HandOff,
     tap: Option<TapHandle>,
+    mut release: Release,
 ) -> End {
     let mut last = positions.lock().unwrap_or_else(|e| e.into_inner()).get(&label).cloned();
     // One wait for the whole loop (not one per batch): a graceful shutdown ends it.
     let stopping = crate::shutdown::STOPPING.wait();
     tokio::pin!(stopping);
+    // Its lease moved: detach between batches (the position of what was handed over is
+    // recorded; the next holder resumes after the checkpoint).
+    let released = async move {
+        if release.wait_for(|r| *r).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(released);
     let tapped = tap.as_ref().and_then(|t| t.link(&name));
     if tap.is_some() && tapped.is_none() {
         tracing::warn!(partition = %label, "the AMQP tap does not serve this link: fe2o3 decodes its messages");
@@ -196,6 +212,16 @@ pub async fn consume(
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(2), receiver.close()).await;
                 tracing::debug!(partition = %label, "receiver detached");
                 return End::CoresGone;
+            }
+            _ = &mut released => {
+                // Messages the tap still holds for this link were never handed over nor
+                // recorded: the next holder reads them again from the checkpoint.
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(2), receiver.close()).await;
+                if let Some(link) = &tapped {
+                    link.forget();
+                }
+                tracing::debug!(partition = %label, "receiver detached: the lease moved");
+                return End::Released;
             }
         };
         if let Err(e) = first {

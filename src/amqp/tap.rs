@@ -584,6 +584,19 @@ impl OwnedLink {
         .await
     }
 
+    /// The partition let its link go (its lease moved) and detached it: what the tap still
+    /// queues for it is dropped with its entry (its bytes released), as when a link is
+    /// attached again under its name. Transfers still on their way pass to fe2o3, which
+    /// holds the link until the peer's `detach`.
+    pub fn forget(&self) {
+        let mut t = self.handle.table();
+        if let Some(i) = t.links.iter().position(|l| l.key == self.key) {
+            let link = t.links.remove(i);
+            let queued: usize = link.queue.iter().map(Delivery::len).sum();
+            t.bytes = t.bytes.saturating_sub(queued);
+        }
+    }
+
     /// Moves what is queued now (up to `max - out.len()`) to `out` without waiting.
     pub fn try_recv(&self, out: &mut Vec<Delivery>, max: usize) -> usize {
         self.handle.table().link_mut(self.key).map_or(0, |link| link.take(out, max))

@@ -531,6 +531,11 @@ impl FakeHub {
         }
     }
 
+    /// While set, new connections are refused (closed at once); the open ones go on.
+    pub fn refuse_new_connections(&self, refusing: bool) {
+        self.inner.state.lock().unwrap().refusing = refusing;
+    }
+
     /// Once set, the first `$management` partition READ on a connection with a partition link
     /// attached (hubcast's lag measurement, right after attach) is left unanswered, the
     /// connection is closed (FIN), and new connections are refused.
