@@ -85,6 +85,10 @@ pub struct ScaleArgs {
     pub setup_conns: usize,
     #[arg(long, default_value_t = 256)]
     pub connect_concurrency: usize,
+    /// Directory for each instance's log (`--log-level info`), written after the kill -9 and
+    /// restart: `i<N>.log`, and `i0-killed.log` for the instance before its kill.
+    #[arg(long)]
+    pub logs: Option<PathBuf>,
 }
 
 /// A redis-server of the run's own (killed at the end).
@@ -140,6 +144,8 @@ async fn spawn(global: &Global, args: &[String]) -> io::Result<Target> {
 /// What the sockets saw.
 struct Live {
     delivered: AtomicU64,
+    /// Deliveries per instance (socket `s` is on instance `s % N`).
+    by_instance: Vec<AtomicU64>,
     measuring: AtomicBool,
     latency: Striped,
     /// Sockets connected now.
@@ -157,7 +163,7 @@ struct Live {
 
 /// One socket: connects, reads and counts; after it was connected once it reconnects with
 /// its session id whenever the connection ends (as a browser's client does), until `stop`.
-async fn socket(addr: SocketAddr, path: String, index: usize, live: Arc<Live>, mut permit: Option<tokio::sync::OwnedSemaphorePermit>) {
+async fn socket(addr: SocketAddr, path: String, index: usize, instance: usize, live: Arc<Live>, mut permit: Option<tokio::sync::OwnedSemaphorePermit>) {
     let mut attempt = 0u32;
     let mut was_connected = false;
     let mut latencies: Vec<u64> = Vec::with_capacity(64);
@@ -214,6 +220,7 @@ async fn socket(addr: SocketAddr, path: String, index: usize, live: Arc<Live>, m
                 .await;
             if count > 0 {
                 live.delivered.fetch_add(count, Ordering::Relaxed);
+                live.by_instance[instance].fetch_add(count, Ordering::Relaxed);
                 let kill = live.kill_at.load(Ordering::Relaxed);
                 if kill != 0 && opened > kill && live.back_at[index].load(Ordering::Relaxed) == 0 {
                     live.back_at[index].store(now, Ordering::Relaxed);
@@ -327,6 +334,60 @@ fn dir_bytes(dir: &Path) -> (u64, u64) {
     (all, snap)
 }
 
+/// What each instance's `/metrics` said at one point of the kill timeline (`None`: no answer
+/// within 400 ms, e.g. the killed instance).
+type Sample = Option<[f64; SAMPLED.len()]>;
+
+/// The counters (rates between points) and gauges read per instance around the kill.
+const SAMPLED: [(&str, &str, bool); 9] = [
+    ("in", "hubcast_messages_in_total", true),
+    ("amqp", "hubcast_amqp_messages_received_total", true),
+    ("out", "hubcast_messages_out_total", true),
+    ("pub", "hubcast_redis_published_total", true),
+    ("recv", "hubcast_redis_received_total", true),
+    ("drop", "hubcast_redis_dropped_total", true),
+    ("leases", "hubcast_redis_partition_leases", false),
+    ("amqp_up", "hubcast_amqp_connected", false),
+    ("redis_up", "hubcast_redis_connected", false),
+];
+
+async fn sample(addr: SocketAddr, key: &str) -> Sample {
+    let scrape = async {
+        let mut conn = crate::http::HttpConn::new(addr);
+        let r = conn.call("GET", "/metrics", &[("shared-access-key", key)], b"").await.ok()?;
+        (r.status == 200).then(|| crate::target::Metrics::parse(&r.text()))
+    };
+    let m = tokio::time::timeout(Duration::from_millis(400), scrape).await.ok()??;
+    Some(SAMPLED.map(|(_, name, _)| m.sum(name)))
+}
+
+/// One instance's timeline: `+t:name=value,…` per point, counters as rates per second.
+fn instance_timeline(points: &[(u64, Vec<u64>, Vec<Sample>)], i: usize, kill_at: u64) -> String {
+    let mut out = Vec::new();
+    for w in points.windows(2) {
+        let ((t0, d0, s0), (t1, d1, s1)) = (&w[0], &w[1]);
+        let dt = t1.saturating_sub(*t0).max(1) as f64 / 1e6;
+        let mut p = format!("{:+.1}s:d={:.0}", (*t1 as f64 - kill_at as f64) / 1e6, (d1[i] - d0[i]) as f64 / dt);
+        match (&s0[i], &s1[i]) {
+            (_, None) => p.push_str(",-"),
+            (a, Some(b)) => {
+                for (k, (name, _, counter)) in SAMPLED.iter().enumerate() {
+                    if *counter {
+                        match a {
+                            Some(a) => p.push_str(&format!(",{name}={:.0}", (b[k] - a[k]).max(0.0) / dt)),
+                            None => p.push_str(&format!(",{name}=?")),
+                        }
+                    } else {
+                        p.push_str(&format!(",{name}={:.0}", b[k]));
+                    }
+                }
+            }
+        }
+        out.push(p);
+    }
+    out.join(" ")
+}
+
 /// Waits until `GET /status` answers 200 (or `within` passes); the time it took.
 async fn until_ready(target: &Target, within: Duration) -> io::Result<Duration> {
     let t = Instant::now();
@@ -396,6 +457,9 @@ pub async fn fleet_scale(global: &Global, args: &ScaleArgs) -> io::Result<Vec<Re
             "--session-grace-period".to_string(),
             "3600".to_string(),
         ];
+        if args.logs.is_some() {
+            a.extend(["--log-level".to_string(), "info".to_string()]);
+        }
         if let Some(r) = &redis {
             a.extend([
                 "--redis-url".to_string(),
@@ -462,6 +526,7 @@ pub async fn fleet_scale(global: &Global, args: &ScaleArgs) -> io::Result<Vec<Re
     let setup_secs = t.elapsed().as_secs_f64();
     let live = Arc::new(Live {
         delivered: AtomicU64::new(0),
+        by_instance: (0..n).map(|_| AtomicU64::new(0)).collect(),
         measuring: AtomicBool::new(false),
         latency: Striped::new(16),
         connected: AtomicU64::new(0),
@@ -484,7 +549,7 @@ pub async fn fleet_scale(global: &Global, args: &ScaleArgs) -> io::Result<Vec<Re
         tasks.spawn(async move {
             // The gate bounds the handshakes in flight (held until the first connect ends).
             let permit = gate.acquire_owned().await.ok();
-            socket(addr, path, s, live, permit).await;
+            socket(addr, path, s, s % n, live, permit).await;
         });
     }
     while live.ever.load(Ordering::Relaxed) + live.failed.load(Ordering::Relaxed) < sockets as u64 {
@@ -649,12 +714,36 @@ async fn kill_and_restart(
         }
         points
     });
+    // Per instance: its sockets' deliveries and its own counters, every 500 ms (each scrape
+    // given 400 ms: an instance slow to answer shows as `-`).
+    let probe_live = live.clone();
+    let probe_stop = timeline_stop.clone();
+    let targets: Vec<(SocketAddr, String)> = instances.iter().map(|i| (i.target.addr, i.target.admin_key.clone())).collect();
+    let probe = tokio::spawn(async move {
+        let mut points: Vec<(u64, Vec<u64>, Vec<Sample>)> = Vec::new();
+        while !probe_stop.load(Ordering::Relaxed) && points.len() < 400 {
+            let at = now_micros();
+            let delivered = probe_live.by_instance.iter().map(|d| d.load(Ordering::Relaxed)).collect();
+            let scrapes: Vec<_> = targets.iter().cloned().map(|(addr, key)| tokio::spawn(async move { sample(addr, &key).await })).collect();
+            let mut samples = Vec::new();
+            for s in scrapes {
+                samples.push(s.await.unwrap_or(None));
+            }
+            points.push((at, delivered, samples));
+            sleep(Duration::from_millis(500).saturating_sub(Duration::from_micros(now_micros().saturating_sub(at)))).await;
+        }
+        points
+    });
     sleep(Duration::from_secs(2)).await;
     let kill_at = now_micros();
     let t = Instant::now();
     live.kill_at.store(kill_at, Ordering::Relaxed);
     instances[0].target.kill_hard()?;
     let killed_ms = t.elapsed().as_secs_f64() * 1000.0;
+    if let Some(dir) = &args.logs {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("i0-killed.log"), instances[0].target.log_lines().join("\n"))?;
+    }
     let restarted = spawn(global, &instances[0].args).await?;
     let listening = t.elapsed().as_secs_f64();
     instances[0].target = restarted;
@@ -681,6 +770,12 @@ async fn kill_and_restart(
     let q = |f: f64| if times.is_empty() { f64::NAN } else { times[((times.len() as f64 * f).ceil() as usize).clamp(1, times.len()) - 1] };
     timeline_stop.store(true, Ordering::Relaxed);
     let points = timeline.await.unwrap_or_default();
+    let probed = probe.await.unwrap_or_default();
+    if let Some(dir) = &args.logs {
+        for (i, instance) in instances.iter().enumerate() {
+            std::fs::write(dir.join(format!("i{i}.log")), instance.target.log_lines().join("\n"))?;
+        }
+    }
     let mut kill = Results::new("fleet: kill -9 and restart (seconds after the kill)");
     kill.param("instance_killed", 0)
         .param("fleet_msg_s", rate)
@@ -692,6 +787,9 @@ async fn kill_and_restart(
                 .collect::<Vec<_>>()
                 .join(" ")),
         );
+    for i in 0..instances.len() {
+        kill.param(&format!("i{i}_timeline"), json!(instance_timeline(&probed, i, kill_at)));
+    }
     let mut row = Row::default();
     row.put("kill_ms", killed_ms);
     row.put("listening_s", listening);

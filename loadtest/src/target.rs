@@ -92,7 +92,11 @@ impl Target {
 
     fn spawn(path: &str, spec: &TargetSpec, more_args: &[String]) -> io::Result<Target> {
         let mut cmd = Command::new(path);
-        cmd.args(["--bind", "127.0.0.1", "--primary-admin-secret", &spec.admin_key, "--log-level", "warn"]);
+        cmd.args(["--bind", "127.0.0.1", "--primary-admin-secret", &spec.admin_key]);
+        // `warn` unless the arguments name a level (the fleet's `--logs` reads `info`).
+        if !spec.extra_args.iter().chain(more_args).any(|a| a == "--log-level" || a.starts_with("--log-level=")) {
+            cmd.args(["--log-level", "warn"]);
+        }
         // A free port, unless the arguments name one (a restart on the same port).
         if !spec.extra_args.iter().chain(more_args).any(|a| a == "--port" || a.starts_with("--port=")) {
             cmd.args(["--port", "0"]);
@@ -138,7 +142,7 @@ impl Target {
                 for line in BufReader::new(pipe).lines() {
                     let Ok(line) = line else { break };
                     let mut all = lines.lock().unwrap();
-                    if all.len() >= 1000 {
+                    if all.len() >= 5000 {
                         all.remove(0);
                     }
                     all.push(line);
@@ -206,6 +210,11 @@ impl Target {
     pub fn log_tail(&self, n: usize) -> String {
         let lines = self.stderr.lock().unwrap();
         lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Every line hubcast wrote to stderr that is still kept (the last 5,000; spawned only).
+    pub fn log_lines(&self) -> Vec<String> {
+        self.stderr.lock().unwrap().clone()
     }
 
     /// Waits until `GET /status` answers 200 (every source connected).
