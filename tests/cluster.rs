@@ -703,6 +703,66 @@ fn messages_published_while_their_slot_moves_reach_the_watcher_once_and_in_order
     assert_eq!(ws.closed, None);
 }
 
+/// One pipeline per master per batch (cluster/shards.rs `Publisher`): after a slot moves, A's
+/// next pipeline to the slot's old master carries that slot's messages among those of other
+/// slots the master still serves; the moved slot's commands alone answer `MOVED`. Every
+/// message of every device still reaches the watcher once, in order, on the same socket and
+/// with no reconnect: the redirected ones are published again (not the whole pipeline, as
+/// the redis crate's cluster connection would, bouncing the rest between the two masters).
+#[test]
+fn a_slot_moved_under_a_pipeline_grouped_per_master_delivers_every_message_once_in_order() {
+    let redis = Engine::cluster();
+    let Engine::Cluster(cluster) = &redis else { unreachable!() };
+    // One core: the messages of one `POST /ingest` are published as one batch.
+    let mut args: Vec<String> = redis.flags();
+    args.extend(["--instance-id", "a", "--redis-prefix", "t", "--cores", "1"].map(String::from));
+    let a = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0));
+    let b = instance(&redis, "b");
+    // Devices of several slots, all on one master.
+    let master = cluster.owner_of(cluster.slot_of("t:device:g-0"));
+    let devices: Vec<String> = (0..200).map(|i| format!("g-{i}")).filter(|d| cluster.owner_of(cluster.slot_of(&format!("t:device:{d}"))) == master).take(6).collect();
+    assert_eq!(devices.len(), 6, "six devices on master {master}");
+    let session = a.new_session();
+    for d in &devices {
+        let request = json!({"type": "telemetry", "deviceId": d});
+        a.grant(&session, request.clone());
+        assert_eq!(a.subscribe(&session, request).0, 204);
+    }
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", devices.len() as f64);
+    let round = |n: i64| a.ingest(Value::Array(devices.iter().map(|d| json!({"deviceId": d, "body": {"n": n}})).collect()));
+    let mut got: std::collections::BTreeMap<String, Vec<i64>> = std::collections::BTreeMap::new();
+    let take = |ws: &mut common::ws::Live, last: i64, got: &mut std::collections::BTreeMap<String, Vec<i64>>| {
+        while devices.iter().any(|d| got.get(d).and_then(|v| v.last()) != Some(&last)) {
+            let frame = ws.next_json(WAIT).unwrap_or_else(|| panic!("every device's message {last} reaches B; got {got:?}\nA: {:?}\nB: {:?}", a.stderr_lines(), b.stderr_lines()));
+            got.entry(frame["deviceId"].as_str().unwrap_or_default().to_string()).or_default().extend(frame["telemetry"]["n"].as_i64());
+        }
+    };
+    round(0);
+    take(&mut ws, 0, &mut got);
+    // A learnt the slot map with its first batch; the first device's slot moves now.
+    let slot = cluster.slot_of(&format!("t:device:{}", devices[0]));
+    cluster.move_slot(slot, (master + 1) % 3);
+    for n in 1..=5 {
+        round(n);
+    }
+    take(&mut ws, 5, &mut got);
+    for d in &devices {
+        assert_eq!(got[d], vec![0, 1, 2, 3, 4, 5], "{d}: once each, in order");
+    }
+    round(6);
+    take(&mut ws, 6, &mut got);
+    assert!(devices.iter().all(|d| got[d].len() == 7), "nothing twice: {got:?}");
+    // The moved slot's messages were answered `MOVED` and published again to its new master.
+    assert!(metric(&a, "hubcast_redis_republished_total", "a") >= 1.0, "A published the redirected messages again");
+    assert_eq!(metric(&a, "hubcast_redis_republish_given_up_total", "a"), 0.0);
+    for (s, id) in [(&a, "a"), (&b, "b")] {
+        assert_eq!(metric(s, "hubcast_redis_reconnects_total", id), 0.0, "{id} never lost its link");
+    }
+    assert_eq!(ws.closed, None);
+}
+
 /// Wire v2 (design step 7): a device message received again (the same origin's sequence
 /// number, or an older one: published again after a slot move) is applied once. Crafted with
 /// hubcast's own encoder from a made-up instance; the rule is the receiver's, whatever the

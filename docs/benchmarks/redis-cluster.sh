@@ -20,6 +20,9 @@
 # Private Redis servers (not the shared 6379 / 7000-7002): one on $RP, a cluster on $CP..+2,
 # all on CPU 1 with the harness; both hubcast instances on CPU 0. Everything under nice.
 #   bash docs/benchmarks/redis-cluster.sh [hubcast] [hubcast-load] [rounds]
+# Two hubcast builds side by side: NEW=path/to/other/hubcast adds an engine `cluster-new`
+# (the cluster run with that binary) to every round, in alternating order; SUBS=0 skips the
+# PUT /subscriptions phases.
 set -u
 if [ "${1:-}" = hook ]; then
   # hubcast-load --step-hook: one line per node at each window edge.
@@ -40,6 +43,7 @@ export KEY=hubcast-load-key
 RP=${RP:-6393}; CP=${CP:-7110}; PA=18181; PB=18182
 export URL_A=http://127.0.0.1:$PA URL_B=http://127.0.0.1:$PB
 RATES=${RATES:-5000,20000}
+NEW=${NEW:-}; SUBS_PHASE=${SUBS:-1}
 OUT=$(mktemp -d /tmp/redis-cluster-bench.XXXX)
 SELF=$(realpath "$0"); SUBS=$(dirname "$SELF")/redis-cluster-subs.py
 N="nice -n 5"
@@ -65,7 +69,7 @@ echo "  control slot ({bench}): $(redis-cli -p $CP cluster keyslot bench)"
 
 start_hubcast() { # port id engine-flags... (log: $OUT/hubcast-<id>-$PHASE.log)
   local port=$1 id=$2; shift 2
-  taskset -c 0 $N "$H" --bind 127.0.0.1 --port "$port" --cores 1 --data-dir none --client-rate 0 --primary-admin-secret $KEY \
+  taskset -c 0 $N "$BIN" --bind 127.0.0.1 --port "$port" --cores 1 --data-dir none --client-rate 0 --primary-admin-secret $KEY \
     --instance-id "$id" --redis-prefix bench "$@" >"$OUT/hubcast-$id-$PHASE.log" 2>&1 &
   echo $!
 }
@@ -92,8 +96,10 @@ cpu_of() { redis-cli -p "$1" info cpu | tr -d '\r' | awk -F: '$1=="used_cpu_sys"
 engine_flags() { if [ "$1" = single ]; then echo "--redis-url redis://127.0.0.1:$RP"; else echo "--redis-cluster-nodes $SEEDS"; fi; }
 nodes_of() { if [ "$1" = single ]; then echo $RP; else echo $CPORTS; fi; }
 
+binary_of() { if [ "$1" = cluster-new ]; then echo "$NEW"; else echo "$H"; fi; }
+
 traffic() { # engine round
-  PHASE=traffic-$1-$2; export NODES; NODES=$(nodes_of "$1"); flush
+  PHASE=traffic-$1-$2; BIN=$(binary_of "$1"); export NODES; NODES=$(nodes_of "$1"); flush
   local A B; A=$(start_hubcast $PA a $(engine_flags "$1")); B=$(start_hubcast $PB b $(engine_flags "$1")); pids+=($A $B)
   wait_connected $URL_A a && wait_connected $URL_B b || { stop $A $B; return 1; }
   echo "=== round $2 traffic $1 ($(uptime | sed 's/.*load/load/'))"
@@ -121,7 +127,7 @@ traffic() { # engine round
 }
 
 subscriptions() { # engine round
-  PHASE=subs-$1-$2; export NODES; NODES=$(nodes_of "$1"); flush
+  PHASE=subs-$1-$2; BIN=$(binary_of "$1"); export NODES; NODES=$(nodes_of "$1"); flush
   local ports; ports=$(echo $NODES | tr ' ' ,)
   local A B; A=$(start_hubcast $PA a $(engine_flags "$1") --lease-ttl 60); pids+=($A)
   wait_connected $URL_A a || { stop $A; return 1; }
@@ -135,9 +141,11 @@ subscriptions() { # engine round
 }
 
 for round in $(seq "$ROUNDS"); do
-  if [ $((round % 2)) = 1 ]; then order="single cluster"; else order="cluster single"; fi
+  if [ -n "$NEW" ]; then
+    if [ $((round % 2)) = 1 ]; then order="single cluster cluster-new"; else order="cluster-new cluster single"; fi
+  elif [ $((round % 2)) = 1 ]; then order="single cluster"; else order="cluster single"; fi
   for e in $order; do traffic $e $round; done
-  for e in $order; do subscriptions $e $round; done
+  if [ "$SUBS_PHASE" = 1 ]; then for e in $order; do subscriptions $e $round; done; fi
 done
 echo "raw files: $OUT"
 echo "=== summary (medians over rounds, [min-max])"
@@ -157,25 +165,27 @@ for rate in sorted({d["rate"] for _, d in res}, key=float):
     s = per("single", single)
     print(f"rate {float(rate):.0f} msg/s: Redis CPU ms per 1,000 messages crossing")
     print(f"  single {single}: {med(list(s.values()))}")
-    total = {}
-    for m in masters:
-        c = per("cluster", m)
-        sp = [int(d["spublish"]) / max(1, int(d["published"])) for x, d in rows if x == "cluster" and d["node"] == m]
-        ratios = [c[r] / s[r] for r in c if r in s and s[r] > 0]
-        for r, v in c.items(): total[r] = total.get(r, 0) + v
-        print(f"  master {m}: {med(list(c.values()))}, ratio to single {med(ratios)}, share of SPUBLISH {med(sp)}")
-    for e, nodes in (("single", [single]), ("cluster", masters)):
+    clusters = [e for e in ("cluster", "cluster-new") if any(x == e for x, _ in rows)]
+    for ce in clusters:
+        total = {}
+        for m in masters:
+            c = per(ce, m)
+            sp = [int(d["spublish"]) / max(1, int(d["published"])) for x, d in rows if x == ce and d["node"] == m]
+            ratios = [c[r] / s[r] for r in c if r in s and s[r] > 0]
+            for r, v in c.items(): total[r] = total.get(r, 0) + v
+            print(f"  {ce} master {m}: {med(list(c.values()))}, ratio to single {med(ratios)}, share of SPUBLISH {med(sp)}")
+        print(f"  {ce}, all masters: {med(list(total.values()))}, ratio to single {med([total[r] / s[r] for r in total if r in s and s[r] > 0])}")
+    for e, nodes in [("single", [single])] + [(ce, masters) for ce in clusters]:
         ds = [d for x, d in rows if x == e and d["node"] == nodes[0]]
         reads = [float(d["reads_per_1000"]) for x, d in rows if x == e]
         print(f"  {e}: hubcast A (ingest, publish) CPU ms per 1,000 {med([float(d['a_cpu_ms_per_1000']) for d in ds])}, B (receive, deliver) {med([float(d['b_cpu_ms_per_1000']) for d in ds])}; Redis reads per 1,000 messages per node {med(reads)}")
-    print(f"  cluster, all masters: {med(list(total.values()))}, ratio to single {med([total[r] / s[r] for r in total if r in s and s[r] > 0])}")
-    for e in ("single", "cluster"):
+    for e in ["single"] + clusters:
         ls = [d for x, d in lat if x == e and d["rate"] == rate]
         if ls:
             print(f"  {e}: delivered/s {med([float(d['delivered_msg_s']) for d in ls])}, p50 ms {med([float(d['p50_ms']) for d in ls])}, p99 ms {med([float(d['p99_ms']) for d in ls])}")
 subs = [(l.split()[1], kv(l)) for l in text if l.startswith("SUBS ")]
 print("PUT /subscriptions of 1,000 devices")
-for e in ("single", "cluster"):
+for e in ("single", "cluster", "cluster-new"):
     for mode in ("1", "2-copy", "2-socket"):
         ds = [d for x, d in subs if x == e and d["instances"] == mode and "put_ms" in d]
         if ds:

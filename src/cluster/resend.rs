@@ -28,7 +28,7 @@ use hashbrown::HashMap;
 use tokio::time::Instant;
 
 use super::conn::Conn;
-use super::link::{within, Ctx, Failed, State};
+use super::link::{Ctx, Failed, State};
 use super::shards;
 
 /// How often waiting messages are published again.
@@ -60,6 +60,8 @@ pub(super) struct Resend {
     bytes: usize,
     /// When to publish again (`None`: nothing waits).
     pub due: Option<Instant>,
+    /// One pipeline per master per batch (cluster/shards.rs).
+    publisher: shards::Publisher,
 }
 
 impl Resend {
@@ -115,7 +117,7 @@ pub(super) async fn publish(ctx: &Ctx, state: &State, conn: &Conn, items: Vec<(B
     }
     let counts = {
         let refs: Vec<(&str, &[u8])> = direct.iter().map(|(d, p)| (&**d, p.as_slice())).collect();
-        match within("SPUBLISH", shards::publish(conn, &refs, |d| ctx.key("device", d))).await {
+        match resend.publisher.publish(ctx, conn, &refs, |d| ctx.key("device", d)).await {
             Ok(counts) => counts,
             Err(reason) => {
                 ctx.stats.dropped.fetch_add(direct.len() as u64, Ordering::Relaxed);
@@ -165,7 +167,7 @@ pub(super) async fn again(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Re
             order.push((device.clone(), q.items.len()));
             refs.extend(q.items.iter().map(|w| (&**device, w.payload.as_slice())));
         }
-        let counts = within("SPUBLISH again", shards::publish(conn, &refs, |d| ctx.key("device", d))).await?;
+        let counts = resend.publisher.publish(ctx, conn, &refs, |d| ctx.key("device", d)).await?;
         ctx.stats.republished.fetch_add(refs.len() as u64, Ordering::Relaxed);
         (order, counts)
     };
