@@ -1136,3 +1136,30 @@ fn an_adopted_history_past_the_window_is_not_recovered_and_live_data_flows() {
     h.other.ingest(message("dev-1", 7));
     assert_eq!(next_n(&h.client).0, 7, "live data at once, nothing of the past");
 }
+
+/// Design step 6b: the client lands on the third instance X, not the adopter: X finds the
+/// adopter in `P:stream:<session>`, is handed the history (the same handshake as at the
+/// SIGTERM, X adopting by name) before it answers the CONNECT, and the client recovers every
+/// missed message once, in order, then live data ingested on X itself.
+#[test]
+fn a_client_landing_on_a_third_instance_takes_its_history_from_the_adopter() {
+    let h = handed_over(&[]);
+    h.other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    h.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    h.cutter.retarget(h.other.port);
+    let back = come_back(&h.cutter, &h.client);
+    assert_eq!(back["recovered"], true, "{back}\n{}\n{}", h.other.stderr_lines().join("\n"), h.adopter.stderr_lines().join("\n"));
+    h.other.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..41).map(|_| next_n(&h.client).0).collect();
+    let mut want: Vec<u64> = (0..40).collect();
+    want.push(999);
+    assert_eq!(got, want, "taken from the adopter: once, in order, then live");
+    let other_id = if h.adopter_id == "b" { "c" } else { "b" };
+    let series = |id: &str, outcome: &str| format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"{outcome}\"}}");
+    assert_eq!(h.other.metric(&series(other_id, "confirmed")), Some(1.0));
+    assert_eq!(h.adopter.metric(&series(h.adopter_id, "kept")), Some(1.0));
+    // The adopter let it go: its copy and its watch of the device are gone.
+    h.adopter.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    h.other.ingest(message("dev-1", 1001));
+    assert_eq!(next_n(&h.client).0, 1001, "nothing twice");
+}

@@ -78,7 +78,14 @@ pub struct CoreRecovery {
     /// On the adopting instance: the pids of histories taken in and not yet confirmed by the
     /// instance that handed them (a restore meanwhile fails `unknown_pid`).
     adopting: RefCell<hashbrown::HashMap<SessionId, SmallVec<[crate::push::stream::PidEntry; 2]>>>,
+    /// CONNECTs waiting for a history asked of another instance (design step 6b), woken by
+    /// the verdict or [`TAKE_WAIT`]; one per waiting socket (bounded by the connections).
+    takers: RefCell<hashbrown::HashMap<SessionId, Vec<futures_channel::oneshot::Sender<()>>>>,
 }
+
+/// How long a CONNECT waits for its history to come from another instance (design step 6b:
+/// three Redis round trips and the cores' marks) before it is answered without it.
+const TAKE_WAIT: Duration = Duration::from_secs(2);
 
 /// A history handed over at SIGTERM: its head when written, marks counted, verdict given.
 struct Handed {
@@ -105,6 +112,7 @@ impl CoreRecovery {
             appends: RefCell::default(),
             handed: RefCell::default(),
             adopting: RefCell::default(),
+            takers: RefCell::default(),
         }
     }
 
@@ -791,39 +799,122 @@ impl Core {
         if !self.settings.recovery_handoff() {
             return (0, 0);
         }
-        let Some(relay) = self.relay.borrow().clone() else { return (0, 0) };
-        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        if self.relay.borrow().is_none() {
+            return (0, 0);
+        }
         let ids: Vec<SessionId> = self.recovery.streamed.borrow().iter().copied().collect();
         let (mut handed, mut kept) = (0, 0);
         for id in ids {
-            let found = {
-                let sessions = self.sessions.borrow();
-                sessions.get(id).filter(|r| r.sockets.is_empty()).and_then(|record| {
-                    let recovery = record.recovery.as_ref()?;
-                    let left = recovery.stream_deadline(window)?.saturating_duration_since(now);
-                    let stored = recovery.to_stored(now, now_ms).filter(|_| !left.is_zero())?;
-                    let head = recovery.stream.as_ref().map_or(0, |s| s.head());
-                    Some((stored, record.devices.iter().cloned().collect::<Vec<_>>(), left, head))
-                })
-            };
-            let Some((stored, devices, left, head)) = found else { continue };
-            let mut blob = Vec::with_capacity(stored.encoded_bytes_at_most() + 32);
-            crate::store::format::encode(&mut blob, Change::Stream { id, recovery: Some(&stored) });
-            if relay.adopt(id, devices, blob, left) {
-                self.recovery.handed.borrow_mut().insert(id, Handed { head, marks: 0, decided: false });
-                handed += 1;
-            } else {
-                kept += 1;
+            match self.hand_off(id, window, None) {
+                Some(true) => handed += 1,
+                Some(false) => kept += 1,
+                None => {}
             }
         }
         (handed, kept)
+    }
+
+    /// One history handed to `to` (or the adopter the link picks): `None` when there is none
+    /// to hand (a socket connected, no pid within the window, already handed or adopting).
+    fn hand_off(&self, id: SessionId, window: Duration, to: Option<&str>) -> Option<bool> {
+        let relay = self.relay.borrow().clone()?;
+        if self.recovery.handed.borrow().contains_key(&id) || self.recovery.adopting.borrow().contains_key(&id) {
+            return None;
+        }
+        let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        let (stored, devices, left, head) = {
+            let sessions = self.sessions.borrow();
+            sessions.get(id).filter(|r| r.sockets.is_empty()).and_then(|record| {
+                let recovery = record.recovery.as_ref()?;
+                let left = recovery.stream_deadline(window)?.saturating_duration_since(now);
+                let stored = recovery.to_stored(now, now_ms).filter(|_| !left.is_zero())?;
+                let head = recovery.stream.as_ref().map_or(0, |s| s.head());
+                Some((stored, record.devices.iter().cloned().collect::<Vec<_>>(), left, head))
+            })?
+        };
+        let mut blob = Vec::with_capacity(stored.encoded_bytes_at_most() + 32);
+        crate::store::format::encode(&mut blob, Change::Stream { id, recovery: Some(&stored) });
+        if !relay.adopt(id, devices, blob, left, to) {
+            return Some(false);
+        }
+        self.recovery.handed.borrow_mut().insert(id, Handed { head, marks: 0, decided: false });
+        // Its pids are the adopter's now: a client back here must not restore from this copy.
+        if let Some(recovery) = self.sessions.borrow_mut().get_mut(id).and_then(|r| r.recovery.as_deref_mut()) {
+            recovery.pids.clear();
+        }
+        Some(true)
+    }
+
+    /// Design step 6b: instance `to` asks for `session`'s history (its client came back
+    /// there); handed over as at a SIGTERM, or none (the answer lets its CONNECT go on).
+    pub fn give_stream(self: &Rc<Self>, session: SessionId, to: &str) {
+        let given = self.recovery.window.and_then(|window| self.hand_off(session, window, Some(to)));
+        if given != Some(true) {
+            if let Some(relay) = self.relay.borrow().clone() {
+                relay.give_none(session, to);
+            }
+            return;
+        }
+        // No verdict ever (the asker gone): the copy kept for the check goes all the same.
+        let me = self.clone();
+        monoio::spawn(async move {
+            monoio::time::sleep(TAKE_WAIT * 4).await;
+            if me.recovery.handed.borrow().contains_key(&session) {
+                me.drop_handed(session);
+            }
+        });
+    }
+
+    /// Design step 6b, on the session's core: whether a CONNECT restoring `pid` should first
+    /// ask another instance for the session's history (the pid is unknown here, and recovery
+    /// and a relay are on).
+    pub fn recovery_elsewhere(&self, session: SessionId, pid: &str) -> bool {
+        if self.recovery.window.is_none() || self.relay.borrow().is_none() {
+            return false;
+        }
+        if self.recovery.adopting.borrow().contains_key(&session) {
+            return true;
+        }
+        let sessions = self.sessions.borrow();
+        let known = sessions.get(session).and_then(|r| r.recovery.as_ref()).is_some_and(|r| r.pids.iter().any(|p| &*p.pid == pid));
+        !known
+    }
+
+    /// Design step 6b: asks for `session`'s history and waits (at most [`TAKE_WAIT`]) until
+    /// it is adopted here, or the answer is that there is none.
+    pub async fn take_stream(self: &Rc<Self>, session: SessionId) {
+        let (tx, rx) = futures_channel::oneshot::channel();
+        let first = {
+            let mut takers = self.recovery.takers.borrow_mut();
+            let waiting = takers.entry(session).or_default();
+            waiting.push(tx);
+            waiting.len() == 1
+        };
+        if first && !self.recovery.adopting.borrow().contains_key(&session) {
+            if let Some(relay) = self.relay.borrow().clone() {
+                relay.take(session);
+            }
+        }
+        if monoio::time::timeout(TAKE_WAIT, rx).await.is_err() {
+            self.recovery.takers.borrow_mut().remove(&session);
+            tracing::debug!(session = %session, "no history came from another instance in time");
+        }
+    }
+
+    /// The CONNECTs waiting for `session`'s history go on.
+    pub fn recovery_take_done(&self, session: SessionId) {
+        if let Some(waiting) = self.recovery.takers.borrow_mut().remove(&session) {
+            for w in waiting {
+                let _ = w.send(());
+            }
+        }
     }
 
     /// On the instance that stops: one of the `cores` marks of a handed session came (each
     /// device core of the session posts one once it has delivered every message the adopter
     /// did not receive itself). With all of them, the verdict: kept when the history here did
     /// not grow after it was written (the adopter has everything), else voided.
-    pub fn adoption_marked(&self, session: SessionId, cores: usize) {
+    pub fn adoption_marked(self: &Rc<Self>, session: SessionId, cores: usize) {
         let mut handed = self.recovery.handed.borrow_mut();
         let Some(h) = handed.get_mut(&session).filter(|h| !h.decided) else { return };
         h.marks += 1;
@@ -840,6 +931,31 @@ impl Core {
         }
         if let Some(relay) = self.relay.borrow().clone() {
             relay.adopt_verdict(session, kept);
+        }
+        self.drop_handed(session);
+    }
+
+    /// A history handed over is gone from here (the adopter holds it, or nobody), and from
+    /// the store; an away session stops watching its devices for it.
+    fn drop_handed(self: &Rc<Self>, session: SessionId) {
+        self.recovery.handed.borrow_mut().remove(&session);
+        let unwatch = {
+            let mut sessions = self.sessions.borrow_mut();
+            let Some(record) = sessions.get_mut(session) else { return };
+            if let Some(recovery) = record.recovery.as_deref_mut() {
+                recovery.stream = None;
+            }
+            self.recovery.streamed.borrow_mut().remove(&session);
+            record.sockets.is_empty().then(|| record.devices.iter().cloned().collect::<Vec<_>>())
+        };
+        if self.recovery.durable.get() {
+            if let Some(store) = self.store.borrow_mut().as_mut() {
+                store.put(Change::Stream { id: session, recovery: None });
+                store.commit();
+            }
+        }
+        if let Some(devices) = unwatch {
+            self.presence(session, devices, false);
         }
     }
 
@@ -887,6 +1003,15 @@ impl Core {
     /// one fails `history_lost` (a frame may be missing) and nothing is claimed that cannot be
     /// replayed. False when no adoption of it was pending.
     pub fn adoption_verdict(&self, session: SessionId, kept: bool) -> bool {
+        let woken = self.recovery.takers.borrow().contains_key(&session);
+        let applied = self.apply_verdict(session, kept);
+        if woken {
+            self.recovery_take_done(session);
+        }
+        applied
+    }
+
+    fn apply_verdict(&self, session: SessionId, kept: bool) -> bool {
         let Some(pids) = self.recovery.adopting.borrow_mut().remove(&session) else { return false };
         let Some(window) = self.recovery.window else { return false };
         let now = Instant::now();

@@ -25,12 +25,18 @@ pub trait Relay {
     /// lease): values ingested from a partition read elsewhere are not current.
     fn reads_partition(&self, partition: &str) -> bool;
     /// SIGTERM (design step 6, adoption): hand `session`'s recovery history (`blob`: the
-    /// store's `Change::Stream` record) to another live instance, its pids valid for `left`
-    /// more; `devices` are the session's. False when it is not sent (no live peer, past a
+    /// store's `Change::Stream` record) to another live instance (`to`, or one chosen by the
+    /// session id), its pids valid for `left` more; `devices` are the session's. False when it is not sent (no live peer, past a
     /// bound): the history stays here.
-    fn adopt(&self, _session: SessionId, _devices: Vec<Box<str>>, _blob: Vec<u8>, _left: std::time::Duration) -> bool {
+    fn adopt(&self, _session: SessionId, _devices: Vec<Box<str>>, _blob: Vec<u8>, _left: std::time::Duration, _to: Option<&str>) -> bool {
         false
     }
+    /// A client came back here with a pid of `session` this instance does not know (design
+    /// step 6b): ask the instance `P:stream:<session>` names to hand the history over. The
+    /// answer comes as an adoption, or as a verdict of nothing ([`Core::adoption_verdict`]).
+    fn take(&self, _session: SessionId) {}
+    /// Asked for `session`'s history by instance `to`, this instance gives none.
+    fn give_none(&self, _session: SessionId, _to: &str) {}
     /// The verdict on a history handed over ([`Relay::adopt`]): `kept` when nothing was
     /// delivered to it here after it was written (`Core::adoption_marked`).
     fn adopt_verdict(&self, _session: SessionId, _kept: bool) {}

@@ -20,6 +20,15 @@
 //!    frame B lacks may exist: voided, B's history of the session takes a new epoch, so the
 //!    client's offset fails `history_lost`). No verdict within [`VERDICT_WAIT`] is voided.
 //!
+//!
+//! **Step 6b**, the client back on a third instance X: its CONNECT names a pid X does not
+//! know, so X (before answering, at most 2 s: `Core::take_stream`) reads `P:stream:<session>`
+//! and sends **X → B `take`**; B hands the history to X by name, with the same three steps
+//! (B in A's part, X adopting; `P:stream:<session>` then names X), and drops its copy and its
+//! watch once the verdict is given; X answers the CONNECT once the verdict is in (`none`: B
+//! has nothing to give, the CONNECT goes on at once). A CONNECT on B while its adoption waits
+//! for the verdict waits for it the same way.
+//!
 //! A Redis Cluster is not supported: device channels are on sharded subscriber connections,
 //! not the control connection, so step 2's order does not hold; histories are kept (counted
 //! `unsupported`). Bounds and back-pressure, each counted in `hubcast_redis_adoptions_total`:
@@ -81,6 +90,9 @@ const KIND_WATCHING: u8 = b'W';
 const KIND_REFUSED: u8 = b'N';
 const KIND_KEPT: u8 = b'C';
 const KIND_VOIDED: u8 = b'V';
+/// Step 6b: X asks the holder for a history, which answers with an adoption or this.
+const KIND_TAKE: u8 = b'T';
+const KIND_NONE: u8 = b'0';
 const VERSION: u8 = 1;
 
 /// The link's adoption state (on the Redis thread).
@@ -135,9 +147,10 @@ fn count(ctx: &Ctx, outcome: usize) {
     ctx.stats.adoptions[outcome].fetch_add(1, Ordering::Relaxed);
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Stopping: sends `session`'s history to its adopter and names it in `P:stream:<session>`
 /// for the window left.
-pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration) -> Result<(), Failed> {
+pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration, to: Option<Arc<str>>) -> Result<(), Failed> {
     let to = {
         let mut s = state.borrow_mut();
         if s.adopt.handing.len() >= PENDING {
@@ -145,7 +158,7 @@ pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: Ses
             count(ctx, OVER_BOUND);
             return Ok(());
         }
-        let Some(to) = adopter(&s.instances, session) else {
+        let Some(to) = to.or_else(|| adopter(&s.instances, session)) else {
             drop(s);
             count(ctx, NO_PEER);
             tracing::warn!(session = %session, "no other live instance to hand the recovery history to: its client will not recover");
@@ -174,6 +187,26 @@ pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: Ses
     }
     count(ctx, SENT);
     tracing::debug!(session = %session, to = %to, bytes = blob.len(), "recovery history handed over");
+    Ok(())
+}
+
+/// Step 6b, on the instance a client came back to with a pid it does not know: the holder
+/// `P:stream:<session>` names is asked to hand the history over (as at a SIGTERM, to this
+/// instance by name); with no holder, the CONNECT waiting for it goes on at once.
+pub(super) async fn take(ctx: &Ctx, conn: &mut Conn, session: SessionId) -> Result<(), Failed> {
+    let holder: Option<String> = within("GET stream", redis::cmd("GET").arg(ctx.key("stream", &session.to_string())).query_async(conn)).await?;
+    match holder.filter(|h| h.as_str() != &*ctx.o.instance) {
+        Some(holder) => {
+            let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &holder)).arg(encode(KIND_TAKE, &ctx.o.instance, session, &[])).to_owned();
+            let receivers: i64 = within("PUBLISH take", publish.query_async(conn)).await?;
+            if receivers == 0 {
+                let _ = ctx.cores[core_of_session(session, ctx.cores.len())].send(Inbound::TakeDone { session }).await;
+            }
+        }
+        None => {
+            let _ = ctx.cores[core_of_session(session, ctx.cores.len())].send(Inbound::TakeDone { session }).await;
+        }
+    }
     Ok(())
 }
 
@@ -270,6 +303,13 @@ pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
                 tracing::info!(session = %session, by = origin, "the adopter refused a recovery history: its client will not recover");
             }
         }
+        KIND_TAKE => {
+            let to: Arc<str> = origin.into();
+            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::Give { session, to }).await;
+        }
+        KIND_NONE => {
+            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::TakeDone { session }).await;
+        }
         KIND_KEPT | KIND_VOIDED => {
             let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::AdoptVerdict { session, kept: kind == KIND_KEPT }).await;
         }
@@ -291,7 +331,12 @@ pub(super) fn abandon(state: &State) {
 /// Whether `cmd` is an adoption command; handles it if so.
 pub(super) async fn on_command(ctx: &Ctx, state: &State, conn: &mut Conn, command: Command) -> Result<Option<Command>, Failed> {
     match command {
-        Command::Adopt { session, devices, blob, left } => send(ctx, state, conn, session, devices, blob, left).await.map(|_| None),
+        Command::Adopt { session, devices, blob, left, to } => send(ctx, state, conn, session, devices, blob, left, to).await.map(|_| None),
+        Command::Take { session } => take(ctx, conn, session).await.map(|_| None),
+        Command::GiveNone { session, to } => {
+            let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &to)).arg(encode(KIND_NONE, &ctx.o.instance, session, &[])).to_owned();
+            within("PUBLISH adoption none", publish.query_async::<()>(conn)).await.map(|_| None)
+        }
         Command::AdoptWatching { session, cores } => watching(ctx, state, conn, session, cores).await.map(|_| None),
         Command::AdoptVerdict { session, kept } => verdict(ctx, state, conn, session, kept).await.map(|_| None),
         Command::Settle(done) => {
@@ -341,6 +386,7 @@ impl crate::app::mesh::CoreTask for WatchBarrier {
 /// devices, then one [`WatchBarrier`] per device core; voided if no verdict comes in time.
 pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: SessionId, blob: Vec<u8>, stats: Arc<super::Stats>) {
     let refuse = |why: &str| {
+        core.recovery_take_done(session);
         stats.adoptions[REFUSED].fetch_add(1, Ordering::Relaxed);
         tracing::info!(session = %session, reason = why, "a recovery history handed over was not taken");
         if let Some(relay) = core.relay.borrow().clone() {

@@ -440,7 +440,7 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
         Command::Adopt { .. } => {
             ctx.stats.adoptions[super::adopt::NO_PEER].fetch_add(1, Ordering::Relaxed);
         }
-        Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } => {}
+        Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Take { .. } | Command::GiveNone { .. } => {}
         Command::Settle(done) => {
             let _ = done.send(());
         }
@@ -922,7 +922,7 @@ async fn on_command(
         }
         // Handed to the lease task by the command loop; adoption's above.
         Command::Stream(_) | Command::Leave(_) => {}
-        Command::Adopt { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) => {}
+        Command::Adopt { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) | Command::Take { .. } | Command::GiveNone { .. } => {}
         Command::Read { device, kind, newer_than, reply } => {
             // Waiting before it is asked: the answers come on the pub/sub connection, which
             // may deliver them before this task sees its PUBLISH answered.

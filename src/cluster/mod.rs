@@ -110,7 +110,12 @@ pub(crate) enum Command {
     /// no instance holds it (or nothing newer than `newer_than`).
     Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Result<Option<(Millis, View)>, String>> },
     /// SIGTERM: hand a session's recovery history to another live instance (adopt.rs).
-    Adopt { session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration },
+    Adopt { session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration, to: Option<Arc<str>> },
+    /// A client came back here with a pid of a history another instance holds: ask it
+    /// (`P:stream:<session>` names it) to hand the history over (adopt.rs, step 6b).
+    Take { session: SessionId },
+    /// Asked for a history by instance `to`: there is none to give.
+    GiveNone { session: SessionId, to: Arc<str> },
     /// Adopting: one of `cores` device cores handed its watch changes for the session over
     /// (0: the history was not taken).
     AdoptWatching { session: SessionId, cores: usize },
@@ -147,6 +152,10 @@ pub(crate) enum Inbound {
     AdoptMark { session: SessionId, cores: usize },
     /// The verdict on a history adopted here.
     AdoptVerdict { session: SessionId, kept: bool },
+    /// Instance `to` asks for the history of a session of this core (step 6b).
+    Give { session: SessionId, to: Arc<str> },
+    /// No history is coming for the session: its waiting CONNECTs go on.
+    TakeDone { session: SessionId },
 }
 
 /// A change to one session's access on one device (see [`Command::Change`]).
@@ -530,14 +539,17 @@ impl Relay for CoreRelay {
     }
 
     /// Bounded (adopt.rs): what is not sent stays with this instance, counted by why.
-    fn adopt(&self, session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration) -> bool {
+    fn adopt(&self, session: SessionId, devices: Vec<Box<str>>, blob: Vec<u8>, left: Duration, to: Option<&str>) -> bool {
+        // A stop's hand-over is charged to its budget; an instance asked by name (step 6b)
+        // gives one history per CONNECT asking (bounded by the connections).
+        let charged = if to.is_some() { 0 } else { blob.len() };
         let outcome = if self.cluster {
             Some(adopt::UNSUPPORTED)
         } else if self.stats.instances.load(Ordering::Relaxed) <= 1 {
             Some(adopt::NO_PEER)
         } else if blob.len() > self.adopt_blob_max {
             Some(adopt::TOO_LARGE)
-        } else if blob.len() > self.adopt_budget.get() {
+        } else if charged > self.adopt_budget.get() {
             Some(adopt::OVER_BOUND)
         } else {
             None
@@ -547,13 +559,22 @@ impl Relay for CoreRelay {
             tracing::info!(session = %session, bytes = blob.len(), outcome = adopt::OUTCOMES[outcome], "recovery history not handed over: its client will not recover elsewhere");
             return false;
         }
-        let bytes = blob.len();
-        if self.commands.try_send(Command::Adopt { session, devices, blob, left }).is_err() {
+        let to = to.map(Arc::from);
+        if self.commands.try_send(Command::Adopt { session, devices, blob, left, to }).is_err() {
             self.stats.adoptions[adopt::OVER_BOUND].fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        self.adopt_budget.set(self.adopt_budget.get() - bytes);
+        self.adopt_budget.set(self.adopt_budget.get() - charged);
         true
+    }
+
+    fn take(&self, session: SessionId) {
+        // Not sent (the queue full): the CONNECT waits its time and goes on without it.
+        let _ = self.commands.try_send(Command::Take { session });
+    }
+
+    fn give_none(&self, session: SessionId, to: &str) {
+        let _ = self.commands.try_send(Command::GiveNone { session, to: to.into() });
     }
 
     fn adopt_verdict(&self, session: SessionId, kept: bool) {
@@ -645,6 +666,8 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 monoio::spawn(adopt::adopt_here(core.clone(), session, blob, relay.stats.clone()));
             }
             Inbound::AdoptMark { session, cores } => adopt::mark(&core, session, cores),
+            Inbound::Give { session, to } => core.give_stream(session, &to),
+            Inbound::TakeDone { session } => core.recovery_take_done(session),
             Inbound::AdoptVerdict { session, kept } => {
                 if core.adoption_verdict(session, kept) {
                     let outcome = if kept { adopt::CONFIRMED } else { adopt::LOST };

@@ -520,6 +520,11 @@ async fn read_loop(conn: Rc<Conn>, mut reading: Reading, leftover: Vec<u8>) {
                 Incoming::Pong | Incoming::Binary => {}
                 Incoming::Text(text) => {
                     if let SocketKind::SocketIo { .. } = conn.kind {
+                        // Its history may be on another instance (design step 6b): asked
+                        // for first. Boxed: this task's future stays small (issue 25 item 3).
+                        if let Some(session) = socketio::restores_elsewhere(&conn, &text) {
+                            Box::pin(conn.core.take_stream(session)).await;
+                        }
                         socketio::on_websocket_text(&conn, &text);
                     }
                 }

@@ -58,6 +58,17 @@ fn restore_request(auth: &str) -> Option<(String, Option<String>)> {
     Some((pid, offset))
 }
 
+/// A CONNECT that restores a pid this instance does not know, on a session whose history
+/// another instance may hold (design step 6b): the session to ask for before answering.
+pub fn restores_elsewhere(conn: &Conn, text: &str) -> Option<SessionId> {
+    let ClientPacket::Connect(packet) = parse_client_packet(text)? else { return None };
+    let session = conn.session.filter(|_| !conn.attached.get())?;
+    let rest = &packet[1..];
+    let auth = rest.strip_prefix("/,").unwrap_or(rest);
+    let (pid, _) = restore_request(auth)?;
+    conn.core.recovery_elsewhere(session, &pid).then_some(session)
+}
+
 /// The reply to a Socket.IO CONNECT (without the Engine.IO `4`): an ack after attaching the
 /// socket to its session, or an error for a bad namespace or an unknown session; and the
 /// frames to replay after it when the CONNECT recovered a connection (connection state
