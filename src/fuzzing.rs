@@ -581,7 +581,7 @@ pub fn store_write(l: &crate::store::Loaded) -> Vec<u8> {
         encode(&mut file, Change::Device { id, device: Some(device) });
     }
     for ((device, session), (grants, subs)) in &l.access {
-        let access = Access { grants: grants.clone(), subs: subs.clone(), ..Access::default() };
+        let access = Access::new(grants.clone(), subs.clone());
         encode(&mut file, Change::Access { device, session: *session, access: Some(&access) });
     }
     for (id, devices) in &l.sessions {

@@ -47,6 +47,34 @@ impl fmt::Debug for SessionId {
     }
 }
 
+/// A session id as a map key aligned to 8 bytes: a `u128` aligns to 16, which pads every
+/// entry of a map keyed by it (issue 25 item 3: one access entry per session per device).
+/// Hashes as the [`SessionId`] it holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct SessionKey(u64, u64);
+
+impl SessionKey {
+    pub fn of(s: SessionId) -> Self {
+        SessionKey(s.0 as u64, (s.0 >> 64) as u64)
+    }
+
+    pub fn id(self) -> SessionId {
+        SessionId(self.0 as u128 | (self.1 as u128) << 64)
+    }
+}
+
+impl Hash for SessionKey {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.id().hash(h);
+    }
+}
+
+impl From<SessionId> for SessionKey {
+    fn from(s: SessionId) -> Self {
+        Self::of(s)
+    }
+}
+
 /// A random URL-safe token of `bytes` random bytes (used for generated admin secrets).
 pub fn random_token(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
@@ -86,5 +114,16 @@ mod tests {
         }
         assert_eq!(SessionId::parse("short"), None);
         assert_eq!(SessionId::parse("!!!!!!!!!!!!!!!!!!!!!!"), None);
+    }
+
+    /// The 8-aligned key gives back the id and hashes as it (the same map order and cost).
+    #[test]
+    fn session_keys_round_trip_and_hash_as_the_id() {
+        for id in [SessionId(0), SessionId(u128::MAX), SessionId(1 << 64 | 7), SessionId::generate()] {
+            let key = SessionKey::of(id);
+            assert_eq!(key.id(), id);
+            assert_eq!(stable_hash(&key), stable_hash(&id));
+        }
+        assert_eq!(std::mem::align_of::<SessionKey>(), 8);
     }
 }

@@ -1101,7 +1101,7 @@ fn a_late_older_access_change_does_not_undo_a_newer_one() {
     let mut granted = hubcast::shard::access::Access::default();
     granted.add_grant(&Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None });
     let id = hubcast::ids::SessionId::parse(&session).expect("a session id");
-    let stale = SharedOp::Accesses { session: id, v: 1, changes: vec![(late.into(), Some((granted.grants, granted.subs)))] };
+    let stale = SharedOp::Accesses { session: id, v: 1, changes: vec![(late.into(), Some((granted.grants(), granted.subs())))] };
     publish_bytes(redis, "t:ops", &encode_op("z", &stale));
     a.ingest(json!({"deviceId": marker, "body": {"k": 2}}));
     let frame = ws.next_json(WAIT).expect("the marker's message reaches B's socket");

@@ -995,12 +995,10 @@ async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::Ac
         let mut accesses: Vec<crate::shard::access::Access> = fields[2..]
             .iter()
             .map(|stored| {
-                let mut access = crate::shard::access::Access::default();
-                if let Some((_, _, Some((grants, subs)))) = stored.as_deref().and_then(wire::decode_access) {
-                    access.grants = grants;
-                    access.subs = subs;
+                match stored.as_deref().and_then(wire::decode_access) {
+                    Some((_, _, Some((grants, subs)))) => crate::shard::access::Access::new(grants, subs),
+                    _ => crate::shard::access::Access::default(),
                 }
-                access
             })
             .collect();
         let mut written = vec![false; devices.len()];
@@ -1013,7 +1011,7 @@ async fn change(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::Ac
                 ok
             })
             .collect();
-        let whole = |a: &crate::shard::access::Access| (!a.is_empty()).then(|| (a.grants.clone(), a.subs.clone()));
+        let whole = |a: &crate::shard::access::Access| (!a.is_empty()).then(|| (a.grants(), a.subs()));
         let after: Vec<(Box<str>, super::AccessOn)> =
             devices.iter().zip(&accesses).zip(&written).filter(|(_, w)| **w).map(|((d, a), _)| (Box::from(*d), whole(a))).collect();
         if after.is_empty() {

@@ -88,7 +88,7 @@ impl<'a> Reader<'a> {
 /// The access record (the durable store's encoding).
 pub fn encode_access(device: &str, session: SessionId, access: Option<&(Grants, Subscriptions)>) -> Vec<u8> {
     let mut buf = Vec::with_capacity(64);
-    let whole = access.map(|(grants, subs)| Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false, v: 0 });
+    let whole = access.map(|(grants, subs)| Access::new(grants.clone(), subs.clone()));
     format::encode(&mut buf, Change::Access { device, session, access: whole.as_ref() });
     buf
 }
@@ -443,7 +443,7 @@ mod tests {
         let mut access = Access::default();
         access.add_grant(&Grant { kind: GrantKind::Data(DataKind::Telemetry), key: Some("t".into()) });
         assert!(access.subscribe(&Subscription { kind: DataKind::Telemetry, key: Some("t".into()) }));
-        let whole = Some((access.grants, access.subs));
+        let whole = Some((access.grants(), access.subs()));
         let op = SharedOp::Access { session: SessionId(7), device: "d".into(), access: whole.clone() };
         let bytes = encode_op("i2", &op);
         assert_eq!(decode_op(&bytes), Some(("i2", op)));

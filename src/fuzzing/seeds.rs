@@ -171,10 +171,9 @@ fn store(dir: &Path) {
     let a = device(&[("temp", "21.5", 1), ("hum", "40", 1)], Some(r#"{"desired":{"x":1}}"#), Some(true));
     let b = device(&[("k", "\"v\"", 2)], None, Some(false));
     let c = device(&[], None, None);
-    let mut grant = Access::default();
-    grant.grants.device_twin = true;
-    grant.grants.telemetry.keys.push("temp".into());
-    grant.subs.connection_state = true;
+    let mut grants = crate::shard::Grants { device_twin: true, ..Default::default() };
+    grants.telemetry.keys.push("temp".into());
+    let grant = Access::new(grants, crate::shard::Subscriptions { connection_state: true, ..Default::default() });
     let set: hashbrown::HashSet<Box<str>> = ["a".into(), "b".into()].into_iter().collect();
     let records = |changes: &[Change<'_>]| {
         let mut out = Vec::new();

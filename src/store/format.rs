@@ -204,7 +204,7 @@ pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
             buf.push(TAG_ACCESS);
             put_str(buf, device);
             buf.extend_from_slice(&session.0.to_le_bytes());
-            let (g, s) = (&a.grants, &a.subs);
+            let (g, s) = (&a.grants(), &a.subs());
             put_keys(buf, &g.telemetry);
             buf.extend_from_slice(&[g.device_twin as u8, g.connection_state as u8, g.d2c_messages as u8, g.desired_properties as u8]);
             put_keys(buf, &g.direct_methods);
@@ -1096,8 +1096,7 @@ mod tests {
         let a2 = device(&[("a", "3", 2)], None, Some(false));
         let b1 = device(&[("k", "\"v\"", 1)], None, None);
         let c1 = device(&[("c", "5", 3)], None, Some(true));
-        let mut grant = Access::default();
-        grant.grants.device_twin = true;
+        let grant = Access::new(crate::shard::Grants { device_twin: true, ..Default::default() }, Default::default());
         let mut snapshot = header(KIND_SNAPSHOT).to_vec();
         set_device_hint(&mut snapshot, 3);
         let frame = begin_frame(&mut snapshot);

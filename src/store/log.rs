@@ -507,7 +507,7 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
         split(&mut buf, &mut frame);
     }
     for ((device, session), (grants, subs)) in &loaded.access {
-        let access = crate::shard::access::Access { grants: grants.clone(), subs: subs.clone(), throttle: None, here: false, v: 0 };
+        let access = crate::shard::access::Access::new(grants.clone(), subs.clone());
         format::encode(&mut buf, Change::Access { device, session: *session, access: Some(&access) });
         split(&mut buf, &mut frame);
     }
@@ -1110,9 +1110,8 @@ mod tests {
                 store.commit();
             }
         }
-        let mut access = Access::default();
-        access.grants.device_twin = true;
-        access.subs.device_twin = true;
+        let twin = crate::shard::Grants { device_twin: true, ..Default::default() };
+        let access = Access::new(twin, crate::shard::Subscriptions { device_twin: true, ..Default::default() });
         opened.stores[0].put(Change::Access { device: "dev-0-0", session: SessionId(7), access: Some(&access) });
         let set: hashbrown::HashSet<Box<str>> = ["dev-0-0".into()].into_iter().collect();
         opened.stores[0].put(Change::Session { id: SessionId(7), devices: Some(&set) });

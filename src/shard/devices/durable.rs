@@ -113,7 +113,7 @@ impl DeviceTable {
         self.dirty.devices = devices;
         let mut access = std::mem::take(&mut self.dirty.access);
         for (device, session) in &access {
-            let a = self.devices.get(&**device).and_then(|d| d.access.get(session)).filter(|a| !a.is_empty());
+            let a = self.devices.get(&**device).and_then(|d| d.access.get(*session)).filter(|a| !a.is_empty());
             put(Change::Access { device, session: *session, access: a });
         }
         let drained = access.len();
@@ -128,9 +128,9 @@ impl DeviceTable {
             if d.has_data() {
                 put(Change::Device { id, device: Some(d) });
             }
-            for (session, a) in &d.access {
+            for (session, a) in d.access.iter() {
                 if !a.is_empty() {
-                    put(Change::Access { device: id, session: *session, access: Some(a) });
+                    put(Change::Access { device: id, session, access: Some(a) });
                 }
             }
         }
@@ -162,9 +162,9 @@ impl DeviceTable {
             if d.has_data() {
                 put(Change::Device { id, device: Some(d) });
             }
-            for (session, a) in &d.access {
+            for (session, a) in d.access.iter() {
                 if !a.is_empty() {
-                    put(Change::Access { device: id, session: *session, access: Some(a) });
+                    put(Change::Access { device: id, session, access: Some(a) });
                 }
             }
         }
@@ -197,7 +197,7 @@ impl DeviceTable {
             }
         }
         for ((device, session), (grants, subs)) in loaded.access.drain() {
-            let access = Access { grants, subs, throttle: None, here: false, v: 0 };
+            let access = Access::new(grants, subs);
             self.devices.entry(device).or_default().access.insert(session, access);
         }
     }

@@ -25,28 +25,27 @@ impl DeviceTable {
         let mut connection: Option<Arc<str>> = None;
         let mut twin: Option<Arc<str>> = None;
         let mut message: Option<Arc<str>> = None;
-        for (&session, access) in device.access.iter_mut() {
-            let subs = &access.subs;
-            if subs.is_empty() {
+        for (session, access) in device.access.iter_mut() {
+            if access.subs_empty() {
                 continue;
             }
             let mut send = |kind: FrameKind, frame: Arc<str>| {
                 out.push(Delivery { session, device: device_id.clone(), kind, frame, arrived: p.arrived });
             };
-            if !p.telemetry.is_empty() && !subs.telemetry.is_empty() {
+            if !p.telemetry.is_empty() && access.subscribed_telemetry() {
                 match throttle {
                     Some(interval) => {
-                        let throttled = access.throttle.get_or_insert_with(Default::default);
+                        let (throttled, subscribed) = access.throttle();
                         let free = !throttled.armed
                             && throttled.last_sent.is_none_or(|t| now.duration_since(t) >= interval);
                         if free {
-                            let values = p.telemetry.iter().filter(|(k, _)| access.subs.telemetry.contains_key(k));
+                            let values = p.telemetry.iter().filter(|(k, _)| subscribed.contains_key(k));
                             if values.clone().next().is_some() {
                                 throttled.last_sent = Some(now);
                                 send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, &**v))));
                             }
                         } else {
-                            for (k, v) in p.telemetry.iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)) {
+                            for (k, v) in p.telemetry.iter().filter(|(k, _)| subscribed.contains_key(k)) {
                                 match throttled.pending.iter_mut().find(|(pk, _)| pk == k) {
                                     Some(slot) => slot.1 = v.clone(),
                                     None => throttled.pending.push((k.clone(), v.clone())),
@@ -60,7 +59,7 @@ impl DeviceTable {
                             }
                         }
                     }
-                    None if subs.telemetry.all => {
+                    None if access.sub_telemetry().all => {
                         let frame = all_telemetry
                             .get_or_insert_with(|| envelope.telemetry(p.telemetry.iter().map(|(k, v)| (&**k, &**v))))
                             .clone();
@@ -71,7 +70,7 @@ impl DeviceTable {
                             .telemetry
                             .iter()
                             .enumerate()
-                            .filter(|(_, (k, _))| subs.telemetry.contains_key(k))
+                            .filter(|(_, (k, _))| access.sub_telemetry().contains_key(k))
                             .fold(0u64, |m, (i, _)| m | 1 << i);
                         if mask == 0 {
                             // None of the keys it wants.
@@ -94,21 +93,21 @@ impl DeviceTable {
                         }
                     }
                     None => {
-                        let values = p.telemetry.iter().filter(|(k, _)| subs.telemetry.contains_key(k));
+                        let subscribed = access.sub_telemetry();
+                        let values = p.telemetry.iter().filter(|(k, _)| subscribed.contains_key(k));
                         if values.clone().next().is_some() {
                             send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, &**v))));
                         }
                     }
                 }
             }
-            let subs = &access.subs;
-            if let (Some(c), true) = (p.connection, subs.connection_state) {
+            if let (Some(c), true) = (p.connection, access.subscribed_connection_state()) {
                 send(FrameKind::ConnectionState, connection.get_or_insert_with(|| envelope.connection_state(c)).clone());
             }
-            if let (Some(t), true) = (&p.twin, subs.device_twin) {
+            if let (Some(t), true) = (&p.twin, access.subscribed_twin()) {
                 send(FrameKind::DeviceTwin, twin.get_or_insert_with(|| envelope.device_twin(t)).clone());
             }
-            if let (Some(m), true) = (&p.message, subs.d2c_messages) {
+            if let (Some(m), true) = (&p.message, access.subscribed_messages()) {
                 send(FrameKind::Message, message.get_or_insert_with(|| envelope.message(m)).clone());
             }
         }
@@ -129,15 +128,15 @@ impl DeviceTable {
                 break;
             }
             let Reverse((_, device_id, session)) = self.throttle_due.pop().expect("peeked");
-            let Some(access) = self.devices.get_mut(&*device_id).and_then(|d| d.access.get_mut(&session)) else {
+            let Some(access) = self.devices.get_mut(&*device_id).and_then(|d| d.access.get_mut(session)) else {
                 continue;
             };
-            let Some(throttled) = access.throttle.as_deref_mut() else { continue };
+            let Some((throttled, subscribed)) = access.throttled() else { continue };
             throttled.armed = false;
             let pending = std::mem::take(&mut throttled.pending);
             // Subscriptions may have changed since the keys were held back.
             let values: SmallVec<[(Box<str>, JsonText); 4]> =
-                pending.into_iter().filter(|(k, _)| access.subs.telemetry.contains_key(k)).collect();
+                pending.into_iter().filter(|(k, _)| subscribed.contains_key(k)).collect();
             if values.is_empty() {
                 continue;
             }

@@ -69,7 +69,7 @@ impl DeviceTable {
                         FAULTS.record(fault, Some(device_id), "telemetry body");
                         self.dirty.device(device_id);
                         // The whole body goes to d2cMessages subscribers, whatever it holds.
-                        let wants_message = self.devices.get(device_id).is_some_and(|d| d.wants(|a| a.subs.d2c_messages));
+                        let wants_message = self.devices.get(device_id).is_some_and(|d| d.wants(|a| a.subscribed_messages()));
                         let at = header_time.unwrap_or_else(now_millis);
                         return wants_message.then(|| Publication {
                             device: Arc::from(device_id),
@@ -89,7 +89,7 @@ impl DeviceTable {
                 let device = self.devices.entry_ref(device_id).or_default();
                 Self::stamp(source, device);
                 let subscribed = subscribed_any(device);
-                let message = (subscribed && device.wants(|a| a.subs.d2c_messages)).then(|| crate::ingest::message_json(body));
+                let message = (subscribed && device.wants(|a| a.subscribed_messages())).then(|| crate::ingest::message_json(body));
                 let mut publication = Publication { at, message, ..Default::default() };
                 if subscribed {
                     publication.device = Arc::from(device_id);
@@ -159,7 +159,7 @@ impl DeviceTable {
                 // With a hub, a change alone is never taken for the twin: it waits for the
                 // whole twin to be read (behind the changes already waiting, to keep order).
                 if hub && !replace && (device.twin.is_none() || device.twin_pending.is_some()) {
-                    if device.twin_pending.is_none() && !device.wants(|a| a.subs.device_twin) {
+                    if device.twin_pending.is_none() && !device.wants(|a| a.subscribed_twin()) {
                         // Nobody to push to; a later read asks the hub anyway.
                         self.prune(device_id); // the entry made above, if it holds nothing
                         return None;
@@ -183,7 +183,7 @@ impl DeviceTable {
                         twin.at = at;
                     }
                 }
-                if device.wants(|a| a.subs.device_twin) {
+                if device.wants(|a| a.subscribed_twin()) {
                     let twin = device.twin.as_ref().map(|t| t.doc.to_string());
                     return Some(Publication { device: Arc::from(device_id), at, twin, ..Default::default() });
                 }
@@ -219,7 +219,7 @@ impl DeviceTable {
                 device.last_seen = Some(now);
                 let connection_ttl = self.timing.connection_ttl;
                 Self::arm_offline_check(&mut self.offline_due, connection_ttl, device_id, device, now);
-                if device.wants(|a| a.subs.connection_state) {
+                if device.wants(|a| a.subscribed_connection_state()) {
                     return Some(Publication { device: Arc::from(device_id), at, connection: Some(connected), ..Default::default() });
                 }
             }

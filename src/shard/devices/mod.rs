@@ -24,7 +24,7 @@ use crate::ingest::{IngestMessage, IngestSettings, JsonText, SourceKind};
 use crate::model::{Grant, Rejection};
 use crate::push::envelope::EnvelopeBuilder;
 use crate::push::{Delivery, FrameKind};
-use crate::shard::access::Access;
+use crate::shard::access::{Access, AccessMap};
 use crate::shard::{ConnectionView, Denial, DeviceOp, Local, Read, TelemetryView, TwinCacheTtl, TwinView, Viewer};
 use crate::timefmt::{iso, now_millis, parse_iso, Millis};
 
@@ -101,7 +101,7 @@ pub struct Device {
     pub telemetry: Telemetry,
     pub twin: Option<Twin>,
     pub connection: Option<ConnectionState>,
-    pub access: HashMap<SessionId, Access>,
+    pub access: AccessMap,
     /// When the device was last heard from (for the connection-state TTL).
     last_seen: Option<Instant>,
     /// An off-line check is scheduled for this device.
@@ -147,7 +147,7 @@ pub enum Source<'a> {
 }
 
 fn subscribed_any(device: &Device) -> bool {
-    device.wants(|a| !a.subs.is_empty())
+    device.wants(|a| !a.subs_empty())
 }
 
 impl Device {
@@ -174,7 +174,7 @@ impl Device {
 
     /// Whether any session holds a twin grant or subscription here (someone may be pushed it).
     fn twin_watched(&self) -> bool {
-        self.access.values().any(|a| a.grants.device_twin || a.subs.device_twin)
+        self.access.values().any(|a| a.granted_twin() || a.subscribed_twin())
     }
 }
 
@@ -311,7 +311,7 @@ impl DeviceTable {
     fn note_watch(&mut self, device: &str) {
         let Some(changes) = self.watch_changes.as_mut() else { return };
         let Some(d) = self.devices.get_mut(device) else { return };
-        let now = d.access.values().any(|a| a.here && !a.subs.is_empty());
+        let now = d.access.values().any(|a| a.here() && !a.subs_empty());
         if now != d.watched_here {
             d.watched_here = now;
             // A replica no longer watched gets no more messages from the device's reader.
@@ -362,12 +362,9 @@ impl DeviceTable {
         let mut subs = 0u64;
         for d in self.devices.values() {
             for a in d.access.values() {
-                let (g, s) = (&a.grants, &a.subs);
-                grants += g.telemetry.all as u64 + g.telemetry.keys.len() as u64 + g.device_twin as u64
-                    + g.connection_state as u64 + g.d2c_messages as u64 + g.desired_properties as u64
-                    + g.direct_methods.all as u64 + g.direct_methods.keys.len() as u64;
-                subs += s.telemetry.all as u64 + s.telemetry.keys.len() as u64 + s.device_twin as u64
-                    + s.connection_state as u64 + s.d2c_messages as u64;
+                let (g, s) = a.counts();
+                grants += g;
+                subs += s;
             }
         }
         (grants, subs)
@@ -378,7 +375,7 @@ impl DeviceTable {
     }
 
     fn access(&self, device: &str, session: SessionId) -> Option<&Access> {
-        self.devices.get(device)?.access.get(&session)
+        self.devices.get(device)?.access.get(session)
     }
 
     fn access_mut(&mut self, device: &str, session: SessionId) -> &mut Access {
@@ -387,7 +384,6 @@ impl DeviceTable {
             .or_default()
             .access
             .entry(session)
-            .or_default()
     }
 
     /// Drops a device entry that holds neither data nor access.
@@ -395,7 +391,7 @@ impl DeviceTable {
         self.dirty.device(device);
         if let Some(d) = self.devices.get_mut(device) {
             // Versioned empty entries stay (see `Access::v`); the session's end removes them.
-            d.access.retain(|_, a| !a.is_empty() || a.v > 0);
+            d.access.retain(|a| !a.is_empty() || a.v() > 0);
             // Without a twin cache, a hub twin is kept only as the base of pushes.
             if self.hub_twins == Some(TwinCacheTtl::Off) && !d.twin_watched() {
                 d.twin = None;
@@ -441,21 +437,21 @@ impl DeviceTable {
                 let _ = done.send(());
             }
             DeviceOp::Revoke { device, session, grant, done } => {
-                if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
+                if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(session)) {
                     a.revoke(&grant);
                 }
                 self.prune(&device);
                 let _ = done.send(());
             }
             DeviceOp::Subscribe { device, session, sub, permitted } => {
-                let ok = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
+                let ok = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(session)) {
                     Some(a) => a.subscribe(&sub),
                     None => false,
                 };
                 let _ = permitted.send(ok);
             }
             DeviceOp::Unsubscribe { device, session, sub, permitted } => {
-                let ok = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
+                let ok = match self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(session)) {
                     Some(a) => a.unsubscribe(&sub),
                     None => false,
                 };
@@ -466,30 +462,28 @@ impl DeviceTable {
             }
             DeviceOp::ForgetSession { device, session } => {
                 if let Some(d) = self.devices.get_mut(&*device) {
-                    d.access.remove(&session);
+                    d.access.remove(session);
                 }
                 self.prune(&device);
             }
             DeviceOp::SetAccess { device, session, access, v, done } => {
-                let newer = v == 0 || self.access(&device, session).is_none_or(|a| v > a.v);
+                let newer = v == 0 || self.access(&device, session).is_none_or(|a| v > a.v());
                 match access {
                     _ if !newer => {}
                     Some((grants, subs)) => {
                         let a = self.access_mut(&device, session);
-                        a.grants = grants;
-                        a.subs = subs;
-                        a.v = v;
+                        a.set(grants, subs);
+                        a.set_v(v);
                     }
                     // Kept, empty, at its version: a late older change is then not applied.
                     None if v > 0 => {
                         let a = self.access_mut(&device, session);
-                        a.grants = crate::shard::Grants::default();
-                        a.subs = crate::shard::Subscriptions::default();
-                        a.v = v;
+                        a.set(crate::shard::Grants::default(), crate::shard::Subscriptions::default());
+                        a.set_v(v);
                     }
                     None => {
                         if let Some(d) = self.devices.get_mut(&*device) {
-                            d.access.remove(&session);
+                            d.access.remove(session);
                         }
                     }
                 }
@@ -499,12 +493,12 @@ impl DeviceTable {
                 }
             }
             DeviceOp::ReadAccess { device, session, reply } => {
-                let access = self.access(&device, session).filter(|a| !a.is_empty()).map(|a| (a.grants.clone(), a.subs.clone()));
+                let access = self.access(&device, session).filter(|a| !a.is_empty()).map(|a| (a.grants(), a.subs()));
                 let _ = reply.send(access);
             }
             DeviceOp::Presence { device, session, here } => {
-                if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(&session)) {
-                    a.here = here;
+                if let Some(a) = self.devices.get_mut(&*device).and_then(|d| d.access.get_mut(session)) {
+                    a.set_here(here);
                 }
             }
             DeviceOp::ReadTelemetry { device, key, viewer, reply } => {
@@ -544,7 +538,7 @@ impl DeviceTable {
     }
 
     fn delete_telemetry(&mut self, device: &str, viewer: Viewer) -> Read<()> {
-        self.permits(device, viewer, |a| a.grants.telemetry.all)?;
+        self.permits(device, viewer, |a| a.grant_telemetry().all)?;
         match self.devices.get_mut(device) {
             Some(d) if !d.telemetry.is_empty() => {
                 d.telemetry.clear();
@@ -556,13 +550,13 @@ impl DeviceTable {
     }
 
     fn read_twin(&self, device: &str, viewer: Viewer) -> Read<TwinView> {
-        self.permits(device, viewer, |a| a.grants.device_twin)?;
+        self.permits(device, viewer, |a| a.granted_twin())?;
         let t = self.devices.get(device).and_then(|d| d.twin.as_ref()).ok_or(Denial::NotFound)?;
         Ok(TwinView { doc: t.doc.clone(), at: t.at })
     }
 
     fn read_connection_state(&self, device: &str, viewer: Viewer) -> Read<ConnectionView> {
-        self.permits(device, viewer, |a| a.grants.connection_state)?;
+        self.permits(device, viewer, |a| a.granted_connection_state())?;
         let c = self.devices.get(device).and_then(|d| d.connection.as_ref()).ok_or(Denial::NotFound)?;
         Ok(ConnectionView { connected: c.connected, at: c.at })
     }
@@ -574,7 +568,7 @@ impl DeviceTable {
         let grants = match viewer {
             Viewer::Admin => None,
             Viewer::Session(s) => {
-                let g = d.and_then(|d| d.access.get(&s)).map(|a| &a.grants.telemetry);
+                let g = d.and_then(|d| d.access.get(s)).map(|a| a.grant_telemetry());
                 match (g, key) {
                     (Some(g), Some(k)) if g.contains_key(k) => Some(g),
                     (Some(g), None) if !g.is_empty() => Some(g),

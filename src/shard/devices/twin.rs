@@ -13,7 +13,7 @@ impl DeviceTable {
     /// counts as fresh. A twin known only from change events may be partial (an `updateTwin`
     /// carries just the change), so it is never served in place of a hub read.
     pub(super) fn read_hub_twin(&self, device: &str, viewer: Viewer, ttl: TwinCacheTtl) -> Read<Option<TwinView>> {
-        self.permits(device, viewer, |a| a.grants.device_twin)?;
+        self.permits(device, viewer, |a| a.granted_twin())?;
         let Some(d) = self.devices.get(device) else { return Ok(None) };
         let (Some(twin), Some(read)) = (d.twin.as_ref(), d.hub_twin_read) else { return Ok(None) };
         let fresh = match ttl {
@@ -81,7 +81,7 @@ impl DeviceTable {
             return true;
         }
         let Some(&(_, at)) = pending.changes.last() else { return false };
-        let wanted = device.wants(|a| a.subs.device_twin);
+        let wanted = device.wants(|a| a.subscribed_twin());
         match read {
             Ok(doc) if doc.is_object() => Self::keep_whole_twin(device, doc, at),
             // A read answered meanwhile (GET /deviceTwin) left a whole twin to merge into.
