@@ -10,19 +10,10 @@ use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn start(hub: &FakeHub, extra: &[&str]) -> Server {
-    let cs = hub.connection_string();
-    let mut args = vec!["--iot-hub-event-hub-connection-string", cs.as_str(), "--log-level", "verbose"];
-    args.extend_from_slice(extra);
-    let server = Server::start(&args);
-    server.wait_connected();
-    server
-}
-
 #[test]
 fn telemetry_from_iot_hub_annotations_becomes_last_values() {
     let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
-    let server = start(&hub, &[]);
+    let server = Server::reading(&hub, &[]);
     hub.publish("0", NewEvent::telemetry("pump-1", json!({"pressure": 4.2, "running": true})));
     hub.publish("1", NewEvent::telemetry("pump-2", json!({"pressure": 1.5})));
     let (_, body) = server.wait_for("/lastValue/pump-1/pressure", WAIT, |s, _| s == 200);
@@ -39,7 +30,7 @@ fn telemetry_from_iot_hub_annotations_becomes_last_values() {
 #[test]
 fn twin_change_events_replace_then_merge_the_twin() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &[]);
+    let server = Server::reading(&hub, &[]);
     let full = json!({"deviceId": "d1", "version": 3, "properties": {"reported": {"fw": "1.0", "mode": "eco"}, "desired": {}}});
     hub.publish("0", NewEvent::event("d1", "twinChangeEvents", "replaceTwin", full));
     let patch = json!({"version": 4, "properties": {"reported": {"fw": "1.1", "mode": null}}});
@@ -53,7 +44,7 @@ fn twin_change_events_replace_then_merge_the_twin() {
 #[test]
 fn connection_state_events_set_the_state_and_stale_ones_are_dropped() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &[]);
+    let server = Server::reading(&hub, &[]);
     let seq = |n: u32| json!({"sequenceNumber": format!("{n:064X}")});
     hub.publish("0", NewEvent::event("d2", "deviceConnectionStateEvents", "deviceConnected", seq(5)));
     server.wait_for("/connectionState/d2", WAIT, |s, b| s == 200 && b.contains("true"));
@@ -71,7 +62,7 @@ fn connection_state_events_set_the_state_and_stale_ones_are_dropped() {
 #[test]
 fn lifecycle_delete_removes_the_cached_device() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &[]);
+    let server = Server::reading(&hub, &[]);
     hub.publish("0", NewEvent::telemetry("gone", json!({"t": 1})));
     hub.publish("0", NewEvent::event("gone", "twinChangeEvents", "replaceTwin", json!({"version": 1})));
     server.wait_for("/deviceTwin/gone", WAIT, |s, _| s == 200);
@@ -85,7 +76,7 @@ fn lifecycle_delete_removes_the_cached_device() {
 #[test]
 fn plain_event_hub_messages_name_the_device_in_properties_or_the_body() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &["--custom-device-id-key", "dev"]);
+    let server = Server::reading(&hub, &["--custom-device-id-key", "dev"]);
     hub.publish(
         "0",
         NewEvent::plain(br#"{"level": 3}"#).prop("iothub-connection-device-id", "tank-1").prop("iothub-message-schema", "Telemetry"),
@@ -100,7 +91,7 @@ fn plain_event_hub_messages_name_the_device_in_properties_or_the_body() {
 #[test]
 fn timestamps_follow_the_reference_order() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &[]);
+    let server = Server::reading(&hub, &[]);
     let enqueued = amqp_support::now_millis() - 60_000;
     // 1. the body's customTimestampKey
     hub.publish("0", NewEvent::telemetry("ts", json!({"a": 1, "_ts": "2024-01-01T00:00:01.000Z"})).enqueued_at(enqueued));
@@ -129,7 +120,7 @@ fn timestamps_follow_the_reference_order() {
 #[test]
 fn faulty_messages_are_counted_logged_once_per_kind_and_skipped() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &["--max-message-bytes", "200"]);
+    let server = Server::reading(&hub, &["--max-message-bytes", "200"]);
     for _ in 0..3 {
         hub.publish("0", NewEvent::plain(br#"{"t": 1}"#)); // no device id anywhere
         hub.publish("0", NewEvent::telemetry("bad", json!(null)).raw_body(b"\xff not json")); // not JSON
@@ -165,7 +156,7 @@ fn faulty_messages_are_counted_logged_once_per_kind_and_skipped() {
 #[test]
 fn cbs_authorization_puts_a_token_and_renews_it_before_expiry() {
     let hub = FakeHub::start(&["0"], FakeAuth::Cbs);
-    let server = start(&hub, &["--event-hub-auth", "cbs", "--event-hub-token-ttl", "2"]);
+    let server = Server::reading(&hub, &["--event-hub-auth", "cbs", "--event-hub-token-ttl", "2"]);
     hub.publish("0", NewEvent::telemetry("c1", json!({"n": 1})));
     server.wait_for("/lastValue/c1/n", WAIT, |s, _| s == 200);
     // Renewed twice: each renewal comes before the previous token expires (the fake drops a
@@ -280,7 +271,7 @@ fn a_connection_lost_during_a_lag_measurement_shows_at_once() {
 fn partition_lag_is_measured_and_reaches_zero_once_caught_up() {
     let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
     // Measured every 100 ms instead of every 5 s (hidden flag).
-    let server = start(&hub, &["--amqp-lag-interval-ms", "100"]);
+    let server = Server::reading(&hub, &["--amqp-lag-interval-ms", "100"]);
     for n in 0..3 {
         hub.publish("0", NewEvent::telemetry("lagging", json!({"n": n})));
     }

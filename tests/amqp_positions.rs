@@ -3,7 +3,6 @@
 
 mod amqp_support;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use amqp_support::{FakeAuth, FakeHub, NewEvent, Server};
@@ -11,20 +10,11 @@ use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(10);
 
-fn start(hub: &FakeHub, extra: &[&str]) -> Server {
-    let cs = hub.connection_string();
-    let mut args = vec!["--iot-hub-event-hub-connection-string", cs.as_str(), "--log-level", "verbose"];
-    args.extend_from_slice(extra);
-    let server = Server::start(&args);
-    server.wait_connected();
-    server
-}
-
 #[test]
 fn latest_reads_only_what_is_enqueued_after_connecting() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
     hub.publish("0", NewEvent::telemetry("l", json!({"before": 1})));
-    let server = start(&hub, &[]);
+    let server = Server::reading(&hub, &[]);
     hub.publish("0", NewEvent::telemetry("l", json!({"after": 1})));
     server.wait_for("/lastValue/l/after", WAIT, |s, _| s == 200);
     assert_eq!(server.get("/lastValue/l/before").0, 404);
@@ -35,7 +25,7 @@ fn earliest_reads_everything_retained() {
     let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
     hub.publish("0", NewEvent::telemetry("e", json!({"a": 1})));
     hub.publish("1", NewEvent::telemetry("e", json!({"b": 1})));
-    let server = start(&hub, &["--event-hub-start-position", "earliest"]);
+    let server = Server::reading(&hub, &["--event-hub-start-position", "earliest"]);
     server.wait_for("/lastValue/e/a", WAIT, |s, _| s == 200);
     server.wait_for("/lastValue/e/b", WAIT, |s, _| s == 200);
     assert!(hub.stats().partition_links.iter().all(|(_, f)| f == "amqp.annotation.x-opt-offset > '-1'"));
@@ -46,7 +36,7 @@ fn an_enqueued_time_start_skips_older_messages() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
     hub.publish("0", NewEvent::telemetry("t", json!({"old": 1})).enqueued_at(1_704_067_200_000)); // 2024-01-01
     hub.publish("0", NewEvent::telemetry("t", json!({"new": 1})).enqueued_at(1_717_200_000_000)); // 2024-06-01
-    let server = start(&hub, &["--event-hub-start-position", "2024-03-01T00:00:00Z"]);
+    let server = Server::reading(&hub, &["--event-hub-start-position", "2024-03-01T00:00:00Z"]);
     server.wait_for("/lastValue/t/new", WAIT, |s, _| s == 200);
     assert_eq!(server.get("/lastValue/t/old").0, 404);
 }
@@ -62,29 +52,12 @@ fn an_invalid_start_position_stops_start_up_naming_the_option() {
     assert!(err.contains("--event-hub-start-position") && err.contains("yesterday"), "{err}");
 }
 
-/// The sequence numbers handed to the cores, per partition, from the `verbose` log lines
-/// `handed to the cores partition=P count=N first_seq=A last_seq=B`.
-fn handed_over(server: &Server) -> BTreeMap<String, Vec<(i64, i64, i64)>> {
-    let mut out: BTreeMap<String, Vec<(i64, i64, i64)>> = BTreeMap::new();
-    for line in server.stderr_lines().iter().filter(|l| l.contains("handed to the cores")) {
-        let field = |name: &str| -> Option<String> {
-            let rest = line.split(&format!(" {name}=")).nth(1)?;
-            Some(rest.split_whitespace().next()?.trim_matches('"').to_string())
-        };
-        let (Some(p), Some(n), Some(a), Some(b)) = (field("partition"), field("count"), field("first_seq"), field("last_seq")) else {
-            continue;
-        };
-        out.entry(p).or_default().push((n.parse().unwrap(), a.parse().unwrap(), b.parse().unwrap()));
-    }
-    out
-}
-
 #[test]
 fn a_reconnect_mid_stream_delivers_every_message_exactly_once() {
     const PER_PARTITION: i64 = 300;
     let hub = FakeHub::start(&["0", "1"], FakeAuth::Plain);
     // Small credit, so that the drop happens with messages in flight.
-    let server = start(&hub, &["--event-hub-prefetch", "16"]);
+    let server = Server::reading(&hub, &["--event-hub-prefetch", "16"]);
 
     // Each message is one telemetry key of one of four devices: every key must arrive.
     let publish = |from: i64, to: i64| {
@@ -126,7 +99,7 @@ fn a_reconnect_mid_stream_delivers_every_message_exactly_once() {
 
     // Exactly once: the batches handed to the cores cover each partition's sequence numbers
     // 0..PER_PARTITION, in order, without a gap or an overlap.
-    let batches = handed_over(&server);
+    let batches = server.handed_over();
     for p in ["0", "1"] {
         let mut next = 0;
         let mut total = 0;
@@ -153,7 +126,7 @@ fn a_reconnect_mid_stream_delivers_every_message_exactly_once() {
 #[test]
 fn messages_the_broker_sends_again_after_a_reconnect_are_skipped() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &["--event-hub-start-position", "earliest"]);
+    let server = Server::reading(&hub, &["--event-hub-start-position", "earliest"]);
     for i in 0..10 {
         hub.publish("0", NewEvent::telemetry("r", json!({ "n": i })));
     }
@@ -163,7 +136,7 @@ fn messages_the_broker_sends_again_after_a_reconnect_are_skipped() {
     server.wait_for_log("already delivered", WAIT);
     hub.publish("0", NewEvent::telemetry("r", json!({ "n": 10 })));
     server.wait_for("/lastValue/r/n", WAIT, |s, b| s == 200 && b.contains(r#""n":10"#));
-    let batches = handed_over(&server);
+    let batches = server.handed_over();
     let handed: Vec<i64> = batches["0"].iter().filter(|(n, _, _)| *n > 0).flat_map(|&(_, a, b)| a..=b).collect();
     assert_eq!(handed, (0..=10).collect::<Vec<_>>(), "each message handed over once: {batches:?}");
 }
@@ -172,7 +145,7 @@ fn messages_the_broker_sends_again_after_a_reconnect_are_skipped() {
 fn the_broker_sends_no_more_than_the_link_credit_while_hubcast_takes_nothing() {
     const PREFETCH: usize = 16;
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
-    let server = start(&hub, &["--event-hub-prefetch", "16"]);
+    let server = Server::reading(&hub, &["--event-hub-prefetch", "16"]);
     server.freeze(true);
     for i in 0..200 {
         hub.publish("0", NewEvent::telemetry("slow", json!({ format!("k{i}"): i })));

@@ -29,23 +29,6 @@ fn start_unconnected(hub: &FakeHub, dir: &str, extra: &[&str]) -> Server {
     Server::start(&args)
 }
 
-/// The batches handed to the cores, per partition: (count, first, last sequence number),
-/// from the `verbose` log lines `handed to the cores partition=P count=N first_seq=A last_seq=B`.
-fn handed_over(server: &Server) -> HashMap<String, Vec<(i64, i64, i64)>> {
-    let mut out: HashMap<String, Vec<(i64, i64, i64)>> = HashMap::new();
-    for line in server.stderr_lines().iter().filter(|l| l.contains("handed to the cores")) {
-        let field = |name: &str| -> Option<String> {
-            let rest = line.split(&format!(" {name}=")).nth(1)?;
-            Some(rest.split_whitespace().next()?.trim_matches('"').to_string())
-        };
-        let (Some(p), Some(n), Some(a), Some(b)) = (field("partition"), field("count"), field("first_seq"), field("last_seq")) else {
-            continue;
-        };
-        out.entry(p).or_default().push((n.parse().unwrap(), a.parse().unwrap(), b.parse().unwrap()));
-    }
-    out
-}
-
 /// Event `i` of partition `p`: telemetry key `k<i>` of one of three devices, and now and
 /// then a twin update (version `i`) or a connection event (sequence number `i`).
 fn publish(hub: &FakeHub, from: i64, to: i64) {
@@ -172,7 +155,7 @@ fn kill_9_mid_stream_then_restart_applies_every_event_once() {
     wait_all_applied(&second, 460);
     // Resumed exactly after the stored position: the batches handed to the cores start at
     // stored + 1 and cover every later event once, in order (no gap, no overlap).
-    let batches = handed_over(&second);
+    let batches = second.handed_over();
     for p in PARTITIONS {
         let mut next = stored[p] + 1;
         for &(count, first, last) in batches.get(p).unwrap_or_else(|| panic!("no batch for partition {p}")) {

@@ -126,6 +126,33 @@ impl Server {
     }
 
     /// `GET path` with the admin key: status and body.
+    /// hubcast reading `hub` (`--log-level verbose`: some tests read its lines), once connected.
+    pub fn reading(hub: &FakeHub, extra: &[&str]) -> Server {
+        let cs = hub.connection_string();
+        let mut args = vec!["--iot-hub-event-hub-connection-string", cs.as_str(), "--log-level", "verbose"];
+        args.extend_from_slice(extra);
+        let server = Server::start(&args);
+        server.wait_connected();
+        server
+    }
+
+    /// The batches handed to the cores, per partition: (count, first, last sequence number),
+    /// from the `verbose` log lines `handed to the cores partition=P count=N first_seq=A last_seq=B`.
+    pub fn handed_over(&self) -> std::collections::BTreeMap<String, Vec<(i64, i64, i64)>> {
+        let mut out: std::collections::BTreeMap<String, Vec<(i64, i64, i64)>> = Default::default();
+        for line in self.stderr_lines().iter().filter(|l| l.contains("handed to the cores")) {
+            let field = |name: &str| -> Option<String> {
+                let rest = line.split(&format!(" {name}=")).nth(1)?;
+                Some(rest.split_whitespace().next()?.trim_matches('"').to_string())
+            };
+            let (Some(p), Some(n), Some(a), Some(b)) = (field("partition"), field("count"), field("first_seq"), field("last_seq")) else {
+                continue;
+            };
+            out.entry(p).or_default().push((n.parse().unwrap(), a.parse().unwrap(), b.parse().unwrap()));
+        }
+        out
+    }
+
     pub fn get(&self, path: &str) -> (u16, String) {
         match self.agent.get(&format!("{}{path}", self.base)).set(ADMIN.0, ADMIN.1).call() {
             Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
