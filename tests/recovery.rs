@@ -1053,6 +1053,41 @@ fn adopter<'a>(servers: [(&'a Server, &'a str); 2]) -> usize {
     }
 }
 
+/// Every command Redis runs from its start on, as `MONITOR` prints them (a thread reads).
+struct Monitor {
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Monitor {
+    fn start(port: u16) -> Monitor {
+        use std::io::BufRead;
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("redis");
+        stream.write_all(b"MONITOR\r\n").unwrap();
+        let lines: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+        let into = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stream).lines() {
+                let Ok(line) = line else { break };
+                into.lock().unwrap().push(line);
+            }
+        });
+        Monitor { lines }
+    }
+
+    fn count(&self, needle: &str) -> usize {
+        self.lines.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
+    }
+
+    /// Waits until more than `n` commands name `needle`.
+    fn wait_past(&self, needle: &str, n: usize) {
+        let deadline = std::time::Instant::now() + WAIT;
+        while self.count(needle) <= n {
+            assert!(std::time::Instant::now() < deadline, "no command naming {needle} within {WAIT:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// What [`handed_over`] leaves: Redis, the adopter and the other instance (with their ids),
 /// the proxy (still aimed at the stopped A) and the client, cut off.
 struct HandedOver {
@@ -1062,6 +1097,8 @@ struct HandedOver {
     adopter_id: &'static str,
     cutter: Cutter,
     client: SioClient,
+    /// Redis's commands since before A stopped.
+    monitor: Monitor,
 }
 
 /// Three instances on one Redis, the client on A behind the [`Cutter`], cut off; C ingests
@@ -1082,6 +1119,7 @@ fn handed_over(extra: &[&str]) -> HandedOver {
     c.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"c\"}", WAIT, Want::Eq(1.0));
     c.ingest(json!((0..20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    let monitor = Monitor::start(redis.port);
     // The verdict is given before A leaves Redis (Cluster::leave waits for it).
     sigterm(&mut a);
     let lines = a.stderr_lines().join("\n");
@@ -1090,7 +1128,7 @@ fn handed_over(extra: &[&str]) -> HandedOver {
         0 => (b, c, "b"),
         _ => (c, b, "c"),
     };
-    HandedOver { _redis: redis, adopter, other, adopter_id, cutter, client }
+    HandedOver { _redis: redis, adopter, other, adopter_id, cutter, client, monitor }
 }
 
 /// Issue 24, "a SIGTERM deploy where the client lands on another instance", design step 6:
@@ -1115,8 +1153,14 @@ fn a_sigterm_hands_the_history_to_another_instance_where_the_client_recovers() {
     want.push(999);
     assert_eq!(got, want, "before and after A stopped, once, in order, then live");
     assert_eq!(h.adopter.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
+    // A device nobody watches costs Redis nothing, through the hand-over and after: its
+    // message (applied before the next is taken) is never published, the next one is.
+    let published = h.monitor.count("t:device:dev-1");
+    h.other.ingest(message("dev-9", 1));
     h.other.ingest(message("dev-1", 1001));
     assert_eq!(next_n(&h.client).0, 1001, "nothing twice");
+    h.monitor.wait_past("t:device:dev-1", published);
+    assert_eq!(h.monitor.count("dev-9"), 0, "no Redis command for an unwatched device");
 }
 
 /// The adopted pids keep their away time (wall clock, since the cut on A): a client back
