@@ -90,7 +90,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
     ),
     ("Logs", &["log_level", "log_format"]),
     ("Durable state", &["data_dir", "fsync_interval", "snapshot_log_bytes", "snapshot_slice_devices", "store_start_damaged"]),
-    ("Several instances (Redis)", &["redis_url", "redis_cluster_nodes", "redis_prefix", "instance_id", "lease_ttl", "redis_ca_file", "redis_inbound_bytes"]),
+    ("Several instances (Redis)", &["redis_url", "redis_cluster_nodes", "redis_prefix", "instance_id", "lease_ttl", "redis_ca_file", "redis_inbound_bytes", "redis_command_bytes"]),
 ];
 
 /// Heading of flags no group names yet (the unit test keeps it empty).

@@ -459,6 +459,13 @@ pub struct Config {
     #[arg(long = "redis-inbound-bytes", env = "REDIS_INBOUND_BYTES", default_value_t = 64 << 20,
           value_parser = clap::value_parser!(u64).range(65_536..=1 << 40))]
     pub redis_inbound_bytes: u64,
+
+    /// Bytes of the commands (device messages to publish, session changes, reads) waiting for
+    /// the Redis thread, besides their count (1,024); past it a publication is dropped and a
+    /// change answers 503, as when the queue is full (never waits; cluster/queue.rs).
+    #[arg(long = "redis-command-bytes", env = "REDIS_COMMAND_BYTES", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u64).range(65_536..=1 << 40))]
+    pub redis_command_bytes: u64,
 }
 
 fn parse_redis_url(s: &str) -> Result<String, String> {

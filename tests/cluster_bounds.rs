@@ -2,7 +2,8 @@
 //! (`--redis-inbound-bytes`), on both engines: a core stalled while another instance
 //! publishes a flood of its devices' messages makes the link drop its subscriber (counted, as
 //! an outage), never hold the flood in memory; live data resumes on the same socket once the
-//! core is back. On a cluster, thousands of device channels subscribed at once each reach
+//! core is back. What waits on the way to Redis is bounded in bytes too
+//! (`--redis-command-bytes`): past it publications are dropped at once, never queued. On a cluster, thousands of device channels subscribed at once each reach
 //! their master once, with no subscriber out of step.
 
 mod common;
@@ -120,4 +121,71 @@ fn thousands_of_device_channels_subscribed_at_once_on_a_cluster_stay_in_step() {
         let mut seen = Vec::new();
         assert!(read_until(&mut ws, n as i64, WAIT, &mut seen), "{device}'s message crosses: {seen:?}");
     }
+}
+
+/// The command queue to the Redis thread is bounded in bytes (`--redis-command-bytes`, here
+/// its least, 64 KiB), not only in count (1,024): while Redis answers nothing (`CLIENT PAUSE`,
+/// shorter than the link's 5 s deadline, so no reconnect), A ingests 16 messages of 20 KiB
+/// of a device B watches, each its own publication; past 64 KiB waiting the rest are
+/// refused at once (dropped and counted), not queued. Once Redis answers, what was queued
+/// reaches B intact, once each, in order, and live data goes on. Fails without the byte
+/// bound: 16 commands are far from 1,024, nothing is refused.
+#[test]
+fn publications_past_the_command_queue_byte_bound_are_dropped_not_queued() {
+    let redis = Engine::single();
+    let a = instance(&redis, "a", &["--redis-command-bytes", "65536"]);
+    let b = instance(&redis, "b", &[]);
+    let session = b.new_session();
+    let request = json!({"type": "telemetry", "deviceId": "big"});
+    b.grant(&session, request.clone());
+    assert_eq!(b.subscribe(&session, request).0, 204);
+    let mut ws = b.live(&session);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(1.0));
+    a.ingest(json!({"deviceId": "big", "body": {"n": 0}}));
+    let mut seen = Vec::new();
+    assert!(read_until(&mut ws, 0, WAIT, &mut seen), "a message crosses first: {seen:?}");
+
+    assert_eq!(redis.command("CLIENT PAUSE 4000 ALL").as_deref(), Some("+OK\r\n"));
+    let paused = Instant::now();
+    let pad = "x".repeat(20 << 10);
+    for n in 1..=16 {
+        a.ingest(json!({"deviceId": "big", "body": {"n": n, "pad": pad}}));
+    }
+    let refused = a.wait_for_metric("hubcast_redis_commands_refused_total{instance=\"a\"}", WAIT, Want::AtLeast(1.0));
+    let waiting = a.metric("hubcast_redis_command_bytes{instance=\"a\"}").unwrap_or(-1.0);
+    assert!(paused.elapsed() < Duration::from_millis(4000), "still paused when read (took {:?})", paused.elapsed());
+    assert!(waiting > 0.0 && waiting <= 65536.0, "what waits stays within the bound: {waiting}");
+    let dropped = a.metric("hubcast_redis_dropped_total{instance=\"a\"}").unwrap_or(0.0);
+    assert!(dropped >= refused, "each refused publication is dropped and counted: {dropped} < {refused}");
+
+    // Redis answers again: what was queued arrives whole, once, in order; then live data.
+    let mut frames = Vec::new();
+    for marker in 100..140 {
+        a.ingest(json!({"deviceId": "big", "body": {"n": marker}}));
+        let end = Instant::now() + Duration::from_millis(if marker == 100 { 8000 } else { 500 });
+        let mut got = false;
+        while let Some(left) = end.checked_duration_since(Instant::now()) {
+            let Some(frame) = ws.next_json(left) else { break };
+            let n = frame["telemetry"]["n"].as_i64().expect("a message of the device");
+            if (1..=16).contains(&n) {
+                assert_eq!(frame["telemetry"]["pad"].as_str().map(str::len), Some(20 << 10), "message {n} whole");
+            }
+            frames.push(n);
+            if n == marker {
+                got = true;
+                break;
+            }
+        }
+        if got {
+            break;
+        }
+    }
+    assert!(frames.last().is_some_and(|n| *n >= 100), "live data goes on after the pause: {frames:?}");
+    let mut sorted = frames.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(frames, sorted, "once each, in order");
+    let flood = frames.iter().filter(|n| (1..=16).contains(*n)).count() as f64;
+    assert!(flood >= 1.0 && flood + dropped <= 16.0, "{flood} of the 16 arrived, {dropped} dropped: {frames:?}");
+    assert_eq!(a.metric("hubcast_redis_reconnects_total{instance=\"a\"}"), Some(0.0), "the pause was no outage");
 }

@@ -246,7 +246,7 @@ pub(super) type State = Rc<RefCell<Shared>>;
 
 pub fn start(
     options: Options,
-    commands: async_channel::Receiver<Command>,
+    commands: super::queue::Receiver,
     cores: Vec<async_channel::Sender<Inbound>>,
     owned: tokio::sync::watch::Sender<super::Owned>,
     stats: Arc<Stats>,
@@ -308,7 +308,7 @@ async fn run(
     state: State,
     mut lease: Leases,
     status: Box<dyn Fn(Option<String>) + Send>,
-    commands: async_channel::Receiver<Command>,
+    commands: super::queue::Receiver,
 ) {
     // Stream plans and the leave order, from the command task to the lease task: one of
     // each at a time in practice (bounded; the command task waits for room).
@@ -767,7 +767,7 @@ async fn command_loop(
     mut conn: Conn,
     mut sink: PubSubSink,
     shards: Option<async_channel::Sender<shards::Req>>,
-    commands: &async_channel::Receiver<Command>,
+    commands: &super::queue::Receiver,
     ctl: &tokio::sync::mpsc::Sender<Ctl>,
 ) -> Failed {
     // A cluster's device messages short of their watchers (a slot moving), published again.

@@ -27,10 +27,10 @@
 //! copy here), and the event stream consumer holds [`Cluster`] as its `app::directory::Leases`.
 //! Only main.rs names it, to start it with `--redis-url` or `--redis-cluster-nodes`.
 //!
-//! The Redis client runs on its own thread ([`link`]); cores reach it through one bounded
-//! command queue and it reaches them through one bounded queue per core. Back-pressure:
-//! a full command queue refuses a change (503 to the client) and drops a publication
-//! (counted in `hubcast_redis_dropped_total`); a full core queue makes the link wait, so
+//! The Redis client runs on its own thread ([`link`]); cores reach it through one command
+//! queue bounded in count and bytes (`queue.rs`) and it reaches them through one bounded
+//! queue per core. Back-pressure: a full command queue refuses a change (503 to the client)
+//! and drops a publication (counted in `hubcast_redis_dropped_total`); a full core queue makes the link wait, so
 //! Redis buffers the instance's pub/sub output up to its `client-output-buffer-limit` and
 //! then drops the connection (the link reconnects and logs it).
 
@@ -39,6 +39,7 @@ mod conn;
 mod lease;
 mod link;
 mod names;
+mod queue;
 mod resend;
 mod shards;
 pub mod wire;
@@ -66,8 +67,6 @@ use crate::timefmt::Millis;
 pub use crate::app::directory::{Owned, ReadKind, StreamPlan};
 pub use wire::SharedOp;
 
-/// Commands waiting for the Redis thread.
-const COMMANDS: usize = 1024;
 /// Batches waiting for one core from the Redis thread.
 const INBOUND: usize = 256;
 /// Device messages one core holds for Redis between two flushes, and their bytes.
@@ -225,12 +224,16 @@ pub struct Stats {
     pub topology_refreshes: AtomicU64,
     /// Recovery histories handed over and adopted, by outcome (`adopt::OUTCOMES`).
     pub adoptions: [AtomicU64; 12],
+    /// Bytes of the commands waiting for the Redis thread (bounded by `--redis-command-bytes`,
+    /// cluster/queue.rs), and the commands refused because the queue was full.
+    pub command_bytes: AtomicU64,
+    pub commands_refused: AtomicU64,
 }
 
 pub struct Cluster {
     pub instance: Arc<str>,
     pub stats: Arc<Stats>,
-    commands: async_channel::Sender<Command>,
+    commands: queue::Sender,
     /// Each core takes its queue once, at start (never touched on the message path).
     inbound: Mutex<Vec<Option<async_channel::Receiver<Inbound>>>>,
     refresh: Duration,
@@ -241,7 +244,7 @@ pub struct Cluster {
     cluster: bool,
 }
 
-type LinkParts = (link::Options, async_channel::Receiver<Command>, Vec<async_channel::Sender<Inbound>>, tokio::sync::watch::Sender<Owned>);
+type LinkParts = (link::Options, queue::Receiver, Vec<async_channel::Sender<Inbound>>, tokio::sync::watch::Sender<Owned>);
 
 impl Cluster {
     /// Prepares the link; [`Cluster::run`] starts its thread once the process is assembled.
@@ -254,7 +257,8 @@ impl Cluster {
         };
         let grace = settings.session_grace_period();
         let refresh = (grace / 3).clamp(Duration::from_millis(50), Duration::from_secs(60));
-        let (commands, command_rx) = async_channel::bounded(COMMANDS);
+        let stats: Arc<Stats> = Arc::default();
+        let (commands, command_rx) = queue::bounded(stats.clone(), c.redis_command_bytes);
         let (senders, receivers): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded(INBOUND)).unzip();
         let ca = match &c.redis_ca_file {
             Some(path) => {
@@ -279,7 +283,7 @@ impl Cluster {
         let (owned_tx, owned) = tokio::sync::watch::channel(Owned::default());
         Ok(Arc::new(Self {
             instance,
-            stats: Arc::default(),
+            stats,
             commands,
             inbound: Mutex::new(receivers.into_iter().map(Some).collect()),
             refresh,
@@ -378,6 +382,8 @@ impl Cluster {
             ("hubcast_redis_stalled_cores".into(), "Cores of this instance silent for 3 x --lease-ttl: while any is, the instance holds no partition lease.".into(), label.clone(), get(&s.stalled)),
             ("hubcast_redis_reconnects_total".into(), "Times the link to Redis was lost and made again.".into(), label.clone(), get(&s.reconnects)),
             ("hubcast_redis_inbound_bytes".into(), "Bytes received from Redis that the cores have not taken yet (bounded by --redis-inbound-bytes).".into(), label.clone(), get(&s.inbound_bytes)),
+            ("hubcast_redis_command_bytes".into(), "Bytes of the commands (publications, changes, reads) waiting for the Redis thread (bounded by --redis-command-bytes).".into(), label.clone(), get(&s.command_bytes)),
+            ("hubcast_redis_commands_refused_total".into(), "Commands refused because the queue to the Redis thread was full (1,024 commands or --redis-command-bytes): a publication dropped, a change answered 503.".into(), label.clone(), get(&s.commands_refused)),
             ("hubcast_redis_overruns_total".into(), "Times the cores fell --redis-inbound-bytes behind what Redis sent: the subscriber was dropped and made again (messages meanwhile lost, as in an outage).".into(), label.clone(), get(&s.overruns)),
             ("hubcast_redis_duplicates_dropped_total".into(), "Device messages received again from another instance (published again after a slot move) and not applied twice.".into(), label.clone(), get(&s.duplicates)),
             ("hubcast_redis_watch_resyncs_total".into(), "Watches (instance, device) corrected by reading the instances' watching sets: an announcement on the watch channel was missed.".into(), label.clone(), get(&s.watch_resyncs)),
@@ -466,7 +472,7 @@ struct CoreRelay {
     /// The partitions this instance reads (the lease holder's, on the Redis thread).
     owned: tokio::sync::watch::Receiver<Owned>,
     instance: Arc<str>,
-    commands: async_channel::Sender<Command>,
+    commands: queue::Sender,
     stats: Arc<Stats>,
     /// Devices of this core that another instance watches.
     remote: RefCell<HashSet<Box<str>>>,
@@ -583,7 +589,7 @@ impl Relay for CoreRelay {
             // Never dropped: the adopter would wait its full time and void the history.
             let commands = self.commands.clone();
             monoio::spawn(async move {
-                let _ = commands.send(e.into_inner()).await;
+                let _ = commands.send(e).await;
             });
         }
     }
@@ -598,7 +604,7 @@ impl Relay for CoreRelay {
         if let Err(e) = self.commands.try_send(report) {
             let commands = self.commands.clone();
             monoio::spawn(async move {
-                let _ = commands.send(e.into_inner()).await;
+                let _ = commands.send(e).await;
             });
         }
     }
@@ -612,8 +618,8 @@ impl CoreRelay {
             return;
         }
         let changes: Vec<_> = pending.drain().collect();
-        if let Err(e) = self.commands.try_send(Command::Watch(changes)) {
-            if let Command::Watch(changes) = e.into_inner() {
+        if let Err(refused) = self.commands.try_send(Command::Watch(changes)) {
+            if let Command::Watch(changes) = refused {
                 pending.extend(changes);
             }
         }
@@ -748,7 +754,7 @@ async fn set_accesses(core: &Rc<Core>, session: SessionId, v: u64, changes: Vec<
 }
 
 /// Keeps the Redis keys of this core's sessions alive.
-async fn refresh(core: Rc<Core>, commands: async_channel::Sender<Command>, every: Duration) {
+async fn refresh(core: Rc<Core>, commands: queue::Sender, every: Duration) {
     loop {
         monoio::time::sleep(every).await;
         if crate::shutdown::STOPPING.is_stopping() {
