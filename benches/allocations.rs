@@ -73,6 +73,7 @@ fn message(device: &str) -> IngestMessage {
         body: BODY.to_vec(),
         enqueued_at: Some(1_700_000_000_000),
         arrived: None,
+        key: Default::default(),
     }
 }
 

@@ -234,6 +234,9 @@ pub struct StateCounts {
     pub socket_writes_held: u64,
     /// Charged bytes of the core's recovery histories (push/stream.rs).
     pub recovery_history_bytes: u64,
+    /// Messages read again from their partition after a takeover, recognised by their key
+    /// and not applied twice (`ingest::key`).
+    pub ingest_rereads: u64,
 }
 
 /// A core's metrics, sent to the core answering the scrape.
@@ -343,6 +346,8 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
         let total: u64 = cores.iter().map(|c| c.messages_in[i]).sum();
         let _ = writeln!(out, "hubcast_messages_in_total{{source=\"{source}\"}} {total}");
     }
+    family(&mut out, "hubcast_ingest_rereads_total", "counter", "Device messages read again from their event stream partition (after a takeover) and recognised by their key: not applied or delivered twice.");
+    let _ = writeln!(out, "hubcast_ingest_rereads_total {}", cores.iter().map(|c| c.state.ingest_rereads).sum::<u64>());
     family(&mut out, "hubcast_messages_out_total", "counter", "Data messages written to clients, by transport.");
     for (i, t) in TRANSPORTS.iter().enumerate() {
         let total: u64 = cores.iter().map(|c| c.messages_out[i]).sum();

@@ -37,13 +37,15 @@ fn message(device: &str, source: SourceKind, op: Option<&str>, body: serde_json:
     if let Some(op) = op {
         properties.push(("opType".into(), op.into()));
     }
+    let now = now_millis();
     IngestMessage {
         device_id: device.into(),
         source,
         properties,
         body: body.to_string().into_bytes(),
-        enqueued_at: Some(now_millis()),
+        enqueued_at: Some(now),
         arrived: Some(crate::metrics::Arrival::now()),
+        key: crate::ingest::MsgKey::arrival(now),
     }
 }
 

@@ -789,6 +789,7 @@ fn a_device_message_received_twice_is_applied_once() {
         body: json!({"n": n}).to_string().into_bytes(),
         enqueued_at: None,
         arrived: None,
+        key: Default::default(),
     };
     for (seq, n) in [(7, 1), (7, 1), (8, 2), (7, 1), (9, 3)] {
         publish_bytes(redis, "t:device:twice", &encode_message("z", seq, &message(n)));

@@ -23,6 +23,7 @@ both_engines!(
     every_instance_answers_the_current_value_after_partitions_move_and_after_a_takeover,
     a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_and_takes_them_back,
     a_survivor_reads_on_while_a_peer_dies_and_restarts_moving_links_on_its_open_connection,
+    a_partition_read_again_after_a_kill_9_takeover_is_recognised_by_its_keys_and_not_delivered_twice,
 );
 
 fn instance(redis: &Engine, hub: &FakeHub, id: &str) -> Server {
@@ -65,6 +66,17 @@ fn publish_round(hub: &FakeHub, n: i64) {
     for (p, partition) in PARTITIONS.iter().enumerate() {
         hub.publish(partition, NewEvent::telemetry(&device(p), json!({"n": n})));
     }
+}
+
+/// A new session on `server` granted and subscribed to every device's telemetry.
+fn subscribed_to_every_device(server: &Server) -> String {
+    let session = server.new_session();
+    for p in 0..PARTITIONS.len() {
+        let request = json!({"type": "telemetry", "deviceId": device(p)});
+        server.grant(&session, request.clone());
+        assert_eq!(server.subscribe(&session, request).0, 204);
+    }
+    session
 }
 
 /// Waits until `server` answers every device's last `n` with `n` (read from any instance).
@@ -335,13 +347,7 @@ fn a_graceful_sigterm_hands_its_partitions_over_with_no_event_lost_or_repeated(r
     let mut a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
     wait_balanced(&[(&a, "a"), (&b, "b")]);
-    let session = b.new_session();
-    for p in 0..PARTITIONS.len() {
-        let request = json!({"type": "telemetry", "deviceId": device(p)});
-        b.grant(&session, request.clone());
-        assert_eq!(b.subscribe(&session, request).0, 204);
-    }
-    let mut live = b.live(&session);
+    let mut live = b.live(&subscribed_to_every_device(&b));
     let watched = "hubcast_redis_watched_elsewhere_devices{instance=\"a\"}";
     a.wait_for_metric(watched, WAIT, Want::Eq(PARTITIONS.len() as f64));
     publish_round(&hub, 1);
@@ -392,13 +398,7 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     let b = instance(&redis, &hub, "b");
     wait_balanced(&[(&a, "a"), (&b, "b")]);
     let (of_a, of_b) = (partitions_of(&a), partitions_of(&b));
-    let session = b.new_session();
-    for p in 0..PARTITIONS.len() {
-        let request = json!({"type": "telemetry", "deviceId": device(p)});
-        b.grant(&session, request.clone());
-        assert_eq!(b.subscribe(&session, request).0, 204);
-    }
-    let mut live = b.live(&session);
+    let mut live = b.live(&subscribed_to_every_device(&b));
     let watched = "hubcast_redis_watched_elsewhere_devices{instance=\"a\"}";
     a.wait_for_metric(watched, WAIT, Want::Eq(PARTITIONS.len() as f64));
     publish_round(&hub, 1);
@@ -600,4 +600,65 @@ fn a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_an
     publish_round(&hub, 2);
     wait_last_values(&a, 2);
     wait_last_values(&b, 2);
+}
+
+/// Design step 9 (docs/design/recovery.md): every message carries a stable key, the same when
+/// its partition is read again, so a takeover after `kill -9` that re-reads what the dead
+/// holder had delivered past its checkpoint delivers none of it twice. A reads its share of
+/// the partitions; a client on B is subscribed to every device. Round 2 reaches the client
+/// and A checkpoints it; then A's checkpoints are put back to round 1, as a kill before
+/// they moved leaves them (the moment made certain, not raced for), and A is killed (-9).
+/// B takes A's partitions and reads round 2 again: recognised by the keys B holds from A's
+/// first read (counted, one per partition), not delivered again; round 3 comes once.
+fn a_partition_read_again_after_a_kill_9_takeover_is_recognised_by_its_keys_and_not_delivered_twice(redis: Engine) {
+    let hub = FakeHub::start(&PARTITIONS, FakeAuth::Plain);
+    let a = instance(&redis, &hub, "a");
+    let b = instance(&redis, &hub, "b");
+    wait_balanced(&[(&a, "a"), (&b, "b")]);
+    let mut live = b.live(&subscribed_to_every_device(&b));
+    b.wait_for_metric("hubcast_redis_watched_devices{instance=\"b\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));
+    let mut seen: Vec<Vec<i64>> = vec![Vec::new(); PARTITIONS.len()];
+    let mut read_until = |seen: &mut Vec<Vec<i64>>, round: i64| {
+        while seen.iter().any(|s| s.last() != Some(&round)) {
+            let frame: Value = live.next_json(WAIT).unwrap_or_else(|| panic!("round {round} reaches the client on B; got {seen:?}"));
+            if let (Some(dev), Some(n)) = (frame["deviceId"].as_str(), frame["telemetry"]["n"].as_i64()) {
+                seen[dev.trim_start_matches("dev-").parse::<usize>().unwrap()].push(n);
+            }
+        }
+    };
+    publish_round(&hub, 1);
+    read_until(&mut seen, 1);
+    let of_a = partitions_of(&a);
+    assert!(!of_a.is_empty() && of_a.len() < PARTITIONS.len(), "A reads a share: {of_a:?}");
+    // Round 2 (sequence number 1 of every partition): delivered, and checkpointed by A.
+    publish_round(&hub, 2);
+    read_until(&mut seen, 2);
+    let deadline = Instant::now() + WAIT;
+    while checkpoints(&redis).values().filter(|&&c| c == 1).count() < PARTITIONS.len() {
+        assert!(Instant::now() < deadline, "every partition checkpointed round 2: {:?}", checkpoints(&redis));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A's checkpoints back to round 1: A writes a checkpoint only when its own moves, so it
+    // leaves them there, as if it had died before writing round 2's.
+    let keys = redis.keys(&redis.control_key("t", "checkpoint:*"));
+    let rewound: Vec<&String> = keys.iter().filter(|k| of_a.iter().any(|p| k.rsplit(':').next() == Some(p.as_str()))).collect();
+    assert_eq!(rewound.len(), of_a.len(), "{keys:?}");
+    for key in &rewound {
+        redis.command(&format!("SET {key} 0")).expect("SET");
+    }
+    let mut a = a;
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT);
+    wait_balanced(&[(&b, "b")]);
+    // B read round 2 of A's partitions again and recognised every message of it.
+    let rereads = b.wait_for_metric("hubcast_ingest_rereads_total", WAIT, Want::AtLeast(of_a.len() as f64));
+    assert_eq!(rereads, of_a.len() as f64, "one re-read per partition A held ({of_a:?})");
+    // Round 3: delivered once; had round 2 come again it would have come before it.
+    publish_round(&hub, 3);
+    read_until(&mut seen, 3);
+    for (p, s) in seen.iter().enumerate() {
+        assert_eq!(s, &vec![1, 2, 3], "{} on B: every round once, in order (A held {of_a:?})", device(p));
+    }
+    assert_eq!(b.metric("hubcast_ingest_rereads_total"), Some(of_a.len() as f64));
 }

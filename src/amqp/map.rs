@@ -20,7 +20,7 @@ use fe2o3_amqp::types::primitives::{SimpleValue, Value};
 use super::encoded::{DataSections, Scalar};
 use crate::config::MAX_DEVICE_ID_LEN;
 use crate::ingest::faults::Fault;
-use crate::ingest::{device_id_in_body, IngestMessage, Properties, SourceKind};
+use crate::ingest::{device_id_in_body, IngestMessage, MsgKey, Properties, SourceKind};
 use crate::timefmt::{iso, parse_iso, Millis};
 
 pub const DEVICE_ID: &str = "iothub-connection-device-id";
@@ -464,8 +464,15 @@ fn ingest_of(fields: &Fields, body: Vec<u8>, settings: &MapSettings) -> Result<I
     // Hub message has only the latter, which still beats the arrival time after a replay.
     let enqueued_at = fields.annotation(HUB_ENQUEUED).or_else(|| fields.annotation(ENQUEUED)).and_then(|f| f.millis());
 
+    // Its stable key (design step 9): the partition gives both again on a re-read (its
+    // partition is set by the receiver: `MsgKey::in_partition`). Without both (a plain
+    // queue) the message is keyed at arrival and never taken for a re-read.
+    let key = match (fields.annotation(ENQUEUED).and_then(|f| f.millis()), fields.sequence()) {
+        (Some(ms), Some(seq)) => MsgKey::partition(0, ms, seq),
+        _ => MsgKey::arrival(crate::timefmt::now_millis()),
+    };
     let arrived = Some(crate::metrics::Arrival::now());
-    Ok(IngestMessage { device_id, source, properties, body, enqueued_at, arrived })
+    Ok(IngestMessage { device_id, source, properties, body, enqueued_at, arrived, key })
 }
 
 #[cfg(test)]
@@ -547,6 +554,29 @@ mod tests {
         let p = position_of(&m);
         assert_eq!((p.sequence, p.offset.as_deref()), (Some(42), Some("4200")));
         assert_eq!(Received::read(&encode(&m)).unwrap().sequence(), Some(42));
+    }
+
+    /// Design step 9: the key is the partition's `(x-opt-enqueued-time, sequence number)`, the
+    /// same on every read, scanned in place or decoded whole; without both it is an arrival key.
+    #[test]
+    fn a_partition_message_is_keyed_by_its_enqueued_time_and_sequence_number() {
+        let m = Msg::new(br#"{"t":1}"#)
+            .ann(DEVICE_ID, s("pump-1"))
+            .ann(ENQUEUED_TIME, Value::Timestamp(Timestamp::from_milliseconds(1_700_000_000_123)))
+            .ann(SEQUENCE_NUMBER, Value::Long(42))
+            .build();
+        let want = MsgKey::partition(0, 1_700_000_000_123, 42);
+        assert_eq!(to_ingest(&mut m.clone(), &settings()).unwrap().key, want);
+        let encoded = encode(&m);
+        let scanned = Received::read(&encoded).unwrap();
+        assert!(scanned.scanned());
+        assert_eq!(scanned.to_ingest(&settings()).unwrap().key, want, "read again, in place");
+        let unsequenced = Msg::new(br#"{"t":1}"#)
+            .ann(DEVICE_ID, s("pump-1"))
+            .ann(ENQUEUED_TIME, Value::Timestamp(Timestamp::from_milliseconds(1_700_000_000_123)))
+            .build();
+        let key = to_ingest(&mut unsequenced.clone(), &settings()).unwrap().key;
+        assert!(!key.from_partition() && !key.is_none(), "{key:?}");
     }
 
     #[test]
@@ -644,7 +674,8 @@ mod tests {
     /// What the owning core would get, compared field by field (or the fault).
     fn outcome(r: Result<IngestMessage, Rejected>) -> String {
         match r {
-            Ok(m) => format!("{} {:?} {:?} {:?} {:?}", m.device_id, m.source, m.properties, m.body, m.enqueued_at),
+            // A partition's key is the message's own; an arrival key differs on every read.
+            Ok(m) => format!("{} {:?} {:?} {:?} {:?} {:?}", m.device_id, m.source, m.properties, m.body, m.enqueued_at, m.key.from_partition().then_some(m.key)),
             Err(r) => format!("{:?} {:?} {}", r.fault, r.device, r.detail),
         }
     }

@@ -277,7 +277,9 @@ pub async fn consume(
             warn_retention_gap(&label, newest_seq, sequence);
             let positioned = sequence.is_some() || received.has_offset();
             match received.to_ingest(&settings) {
-                Ok(msg) => {
+                Ok(mut msg) => {
+                    // The key's partition (design step 9; `ingest::key`).
+                    msg.key = msg.key.in_partition(&label);
                     if sequence.is_none() {
                         super::STATS.unsequenced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         tracing::debug!(partition = %label, device = %msg.device_id, "message without a sequence number: applied unordered");

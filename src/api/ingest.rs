@@ -19,10 +19,10 @@ use crate::app::Core;
 use crate::config::MAX_DEVICE_ID_LEN;
 use crate::http::{Request, Response};
 use crate::ingest::json::{self, Item, ItemsError, Members};
-use crate::ingest::{device_id_in_body, IngestMessage, Properties, SourceKind};
+use crate::ingest::{device_id_in_body, IngestMessage, MsgKey, Properties, SourceKind};
 use crate::metrics::Arrival;
 use crate::model::{Checked, Rejection};
-use crate::timefmt::parse_iso;
+use crate::timefmt::{now_millis, parse_iso, Millis};
 
 /// A string field's text (`None` for `null`, as if absent).
 fn string_field<'a>(name: &str, text: &'a str) -> Checked<Option<Cow<'a, str>>> {
@@ -44,7 +44,7 @@ fn set_once<'a>(slot: &mut Option<&'a str>, name: &str, text: &'a str) -> Checke
 
 /// One message of the request, from its members (`{"deviceId", "source"?, "properties"?,
 /// "enqueuedTime"?, "body"}`; other fields are ignored, a repeated one is refused).
-fn to_message(members: &Members<'_>, device_id_key: &str, arrived: Arrival) -> Checked<IngestMessage> {
+fn to_message(members: &Members<'_>, device_id_key: &str, arrived: Arrival, arrived_ms: Millis) -> Checked<IngestMessage> {
     let (mut device_id, mut source, mut properties, mut enqueued_time, mut body) = (None, None, None, None, None);
     for &(ref key, text) in members {
         match key.as_ref() {
@@ -101,6 +101,7 @@ fn to_message(members: &Members<'_>, device_id_key: &str, arrived: Arrival) -> C
         body: body.as_bytes().to_vec(),
         enqueued_at,
         arrived: Some(arrived),
+        key: MsgKey::arrival(arrived_ms),
     })
 }
 
@@ -113,13 +114,14 @@ fn parse_batch(bytes: &[u8], device_id_key: &str) -> Checked<Vec<IngestMessage>>
     }
     // One arrival time for the request: its messages arrived together.
     let arrived = Arrival::now();
+    let arrived_ms = now_millis();
     // About one message per 64 bytes of request (a typical one takes 60 to 200): one
     // allocation, rarely a second.
     let mut batch = Vec::with_capacity((bytes.len() / 64).min(16_384) + 1);
     let scanned = json::for_each_item(bytes, |item| {
         let i = batch.len();
         let message = match item {
-            Item::Object(members) => to_message(members, device_id_key, arrived),
+            Item::Object(members) => to_message(members, device_id_key, arrived, arrived_ms),
             Item::Other(_) => Err(Rejection::bad_request("not a message object")),
         };
         batch.push(message.map_err(|e| Rejection::bad_request(format!("message {i}: {}", e.message)))?);

@@ -401,11 +401,14 @@ impl Core {
             };
             for msg in batch {
                 self.metrics.message_in(msg.source as usize);
-                if let Some(relay) = &relay {
-                    relay.offer(&msg);
-                }
                 let record: Option<&mut dyn FnMut(crate::store::Change<'_>)> = if storing { Some(&mut put) } else { None };
-                devices.ingest_recording(msg, now, &mut deliveries, record);
+                // A message read again from its partition (design step 9) is not relayed
+                // either: whoever watches the device had it from the first read.
+                if devices.ingest_recording(&msg, now, &mut deliveries, record) {
+                    if let Some(relay) = &relay {
+                        relay.offer(&msg);
+                    }
+                }
             }
         }
         if let Some(relay) = &relay {
@@ -647,6 +650,7 @@ impl Core {
             timer_wakeups: self.clock.wakeups.get(),
             socket_writes_held: self.linger.holds.get(),
             recovery_history_bytes: self.recovery.total.get() as u64,
+            ingest_rereads: self.devices.borrow().rereads(),
         };
         self.metrics.snapshot(state)
     }

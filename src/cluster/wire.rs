@@ -6,7 +6,7 @@
 //! durable store's own encoding (`store::format`), so both engines keep grants alike.
 
 use crate::ids::SessionId;
-use crate::ingest::{IngestMessage, JsonText, Properties, SourceKind};
+use crate::ingest::{IngestMessage, JsonText, MsgKey, Properties, SourceKind};
 use crate::shard::access::Access;
 use crate::shard::{ConnectionView, Grants, Subscriptions, TelemetryView, TwinView};
 use crate::store::{format, Change, Record};
@@ -361,28 +361,70 @@ fn source_of(code: u8) -> Option<SourceKind> {
     })
 }
 
+/// The name of the property that carries a message's stable key ([`MsgKey`], design step 9)
+/// in a version 2 frame: its last property, the value 32 hex digits (`ms` as the bits of an
+/// i64, then `n`). An instance before step 9 reads it as one more property that no rule looks
+/// up, so instances of both kinds keep exchanging messages (the older ones only do not
+/// recognise re-reads); a device property cannot take its place (it is never the last one
+/// of a frame written here, and one that does not parse stays a property).
+pub const KEY_PROPERTY: &str = "\u{0}k";
+
 /// A device message as published on its device's channel: `seq` grows with every message
 /// the origin publishes of the device (receivers drop one not newer than the last applied).
 pub fn encode_message(origin: &str, seq: u64, msg: &IngestMessage) -> Vec<u8> {
     let props: usize = msg.properties.iter().map(|(k, v)| k.len() + v.len() + 8).sum();
-    let mut buf = Vec::with_capacity(40 + origin.len() + msg.device_id.len() + props + msg.body.len());
+    let keyed = !msg.key.is_none();
+    let mut buf = Vec::with_capacity(82 + origin.len() + msg.device_id.len() + props + msg.body.len());
     buf.push(MESSAGE_VERSION);
     put_str(&mut buf, origin.as_bytes());
     buf.extend_from_slice(&seq.to_le_bytes());
     put_str(&mut buf, msg.device_id.as_bytes());
     buf.push(source_code(msg.source));
     buf.extend_from_slice(&msg.enqueued_at.unwrap_or(i64::MIN).to_le_bytes());
-    buf.extend_from_slice(&(msg.properties.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&((msg.properties.len() + keyed as usize) as u32).to_le_bytes());
     for (k, v) in &msg.properties {
         put_str(&mut buf, k.as_bytes());
         put_str(&mut buf, v.as_bytes());
+    }
+    if keyed {
+        put_str(&mut buf, KEY_PROPERTY.as_bytes());
+        buf.extend_from_slice(&32u32.to_le_bytes());
+        put_hex(&mut buf, msg.key.ms as u64);
+        put_hex(&mut buf, msg.key.n);
     }
     buf.extend_from_slice(&msg.body);
     buf
 }
 
+fn put_hex(buf: &mut Vec<u8>, v: u64) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for i in (0..16).rev() {
+        buf.push(DIGITS[(v >> (i * 4)) as usize & 15]);
+    }
+}
+
+/// [`KEY_PROPERTY`]'s value; `None` unless exactly 32 lowercase hex digits.
+fn key_of(text: &str) -> Option<MsgKey> {
+    fn hex(b: &[u8]) -> Option<u64> {
+        b.iter().try_fold(0u64, |acc, &c| {
+            let d = match c {
+                b'0'..=b'9' => c - b'0',
+                b'a'..=b'f' => c - b'a' + 10,
+                _ => return None,
+            };
+            Some(acc << 4 | u64::from(d))
+        })
+    }
+    let b = text.as_bytes();
+    if b.len() != 32 {
+        return None;
+    }
+    Some(MsgKey { ms: hex(&b[..16])? as i64, n: hex(&b[16..])? })
+}
+
 /// The origin instance, its sequence number (`None`: version 1, from an instance before
-/// step 7) and the message; `None` for a payload that does not decode.
+/// step 7) and the message (with its key, when the frame carries one: [`KEY_PROPERTY`]);
+/// `None` for a payload that does not decode.
 pub fn decode_message(bytes: &[u8]) -> Option<(&str, Option<u64>, IngestMessage)> {
     let mut r = Reader { bytes, at: 0 };
     let version = r.u8()?;
@@ -396,16 +438,23 @@ pub fn decode_message(bytes: &[u8]) -> Option<(&str, Option<u64>, IngestMessage)
     let enqueued_at = Some(r.i64()?).filter(|t| *t != i64::MIN);
     let n = r.u32()? as usize;
     let mut properties = Properties::new();
-    for _ in 0..n.min(1024) {
-        let k: Box<str> = r.str()?.into();
-        let v: Box<str> = r.str()?.into();
-        properties.push((k, v));
+    let mut key = MsgKey::NONE;
+    for i in 0..n.min(1024) {
+        let (k, v) = (r.str()?, r.str()?);
+        if i + 1 == n && k == KEY_PROPERTY {
+            if let Some(found) = key_of(v) {
+                key = found;
+                continue;
+            }
+        }
+        properties.push((k.into(), v.into()));
     }
     if n > 1024 {
         return None;
     }
     let body = r.rest().to_vec();
-    Some((origin, seq, IngestMessage { device_id, source, properties, body, enqueued_at, arrived: Some(crate::metrics::Arrival::now()) }))
+    let arrived = Some(crate::metrics::Arrival::now());
+    Some((origin, seq, IngestMessage { device_id, source, properties, body, enqueued_at, arrived, key }))
 }
 
 #[cfg(test)]
@@ -424,6 +473,7 @@ mod tests {
             body: br#"{"a":1}"#.to_vec(),
             enqueued_at: Some(42),
             arrived: None,
+            key: Default::default(),
         };
         let bytes = encode_message("i1", u64::MAX - 1, &msg);
         let (origin, seq, back) = decode_message(&bytes).unwrap();
@@ -475,6 +525,49 @@ mod tests {
         }
         assert_eq!(decode_answer(&encode_answer(6, None)), Some((6, None)));
         assert!(decode_read(&bytes[..bytes.len() - 1]).is_none());
+    }
+
+    /// Design step 9: a message's key crosses as the frame's last property; an instance
+    /// before step 9 (the decoder as it was, below) still reads the frame, body and
+    /// properties intact, one ignored property more; a frame without a key reads as before.
+    #[test]
+    fn a_message_key_crosses_in_a_frame_older_instances_still_read() {
+        let mut props = Properties::new();
+        props.push(("opType".into(), "x".into()));
+        let mut msg = IngestMessage {
+            device_id: "pump-1".into(),
+            source: SourceKind::Telemetry,
+            properties: props,
+            body: br#"{"a":1}"#.to_vec(),
+            enqueued_at: Some(42),
+            arrived: None,
+            key: MsgKey::partition(7, 1_700_000_000_123, 987_654),
+        };
+        for key in [msg.key, MsgKey::arrival(-5), MsgKey { ms: i64::MAX, n: u64::MAX }] {
+            msg.key = key;
+            let bytes = encode_message("i1", 3, &msg);
+            let (_, _, back) = decode_message(&bytes).unwrap();
+            assert_eq!((back.key, back.properties.as_slice(), back.body.as_slice()), (key, msg.properties.as_slice(), msg.body.as_slice()));
+            for cut in 0..bytes.len() - msg.body.len() {
+                assert!(decode_message(&bytes[..cut]).is_none(), "a keyed payload cut at {cut} must not decode");
+            }
+            // The decoder before step 9: every property kept, the body the rest.
+            let mut r = Reader { bytes: &bytes, at: 0 };
+            assert_eq!(r.u8(), Some(MESSAGE_VERSION));
+            let (_, _, _, _, _) = (r.str().unwrap(), r.i64().unwrap(), r.str().unwrap(), r.u8().unwrap(), r.i64().unwrap());
+            let n = r.u32().unwrap();
+            let old: Vec<(&str, &str)> = (0..n).map(|_| (r.str().unwrap(), r.str().unwrap())).collect();
+            assert_eq!(old, vec![("opType", "x"), (KEY_PROPERTY, std::str::from_utf8(&bytes[bytes.len() - 7 - 32..bytes.len() - 7]).unwrap())]);
+            assert_eq!(r.rest(), msg.body.as_slice());
+        }
+        // As an instance before step 9 writes it (no key): no key, the same properties.
+        msg.key = MsgKey::NONE;
+        let (_, _, back) = decode_message(&encode_message("i1", 3, &msg)).unwrap();
+        assert_eq!((back.key, back.properties.len()), (MsgKey::NONE, 1));
+        // A device property of that name that does not hold a key stays a property.
+        msg.properties.push((KEY_PROPERTY.into(), "not a key".into()));
+        let (_, _, back) = decode_message(&encode_message("i1", 3, &msg)).unwrap();
+        assert_eq!((back.key, back.properties.as_slice()), (MsgKey::NONE, msg.properties.as_slice()));
     }
 
     fn views() -> Vec<View> {

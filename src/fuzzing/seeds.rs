@@ -219,6 +219,17 @@ fn store(dir: &Path) {
     put(dir, "access-session-applied", &frames(std::slice::from_ref(&access)));
     put(dir, "log", &frames(&[devices.clone(), access.clone(), changed, gone]));
     put(dir, "end-mark", &frames(&[devices.clone(), vec![TAG_END]]));
+    // Devices with read marks (tag 14, design step 9): one marked, then written again without
+    // a mark, another marked, and one gone after its marked record.
+    {
+        let mut marked = device(&[("temp", "1", 3)], None, Some(true));
+        marked.mark.take(crate::ingest::MsgKey::partition(2, 1_700_000_000_000, 7));
+        let mut other = device(&[], Some(r#"{"r":2}"#), None);
+        other.mark.take(crate::ingest::MsgKey::partition(0, -1, 0));
+        let first = records(&[Change::Device { id: "m", device: Some(&marked) }, Change::Device { id: "o", device: Some(&other) }]);
+        let later = records(&[Change::Device { id: "m", device: Some(&b) }, Change::Device { id: "o", device: None }, Change::Device { id: "n", device: Some(&marked) }]);
+        put(dir, "device-read-marks", &frames(&[first, later]));
+    }
     // A recovery stream's base, its write-ahead (appends, pids) and the crash rule's counts.
     {
         use crate::push::stream::{AppendBatch, StoredPid, StoredRecovery};

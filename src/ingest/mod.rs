@@ -8,8 +8,10 @@
 
 pub mod faults;
 pub mod json;
+pub mod key;
 pub mod text;
 
+pub use key::{MsgKey, ReadMark};
 pub use text::JsonText;
 
 use std::borrow::Cow;
@@ -55,6 +57,8 @@ pub struct IngestMessage {
     pub enqueued_at: Option<Millis>,
     /// When hubcast received it (for the delivery latency histogram); `None` in tests.
     pub arrived: Option<crate::metrics::Arrival>,
+    /// Its stable key ([`key`]): the same whenever its source gives it again.
+    pub key: MsgKey,
 }
 
 impl IngestMessage {

@@ -32,10 +32,11 @@ pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// version 1 file holds none of them and reads as it always did ([`READS`]). Version 3 added
 /// the write-ahead of the streams ([`TAG_STREAM_APPEND`], [`TAG_STREAM_PIDS`]) and the
 /// delivery counts of the crash rule ([`TAG_POSTED`], [`TAG_RECEIVED`]): design step 7.
-pub const VERSION: u32 = 3;
+/// Version 4 added the device record with its read mark ([`TAG_DEVICE_KEYED`]): step 9.
+pub const VERSION: u32 = 4;
 /// The versions this hubcast reads (it writes [`VERSION`]). An older hubcast refuses a
-/// version 2 file by name: a downgrade is not supported once one was written.
-pub const READS: [u32; 3] = [1, 2, 3];
+/// newer file by name: a downgrade is not supported once one was written.
+pub const READS: [u32; 4] = [1, 2, 3, 4];
 pub const HEADER_LEN: usize = 16;
 pub const KIND_LOG: u8 = 1;
 pub const KIND_SNAPSHOT: u8 = 2;
@@ -62,7 +63,17 @@ const TAG_STREAM_PIDS: u8 = 11;
 const TAG_POSTED: u8 = 12;
 /// How many deliveries this core has taken in and appended, in all (step 7e).
 const TAG_RECEIVED: u8 = 13;
+/// A device record ([`TAG_DEVICE`]) followed by its read mark, the greatest partition key
+/// applied (`ms` i64, `n` u64: `ingest::ReadMark`), so a re-read after a restart or a
+/// takeover is still recognised (version 4: design step 9). Written only for a device that
+/// has one; the others keep [`TAG_DEVICE`], byte for byte as before.
+const TAG_DEVICE_KEYED: u8 = 14;
 pub const TAG_END: u8 = 0xFF;
+
+/// A device record, with or without its read mark.
+fn is_device(tag: u8) -> bool {
+    tag == TAG_DEVICE || tag == TAG_DEVICE_KEYED
+}
 
 pub use crate::shard::change::Change;
 
@@ -75,6 +86,8 @@ pub struct DeviceData {
     pub twin: Option<(String, i64)>,
     /// (connected, timestamp ms, sequenceNumber)
     pub connection: Option<(bool, i64, Option<Box<str>>)>,
+    /// The read mark (`MsgKey::NONE`: none; [`TAG_DEVICE_KEYED`]).
+    pub mark: crate::ingest::MsgKey,
 }
 
 /// One decoded record.
@@ -164,7 +177,8 @@ fn put_keys(buf: &mut Vec<u8>, k: &KeySet) {
 pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
     match change {
         Change::Device { id, device: Some(d) } => {
-            buf.push(TAG_DEVICE);
+            let mark = d.mark.key();
+            buf.push(if mark.is_none() { TAG_DEVICE } else { TAG_DEVICE_KEYED });
             put_str(buf, id);
             buf.extend_from_slice(&(d.telemetry.len() as u32).to_le_bytes());
             for (k, v, at) in d.telemetry.iter() {
@@ -194,6 +208,10 @@ pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
                     }
                 }
                 None => buf.push(0),
+            }
+            if !mark.is_none() {
+                buf.extend_from_slice(&mark.ms.to_le_bytes());
+                buf.extend_from_slice(&mark.n.to_le_bytes());
             }
         }
         Change::Device { id, device: None } => {
@@ -432,7 +450,7 @@ pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String
 fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
     {
         let record = match tag {
-            TAG_DEVICE => {
+            TAG_DEVICE | TAG_DEVICE_KEYED => {
                 let id = r.str()?.into();
                 let n = r.u32()?;
                 let mut data = DeviceData::default();
@@ -450,6 +468,9 @@ fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
                     let at = r.i64()?;
                     let seq = if r.bool()? { Some(r.str()?.into()) } else { None };
                     data.connection = Some((connected, at, seq));
+                }
+                if tag == TAG_DEVICE_KEYED {
+                    data.mark = read_mark(r)?;
                 }
                 Record::Device(id, Some(data))
             }
@@ -510,7 +531,7 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
     let mut r = Reader { bytes: payload, at: 0 };
     while r.at < payload.len() {
         let tag = r.u8()?;
-        if tag != TAG_DEVICE {
+        if !is_device(tag) {
             let record = decode_one(&mut r, tag)?;
             if let Some(into) = into.as_deref_mut() {
                 into.apply(record);
@@ -519,8 +540,8 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
         }
         let id = r.str()?;
         match into.as_deref_mut() {
-            None => skip_device(&mut r)?,
-            Some(into) => fill_device(&mut r, into, id)?,
+            None => skip_device(&mut r, tag)?,
+            Some(into) => fill_device(&mut r, into, id, tag)?,
         }
     }
     Ok(())
@@ -528,7 +549,7 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
 
 /// Reads the rest of a device record (after its id) into the device `id` of `into`, in place:
 /// keys, key map and entry kept, only changed values allocated.
-fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str) -> Result<(), String> {
+fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str, tag: u8) -> Result<(), String> {
     use crate::shard::devices::{ConnectionState, Twin};
     let n = r.u32()? as usize;
     let device = into.devices.entry_ref(id).or_default();
@@ -566,6 +587,7 @@ fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str) -> Result
     } else {
         None
     };
+    device.mark = crate::ingest::ReadMark::from_key(if tag == TAG_DEVICE_KEYED { read_mark(r)? } else { crate::ingest::MsgKey::NONE });
     // Heard from at start: a connected device gets its off-line check, armed by the core
     // from this list (ids copied here, where they are in cache).
     if device.heard_at_start(*into.heard.get_or_insert_with(std::time::Instant::now)) {
@@ -574,8 +596,14 @@ fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str) -> Result
     Ok(())
 }
 
+/// A device record's read mark ([`TAG_DEVICE_KEYED`]).
+fn read_mark(r: &mut Reader<'_>) -> Result<crate::ingest::MsgKey, String> {
+    let ms = r.i64()?;
+    Ok(crate::ingest::MsgKey { ms, n: r.u64()? })
+}
+
 /// Skips the rest of a device record (after its id), checking that it decodes.
-fn skip_device(r: &mut Reader<'_>) -> Result<(), String> {
+fn skip_device(r: &mut Reader<'_>, tag: u8) -> Result<(), String> {
     let n = r.u32()?;
     for _ in 0..n {
         r.str()?;
@@ -592,6 +620,9 @@ fn skip_device(r: &mut Reader<'_>) -> Result<(), String> {
         if r.bool()? {
             r.str()?;
         }
+    }
+    if tag == TAG_DEVICE_KEYED {
+        read_mark(r)?;
     }
     Ok(())
 }
@@ -635,9 +666,9 @@ impl NewestFirst {
                 while r.at < payload.len() {
                     records.push((base + r.at, at));
                     let tag = r.u8()?;
-                    if tag == TAG_DEVICE {
+                    if is_device(tag) {
                         r.str()?;
-                        skip_device(&mut r)?;
+                        skip_device(&mut r, tag)?;
                     } else {
                         decode_one(&mut r, tag)?;
                     }
@@ -690,7 +721,7 @@ impl NewestFirst {
             ended |= is_end_only(payload);
             let mut r = Reader { bytes: payload, at: 0 };
             while r.at < payload.len() {
-                devices += (payload[r.at] == TAG_DEVICE) as usize;
+                devices += is_device(payload[r.at]) as usize;
                 self.apply_one(&mut r, into)?;
             }
             Ok(())
@@ -702,12 +733,12 @@ impl NewestFirst {
     /// Applies the record at `r` unless its key has a newer record already.
     fn apply_one(&mut self, r: &mut Reader<'_>, into: &mut super::Loaded) -> Result<(), String> {
         let tag = r.u8()?;
-        if tag == TAG_DEVICE {
+        if is_device(tag) {
             let id = r.str()?;
             if into.devices.contains_key(id) || self.gone.contains(id) {
-                return skip_device(r);
+                return skip_device(r, tag);
             }
-            return fill_device(r, into, id);
+            return fill_device(r, into, id, tag);
         }
         match decode_one(r, tag)? {
             Record::Device(id, None) => {

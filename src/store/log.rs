@@ -1263,8 +1263,21 @@ mod tests {
         bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
         fs::write(&log, bytes).unwrap();
         let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
-        assert!(err.contains("store format version 7") && err.contains("versions [1, 2, 3]"), "{err}");
+        assert!(err.contains("store format version 7") && err.contains("versions [1, 2, 3, 4]"), "{err}");
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// Every file of `dir` as an older hubcast wrote it: the same records under a `version` header.
+    fn as_written_by_version(dir: &Path, version: u32) {
+        for e in fs::read_dir(dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.ends_with(".log") || name.ends_with(".snap") {
+                let mut bytes = fs::read(e.path()).unwrap();
+                assert_eq!(bytes[8..12], format::VERSION.to_le_bytes());
+                bytes[8..12].copy_from_slice(&version.to_le_bytes());
+                fs::write(e.path(), bytes).unwrap();
+            }
+        }
     }
 
     #[test]
@@ -1273,21 +1286,55 @@ mod tests {
         write_some(&dir, 2);
         let expected = all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap());
         // Every file as the previous hubcast wrote it: the same records under a version 1 header.
-        for e in fs::read_dir(&dir).unwrap().flatten() {
-            let name = e.file_name().to_string_lossy().to_string();
-            if name.ends_with(".log") || name.ends_with(".snap") {
-                let mut bytes = fs::read(e.path()).unwrap();
-                assert_eq!(bytes[8..12], format::VERSION.to_le_bytes());
-                bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
-                fs::write(e.path(), bytes).unwrap();
-            }
-        }
+        as_written_by_version(&dir, 1);
         let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
         assert_eq!(all_devices(&o), expected);
         assert_eq!(expected.len(), 6);
         assert_eq!(o.loaded[0].sessions.get(&SessionId(7)).unwrap(), &vec![Box::<str>::from("dev-0-0")]);
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
         assert!(o.loaded.iter().all(|l| l.streams.is_empty()));
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// Design step 9: a device's read mark (the partition keys it applied) is stored with its
+    /// last values (format version 4) and comes back from a log and from a snapshot (a
+    /// re-shard writes one); files of version 3, which hold no marks, read as before.
+    #[test]
+    fn read_marks_come_back_and_a_data_dir_of_format_version_3_is_read_as_before() {
+        use crate::ingest::{MsgKey, ReadMark};
+        let dir = temp_dir("version-3");
+        write_some(&dir, 2);
+        let expected = all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap());
+        as_written_by_version(&dir, 3);
+        let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(all_devices(&o), expected);
+        assert_eq!(expected.len(), 6);
+        assert!(expected.iter().all(|(_, d)| d.mark.is_none()), "no marks in a version 3 file");
+        assert_eq!(o.resume_positions().get("p0"), Some(&2));
+        drop(o);
+        // A device that applied partition keys: its mark comes back with its values.
+        let mut d = device(4.0, "03");
+        assert!(!d.mark.take(MsgKey::partition(1, 1_700_000_000_000, 41)));
+        assert!(!d.mark.take(MsgKey::partition(1, 1_699_999_999_990, 42)));
+        let mark = d.mark;
+        {
+            let mut o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+            let home = core_of_device("marked", 2);
+            o.stores[home].put(Change::Device { id: "marked", device: Some(&d) });
+            o.stores[home].commit();
+            o.stores.iter_mut().for_each(|s| s.close().unwrap());
+        }
+        let marked = |o: &Opened| all_devices(o).into_iter().find(|(id, _)| &**id == "marked").map(|(_, d)| d);
+        let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
+        let back = marked(&o).expect("stored");
+        assert_eq!(back.mark, MsgKey::partition(1, 1_700_000_000_000, 42));
+        assert_eq!(ReadMark::from_key(back.mark), mark);
+        assert_eq!(back.telemetry, crate::store::data_of_device(&d).telemetry);
+        drop(o);
+        let o = open(&dir, 3, Options::new(Duration::ZERO)).unwrap();
+        assert_eq!(marked(&o).expect("re-sharded").mark, mark.key(), "through a snapshot");
+        assert_eq!(all_devices(&o).len(), 7);
         drop(o);
         let _ = fs::remove_dir_all(&dir);
     }

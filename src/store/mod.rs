@@ -135,6 +135,7 @@ pub fn data_of_device(d: &Device) -> DeviceData {
         telemetry,
         twin: d.twin.as_ref().map(|t| (t.doc.to_string(), t.at)),
         connection: d.connection.as_ref().map(|c| (c.connected, c.at, c.sequence.clone())),
+        mark: d.mark.key(),
     }
 }
 
@@ -151,6 +152,7 @@ pub fn device_from_owned(d: DeviceData) -> crate::shard::devices::Device {
     if let Some((connected, at, sequence)) = d.connection {
         device.connection = Some(ConnectionState { connected, at, sequence });
     }
+    device.mark = crate::ingest::ReadMark::from_key(d.mark);
     device
 }
 

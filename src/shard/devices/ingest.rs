@@ -14,7 +14,7 @@ use crate::ingest::ParsedTelemetry;
 impl DeviceTable {
     /// Applies one device message and pushes what it changed to the device's subscribers.
     pub fn ingest_and_publish(&mut self, msg: IngestMessage, now: Instant, out: &mut Vec<Delivery>) {
-        self.ingest_recording(msg, now, out, None);
+        self.ingest_recording(&msg, now, out, None);
     }
 
     /// [`Self::ingest_and_publish`]; with `record` (a durable store is on), a device whose
@@ -23,19 +23,36 @@ impl DeviceTable {
     /// later changes in the unit are marked and drained as before, so the store's last record
     /// of a device is always its state at the commit. This saves the dirty set's hashing and
     /// allocation and the second look-up at the commit per device (issue 25 item 4).
+    ///
+    /// Returns `false` for a message read again from its partition (its key was applied
+    /// already, design step 9: [`crate::ingest::ReadMark`]): counted, nothing applied or pushed.
     pub fn ingest_recording(
         &mut self,
-        msg: IngestMessage,
+        msg: &IngestMessage,
         now: Instant,
         out: &mut Vec<Delivery>,
         record: Option<&mut dyn FnMut(crate::shard::change::Change<'_>)>,
-    ) {
-        let arrived = msg.arrived;
+    ) -> bool {
+        let rereads = self.rereads;
         if let Some(mut publication) = self.ingest(msg, now, record) {
-            publication.arrived = arrived;
+            publication.arrived = msg.arrived;
             let device = publication.device.clone();
             self.publish(&device, publication, now, out);
         }
+        self.rereads == rereads
+    }
+
+    /// Messages recognised as read again from their partition and not applied twice.
+    pub fn rereads(&self) -> u64 {
+        self.rereads
+    }
+
+    /// Whether `key` was applied to `device` already; counted when so (design step 9).
+    #[inline]
+    fn reread(rereads: &mut u64, device: &mut Device, key: crate::ingest::MsgKey) -> bool {
+        let again = device.mark.take(key);
+        *rereads += again as u64;
+        again
     }
 
     /// Applies one device message to the owning shard; returns what subscribers should get
@@ -43,13 +60,13 @@ impl DeviceTable {
     /// [`Self::ingest_recording`].
     pub fn ingest(
         &mut self,
-        msg: IngestMessage,
+        msg: &IngestMessage,
         now: Instant,
         record: Option<&mut dyn FnMut(crate::shard::change::Change<'_>)>,
     ) -> Option<Publication> {
         // Borrowed, not moved out: a message is a few hundred bytes.
-        let IngestMessage { device_id, source, properties, body, enqueued_at, .. } = &msg;
-        let (device_id, body, source, enqueued_at): (&str, &[u8], _, _) = (device_id, body, *source, *enqueued_at);
+        let IngestMessage { device_id, source, properties, body, enqueued_at, key, .. } = msg;
+        let (device_id, body, source, enqueued_at, key): (&str, &[u8], _, _, _) = (device_id, body, *source, *enqueued_at, *key);
         if source != SourceKind::Telemetry || record.is_none() {
             self.dirty.device(device_id);
         }
@@ -67,6 +84,11 @@ impl DeviceTable {
                     Ok(()) => {}
                     Err(fault) => {
                         FAULTS.record(fault, Some(device_id), "telemetry body");
+                        if let Some(device) = self.devices.get_mut(device_id) {
+                            if Self::reread(&mut self.rereads, device, key) {
+                                return None;
+                            }
+                        }
                         self.dirty.device(device_id);
                         // The whole body goes to d2cMessages subscribers, whatever it holds.
                         let wants_message = self.devices.get(device_id).is_some_and(|d| d.wants(|a| a.subscribed_messages()));
@@ -87,6 +109,9 @@ impl DeviceTable {
                 let source = self.source;
                 // One look-up of the device per message.
                 let device = self.devices.entry_ref(device_id).or_default();
+                if Self::reread(&mut self.rereads, device, key) {
+                    return None;
+                }
                 Self::stamp(source, device);
                 let subscribed = subscribed_any(device);
                 let message = (subscribed && device.wants(|a| a.subscribed_messages())).then(|| crate::ingest::message_json(body));
@@ -149,6 +174,9 @@ impl DeviceTable {
                 let hub = self.hub_twins.is_some();
                 let source = self.source;
                 let device = self.devices.entry_ref(device_id).or_default();
+                if Self::reread(&mut self.rereads, device, key) {
+                    return None;
+                }
                 // Twin versions only grow: an event not newer than the cached twin arrived late.
                 if let (Some(new), Some(cached)) = (twin_version(&doc), device.twin.as_ref().and_then(|t| twin_version(&t.doc))) {
                     if new <= cached {
@@ -206,6 +234,9 @@ impl DeviceTable {
                 let at = header_time.unwrap_or_else(now_millis);
                 let source = self.source;
                 let device = self.devices.entry_ref(device_id).or_default();
+                if Self::reread(&mut self.rereads, device, key) {
+                    return None;
+                }
                 if let (Some(new), Some(old)) =
                     (sequence.as_deref(), device.connection.as_ref().and_then(|c| c.sequence.as_deref()))
                 {

@@ -124,6 +124,9 @@ pub struct Device {
     /// The unit of work ([`Dirty::unit`]) in which the device was last handed to the store
     /// as it was ingested ([`DeviceTable::ingest_recording`]).
     recorded_in: u32,
+    /// The partition keys applied (design step 9): a message read again after a takeover is
+    /// recognised by its key, not applied or pushed twice. Stored with the last values.
+    pub mark: crate::ingest::ReadMark,
 }
 
 /// [`Device::from`]: this instance's own source without partitions (`POST /ingest`, the
@@ -207,6 +210,8 @@ pub struct DeviceTable {
     scratch: String,
     /// The wall-clock time last read for a batch, and the batch's `now` ([`Self::wall_clock`]).
     wall_clock: Option<(Instant, Millis)>,
+    /// Messages read again from their partition, recognised and not applied (design step 9).
+    rereads: u64,
 }
 
 impl DeviceTable {
@@ -225,6 +230,7 @@ impl DeviceTable {
             source: (FROM_HERE, false),
             scratch: String::new(),
             wall_clock: None,
+            rereads: 0,
         }
     }
 
@@ -686,6 +692,7 @@ mod tests {
             body: format!(r#"{{"version":{version},"properties":{{"reported":{{"n":{version}}}}}}}"#).into_bytes(),
             enqueued_at: None,
             arrived: None,
+            key: Default::default(),
         };
         let mut out = Vec::new();
         for version in 10..10 + PENDING_TWIN_CHANGES + 2 {
@@ -720,6 +727,7 @@ mod tests {
             body: format!(r#"{{"n":{n},"_ts":{ts}}}"#).into_bytes(),
             enqueued_at: None,
             arrived: None,
+            key: Default::default(),
         }
     }
 
@@ -759,6 +767,55 @@ mod tests {
         // Values loaded from the store when scale-out starts, and one instance as it was.
         assert_eq!(t.loaded_not_current(), 3);
         assert!(!read(&mut t, "posted").0);
+    }
+
+    /// Design step 9: a partition message read again (its key applied already, as a replica
+    /// or from the partition) is neither applied nor pushed: the values do not go back to it
+    /// and the subscriber gets nothing; arrival keys (`POST /ingest`) are never re-reads.
+    #[test]
+    fn a_message_read_again_from_its_partition_is_not_applied_or_pushed_twice() {
+        use crate::ingest::MsgKey;
+        use crate::model::{DataKind, GrantKind, Subscription};
+        let mut t = table();
+        let now = Instant::now();
+        let session = SessionId(3);
+        let grant = Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None };
+        answer(&mut t, |done| DeviceOp::Grant { device: "d".into(), session, grant, done });
+        let sub = Subscription { kind: DataKind::Telemetry, key: None };
+        assert!(answer(&mut t, |permitted| DeviceOp::Subscribe { device: "d".into(), session, sub, permitted }));
+        let keyed = |n: i64, key: MsgKey| IngestMessage { key, ..telemetry("d", n, 1_000 + n) };
+        let mut out = Vec::new();
+        t.ingest_from(Source::Elsewhere);
+        for n in 1..=3 {
+            assert!(t.ingest_recording(&keyed(n, MsgKey::partition(0, 5_000, n)), now, &mut out, None));
+        }
+        assert_eq!((out.len(), t.rereads()), (3, 0));
+        // The taker reads 2 and 3 again from the checkpoint, then 4 is new.
+        t.ingest_from(Source::Partition("0", true));
+        for n in 2..=3 {
+            assert!(!t.ingest_recording(&keyed(n, MsgKey::partition(0, 5_000, n)), now, &mut out, None), "{n} read again");
+        }
+        assert_eq!((out.len(), t.rereads()), (3, 2), "nothing pushed, both counted");
+        assert_eq!(read(&mut t, "d").1, 1_003, "the values did not go back");
+        assert!(t.ingest_recording(&keyed(4, MsgKey::partition(0, 5_001, 4)), now, &mut out, None));
+        assert_eq!(out.len(), 4);
+        // Arrival keys and none: applied every time.
+        t.ingest_from(Source::Here);
+        let posted = keyed(5, MsgKey::arrival(5_000));
+        assert!(t.ingest_recording(&posted, now, &mut out, None) && t.ingest_recording(&posted, now, &mut out, None));
+        assert!(t.ingest_recording(&keyed(6, MsgKey::NONE), now, &mut out, None));
+        assert_eq!((out.len(), t.rereads()), (7, 2));
+        // A twin change and a connection event read again: dropped alike.
+        let twin = IngestMessage {
+            source: SourceKind::TwinChange,
+            body: br#"{"version":2,"properties":{"reported":{"x":1}}}"#.to_vec(),
+            key: MsgKey::partition(0, 5_001, 5),
+            ..telemetry("d", 0, 0)
+        };
+        t.ingest_from(Source::Partition("0", true));
+        t.ingest_recording(&twin, now, &mut out, None);
+        assert!(!t.ingest_recording(&twin, now, &mut out, None));
+        assert_eq!(t.rereads(), 3);
     }
 
     /// A replica is current while a socket here subscribes to the device (this instance
@@ -806,6 +863,7 @@ mod tests {
             body: format!(r#"{{"t":{v}}}"#).into_bytes(),
             enqueued_at: None,
             arrived: None,
+            key: Default::default(),
         };
         let records = std::cell::RefCell::new(Vec::new());
         let mut put = |c: Change<'_>| {
@@ -815,12 +873,12 @@ mod tests {
             }
         };
         let (now, mut out) = (Instant::now(), Vec::new());
-        table.ingest_recording(msg(1), now, &mut out, Some(&mut put));
-        table.ingest_recording(msg(22), now, &mut out, Some(&mut put));
+        table.ingest_recording(&msg(1), now, &mut out, Some(&mut put));
+        table.ingest_recording(&msg(22), now, &mut out, Some(&mut put));
         table.drain_dirty(&mut put);
         let d = |t: &str| ("d".to_string(), Some(t.to_string()));
         assert_eq!(records.take(), [d("1"), d("22")], "the last record of the unit is the state at its commit");
-        table.ingest_recording(msg(3), now, &mut out, Some(&mut put));
+        table.ingest_recording(&msg(3), now, &mut out, Some(&mut put));
         table.drain_dirty(&mut put);
         assert_eq!(records.take(), [d("3")], "recorded once, as ingested");
         // Without a sink (or without a store) the device is marked and drained as before.
