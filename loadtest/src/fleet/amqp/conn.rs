@@ -384,7 +384,7 @@ impl Conn {
             let mut done = 0;
             while done < n && out.len() < WRITE_BATCH {
                 let seq = part.next_seq.fetch_add(1, Ordering::Relaxed);
-                let device = &part.devices[(seq as usize) % part.devices.len()];
+                let device = &part.devices[super::device_index(seq, part.devices.len(), part.stride)];
                 wire::put_telemetry_transfer(out, channel, handle, session.next_delivery_id, device, seq, now_ms, sent_at);
                 session.next_delivery_id = session.next_delivery_id.wrapping_add(1);
                 session.next_outgoing_id = session.next_outgoing_id.wrapping_add(1);
