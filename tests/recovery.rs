@@ -694,6 +694,25 @@ fn sigterm(server: &mut Server) {
     );
 }
 
+/// A gateway keeping its state in `dir`, listening on `port` ("0": any).
+fn durable(dir: &TempDir, port: &str) -> Server {
+    Server::start(&["--data-dir", dir.path(), "--port", port])
+}
+
+/// Where the restart tests start: a gateway on a fresh data dir (its port, to restart on),
+/// a session reading `dev-1`'s d2c messages, and its Socket.IO client behind a cutter (the
+/// message before the cut numbered `first`, as in [`connected_behind`]), cut off.
+fn cut_off_on_a_data_dir(first: u64) -> (TempDir, Server, String, Cutter, SioClient) {
+    let dir = TempDir::new();
+    let server = durable(&dir, "0");
+    let port = server.port.to_string();
+    let session = d2c_session(&server, "dev-1");
+    let cutter = Cutter::start(server.port);
+    let client = connected_behind(&cutter, &server, &session, "websocket", first);
+    cut(&cutter, &server, &client, WS_GAUGE);
+    (dir, server, port, cutter, client)
+}
+
 /// Issue 24, "a graceful SIGTERM deploy", design step 5: the session's stream and pids are in
 /// the final commit and come back with the session on the same `--data-dir`. Twice: a client
 /// cut off before the stop (what was ingested before the stop and after the restart, 40
@@ -701,14 +720,8 @@ fn sigterm(server: &mut Server) {
 /// 10 ingested after the restart). The client reconnects by itself each time.
 #[test]
 fn a_sigterm_and_a_restart_on_the_same_data_dir_replay_what_the_client_missed() {
-    let dir = TempDir::new();
-    let start = |port: &str| Server::start(&["--data-dir", dir.path(), "--port", port]);
-    let mut server = start("0");
-    let port = server.port.to_string();
-    let session = d2c_session(&server, "dev-1");
-    let cutter = Cutter::start(server.port);
-    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
-    cut(&cutter, &server, &client, WS_GAUGE);
+    let (dir, mut server, port, cutter, client) = cut_off_on_a_data_dir(1000);
+    let start = |port: &str| durable(&dir, port);
     ingest_range(&server, 0, 20);
     sigterm(&mut server);
     server = start(&port);
@@ -865,14 +878,8 @@ fn kill_9(server: &mut Server) {
 /// `recovered` is true and all 60 arrive once, in order, then live data.
 #[test]
 fn a_kill_9_and_a_restart_on_the_same_data_dir_replay_what_was_committed() {
-    let dir = TempDir::new();
-    let start = |port: &str| Server::start(&["--data-dir", dir.path(), "--port", port]);
-    let mut server = start("0");
-    let port = server.port.to_string();
-    let session = d2c_session(&server, "dev-1");
-    let cutter = Cutter::start(server.port);
-    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
-    cut(&cutter, &server, &client, WS_GAUGE);
+    let (dir, mut server, port, cutter, client) = cut_off_on_a_data_dir(1000);
+    let start = |port: &str| durable(&dir, port);
     ingest_range(&server, 0, 50);
     server.wait_for_metric("hubcast_recovery_appended_frames_total", WAIT, Want::AtLeast(51.0));
     kill_9(&mut server);
@@ -895,20 +902,6 @@ fn a_kill_9_and_a_restart_on_the_same_data_dir_replay_what_was_committed() {
     let gone = client.wait_for("disconnect", WAIT).expect("the kill closes the socket");
     assert!(gone["reason"].as_str().unwrap().starts_with("transport "), "{gone}");
     cutter.hold();
-    if std::env::var("DUMP").is_ok() {
-        let mut files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.path()).collect();
-        files.sort();
-        for f in files {
-            let bytes = std::fs::read(&f).unwrap();
-            if bytes.len() < 16 || !f.to_string_lossy().ends_with(".log") { continue; }
-            eprintln!("== {}", f.display());
-            hubcast::store::format::read_frames(&bytes, &mut |r| match r {
-                hubcast::store::Record::StreamAppend(at, s) => eprintln!("append {at} {:?}", s.iter().map(|x| (x.1, x.2, x.3.len())).collect::<Vec<_>>()),
-                hubcast::store::Record::Device(..) | hubcast::store::Record::Access(..) => {}
-                other => eprintln!("{other:?}"),
-            });
-        }
-    }
     server = start(&port);
     ingest_range(&server, 60, 5);
     let back = come_back(&cutter, &client);
@@ -930,14 +923,8 @@ fn a_kill_9_and_a_restart_on_the_same_data_dir_replay_what_was_committed() {
 #[test]
 fn deliveries_posted_and_never_appended_before_a_crash_are_never_claimed_as_replayed() {
     use hubcast::store::format::{begin_frame, encode, end_frame, Change};
-    let dir = TempDir::new();
-    let start = |port: &str| Server::start(&["--data-dir", dir.path(), "--port", port]);
-    let mut server = start("0");
-    let port = server.port.to_string();
-    let session = d2c_session(&server, "dev-1");
-    let cutter = Cutter::start(server.port);
-    let client = connected_behind(&cutter, &server, &session, "websocket", 1000);
-    cut(&cutter, &server, &client, WS_GAUGE);
+    let (dir, mut server, port, cutter, client) = cut_off_on_a_data_dir(1000);
+    let start = |port: &str| durable(&dir, port);
     ingest_range(&server, 0, 5);
     server.wait_for_metric("hubcast_recovery_appended_frames_total", WAIT, Want::AtLeast(6.0));
     kill_9(&mut server);
@@ -978,14 +965,8 @@ fn deliveries_posted_and_never_appended_before_a_crash_are_never_claimed_as_repl
 fn a_kill_9_mid_firehose_never_claims_a_replay_it_cannot_make() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
-    let dir = TempDir::new();
-    let start = |port: &str| Server::start(&["--data-dir", dir.path(), "--port", port]);
-    let mut server = start("0");
-    let port = server.port.to_string();
-    let session = d2c_session(&server, "dev-1");
-    let cutter = Cutter::start(server.port);
-    let client = connected_behind(&cutter, &server, &session, "websocket", 1_000_000);
-    cut(&cutter, &server, &client, WS_GAUGE);
+    let (dir, mut server, port, cutter, client) = cut_off_on_a_data_dir(1_000_000);
+    let start = |port: &str| durable(&dir, port);
     let acked = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let firehose = {
