@@ -585,7 +585,7 @@ pub fn store_write(l: &crate::store::Loaded) -> Vec<u8> {
         encode(&mut file, Change::Access { device, session: *session, access: Some(&access) });
     }
     for (id, devices) in &l.sessions {
-        let set: hashbrown::HashSet<Box<str>> = devices.iter().cloned().collect();
+        let set: crate::shard::sessions::DeviceSet = devices.iter().collect();
         encode(&mut file, Change::Session { id: *id, devices: Some(&set) });
     }
     for (id, stream) in &l.streams {

@@ -275,10 +275,7 @@ impl Core {
                     if register_devices {
                         let mut added = false;
                         for op in &ops {
-                            if !record.devices.contains(op.device()) {
-                                record.devices.insert(op.device().into());
-                                added = true;
-                            }
+                            added |= record.devices.insert(op.device());
                         }
                         if added {
                             sessions.dirty.mark(session);
@@ -309,8 +306,8 @@ impl Core {
     }
 
     /// Drops a gone session's grants and subscriptions on every device it touched.
-    fn forget_session(self: &Rc<Self>, session: SessionId, devices: hashbrown::HashSet<Box<str>>) {
-        let ops: Vec<DeviceOp> = devices.into_iter().map(|device| DeviceOp::ForgetSession { device, session }).collect();
+    fn forget_session(self: &Rc<Self>, session: SessionId, devices: crate::shard::sessions::DeviceSet) {
+        let ops: Vec<DeviceOp> = devices.iter().map(|device| DeviceOp::ForgetSession { device: device.into(), session }).collect();
         if ops.is_empty() {
             return;
         }
@@ -477,7 +474,7 @@ impl Core {
             Some(record) => {
                 record.sockets.push(outlet);
                 record.had_socket = true;
-                (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>())
+                (record.sockets.len() == 1).then(|| record.devices.iter().map(Box::from).collect::<Vec<_>>())
             }
             None => return false,
         };
@@ -502,7 +499,7 @@ impl Core {
             sessions
                 .get(session)
                 .filter(|r| r.sockets.is_empty() && r.recovery.as_ref().is_none_or(|x| x.stream.is_none()))
-                .map(|r| r.devices.iter().cloned().collect::<Vec<_>>())
+                .map(|r| r.devices.iter().map(Box::from).collect::<Vec<_>>())
         };
         self.arm_clock();
         if let Some(devices) = last {

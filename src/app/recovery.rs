@@ -220,7 +220,7 @@ impl Core {
             let displaced =
                 displaced.and_then(|id| record.sockets.iter().find(|o| o.id == id).cloned());
             let first = (record.sockets.len() == 1)
-                .then(|| record.devices.iter().cloned().collect::<Vec<_>>());
+                .then(|| record.devices.iter().map(Box::from).collect::<Vec<_>>());
             (attached, displaced, first)
         };
         self.count_trimmed(aged);
@@ -294,7 +294,7 @@ impl Core {
             written = self.durable_record(recovery, created, now);
             record.sockets.push(outlet.clone());
             record.had_socket = true;
-            let first = (record.sockets.len() == 1).then(|| record.devices.iter().cloned().collect::<Vec<_>>());
+            let first = (record.sockets.len() == 1).then(|| record.devices.iter().map(Box::from).collect::<Vec<_>>());
             (resumed, first)
         };
         self.count_trimmed(aged);
@@ -614,7 +614,7 @@ impl Core {
                 }
                 // Its devices stayed watched for it (Core::detach_socket): no longer.
                 if record.sockets.is_empty() {
-                    unwatch = Some(record.devices.iter().cloned().collect::<Vec<_>>());
+                    unwatch = Some(record.devices.iter().map(Box::from).collect::<Vec<_>>());
                 }
             } else if let Some(at) = recovery.stream_deadline(window) {
                 self.recovery.deadlines.borrow_mut().push(Reverse((at, id)));
@@ -779,7 +779,7 @@ impl Core {
                 .iter()
                 .filter_map(|id| {
                     let record = sessions.get(*id).filter(|r| r.sockets.is_empty())?;
-                    Some((*id, record.devices.iter().cloned().collect()))
+                    Some((*id, record.devices.iter().map(Box::from).collect()))
                 })
                 .collect()
         };
@@ -829,7 +829,7 @@ impl Core {
                 let left = recovery.stream_deadline(window)?.saturating_duration_since(now);
                 let stored = recovery.to_stored(now, now_ms).filter(|_| !left.is_zero())?;
                 let head = recovery.stream.as_ref().map_or(0, |s| s.head());
-                Some((stored, record.devices.iter().cloned().collect::<Vec<_>>(), left, head))
+                Some((stored, record.devices.iter().map(Box::from).collect::<Vec<_>>(), left, head))
             })?
         };
         let mut blob = Vec::with_capacity(stored.encoded_bytes_at_most() + 32);
@@ -946,7 +946,7 @@ impl Core {
                 recovery.stream = None;
             }
             self.recovery.streamed.borrow_mut().remove(&session);
-            record.sockets.is_empty().then(|| record.devices.iter().cloned().collect::<Vec<_>>())
+            record.sockets.is_empty().then(|| record.devices.iter().map(Box::from).collect::<Vec<_>>())
         };
         if self.recovery.durable.get() {
             if let Some(store) = self.store.borrow_mut().as_mut() {
@@ -984,7 +984,7 @@ impl Core {
             record.recovery = Some(Box::new(recovery));
             self.recovery.streamed.borrow_mut().insert(session);
             self.recovery.adopting.borrow_mut().insert(session, pids);
-            (record.devices.iter().cloned().collect::<Vec<_>>(), trimmed, written)
+            (record.devices.iter().map(Box::from).collect::<Vec<_>>(), trimmed, written)
         };
         self.count_trimmed(trimmed);
         self.recovery_write(session, written);

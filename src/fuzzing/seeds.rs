@@ -174,7 +174,7 @@ fn store(dir: &Path) {
     let mut grants = crate::shard::Grants { device_twin: true, ..Default::default() };
     grants.telemetry.keys.push("temp".into());
     let grant = Access::new(grants, crate::shard::Subscriptions { connection_state: true, ..Default::default() });
-    let set: hashbrown::HashSet<Box<str>> = ["a".into(), "b".into()].into_iter().collect();
+    let set: crate::shard::sessions::DeviceSet = ["a", "b"].into_iter().collect();
     let records = |changes: &[Change<'_>]| {
         let mut out = Vec::new();
         for ch in changes {

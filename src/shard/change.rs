@@ -19,7 +19,7 @@ pub enum Change<'a> {
     /// One session's grants and subscriptions on one device; `None`: nothing left.
     Access { device: &'a str, session: SessionId, access: Option<&'a Access> },
     /// A session and the devices it has held grants on; `None`: the session is gone.
-    Session { id: SessionId, devices: Option<&'a hashbrown::HashSet<Box<str>>> },
+    Session { id: SessionId, devices: Option<&'a crate::shard::sessions::DeviceSet> },
     /// Every event of the source partition `key` up to sequence number `seq` is applied.
     Applied { key: &'a str, seq: i64 },
     /// A session's recovery stream and pids, written by a graceful shutdown and loaded back

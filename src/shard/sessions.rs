@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
 
-use crate::ids::SessionId;
+use crate::ids::{SessionId, SessionKey};
 use crate::push::outlet::Outlet;
 use crate::push::stream::SessionRecovery;
 use crate::shard::change::Change;
@@ -28,7 +28,7 @@ use crate::shard::change::Change;
 pub struct SessionRecord {
     last_active: Instant,
     /// Devices the session has held grants on: where to clean up when it goes.
-    pub devices: HashSet<Box<str>>,
+    pub devices: DeviceSet,
     /// Open sockets (each gets the session's data); a session with a socket never expires.
     pub sockets: SmallVec<[Rc<Outlet>; 1]>,
     /// A socket was attached once (with a grant, in `devices`: the session is in use).
@@ -45,8 +45,143 @@ impl SessionRecord {
     }
 }
 
+/// The devices a session has held grants on: while few, their ids in one buffer (each its
+/// length as a LEB128 varint, then its bytes); a hash set beyond [`DeviceSet::FEW`], so that
+/// adding one to a session on thousands of devices does not scan them all. Issue 25 item 3:
+/// a hash set of 10 boxed ids was 11 allocations, ~400 bytes per session; the buffer is one
+/// allocation of ~80 bytes.
+#[derive(Debug, Clone)]
+pub enum DeviceSet {
+    Few(Vec<u8>),
+    Many(Box<HashSet<Box<str>>>),
+}
+
+impl Default for DeviceSet {
+    fn default() -> Self {
+        DeviceSet::Few(Vec::new())
+    }
+}
+
+fn put_len(buf: &mut Vec<u8>, mut n: usize) {
+    loop {
+        let byte = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
+            buf.push(byte);
+            return;
+        }
+        buf.push(byte | 0x80);
+    }
+}
+
+/// The ids of a [`DeviceSet`].
+pub enum DeviceIter<'a> {
+    Few(&'a [u8]),
+    Many(hashbrown::hash_set::Iter<'a, Box<str>>),
+}
+
+impl<'a> Iterator for DeviceIter<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        match self {
+            DeviceIter::Few(rest) => {
+                if rest.is_empty() {
+                    return None;
+                }
+                let (mut len, mut shift, mut at) = (0usize, 0, 0);
+                loop {
+                    let byte = rest[at];
+                    at += 1;
+                    len |= ((byte & 0x7f) as usize) << shift;
+                    shift += 7;
+                    if byte & 0x80 == 0 {
+                        break;
+                    }
+                }
+                let (id, tail) = rest[at..].split_at(len);
+                *rest = tail;
+                // The bytes were copied from a `&str`.
+                Some(std::str::from_utf8(id).expect("a device id copied from a str"))
+            }
+            DeviceIter::Many(ids) => ids.next().map(|id| &**id),
+        }
+    }
+}
+
+impl DeviceSet {
+    /// Beyond this many ids, a hash set.
+    pub const FEW: usize = 32;
+
+    pub fn iter(&self) -> DeviceIter<'_> {
+        match self {
+            DeviceSet::Few(buf) => DeviceIter::Few(buf),
+            DeviceSet::Many(ids) => DeviceIter::Many(ids.iter()),
+        }
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        match self {
+            DeviceSet::Few(_) => self.iter().any(|x| x == id),
+            DeviceSet::Many(ids) => ids.contains(id),
+        }
+    }
+
+    /// Adds `id`; false when it was there already.
+    pub fn insert(&mut self, id: &str) -> bool {
+        if self.contains(id) {
+            return false;
+        }
+        match self {
+            DeviceSet::Few(buf) if self_len(buf) >= Self::FEW => {
+                let ids: HashSet<Box<str>> = DeviceIter::Few(buf).map(Box::from).chain([Box::from(id)]).collect();
+                *self = DeviceSet::Many(Box::new(ids));
+            }
+            DeviceSet::Few(buf) => {
+                // Exact: a session's ids are added once and kept (the allocator rounds up).
+                buf.reserve_exact(id.len() + 3);
+                put_len(buf, id.len());
+                buf.extend_from_slice(id.as_bytes());
+            }
+            DeviceSet::Many(ids) => {
+                ids.insert(id.into());
+            }
+        }
+        true
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceSet::Few(buf) => self_len(buf),
+            DeviceSet::Many(ids) => ids.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        match self {
+            DeviceSet::Few(buf) => buf.is_empty(),
+            DeviceSet::Many(ids) => ids.is_empty(),
+        }
+    }
+}
+
+fn self_len(buf: &[u8]) -> usize {
+    DeviceIter::Few(buf).count()
+}
+
+impl<S: AsRef<str>> FromIterator<S> for DeviceSet {
+    fn from_iter<I: IntoIterator<Item = S>>(ids: I) -> Self {
+        let mut set = DeviceSet::default();
+        for id in ids {
+            set.insert(id.as_ref());
+        }
+        set
+    }
+}
+
 pub struct SessionTable {
-    sessions: HashMap<SessionId, SessionRecord>,
+    /// Keyed 8-aligned ([`SessionKey`]): a `u128` key would pad each entry to 16.
+    sessions: HashMap<SessionKey, SessionRecord>,
     deadlines: BinaryHeap<Reverse<(Instant, SessionId)>>,
     grace: Duration,
     /// How long a session never used ([`SessionRecord::used`]) is kept (at most `grace`).
@@ -135,8 +270,8 @@ impl SessionTable {
         if full {
             return false;
         }
-        let record = SessionRecord { last_active: now, devices: HashSet::new(), sockets: SmallVec::new(), had_socket: false, recovery: None };
-        if self.sessions.insert(id, record).is_some() {
+        let record = SessionRecord { last_active: now, devices: DeviceSet::default(), sockets: SmallVec::new(), had_socket: false, recovery: None };
+        if self.sessions.insert(SessionKey::of(id), record).is_some() {
             self.released(1);
         }
         self.deadlines.push(Reverse((now + self.unused, id)));
@@ -146,36 +281,36 @@ impl SessionTable {
 
     /// Marks the session active; `None` when there is no such session.
     pub fn touch(&mut self, id: SessionId, now: Instant) -> Option<&mut SessionRecord> {
-        let record = self.sessions.get_mut(&id)?;
+        let record = self.sessions.get_mut(&SessionKey::of(id))?;
         record.last_active = now;
         Some(record)
     }
 
     pub fn get(&self, id: SessionId) -> Option<&SessionRecord> {
-        self.sessions.get(&id)
+        self.sessions.get(&SessionKey::of(id))
     }
 
     /// The session's record to change, without marking it active (a delivery is not activity).
     pub fn get_mut(&mut self, id: SessionId) -> Option<&mut SessionRecord> {
-        self.sessions.get_mut(&id)
+        self.sessions.get_mut(&SessionKey::of(id))
     }
 
     pub fn remove(&mut self, id: SessionId) -> Option<SessionRecord> {
         self.dirty.mark(id);
-        let record = self.sessions.remove(&id);
+        let record = self.sessions.remove(&SessionKey::of(id));
         self.released(record.iter().count());
         record
     }
 
     /// Every live session of this table (scale-out: their Redis keys are kept alive).
     pub fn ids(&self) -> Vec<SessionId> {
-        self.sessions.keys().copied().collect()
+        self.sessions.keys().map(|k| k.id()).collect()
     }
 
     pub fn drain(&mut self) -> Vec<(SessionId, SessionRecord)> {
         self.released(self.sessions.len());
         self.deadlines.clear();
-        let all: Vec<_> = self.sessions.drain().collect();
+        let all: Vec<_> = self.sessions.drain().map(|(k, r)| (k.id(), r)).collect();
         for (id, _) in &all {
             self.dirty.mark(*id);
         }
@@ -206,7 +341,7 @@ impl SessionTable {
                 break;
             }
             self.deadlines.pop();
-            let Some(record) = self.sessions.get(&id) else { continue };
+            let Some(record) = self.sessions.get(&SessionKey::of(id)) else { continue };
             let keep = self.keep(record);
             let due = record.last_active + keep;
             if !record.sockets.is_empty() {
@@ -218,7 +353,7 @@ impl SessionTable {
                 if keep < self.grace {
                     EXPIRED_UNUSED.fetch_add(1, Ordering::Relaxed);
                 }
-                expired.push((id, self.sessions.remove(&id).expect("present")));
+                expired.push((id, self.sessions.remove(&SessionKey::of(id)).expect("present")));
             } else {
                 self.deadlines.push(Reverse((due.max(now + keep / 4), id)));
             }
@@ -234,7 +369,7 @@ impl SessionTable {
         let mut ids = std::mem::take(&mut self.dirty.ids);
         let drained = ids.len();
         for id in ids.drain() {
-            put(Change::Session { id, devices: self.sessions.get(&id).map(|r| &r.devices) });
+            put(Change::Session { id, devices: self.sessions.get(&SessionKey::of(id)).map(|r| &r.devices) });
         }
         crate::shard::devices::shrink_after(&mut ids, drained);
         self.dirty.ids = ids;
@@ -242,7 +377,7 @@ impl SessionTable {
 
     pub fn for_each_state(&self, put: &mut dyn FnMut(Change<'_>)) {
         for (id, r) in &self.sessions {
-            put(Change::Session { id: *id, devices: Some(&r.devices) });
+            put(Change::Session { id: id.id(), devices: Some(&r.devices) });
         }
     }
 
@@ -260,7 +395,7 @@ impl SessionTable {
                 had_socket: true,
                 recovery: None,
             };
-            if self.sessions.insert(id, record).is_none() {
+            if self.sessions.insert(SessionKey::of(id), record).is_none() {
                 added += 1;
             }
             self.deadlines.push(Reverse((now + self.grace, id)));
@@ -311,7 +446,7 @@ mod tests {
         for id in [unused, granted, socket] {
             table.create(id, t0);
         }
-        table.touch(granted, t0).unwrap().devices.insert("d".into());
+        table.touch(granted, t0).unwrap().devices.insert("d");
         table.touch(socket, t0).unwrap().had_socket = true;
         assert_eq!(table.next_deadline(), Some(t0 + Duration::from_secs(60)));
         let gone = table.expire(t0 + Duration::from_secs(61));
@@ -325,5 +460,27 @@ mod tests {
         let mut table = SessionTable::new(Duration::from_secs(1), 1);
         assert!(table.create(SessionId(1), Instant::now()));
         assert!(!table.create(SessionId(2), Instant::now()));
+    }
+
+    /// A session's device set: one buffer while few, a hash set beyond, the same answers.
+    #[test]
+    fn device_sets_keep_ids_in_one_buffer_while_few() {
+        let mut set = DeviceSet::default();
+        assert!(set.is_empty() && set.iter().next().is_none());
+        let long = "x".repeat(300);
+        assert!(set.insert("dev-1") && set.insert(&long) && set.insert("é"));
+        assert!(!set.insert("dev-1"), "already there");
+        assert!(matches!(set, DeviceSet::Few(_)));
+        assert_eq!(set.iter().collect::<Vec<_>>(), ["dev-1", long.as_str(), "é"]);
+        assert!(set.contains(&long) && !set.contains("dev-2") && !set.contains("dev"));
+        for i in 0..DeviceSet::FEW * 2 {
+            set.insert(&format!("d{i}"));
+        }
+        assert!(matches!(set, DeviceSet::Many(_)));
+        assert_eq!(set.len(), DeviceSet::FEW * 2 + 3);
+        assert!(set.contains("é") && set.contains("d0") && !set.insert("d5"));
+        let few: DeviceSet = ["a", "b", "a"].into_iter().collect();
+        assert_eq!(few.len(), 2);
+        assert!(std::mem::size_of::<DeviceSet>() <= 24);
     }
 }

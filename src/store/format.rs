@@ -1136,7 +1136,7 @@ mod tests {
         }
         encode(&mut snapshot, Change::Access { device: "a", session: SessionId(1), access: Some(&grant) });
         encode(&mut snapshot, Change::Access { device: "b", session: SessionId(2), access: Some(&grant) });
-        let set: hashbrown::HashSet<Box<str>> = ["a".into()].into_iter().collect();
+        let set: crate::shard::sessions::DeviceSet = ["a"].into_iter().collect();
         encode(&mut snapshot, Change::Session { id: SessionId(1), devices: Some(&set) });
         encode(&mut snapshot, Change::Applied { key: "p", seq: 5 });
         end_frame(&mut snapshot, frame);

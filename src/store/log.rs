@@ -512,7 +512,7 @@ fn write_loaded_snapshot(path: &Path, loaded: &Loaded) -> io::Result<u64> {
         split(&mut buf, &mut frame);
     }
     for (id, devices) in &loaded.sessions {
-        let set: hashbrown::HashSet<Box<str>> = devices.iter().cloned().collect();
+        let set: crate::shard::sessions::DeviceSet = devices.iter().collect();
         format::encode(&mut buf, Change::Session { id: *id, devices: Some(&set) });
         split(&mut buf, &mut frame);
     }
@@ -1113,7 +1113,7 @@ mod tests {
         let twin = crate::shard::Grants { device_twin: true, ..Default::default() };
         let access = Access::new(twin, crate::shard::Subscriptions { device_twin: true, ..Default::default() });
         opened.stores[0].put(Change::Access { device: "dev-0-0", session: SessionId(7), access: Some(&access) });
-        let set: hashbrown::HashSet<Box<str>> = ["dev-0-0".into()].into_iter().collect();
+        let set: crate::shard::sessions::DeviceSet = ["dev-0-0"].into_iter().collect();
         opened.stores[0].put(Change::Session { id: SessionId(7), devices: Some(&set) });
         opened.stores[0].commit();
         opened.stores[1 % cores].put(Change::Device { id: "dev-x", device: Some(&device(9.0, "02")) });
