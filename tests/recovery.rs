@@ -1154,10 +1154,16 @@ fn an_adopted_history_past_the_window_is_not_recovered_and_live_data_flows() {
     // The adopter drops the history a window after the cut (an event, not a sleep).
     h.adopter.wait_for_metric("hubcast_recovery_trimmed_bytes_total{cause=\"window\"}", WAIT, Want::AtLeast(1.0));
     h.adopter.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    // With its history gone nobody watches the device any more; the client's socket on the
+    // adopter watches it again, and the other instance publishes once it knows.
+    let other_id = if h.adopter_id == "b" { "c" } else { "b" };
+    let elsewhere = format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}");
+    h.other.wait_for_metric(&elsewhere, WAIT, Want::Eq(0.0));
     h.cutter.retarget(h.adopter.port);
     let back = come_back(&h.cutter, &h.client);
     assert_eq!(back["recovered"], false, "{back}");
     assert_eq!(h.adopter.metric("hubcast_recovery_failed_total{reason=\"window\"}"), Some(1.0));
+    h.other.wait_for_metric(&elsewhere, WAIT, Want::Eq(1.0));
     h.other.ingest(message("dev-1", 7));
     assert_eq!(next_n(&h.client).0, 7, "live data at once, nothing of the past");
 }
