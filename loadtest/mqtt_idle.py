@@ -130,13 +130,7 @@ def read_packet(sock):
         mult *= 128
         if not b & 0x80:
             break
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise RuntimeError("closed")
-        data += chunk
-    return head[0], data
+    return head[0], recv_exact(sock, n)
 
 
 def main():

@@ -51,11 +51,7 @@ fn wait_watched_elsewhere(server: &Server, id: &str, n: f64) {
 
 /// A session opened on `server`, granted and subscribed to `device`'s telemetry.
 fn session_watching(server: &Server, device: &str) -> String {
-    let session = server.new_session();
-    let request = json!({"type": "telemetry", "deviceId": device});
-    server.grant(&session, request.clone());
-    assert_eq!(server.subscribe(&session, request).0, 204);
-    session
+    server.telemetry_session(&[device])
 }
 
 /// Instances A and B, a session opened on A watching `device`'s telemetry and its plain
@@ -723,12 +719,7 @@ fn a_slot_moved_under_a_pipeline_grouped_per_master_delivers_every_message_once_
     let master = cluster.owner_of(cluster.slot_of("t:device:g-0"));
     let devices: Vec<String> = (0..200).map(|i| format!("g-{i}")).filter(|d| cluster.owner_of(cluster.slot_of(&format!("t:device:{d}"))) == master).take(6).collect();
     assert_eq!(devices.len(), 6, "six devices on master {master}");
-    let session = a.new_session();
-    for d in &devices {
-        let request = json!({"type": "telemetry", "deviceId": d});
-        a.grant(&session, request.clone());
-        assert_eq!(a.subscribe(&session, request).0, 204);
-    }
+    let session = a.telemetry_session(&devices);
     let mut ws = b.live(&session);
     wait_watched_elsewhere(&a, "a", devices.len() as f64);
     let round = |n: i64| a.ingest(Value::Array(devices.iter().map(|d| json!({"deviceId": d, "body": {"n": n}})).collect()));
@@ -809,13 +800,8 @@ fn one_shard_subscriber_per_master_carries_every_device() {
     let Engine::Cluster(cluster) = &redis else { unreachable!() };
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
-    let session = b.new_session();
     let devices: Vec<String> = (0..30).map(|i| format!("spread-{i}")).collect();
-    for d in &devices {
-        let request = json!({"type": "telemetry", "deviceId": d});
-        b.grant(&session, request.clone());
-        assert_eq!(b.subscribe(&session, request).0, 204);
-    }
+    let session = b.telemetry_session(&devices);
     let mut ws = b.live(&session);
     wait_watched_elsewhere(&a, "a", devices.len() as f64);
     for (i, d) in devices.iter().enumerate() {

@@ -62,6 +62,11 @@ fn device(p: usize) -> String {
     format!("dev-{p}")
 }
 
+/// One device per partition, in partition order.
+fn all_devices() -> Vec<String> {
+    (0..PARTITIONS.len()).map(device).collect()
+}
+
 fn publish_round(hub: &FakeHub, n: i64) {
     for (p, partition) in PARTITIONS.iter().enumerate() {
         hub.publish(partition, NewEvent::telemetry(&device(p), json!({"n": n})));
@@ -70,12 +75,7 @@ fn publish_round(hub: &FakeHub, n: i64) {
 
 /// A new session on `server` granted and subscribed to every device's telemetry.
 fn subscribed_to_every_device(server: &Server) -> String {
-    let session = server.new_session();
-    for p in 0..PARTITIONS.len() {
-        let request = json!({"type": "telemetry", "deviceId": device(p)});
-        server.grant(&session, request.clone());
-        assert_eq!(server.subscribe(&session, request).0, 204);
-    }
+    let session = server.telemetry_session(&all_devices());
     session
 }
 
@@ -128,20 +128,10 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
         .sum();
     assert_eq!(owned, PARTITIONS.len() as f64);
     // A live client on C subscribed to every device: it gets each event once, whoever reads it.
-    let session = c.new_session();
-    for p in 0..PARTITIONS.len() {
-        let request = json!({"type": "telemetry", "deviceId": device(p)});
-        c.grant(&session, request.clone());
-        assert_eq!(c.subscribe(&session, request).0, 204);
-    }
+    let session = c.telemetry_session(&all_devices());
     let mut live = c.live(&session);
     // And the real socket.io-client on B, with a session of its own opened on C.
-    let sio_session = c.new_session();
-    for p in 0..PARTITIONS.len() {
-        let request = json!({"type": "telemetry", "deviceId": device(p)});
-        c.grant(&sio_session, request.clone());
-        assert_eq!(c.subscribe(&sio_session, request).0, 204);
-    }
+    let sio_session = c.telemetry_session(&all_devices());
     let sio = b.socketio(&[&sio_session], "websocket");
     assert!(sio.wait_for("connect", WAIT).is_some());
     // B and C watch every device; every instance knows the others do before data flows.
@@ -254,12 +244,7 @@ fn a_survivor_reads_on_while_a_peer_dies_and_restarts_moving_links_on_its_open_c
     let a = instance(&redis, &hub, "a");
     let b = instance(&redis, &hub, "b");
     wait_balanced(&[(&a, "a"), (&b, "b")]);
-    let session = b.new_session();
-    for p in 0..PARTITIONS.len() {
-        let request = json!({"type": "telemetry", "deviceId": device(p)});
-        b.grant(&session, request.clone());
-        assert_eq!(b.subscribe(&session, request).0, 204);
-    }
+    let session = b.telemetry_session(&all_devices());
     let mut live = b.live(&session);
     a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));
     // Reads every round up to `last` from the socket: each device's rounds, in arrival order.

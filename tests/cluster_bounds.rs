@@ -43,19 +43,23 @@ fn read_until(ws: &mut common::ws::Live, want: i64, within: Duration, seen: &mut
     false
 }
 
-fn cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes(redis: Engine) {
-    let a = instance(&redis, "a", &[]);
-    let b = instance(&redis, "b", &["--cores", "1", "--redis-inbound-bytes", "262144"]);
-    let session = b.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "big"});
-    b.grant(&session, request.clone());
-    assert_eq!(b.subscribe(&session, request).0, 204);
+/// Instances `a` and `b` on `redis`, a socket on B subscribed to device `big`, and proof that
+/// a message ingested on A (`n` = 0) reaches it: the positive message every bound test below
+/// starts from.
+fn crossing(redis: &Engine, a_flags: &[&str], b_flags: &[&str]) -> (Server, Server, common::ws::Live, Vec<i64>) {
+    let a = instance(redis, "a", a_flags);
+    let b = instance(redis, "b", b_flags);
+    let session = b.telemetry_session(&["big"]);
     let mut ws = b.live(&session);
     a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(1.0));
-    // A message crosses while the core keeps up.
     a.ingest(json!({"deviceId": "big", "body": {"n": 0}}));
     let mut seen = Vec::new();
     assert!(read_until(&mut ws, 0, WAIT, &mut seen), "a message ingested on A reaches B's socket first: {seen:?}");
+    (a, b, ws, seen)
+}
+
+fn cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes(redis: Engine) {
+    let (a, b, mut ws, mut seen) = crossing(&redis, &[], &["--cores", "1", "--redis-inbound-bytes", "262144"]);
 
     // B's only core blocked; A ingests 40 messages of 16 KiB (640 KiB) of B's device.
     let url = b.url("");
@@ -133,17 +137,7 @@ fn thousands_of_device_channels_subscribed_at_once_on_a_cluster_stay_in_step() {
 #[test]
 fn publications_past_the_command_queue_byte_bound_are_dropped_not_queued() {
     let redis = Engine::single();
-    let a = instance(&redis, "a", &["--redis-command-bytes", "65536"]);
-    let b = instance(&redis, "b", &[]);
-    let session = b.new_session();
-    let request = json!({"type": "telemetry", "deviceId": "big"});
-    b.grant(&session, request.clone());
-    assert_eq!(b.subscribe(&session, request).0, 204);
-    let mut ws = b.live(&session);
-    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(1.0));
-    a.ingest(json!({"deviceId": "big", "body": {"n": 0}}));
-    let mut seen = Vec::new();
-    assert!(read_until(&mut ws, 0, WAIT, &mut seen), "a message crosses first: {seen:?}");
+    let (a, _b, mut ws, _) = crossing(&redis, &["--redis-command-bytes", "65536"], &[]);
 
     assert_eq!(redis.command("CLIENT PAUSE 4000 ALL").as_deref(), Some("+OK\r\n"));
     let paused = Instant::now();

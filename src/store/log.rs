@@ -1280,16 +1280,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_data_dir_of_format_version_1_is_read_as_before() {
-        let dir = temp_dir("version-1");
+    /// A data dir written by [`write_some`] on 2 cores, its files then put back to format
+    /// `version` ([`as_written_by_version`]), opened again: the same six devices come back.
+    /// Returns the dir, what was opened, and the devices as written.
+    fn read_as_written_by_version(name: &str, version: u32) -> (PathBuf, Opened, Vec<(Box<str>, DeviceData)>) {
+        let dir = temp_dir(name);
         write_some(&dir, 2);
         let expected = all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap());
-        // Every file as the previous hubcast wrote it: the same records under a version 1 header.
-        as_written_by_version(&dir, 1);
+        as_written_by_version(&dir, version);
         let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
         assert_eq!(all_devices(&o), expected);
         assert_eq!(expected.len(), 6);
+        (dir, o, expected)
+    }
+
+    #[test]
+    fn a_data_dir_of_format_version_1_is_read_as_before() {
+        // Every file as the previous hubcast wrote it: the same records under a version 1 header.
+        let (dir, o, _) = read_as_written_by_version("version-1", 1);
         assert_eq!(o.loaded[0].sessions.get(&SessionId(7)).unwrap(), &vec![Box::<str>::from("dev-0-0")]);
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
         assert!(o.loaded.iter().all(|l| l.streams.is_empty()));
@@ -1303,13 +1311,7 @@ mod tests {
     #[test]
     fn read_marks_come_back_and_a_data_dir_of_format_version_3_is_read_as_before() {
         use crate::ingest::{MsgKey, ReadMark};
-        let dir = temp_dir("version-3");
-        write_some(&dir, 2);
-        let expected = all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap());
-        as_written_by_version(&dir, 3);
-        let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
-        assert_eq!(all_devices(&o), expected);
-        assert_eq!(expected.len(), 6);
+        let (dir, o, expected) = read_as_written_by_version("version-3", 3);
         assert!(expected.iter().all(|(_, d)| d.mark.is_none()), "no marks in a version 3 file");
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
         drop(o);

@@ -307,6 +307,18 @@ impl Server {
         assert!(text.is_empty(), "PUT /grants answered 204 with a body: {text:?}");
     }
 
+    /// A new session granted and subscribed (204) to the telemetry of each of `devices`.
+    pub fn telemetry_session<D: AsRef<str>>(&self, devices: &[D]) -> String {
+        let session = self.new_session();
+        for device in devices {
+            let request = json!({"type": "telemetry", "deviceId": device.as_ref()});
+            self.grant(&session, request.clone());
+            let (status, body) = self.subscribe(&session, request);
+            assert_eq!(status, 204, "PUT /subscription answered {status}: {body}");
+        }
+        session
+    }
+
     /// DELETE /grants with the admin key; returns status and body.
     pub fn try_revoke(&self, session: &str, grant: Value) -> (u16, String) {
         let (status, body, _) = self.call("DELETE", "/grants", &[ADMIN], Some(with_session(session, grant)));
