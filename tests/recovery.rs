@@ -10,50 +10,10 @@ use std::time::Duration;
 
 use common::lb::Cutter;
 use common::rawws::{client_frame, raw_upgrade, text_until, KEY};
+use common::recovery::*;
 use common::sio::{socketio_at, SioClient};
 use common::*;
 use serde_json::{json, Value};
-
-const WAIT: Duration = Duration::from_secs(10);
-/// What the client prints: `recovered`, pid presence, each event's offset.
-const PRINT: (&str, &str) = ("SIO_PRINT_OFFSETS", "1");
-/// Reconnect attempts 100 ms apart (the default backs off to 5 s).
-const FAST: (&str, &str) = ("SIO_RECONNECT_DELAY", "100");
-
-/// A session granted and subscribed to `device`'s d2c messages.
-fn d2c_session(server: &Server, device: &str) -> String {
-    let session = server.new_session();
-    server.grant(&session, kind("d2cMessages", device));
-    let (status, body) = server.subscribe(&session, kind("d2cMessages", device));
-    assert_eq!(status, 204, "{body}");
-    session
-}
-
-fn message(device: &str, n: u64) -> Value {
-    json!({"deviceId": device, "body": {"n": n}})
-}
-
-/// `seq` of an offset `h1.<epoch>.<seq>` (base 36), and its epoch text.
-fn seq_of(offset: &str) -> (String, u64) {
-    let parts: Vec<&str> = offset.split('.').collect();
-    assert_eq!(parts.len(), 3, "{offset}");
-    assert_eq!(parts[0], "h1", "{offset}");
-    (
-        parts[1].to_string(),
-        u64::from_str_radix(parts[2], 36).unwrap_or_else(|_| panic!("{offset}")),
-    )
-}
-
-/// The next `data` event's message `n` (skipping other events but a disconnect).
-fn next_n(client: &SioClient) -> (u64, Value) {
-    let e = client.wait_for("data", WAIT).expect("a data event");
-    (
-        e["data"]["message"]["n"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("a d2c message: {e}")),
-        e,
-    )
-}
 
 #[test]
 fn each_event_carries_a_string_offset_after_an_unchanged_envelope() {
@@ -136,46 +96,6 @@ fn recovery_window_0_gives_todays_bytes_and_the_default_a_pid_and_offsets() {
         }
     }
 }
-
-/// A client behind a [`Cutter`] with fast reconnects, connected and past one message (so it
-/// holds an offset); returns the client.
-fn connected_behind(
-    cutter: &Cutter,
-    server: &Server,
-    session: &str,
-    transports: &str,
-    first: u64,
-) -> SioClient {
-    let client = socketio_at(&cutter.base(), &[session], transports, true, &[PRINT, FAST]);
-    let connected = client.wait_for("connect", WAIT).expect("connect");
-    assert_eq!(connected["pid"], true, "{connected}");
-    server.ingest(message("dev-1", first));
-    assert_eq!(next_n(&client).0, first, "a first message before the cut");
-    client
-}
-
-/// Cuts the client off and waits until it knows and the server has let the socket go.
-fn cut(cutter: &Cutter, server: &Server, client: &SioClient, gauge: &str) {
-    cutter.cut();
-    let gone = client
-        .wait_for("disconnect", WAIT)
-        .expect("the client sees the cut");
-    assert_eq!(gone["reason"], "transport close", "{gone}");
-    server.wait_for_metric(gauge, WAIT, Want::Eq(0.0));
-}
-
-/// Lets the client back in once it has been refused at least once (a real outage), and
-/// returns its `connect` event.
-fn come_back(cutter: &Cutter, client: &SioClient) -> Value {
-    assert!(
-        cutter.wait(WAIT, |c| c.refused() >= 1),
-        "the client tried to reconnect while cut off"
-    );
-    cutter.release();
-    client.wait_for("connect", WAIT).expect("reconnected")
-}
-
-const WS_GAUGE: &str = "hubcast_sockets{transport=\"socketio_websocket\"}";
 
 /// Issue 24's blip: 50 d2c messages ingested while the client is cut off arrive once, in
 /// order, before a live one posted after the reconnect, and `socket.recovered` is true.
@@ -586,19 +506,6 @@ fn offsets_and_since_are_refused_before_the_upgrade_when_they_cannot_hold() {
 
 // ---- several instances: a blip on one, messages taken in by another ---------------------------
 
-fn instance(redis: &common::redis::Redis, id: &str) -> Server {
-    instance_with(redis, id, &[])
-}
-
-fn instance_with(redis: &common::redis::Redis, id: &str, extra: &[&str]) -> Server {
-    let url = redis.url();
-    let mut args = vec!["--redis-url", &url, "--instance-id", id, "--redis-prefix", "t"];
-    args.extend_from_slice(extra);
-    let server = Server::start(&args);
-    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
-    server
-}
-
 #[test]
 fn a_blip_on_one_instance_recovers_what_another_instance_took_in_meanwhile() {
     let redis = common::redis::Redis::start();
@@ -681,17 +588,6 @@ fn ingest_range(server: &Server, from: u64, n: u64) {
     server.ingest(json!((from..from + n)
         .map(|i| message("dev-1", i))
         .collect::<Vec<_>>()));
-}
-
-/// A graceful stop: SIGTERM, and a clean exit.
-fn sigterm(server: &mut Server) {
-    server.signal(libc::SIGTERM);
-    let exit = server.wait_exit(WAIT).expect("exits after SIGTERM");
-    assert!(
-        exit.success(),
-        "{exit:?}\n{}",
-        server.stderr_lines().join("\n")
-    );
 }
 
 /// A gateway keeping its state in `dir`, listening on `port` ("0": any).
@@ -1031,41 +927,6 @@ fn adopter<'a>(servers: [(&'a Server, &'a str); 2]) -> usize {
         }
         assert!(std::time::Instant::now() < deadline, "no instance confirmed the adoption");
         std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Every command Redis runs from its start on, as `MONITOR` prints them (a thread reads).
-struct Monitor {
-    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-}
-
-impl Monitor {
-    fn start(port: u16) -> Monitor {
-        use std::io::BufRead;
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("redis");
-        stream.write_all(b"MONITOR\r\n").unwrap();
-        let lines: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
-        let into = lines.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stream).lines() {
-                let Ok(line) = line else { break };
-                into.lock().unwrap().push(line);
-            }
-        });
-        Monitor { lines }
-    }
-
-    fn count(&self, needle: &str) -> usize {
-        self.lines.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
-    }
-
-    /// Waits until more than `n` commands name `needle`.
-    fn wait_past(&self, needle: &str, n: usize) {
-        let deadline = std::time::Instant::now() + WAIT;
-        while self.count(needle) <= n {
-            assert!(std::time::Instant::now() < deadline, "no command naming {needle} within {WAIT:?}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
     }
 }
 

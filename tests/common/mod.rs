@@ -21,6 +21,7 @@ pub mod process;
 pub mod lb;
 pub mod redis;
 pub mod rawws;
+pub mod recovery;
 pub mod sio;
 pub mod ws;
 
