@@ -378,7 +378,8 @@ impl Core {
     fn apply_ingest_from(&self, batch: Vec<IngestMessage>, local: Option<Option<&str>>) -> Vec<Delivery> {
         let now = Instant::now();
         let mut deliveries = Vec::with_capacity(self.deliveries_hint.get());
-        let relay = if local.is_some() { self.relay.borrow().clone() } else { None };
+        let any_relay = self.relay.borrow().clone();
+        let relay = if local.is_some() { any_relay.clone() } else { None };
         {
             let mut devices = self.devices.borrow_mut();
             devices.ingest_from(match local {
@@ -404,6 +405,11 @@ impl Core {
                 if devices.ingest_recording(&msg, now, &mut deliveries, record) {
                     if let Some(relay) = &relay {
                         relay.offer(&msg);
+                    }
+                    // Kept for a rebuild on this instance (design step 10): after `offer`,
+                    // which does not move it.
+                    if let Some(relay) = &any_relay {
+                        relay.ring(&msg, local.is_some());
                     }
                 }
             }
@@ -450,10 +456,13 @@ impl Core {
         let mut trimmed = crate::push::stream::Trimmed::default();
         for d in &deliveries {
             if let Some(record) = sessions.get_mut(d.session) {
-                let seq = self.recovery_push(d.session, record, &d.frame, &mut now, &mut trimmed);
+                let (seq, part) = self.recovery_push(d.session, record, d, &mut now, &mut trimmed);
                 for outlet in &record.sockets {
                     if outlet.deliver_seq(d, seq) == Delivered::Conflated {
                         self.metrics.conflated(1);
+                    }
+                    if let Some(part) = &part {
+                        outlet.set_part(seq, part);
                     }
                 }
             }

@@ -138,7 +138,7 @@ mod tests {
     use crate::runtime::mesh::{MeshLimits, Outgoing};
 
     fn delivery(session: u128, device: &str, kind: FrameKind, frame: &str) -> Delivery {
-        Delivery { session: SessionId(session), device: device.into(), kind, frame: frame.into(), arrived: None }
+        Delivery { session: SessionId(session), device: device.into(), kind, frame: frame.into(), arrived: None, key: Default::default() }
     }
 
     fn frames(batch: &[CoreMsg]) -> Vec<String> {

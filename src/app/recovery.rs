@@ -81,6 +81,10 @@ pub struct CoreRecovery {
     /// CONNECTs waiting for a history asked of another instance (design step 6b), woken by
     /// the verdict or [`TAKE_WAIT`]; one per waiting socket (bounded by the connections).
     takers: RefCell<hashbrown::HashMap<SessionId, Vec<futures_channel::oneshot::Sender<()>>>>,
+    /// With a relay (`--redis-url`) and a window: every offset carries its stream's device
+    /// part ([`crate::push::cut`]), so another instance can rebuild it (design steps 10–11).
+    /// Off on one instance: nothing to rebuild on, nothing paid.
+    pub cuts: Cell<bool>,
 }
 
 /// How long a CONNECT waits for its history to come from another instance (design step 6b:
@@ -113,6 +117,7 @@ impl CoreRecovery {
             handed: RefCell::default(),
             adopting: RefCell::default(),
             takers: RefCell::default(),
+            cuts: Cell::new(false),
         }
     }
 
@@ -490,25 +495,27 @@ impl Core {
         &self,
         session: SessionId,
         record: &mut crate::shard::sessions::SessionRecord,
-        frame: &Arc<str>,
+        d: &crate::push::Delivery,
         clock: &mut Option<PushClock>,
         trimmed: &mut Trimmed,
-    ) -> u64 {
+    ) -> (u64, Option<Rc<str>>) {
         let Some(stream) = record
             .recovery
             .as_deref_mut()
             .and_then(|r| r.stream.as_mut())
         else {
-            return 0;
+            return (0, None);
         };
         let clock = clock.get_or_insert_with(|| {
             PushClock::new(Instant::now(), self.recovery.window.unwrap_or_default())
         });
+        let frame = &d.frame;
         let seq = stream.push_at(frame, clock, self.recovery.session_bytes, trimmed);
         if self.recovery.durable.get() {
             self.recovery.appends.borrow_mut().add(session, stream.epoch(), seq, frame);
         }
-        seq
+        let part = self.recovery.cuts.get().then(|| stream.cuts.note(&d.device, d.key));
+        (seq, part)
     }
 
     /// After a delivery batch: count what was trimmed, and hold the core bound.

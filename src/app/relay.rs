@@ -16,6 +16,10 @@ pub trait Relay {
     /// A device message from a source of this instance, about to be applied on this, its
     /// device's, core: the relay sends it on if another instance watches the device.
     fn offer(&self, msg: &IngestMessage);
+    /// A device message applied on this, its device's, core (`here`: from a source of this
+    /// instance; else published here by another): kept in the device's ring while another
+    /// instance may need it rebuilt here (design step 10, `cluster/ring.rs`).
+    fn ring(&self, _msg: &IngestMessage, _here: bool) {}
     /// The end of a burst of [`Relay::offer`]s: hand what was offered over.
     fn flush(&self);
     /// Devices this instance started (`true`) or stopped watching: a session with a socket

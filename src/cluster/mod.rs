@@ -41,6 +41,7 @@ mod link;
 mod names;
 mod queue;
 mod resend;
+pub mod ring;
 mod shards;
 pub mod wire;
 
@@ -204,6 +205,9 @@ pub struct Stats {
     pub republished: AtomicU64,
     pub republish_given_up: AtomicU64,
     pub instances: AtomicU64,
+    /// Charged bytes of the device rings of every core (ring.rs; wrapping adds of signed
+    /// changes).
+    pub ring_bytes: AtomicU64,
     pub watched_here: AtomicU64,
     pub watched_elsewhere: AtomicU64,
     pub leases: AtomicU64,
@@ -386,6 +390,7 @@ impl Cluster {
             ("hubcast_redis_commands_refused_total".into(), "Commands refused because the queue to the Redis thread was full (1,024 commands or --redis-command-bytes): a publication dropped, a change answered 503.".into(), label.clone(), get(&s.commands_refused)),
             ("hubcast_redis_overruns_total".into(), "Times the cores fell --redis-inbound-bytes behind what Redis sent: the subscriber was dropped and made again (messages meanwhile lost, as in an outage).".into(), label.clone(), get(&s.overruns)),
             ("hubcast_redis_duplicates_dropped_total".into(), "Device messages received again from another instance (published again after a slot move) and not applied twice.".into(), label.clone(), get(&s.duplicates)),
+            ("hubcast_recovery_ring_bytes".into(), "Charged bytes of the device rings kept for rebuilding a history on this instance after another died (docs/design/recovery.md steps 10-11; bounded per core by --recovery-core-bytes).".into(), label.clone(), get(&s.ring_bytes)),
             ("hubcast_redis_watch_resyncs_total".into(), "Watches (instance, device) corrected by reading the instances' watching sets: an announcement on the watch channel was missed.".into(), label.clone(), get(&s.watch_resyncs)),
         ])
         .chain(adopt::OUTCOMES.iter().enumerate().map(|(i, outcome)| {
@@ -461,8 +466,10 @@ impl CorePlugin for Cluster {
             cluster: self.cluster,
             adopt_blob_max: adopt::blob_max(core.settings.config.recovery_session_bytes),
             adopt_budget: std::cell::Cell::new(adopt::SEND_BYTES / core.cores().max(1)),
+            rings: core.recovery.window.map(|w| RefCell::new(ring::Rings::new(w, core.recovery.core_bytes))),
         });
         *core.relay.borrow_mut() = Some(relay.clone());
+        core.recovery.cuts.set(core.recovery.window.is_some());
         monoio::spawn(serve(core.clone(), relay, inbound));
         monoio::spawn(refresh(core.clone(), self.commands.clone(), self.refresh));
     }
@@ -487,6 +494,8 @@ struct CoreRelay {
     /// The largest recovery history handed over, and what this core may still send (adopt.rs).
     adopt_blob_max: usize,
     adopt_budget: std::cell::Cell<usize>,
+    /// Device rings (ring.rs, design step 10); `None` with recovery off.
+    rings: Option<RefCell<ring::Rings>>,
 }
 
 #[derive(Default)]
@@ -496,6 +505,15 @@ struct Outbox {
 }
 
 impl Relay for CoreRelay {
+    fn ring(&self, msg: &IngestMessage, here: bool) {
+        let Some(rings) = &self.rings else { return };
+        let watched = here && self.remote.borrow().contains(&*msg.device_id);
+        let change = rings.borrow_mut().note(msg, here, watched, std::time::Instant::now());
+        if change != 0 {
+            self.stats.ring_bytes.fetch_add(change as u64, Ordering::Relaxed);
+        }
+    }
+
     fn offer(&self, msg: &IngestMessage) {
         if !self.remote.borrow().contains(&*msg.device_id) {
             return;

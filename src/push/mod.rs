@@ -11,6 +11,7 @@
 //! and its sessions hold outlets; push itself knows nothing of devices, grants or sessions'
 //! state.
 
+pub mod cut;
 pub mod envelope;
 pub mod linger;
 pub mod outlet;
@@ -43,4 +44,7 @@ pub struct Delivery {
     /// single message caused (throttled telemetry sent later, TTL expiry, a twin completed
     /// by a hub read): their wait is hubcast's own choice, not delivery latency.
     pub arrived: Option<crate::metrics::Arrival>,
+    /// The key of the device message it carries ([`crate::ingest::MsgKey::NONE`] for frames
+    /// no single message caused): the stream's device part names it (design step 10, [`cut`]).
+    pub key: crate::ingest::MsgKey,
 }

@@ -260,7 +260,15 @@ pub struct Outlet {
     /// `h1.<epoch>.`: the socket gets each envelope's offset (connection state recovery,
     /// [`super::stream`]); `None`: no offsets.
     offsets: RefCell<Option<Rc<str>>>,
+    /// The device parts of queued envelopes' offsets, by seq, oldest first (with
+    /// `--redis-url`: [`super::cut`]). Bounded: at most [`MAX_PARTS`], the oldest dropped
+    /// first (its frame's offset then has no part: a rebuild from it fails, honestly); an
+    /// entry leaves when the writer passes its seq.
+    parts: RefCell<std::collections::VecDeque<(u64, Rc<str>)>>,
 }
+
+/// Device parts an outlet holds at most (one per queued envelope of a streamed session).
+pub const MAX_PARTS: usize = 4096;
 
 /// What the writer got from one drain.
 pub struct Drained {
@@ -300,6 +308,7 @@ impl Outlet {
             held: Cell::new(false),
             listed: Cell::new(false),
             offsets: RefCell::new(None),
+            parts: RefCell::default(),
         })
     }
 
@@ -422,6 +431,39 @@ impl Outlet {
             return Delivered::Dropped;
         }
         outcome
+    }
+
+    /// The device part of the offset of the envelope queued with `seq` ([`super::cut`]).
+    pub fn set_part(&self, seq: u64, part: &Rc<str>) {
+        if seq == 0 || self.offsets.borrow().is_none() {
+            return;
+        }
+        let mut parts = self.parts.borrow_mut();
+        if parts.len() >= MAX_PARTS {
+            parts.pop_front();
+        }
+        parts.push_back((seq, part.clone()));
+    }
+
+    /// The device part for the envelope with `seq` the writer is about to write (parts of
+    /// lower seqs are dropped: their frames were conflated away or written).
+    pub fn take_part(&self, seq: u64) -> Option<Rc<str>> {
+        let mut parts = self.parts.borrow_mut();
+        if parts.is_empty() {
+            return None;
+        }
+        while parts.front().is_some_and(|(s, _)| *s < seq) {
+            parts.pop_front();
+        }
+        match parts.front() {
+            Some((s, _)) if *s == seq => parts.pop_front().map(|(_, p)| p),
+            _ => None,
+        }
+    }
+
+    /// Whether any device part waits (the writer looks them up only then).
+    pub fn has_parts(&self) -> bool {
+        !self.parts.borrow().is_empty()
     }
 
     /// The offsets this socket's envelopes carry: `h1.<epoch>.` of its session's stream.
@@ -580,7 +622,7 @@ mod tests {
     use crate::ids::SessionId;
 
     fn delivery(device: &str, kind: FrameKind, frame: &str) -> Delivery {
-        Delivery { session: SessionId(1), device: device.into(), kind, frame: frame.into(), arrived: None }
+        Delivery { session: SessionId(1), device: device.into(), kind, frame: frame.into(), arrived: None, key: Default::default() }
     }
 
     fn limits(soft: usize, hard: usize) -> QueueLimits {

@@ -181,6 +181,8 @@ pub struct SessionStream {
     /// The charged bytes of every stream of the core (kept exact: this stream's are removed
     /// when it is dropped).
     core_total: Rc<Cell<usize>>,
+    /// This epoch's device part (with `--redis-url` only: [`super::cut`]).
+    pub cuts: super::cut::Cuts,
 }
 
 impl Drop for SessionStream {
@@ -209,6 +211,7 @@ impl SessionStream {
             first_seq: 1,
             cut_by: None,
             core_total,
+            cuts: Default::default(),
         }
     }
 
@@ -481,7 +484,7 @@ impl Base36 {
     }
 }
 
-fn parse_base36(s: &str) -> Option<u64> {
+pub(crate) fn parse_base36(s: &str) -> Option<u64> {
     if s.is_empty()
         || s.len() > 13
         || !s
@@ -493,14 +496,16 @@ fn parse_base36(s: &str) -> Option<u64> {
     u64::from_str_radix(s, 36).ok()
 }
 
-/// Parses `h1.<epoch>.<seq>`: `(epoch, seq)`; `None` for anything hubcast did not give.
+/// Parses `h1.<epoch>.<seq>`, with or without a device part after it ([`super::cut`]):
+/// `(epoch, seq)`; `None` for anything hubcast did not give.
 pub fn parse_offset(s: &str) -> Option<(u32, u64)> {
     let mut parts = s.split('.');
-    let (Some("h1"), Some(epoch), Some(seq), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
+    let (Some("h1"), Some(epoch), Some(seq)) = (parts.next(), parts.next(), parts.next()) else {
         return None;
     };
+    if parts.clone().next().is_some() {
+        super::cut::parse_part(parts)?;
+    }
     let epoch = u32::try_from(parse_base36(epoch)?)
         .ok()
         .filter(|e| *e > 0)?;

@@ -642,7 +642,19 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         // (An offset adds at most 28 bytes: within the 32 as well.)
         buf.reserve(drained.items.iter().map(Out::charged_bytes).sum::<usize>() + 160);
         let offsets = conn.outlet.offsets();
-        let mut frames = encode(&conn.kind, &drained.items, offsets.as_deref(), &mut buf);
+        // Each Socket.IO envelope's device part (with `--redis-url`: push/cut.rs).
+        let parts: Vec<Option<Rc<str>>> = match (&conn.kind, conn.outlet.has_parts()) {
+            (SocketKind::SocketIo { .. }, true) => drained
+                .items
+                .iter()
+                .map(|i| match i {
+                    Out::Envelope(_, seq) if *seq > 0 => conn.outlet.take_part(*seq),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut frames = encode(&conn.kind, &drained.items, offsets.as_deref(), &parts, &mut buf);
         if let Some(reason) = &drained.closing {
             if reason.server_disconnect && conn.attached.get() && matches!(conn.kind, SocketKind::SocketIo { .. }) {
                 // Socket.IO DISCONNECT: the client reports "io server disconnect".
@@ -744,7 +756,10 @@ mod write_pool {
 /// Per offset, what is the same for every frame of the socket is written once per call (the
 /// Socket.IO `,"h1.<epoch>.` and the plain `{"offset":"h1.<epoch>.`), and the seq's digits
 /// with what follows them are one slice ([`Base36::with_suffix`]): 4 and 3 parts per frame.
-fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec<u8>) -> u64 {
+///
+/// `parts`: each item's device part (`.<dh>-<kh>…`, push/cut.rs), index for index, or empty
+/// when none has one; written after the seq's digits.
+fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Option<Rc<str>>], buf: &mut Vec<u8>) -> u64 {
     use crate::push::stream::Base36;
     let batch = matches!(kind, SocketKind::Plain { batch: true, .. });
     let plain_offsets = offsets.filter(|_| matches!(kind, SocketKind::Plain { .. }));
@@ -790,6 +805,11 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, buf: &mut Vec
                 frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i)))
             }
             (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
+                Some(_) if parts.get(i).is_some_and(Option::is_some) => {
+                    let part = parts[i].as_deref().unwrap_or_default();
+                    let digits = Base36::new(*seq);
+                    frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, digits.as_bytes(), part.as_bytes(), b"\"]"])
+                }
                 Some(_) => {
                     let seq = Base36::with_suffix(*seq, b"\"]");
                     frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, seq.as_bytes()])
@@ -859,7 +879,7 @@ mod tests {
     fn a_batching_socket_gets_runs_of_envelopes_as_arrays_in_queue_order() {
         let items = [env("a"), env("b"), env("c"), Out::Ping, env("d"), Out::Pong(b"p".to_vec()), env("e")];
         let mut buf = Vec::new();
-        let n = encode(&SocketKind::Plain { batch: true, offsets: false, since: None }, &items, None, &mut buf);
+        let n = encode(&SocketKind::Plain { batch: true, offsets: false, since: None }, &items, None, &[], &mut buf);
         let got = frames(&buf);
         assert_eq!(n as usize, got.len());
         let texts: Vec<&str> = got.iter().map(|(_, p)| p.as_str()).collect();
@@ -872,7 +892,7 @@ mod tests {
         let (small, big) = ("x".repeat(30_000), "y".repeat(BATCH_FRAME_BYTES + 10));
         let items = [env(&small), env(&small), env(&small), env(&big), env(&small), env(&small)];
         let mut buf = Vec::new();
-        let n = encode(&SocketKind::Plain { batch: true, offsets: false, since: None }, &items, None, &mut buf);
+        let n = encode(&SocketKind::Plain { batch: true, offsets: false, since: None }, &items, None, &[], &mut buf);
         let got = frames(&buf);
         let sizes: Vec<usize> = got
             .iter()
@@ -890,21 +910,21 @@ mod tests {
         let items = [Out::Envelope(Arc::from("{\"v\":1}"), 36 * 36 + 1), Out::Envelope(Arc::from("{\"v\":2}"), 0)];
         let kind = SocketKind::SocketIo { upgrade_sid: None };
         let mut buf = Vec::new();
-        encode(&kind, &items, Some("h1.k3f."), &mut buf);
+        encode(&kind, &items, Some("h1.k3f."), &[], &mut buf);
         let got: Vec<String> = frames(&buf).into_iter().map(|(_, p)| p).collect();
         assert_eq!(got, [r#"42["data",{"v":1},"h1.k3f.101"]"#, r#"42["data",{"v":2}]"#]);
         let mut buf = Vec::new();
-        encode(&kind, &items, None, &mut buf);
+        encode(&kind, &items, None, &[], &mut buf);
         assert_eq!(frames(&buf)[0].1, r#"42["data",{"v":1}]"#, "no offsets: today's bytes");
         let mut buf = Vec::new();
-        encode(&SocketKind::Plain { batch: false, offsets: true, since: None }, &items, Some("h1.k3f."), &mut buf);
+        encode(&SocketKind::Plain { batch: false, offsets: true, since: None }, &items, Some("h1.k3f."), &[], &mut buf);
         let got: Vec<String> = frames(&buf).into_iter().map(|(_, p)| p).collect();
         assert_eq!(got, [r#"{"offset":"h1.k3f.101","v":1}"#, r#"{"v":2}"#], "plain offsets=1: the offset first");
         let mut buf = Vec::new();
-        encode(&SocketKind::Plain { batch: true, offsets: true, since: None }, &items, Some("h1.k3f."), &mut buf);
+        encode(&SocketKind::Plain { batch: true, offsets: true, since: None }, &items, Some("h1.k3f."), &[], &mut buf);
         assert_eq!(frames(&buf)[0].1, r#"[{"offset":"h1.k3f.101","v":1},{"v":2}]"#, "per element in arrays");
         let mut buf = Vec::new();
-        encode(&SocketKind::Plain { batch: false, offsets: false, since: None }, &items, None, &mut buf);
+        encode(&SocketKind::Plain { batch: false, offsets: false, since: None }, &items, None, &[], &mut buf);
         assert_eq!(frames(&buf)[0].1, r#"{"v":1}"#, "a plain socket without offsets is unchanged");
     }
 
@@ -913,7 +933,7 @@ mod tests {
         let items = [env("a"), env("b"), Out::Ping];
         for kind in [SocketKind::Plain { batch: false, offsets: false, since: None }, SocketKind::SocketIo { upgrade_sid: None }] {
             let mut buf = Vec::new();
-            assert_eq!(encode(&kind, &items, None, &mut buf), 3);
+            assert_eq!(encode(&kind, &items, None, &[], &mut buf), 3);
             let got = frames(&buf);
             assert_eq!(got.len(), 3);
             assert!(got[0].1.ends_with(r#"{"v":"a"}"#) || got[0].1.ends_with(r#"{"v":"a"}]"#), "{}", got[0].1);

@@ -30,7 +30,7 @@ impl DeviceTable {
                 continue;
             }
             let mut send = |kind: FrameKind, frame: Arc<str>| {
-                out.push(Delivery { session, device: device_id.clone(), kind, frame, arrived: p.arrived });
+                out.push(Delivery { session, device: device_id.clone(), kind, frame, arrived: p.arrived, key: p.key });
             };
             if !p.telemetry.is_empty() && access.subscribed_telemetry() {
                 match throttle {
@@ -144,7 +144,7 @@ impl DeviceTable {
             let device: Arc<str> = Arc::from(&*device_id);
             let envelope = EnvelopeBuilder::new(&device, &iso(throttled.pending_at));
             let frame = envelope.telemetry(values.iter().map(|(k, v)| (&**k, &**v)));
-            out.push(Delivery { session, device, kind: FrameKind::Telemetry, frame, arrived: None });
+            out.push(Delivery { session, device, kind: FrameKind::Telemetry, frame, arrived: None, key: Default::default() });
         }
     }
 

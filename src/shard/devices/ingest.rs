@@ -36,6 +36,7 @@ impl DeviceTable {
         let rereads = self.rereads;
         if let Some(mut publication) = self.ingest(msg, now, record) {
             publication.arrived = msg.arrived;
+            publication.key = msg.key;
             let device = publication.device.clone();
             self.publish(&device, publication, now, out);
         }

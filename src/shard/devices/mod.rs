@@ -52,6 +52,8 @@ pub struct Publication {
     pub message: Option<String>,
     /// When the message it comes from reached hubcast (see [`Delivery::arrived`]).
     pub arrived: Option<crate::metrics::Arrival>,
+    /// The key of the message it comes from (design step 10: a stream's device part names it).
+    pub key: crate::ingest::MsgKey,
 }
 
 /// How live pushes are timed on this core.

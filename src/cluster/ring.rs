@@ -1,0 +1,307 @@
+//! Device rings (design docs/design/recovery.md, step 10 as built): per device of this core,
+//! the messages applied here lately, kept so that a client whose instance died (`kill -9`)
+//! can have what it missed rebuilt on this instance (step 11, `app/rebuild.rs`).
+//!
+//! **Which devices.** With a recovery window and `--redis-url` only. A device's messages
+//! taken in here (`here`: `POST /ingest`, the simulator, a partition read here) are kept
+//! while another instance watches it, that is exactly while they are published, and for a
+//! window after its last watcher left (so what this instance takes in after the watcher's
+//! instance died is kept for its client too). Messages another instance published to this
+//! one (a socket here watches the device) are kept as well: the replica's copy. A device
+//! nobody elsewhere watches and nothing here subscribes to has no ring, costs one failed
+//! look-up per message, and adds nothing to Redis: rings are local memory, never sent
+//! except as a rebuild's answer on this instance.
+//!
+//! **Bounds and policy** (each entry is charged its message's [`IngestMessage::charge`]
+//! plus [`ENTRY_OVERHEAD`]): an entry older than the window leaves at the ring's next push
+//! and at the once-a-second sweep; a ring holds at most [`RING_ENTRIES`] (the oldest leaves);
+//! a core holds at most `--recovery-core-bytes` (the same bound as the session streams, a
+//! second budget of that size) and [`CORE_ENTRIES`] entries: past either, the largest rings
+//! are emptied first until the core is at 7/8 of the bound. Every entry that leaves for a
+//! bound marks its ring *cut*; a cut that names a message no longer held is then not found
+//! and the rebuild fails `history_lost` (honest, counted), never a replay with a hole. A ring
+//! emptied and silent past its window is dropped; a core that had to drop a ring holding
+//! entries remembers it for a window (`gap_until`), and a rebuild there of a device with no
+//! ring fails instead of assuming there was nothing.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use hashbrown::HashMap;
+
+use crate::ingest::IngestMessage;
+use crate::push::cut::key_hash;
+
+/// Bytes an entry is charged beyond its message's own charge.
+pub const ENTRY_OVERHEAD: usize = 48;
+/// Entries one ring holds at most.
+pub const RING_ENTRIES: usize = 65_536;
+/// Entries one core's rings hold at most.
+pub const CORE_ENTRIES: usize = 1 << 20;
+
+struct Entry {
+    at: Instant,
+    /// Taken in on this instance (else published here by another).
+    here: bool,
+    charged: usize,
+    msg: IngestMessage,
+}
+
+#[derive(Default)]
+struct Ring {
+    entries: VecDeque<Entry>,
+    bytes: usize,
+    /// Keep taking messages of this device until then (a window after it was last watched).
+    until: Option<Instant>,
+    /// Entries left it for a bound.
+    cut: bool,
+}
+
+/// Why a rebuild cannot use what a ring holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lost {
+    /// The client's last frame of the device is not held (cut by a bound or the window, or
+    /// never taken in here).
+    CutNotHeld,
+    /// Two held messages share the cut's key hash.
+    Ambiguous,
+    /// The client had no frame of the device in its stream, and the ring holds some: which
+    /// of them it would have got is not known.
+    NoCut,
+    /// Messages of the device came from this and another instance: their order on the dead
+    /// instance is not known.
+    TwoOrigins,
+    /// A ring of this core was dropped for a bound within the window.
+    Gap,
+}
+
+/// One core's rings.
+pub struct Rings {
+    window: Duration,
+    core_bytes: usize,
+    rings: HashMap<Box<str>, Ring>,
+    bytes: usize,
+    entries: usize,
+    gap_until: Option<Instant>,
+    next_sweep: Option<Instant>,
+}
+
+impl Rings {
+    pub fn new(window: Duration, core_bytes: usize) -> Self {
+        Self { window, core_bytes, rings: HashMap::new(), bytes: 0, entries: 0, gap_until: None, next_sweep: None }
+    }
+
+    /// Charged bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
+
+    /// A message applied on this core: `here` (taken in on this instance) and `watched`
+    /// (another instance watches its device now), or published here by another instance.
+    /// Returns the change of the bytes held.
+    pub fn note(&mut self, msg: &IngestMessage, here: bool, watched: bool, now: Instant) -> isize {
+        let before = self.bytes as isize;
+        let keep = !here || watched;
+        let ring = match self.rings.get_mut(&*msg.device_id) {
+            Some(ring) => ring,
+            None if keep => self.rings.entry(msg.device_id.clone()).or_default(),
+            None => {
+                self.maybe_sweep(now);
+                return self.bytes as isize - before;
+            }
+        };
+        if keep {
+            ring.until = Some(now + self.window);
+        } else if ring.until.is_none_or(|u| u <= now) {
+            self.maybe_sweep(now);
+            return self.bytes as isize - before;
+        }
+        let charged = msg.charge() + ENTRY_OVERHEAD;
+        ring.entries.push_back(Entry { at: now, here, charged, msg: msg.clone() });
+        ring.bytes += charged;
+        self.bytes += charged;
+        self.entries += 1;
+        // By age, then the ring's own count.
+        while let Some(front) = ring.entries.front() {
+            let old = now.saturating_duration_since(front.at) > self.window;
+            if !old && ring.entries.len() <= RING_ENTRIES {
+                break;
+            }
+            let e = ring.entries.pop_front().expect("front");
+            ring.bytes -= e.charged;
+            self.bytes -= e.charged;
+            self.entries -= 1;
+            ring.cut |= !old;
+        }
+        if self.bytes > self.core_bytes || self.entries > CORE_ENTRIES {
+            self.cut_largest(now);
+        }
+        self.maybe_sweep(now);
+        self.bytes as isize - before
+    }
+
+    /// Past a core bound: empties the largest rings first until the core is at 7/8 of it.
+    fn cut_largest(&mut self, now: Instant) {
+        let (bytes_target, entries_target) = (self.core_bytes - self.core_bytes / 8, CORE_ENTRIES - CORE_ENTRIES / 8);
+        let mut sizes: Vec<(usize, Box<str>)> = self.rings.iter().map(|(k, r)| (r.bytes, k.clone())).collect();
+        sizes.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (_, device) in sizes {
+            if self.bytes <= bytes_target && self.entries <= entries_target {
+                break;
+            }
+            if let Some(ring) = self.rings.get_mut(&device) {
+                self.bytes -= ring.bytes;
+                self.entries -= ring.entries.len();
+                ring.bytes = 0;
+                ring.entries.clear();
+                ring.cut = true;
+            }
+        }
+        self.gap_until = Some(now + self.window);
+    }
+
+    /// Once a second: entries past the window leave every ring; rings empty and past their
+    /// time go (a ring cut for a bound leaves a gap for a window).
+    fn maybe_sweep(&mut self, now: Instant) {
+        if self.next_sweep.is_some_and(|t| t > now) {
+            return;
+        }
+        self.next_sweep = Some(now + Duration::from_secs(1));
+        let window = self.window;
+        let (mut bytes, mut entries, mut gap) = (0, 0, false);
+        self.rings.retain(|_, ring| {
+            while ring.entries.front().is_some_and(|e| now.saturating_duration_since(e.at) > window) {
+                let e = ring.entries.pop_front().expect("front");
+                ring.bytes -= e.charged;
+            }
+            let keep = !ring.entries.is_empty() || ring.until.is_some_and(|u| u > now);
+            if keep {
+                bytes += ring.bytes;
+                entries += ring.entries.len();
+            } else {
+                gap |= ring.cut && ring.until.is_some_and(|u| u + window > now);
+            }
+            keep
+        });
+        self.bytes = bytes;
+        self.entries = entries;
+        if gap {
+            self.gap_until = Some(now + window);
+        }
+    }
+
+    /// The messages of `device` held after the client's last frame of it (`cut`: its key
+    /// hash, `None`: the client had none of it in its stream), oldest first.
+    pub fn after(&self, device: &str, cut: Option<u32>, now: Instant) -> Result<Vec<IngestMessage>, Lost> {
+        let Some(ring) = self.rings.get(device) else {
+            return match cut {
+                Some(_) => Err(Lost::CutNotHeld),
+                None if self.gap_until.is_some_and(|g| g > now) => Err(Lost::Gap),
+                None => Ok(Vec::new()),
+            };
+        };
+        let live = |e: &&Entry| now.saturating_duration_since(e.at) <= self.window;
+        let held: Vec<&Entry> = ring.entries.iter().filter(live).collect();
+        if held.iter().any(|e| e.here) && held.iter().any(|e| !e.here) {
+            return Err(Lost::TwoOrigins);
+        }
+        let Some(cut) = cut else {
+            return if held.is_empty() && !ring.cut { Ok(Vec::new()) } else { Err(Lost::NoCut) };
+        };
+        let mut at = held.iter().enumerate().filter(|(_, e)| key_hash(e.msg.key) == Some(cut)).map(|(i, _)| i);
+        match (at.next(), at.next()) {
+            (Some(i), None) => Ok(held[i + 1..].iter().map(|e| e.msg.clone()).collect()),
+            (Some(_), Some(_)) => Err(Lost::Ambiguous),
+            (None, _) => Err(Lost::CutNotHeld),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::{MsgKey, SourceKind};
+
+    fn msg(device: &str, n: u64) -> IngestMessage {
+        IngestMessage {
+            device_id: device.into(),
+            source: SourceKind::Telemetry,
+            properties: Default::default(),
+            body: format!("{{\"n\":{n}}}").into_bytes(),
+            enqueued_at: None,
+            arrived: None,
+            key: MsgKey { ms: 1_000, n },
+        }
+    }
+
+    fn ns(v: Vec<IngestMessage>) -> Vec<u64> {
+        v.iter().map(|m| m.key.n).collect()
+    }
+
+    fn cut(n: u64) -> Option<u32> {
+        key_hash(MsgKey { ms: 1_000, n })
+    }
+
+    #[test]
+    fn a_device_watched_elsewhere_is_kept_and_what_followed_a_cut_comes_back_in_order() {
+        let now = Instant::now();
+        let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
+        assert_eq!(r.note(&msg("unwatched", 1), true, false, now), 0);
+        assert_eq!(r.entries(), 0);
+        for n in 1..=5 {
+            assert!(r.note(&msg("d", n), true, true, now) > 0);
+        }
+        assert_eq!(ns(r.after("d", cut(2), now).unwrap()), [3, 4, 5]);
+        assert_eq!(ns(r.after("d", cut(5), now).unwrap()), Vec::<u64>::new());
+        assert_eq!(r.after("d", cut(9), now).unwrap_err(), Lost::CutNotHeld);
+        assert_eq!(r.after("d", None, now).unwrap_err(), Lost::NoCut);
+        assert_eq!(ns(r.after("other", None, now).unwrap()), Vec::<u64>::new());
+        assert_eq!(r.after("other", cut(1), now).unwrap_err(), Lost::CutNotHeld);
+    }
+
+    #[test]
+    fn a_ring_goes_on_for_a_window_after_its_last_watcher_left() {
+        let t0 = Instant::now();
+        let mut r = Rings::new(Duration::from_secs(10), 1 << 20);
+        r.note(&msg("d", 1), true, true, t0);
+        r.note(&msg("d", 2), true, false, t0 + Duration::from_secs(5));
+        assert_eq!(ns(r.after("d", cut(1), t0 + Duration::from_secs(5)).unwrap()), [2]);
+        // Past the window after the watcher left: nothing more is kept, and what was ages out.
+        let late = t0 + Duration::from_secs(30);
+        r.note(&msg("d", 3), true, false, late);
+        assert_eq!(r.entries(), 0);
+        assert_eq!(r.bytes(), 0);
+    }
+
+    #[test]
+    fn two_origins_in_a_ring_and_two_entries_with_one_key_fail() {
+        let now = Instant::now();
+        let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
+        r.note(&msg("d", 1), true, true, now);
+        r.note(&msg("d", 2), false, false, now);
+        assert_eq!(r.after("d", cut(1), now).unwrap_err(), Lost::TwoOrigins);
+        r.note(&msg("e", 1), false, false, now);
+        r.note(&msg("e", 1), false, false, now);
+        assert_eq!(r.after("e", cut(1), now).unwrap_err(), Lost::Ambiguous);
+    }
+
+    #[test]
+    fn past_the_core_bound_the_largest_rings_are_emptied_and_their_cuts_fail() {
+        let now = Instant::now();
+        let one = msg("big", 0).charge() + ENTRY_OVERHEAD;
+        let mut r = Rings::new(Duration::from_secs(60), one * 10);
+        r.note(&msg("small", 1), true, true, now);
+        for n in 1..=9 {
+            r.note(&msg("big", n), true, true, now);
+        }
+        assert!(r.bytes() <= one * 10, "{} over {}", r.bytes(), one * 10);
+        assert_eq!(r.after("big", cut(3), now).unwrap_err(), Lost::CutNotHeld);
+        assert_eq!(ns(r.after("small", cut(1), now).unwrap()), Vec::<u64>::new());
+        // A device with no ring while a ring was dropped within the window: not assumed empty.
+        assert_eq!(r.after("never", None, now).unwrap_err(), Lost::Gap);
+    }
+}

@@ -1,0 +1,211 @@
+//! The offset's *device part* (design docs/design/recovery.md, step 10 as built): where a
+//! session's client stands in device terms, so that another instance can rebuild what it
+//! missed from device rings after the client's instance died (`kill -9`, step 11).
+//!
+//! Why per device and not one watermark over keys: a message's key `K` is given where it
+//! enters (an arrival counter per thread, a partition's sequence number), so keys reach a
+//! session's core in no order a single number could cut; but one device's messages reach it
+//! in the order their device's core applied them, on every instance that had them (one core
+//! per device, FIFO queues from the source to the session's core). So a cut per device, the
+//! key of the last frame of that device in the stream, names exactly what the client has of
+//! it, and the device's ring on another instance is in the same order.
+//!
+//! Shape: `h1.<epoch>.<seq>` then, per device with a frame in this stream epoch,
+//! `.<device hash>-<key hash>` (base 36, 32-bit FNV-1a of the id and a 32-bit mix of `K`);
+//! `.<device hash>-` when its last frame had no key (a throttled merge sent later, a TTL's
+//! disconnect, a twin a hub read completed: nothing a ring holds); `.x` alone once more than
+//! [`MAX_DEVICES`] devices gave frames (the part would grow past ~130 bytes an event: that
+//! stream cannot be rebuilt elsewhere, an honest `history_lost`). Both hashes are checked
+//! where they are read: two subscribed devices with one hash, or two ring entries of a device
+//! with one key hash, fail the rebuild rather than guess.
+//!
+//! Cost: only with `--redis-url` and a recovery window (a single instance has no one to
+//! rebuild on): per delivery to a streamed session, a hash of the device id, a look-up in at
+//! most 8 pairs and the part's text (one allocation, shared by the socket's queue).
+
+use std::rc::Rc;
+
+use smallvec::SmallVec;
+
+use crate::ingest::MsgKey;
+
+/// Devices a part names at most; past it the stream's part is `.x`.
+pub const MAX_DEVICES: usize = 8;
+
+/// 32-bit FNV-1a of a device id.
+pub fn device_hash(id: &str) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in id.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// A 32-bit mix of a key; never 0 (0 is "no key"). `None` for [`MsgKey::NONE`].
+pub fn key_hash(k: MsgKey) -> Option<u32> {
+    if k == MsgKey::NONE {
+        return None;
+    }
+    let mut x = (k.ms as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ k.n.rotate_left(29);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 29;
+    Some(((x >> 32) as u32 ^ x as u32).max(1))
+}
+
+/// The cut of one stream epoch: per device, its last frame's key hash (0: no key).
+#[derive(Default, Debug)]
+pub struct Cuts {
+    devices: SmallVec<[(u32, u32); 4]>,
+    overflow: bool,
+}
+
+impl Cuts {
+    /// Notes a frame of `device` with `key`; returns the part its offset carries (starting
+    /// with `.`).
+    pub fn note(&mut self, device: &str, key: MsgKey) -> Rc<str> {
+        if !self.overflow {
+            let dh = device_hash(device);
+            let kh = key_hash(key).unwrap_or(0);
+            match self.devices.iter().position(|(d, _)| *d == dh) {
+                Some(i) => self.devices[i].1 = kh,
+                None if self.devices.len() < MAX_DEVICES => self.devices.push((dh, kh)),
+                None => {
+                    self.overflow = true;
+                    self.devices = SmallVec::new();
+                }
+            }
+        }
+        self.text().into()
+    }
+
+    /// The part's text.
+    pub fn text(&self) -> String {
+        if self.overflow {
+            return ".x".into();
+        }
+        let mut s = String::with_capacity(self.devices.len() * 15);
+        for (dh, kh) in &self.devices {
+            s.push('.');
+            super::stream::push_base36(&mut s, u64::from(*dh));
+            s.push('-');
+            if *kh != 0 {
+                super::stream::push_base36(&mut s, u64::from(*kh));
+            }
+        }
+        s
+    }
+}
+
+/// A device part as read back from an offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DevicePart {
+    /// The offset has none (recovery without `--redis-url`, or an offset of a replay).
+    Absent,
+    /// More than [`MAX_DEVICES`] devices: the stream cannot be rebuilt.
+    Overflow,
+    /// `(device hash, key hash)`; `None`: that device's last frame had no key.
+    Cuts(Vec<(u32, Option<u32>)>),
+}
+
+impl DevicePart {
+    /// The cut of the device named `id`: `Ok(None)` when the part does not name it.
+    pub fn cut_of(&self, id: &str) -> Option<&Option<u32>> {
+        let dh = device_hash(id);
+        match self {
+            DevicePart::Cuts(c) => c.iter().find(|(d, _)| *d == dh).map(|(_, k)| k),
+            _ => None,
+        }
+    }
+}
+
+/// Parses what follows `h1.<epoch>.<seq>` (`rest`: the offset's dot-separated items after
+/// the seq). `None` when it is not a part hubcast writes.
+pub fn parse_part<'a>(rest: impl Iterator<Item = &'a str>) -> Option<DevicePart> {
+    let mut cuts = Vec::new();
+    let mut overflow = false;
+    for item in rest {
+        if item == "x" {
+            overflow = true;
+            continue;
+        }
+        let (dh, kh) = item.split_once('-')?;
+        let dh = u32::try_from(super::stream::parse_base36(dh)?).ok()?;
+        let kh = match kh {
+            "" => None,
+            kh => Some(u32::try_from(super::stream::parse_base36(kh)?).ok().filter(|k| *k != 0)?),
+        };
+        cuts.push((dh, kh));
+    }
+    Some(match (overflow, cuts.is_empty()) {
+        (true, true) => DevicePart::Overflow,
+        (true, false) => return None,
+        (false, true) => DevicePart::Absent,
+        (false, false) if cuts.len() > MAX_DEVICES => return None,
+        (false, false) => DevicePart::Cuts(cuts),
+    })
+}
+
+/// The device part of a whole offset (`None`: not an offset hubcast gave).
+pub fn device_part(offset: &str) -> Option<DevicePart> {
+    super::stream::parse_offset(offset)?;
+    parse_part(offset.split('.').skip(3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(ms: i64, n: u64) -> MsgKey {
+        MsgKey { ms, n }
+    }
+
+    #[test]
+    fn a_part_names_each_device_once_with_its_last_key_and_reads_back() {
+        let mut c = Cuts::default();
+        c.note("d1", key(1, 1));
+        c.note("d2", key(2, 2));
+        let text = c.note("d1", key(3, 3));
+        let offset = format!("h1.ab.7{text}");
+        assert_eq!(crate::push::stream::parse_offset(&offset), Some((36 * 10 + 11, 7)));
+        let part = device_part(&offset).unwrap();
+        assert_eq!(part.cut_of("d1"), Some(&key_hash(key(3, 3))));
+        assert_eq!(part.cut_of("d2"), Some(&key_hash(key(2, 2))));
+        assert_eq!(part.cut_of("d3"), None);
+    }
+
+    #[test]
+    fn a_frame_without_a_key_voids_its_device_until_its_next_keyed_frame() {
+        let mut c = Cuts::default();
+        c.note("d1", key(1, 1));
+        let text = c.note("d1", MsgKey::NONE);
+        let part = device_part(&format!("h1.1.2{text}")).unwrap();
+        assert_eq!(part.cut_of("d1"), Some(&None));
+        let text = c.note("d1", key(5, 5));
+        assert_eq!(device_part(&format!("h1.1.3{text}")).unwrap().cut_of("d1"), Some(&key_hash(key(5, 5))));
+    }
+
+    #[test]
+    fn past_eight_devices_the_part_is_x_and_stays_so() {
+        let mut c = Cuts::default();
+        for i in 0..MAX_DEVICES {
+            c.note(&format!("d{i}"), key(1, i as u64));
+        }
+        assert_ne!(c.text(), ".x");
+        assert_eq!(&*c.note("d-last", key(1, 99)), ".x");
+        assert_eq!(&*c.note("d0", key(2, 1)), ".x");
+        assert_eq!(device_part("h1.1.9.x"), Some(DevicePart::Overflow));
+    }
+
+    #[test]
+    fn offsets_without_a_part_or_with_a_foreign_one() {
+        assert_eq!(device_part("h1.1.9"), Some(DevicePart::Absent));
+        assert_eq!(device_part("h1.1.9.zz"), None);
+        assert_eq!(device_part("h1.1.9.a-0"), None);
+        assert_eq!(device_part("h1.1.9.x.a-b"), None);
+        assert_eq!(crate::push::stream::parse_offset("h1.1.9.zz"), None);
+        assert!(key_hash(MsgKey::NONE).is_none());
+        assert!(key_hash(key(0, 0)).is_some_and(|k| k != 0));
+    }
+}
