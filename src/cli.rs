@@ -24,6 +24,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "event_hub_auth",
             "event_hub_token_ttl",
             "event_hub_prefetch",
+            "event_hub_queue_bytes",
             "event_hub_linger_ms",
             "event_hub_read_raw",
             "event_hub_ca_file",

@@ -97,6 +97,12 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub event_hub_prefetch: u32,
 
+    /// Bytes of event stream messages waiting for each core (besides 64 batches); past it
+    /// the source waits and grants no more link credit (app/ingress.rs).
+    #[arg(long = "event-hub-queue-bytes", env = "EVENT_HUB_QUEUE_BYTES", default_value_t = 32 << 20,
+          value_parser = clap::value_parser!(u64).range(65_536..=u32::MAX as u64))]
+    pub event_hub_queue_bytes: u64,
+
     /// While a partition's stream is busy, hand its messages to the cores at most once per
     /// this many milliseconds (fewer, larger hand-offs); a quiet stream hands over at once. 0: always at once.
     #[arg(long = "event-hub-linger-ms", env = "EVENT_HUB_LINGER_MS", default_value_t = 1,

@@ -220,6 +220,8 @@ pub struct StateCounts {
     pub subscriptions: u64,
     pub inbox_depth: u64,
     pub ingress_depth: u64,
+    /// Bytes of the batches in this core's ingress queue (`--event-hub-queue-bytes`).
+    pub ingress_bytes: u64,
     /// Items (deliveries, messages, operations) in this core's cross-core inbox.
     pub inbox_messages: u64,
     /// Items waiting on this core for a full inbox, per destination core.
@@ -392,6 +394,10 @@ pub fn render(cores: &[Snapshot], external: &ExternalSeries) -> String {
     for (core, c) in cores.iter().enumerate() {
         let _ = writeln!(out, "hubcast_core_queue_depth{{core=\"{core}\",queue=\"inbox\"}} {}", c.state.inbox_depth);
         let _ = writeln!(out, "hubcast_core_queue_depth{{core=\"{core}\",queue=\"ingress\"}} {}", c.state.ingress_depth);
+    }
+    family(&mut out, "hubcast_core_queue_bytes", "gauge", "Bytes waiting in a core's ingress queue (bounded by --event-hub-queue-bytes).");
+    for (core, c) in cores.iter().enumerate() {
+        let _ = writeln!(out, "hubcast_core_queue_bytes{{core=\"{core}\",queue=\"ingress\"}} {}", c.state.ingress_bytes);
     }
     family(&mut out, "hubcast_core_sessions", "gauge", "Live sessions owned by each core.");
     for (core, c) in cores.iter().enumerate() {

@@ -230,3 +230,61 @@ fn a_partition_link_detached_with_an_error_logs_the_reason_and_reconnects() {
     hub.publish("0", NewEvent::telemetry("stolen-1", json!({"n": 2})));
     wait_for_ok(&server, "/lastValue/stolen-1/n", |v| v["data"]["n"] == json!(2));
 }
+
+/// The queue between the event stream and a core is bounded in bytes
+/// (`--event-hub-queue-bytes`), not only in batches: while the core is blocked, messages of
+/// 16 KiB stop crossing once 256 KiB of them wait (the partition stops granting credit and
+/// the broker waits), where 64 batches would hold all 120; once the core is back every
+/// message reaches the subscriber once and in order. Fails without the byte bound: all 120
+/// cross while the core is blocked.
+#[test]
+fn a_blocked_core_holds_the_stream_back_at_its_queue_bytes_and_loses_nothing() {
+    const STALL_MS: u64 = 6000;
+    const N: i64 = 120;
+    let hub = FakeHub::start(&["0"], FakeAuth::Plain);
+    let bound = ["--cores", "1", "--event-hub-queue-bytes", "262144", "--event-hub-prefetch", "8", "--event-hub-linger-ms", "0"];
+    let server = gateway(&hub, &bound);
+    let session = subscribed(&server, "big", &[json!({"type": "telemetry"})]);
+    let mut live = server.live(&session);
+    // A message crosses while the core keeps up.
+    hub.publish("0", NewEvent::telemetry("big", json!({"n": 0})));
+    let first = live.next_json(WAIT).expect("the first message reaches the socket");
+    assert_eq!(first["telemetry"]["n"], 0);
+
+    let url = server.url("");
+    let stall = std::thread::spawn(move || {
+        let agent = ureq::AgentBuilder::new().timeout(Duration::from_millis(STALL_MS) + WAIT).build();
+        let answer = agent.post(&format!("{url}/_debug/stall?core=0&ms={STALL_MS}")).set(common::ADMIN.0, common::ADMIN.1).call();
+        answer.map(|r| r.status()).map_err(|e| e.to_string())
+    });
+    assert!(server.wait_for_stderr(WAIT, |l| l.contains("debug: blocking a core")).is_some(), "the core is blocked");
+    let blocked = Instant::now();
+    let before = hub.stats().deliveries;
+    let pad = "x".repeat(16 << 10);
+    for n in 1..=N {
+        hub.publish("0", NewEvent::telemetry("big", json!({"n": n, "pad": pad})));
+    }
+    // Read until all crossed (the failure) or shortly before the core is back.
+    let deadline = blocked + Duration::from_millis(STALL_MS - 2000);
+    let crossed = loop {
+        let crossed = hub.stats().deliveries - before;
+        if crossed >= N as usize || Instant::now() >= deadline {
+            break crossed;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(blocked.elapsed() < Duration::from_millis(STALL_MS), "still blocked when read ({:?})", blocked.elapsed());
+    // 256 KiB hold 15 messages of 16 KiB; the partition holds its credit (8) and one batch.
+    assert!((8..=40).contains(&crossed), "{crossed} of {N} messages crossed while the core was blocked");
+
+    // The core is back: everything arrives, once, in order.
+    assert_eq!(stall.join().unwrap(), Ok(204));
+    let mut seen = Vec::new();
+    while seen.last() != Some(&N) {
+        let frame = live.next_json(WAIT).unwrap_or_else(|| panic!("every message arrives after the stall; got {seen:?}"));
+        seen.push(frame["telemetry"]["n"].as_i64().expect("n"));
+    }
+    assert_eq!(seen, (1..=N).collect::<Vec<_>>(), "once each, in order");
+    let held = server.wait_for_metric("hubcast_core_queue_bytes{core=\"0\",queue=\"ingress\"}", WAIT, common::Want::Eq(0.0));
+    assert_eq!(held, 0.0, "nothing held once applied");
+}

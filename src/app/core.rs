@@ -649,6 +649,7 @@ impl Core {
             subscriptions,
             inbox_depth: queues.as_ref().map_or(0, |(inbox, _)| inbox.len() as u64),
             ingress_depth: queues.as_ref().map_or(0, |(_, ingress)| ingress.len() as u64),
+            ingress_bytes: queues.as_ref().map_or(0, |(_, ingress)| ingress.bytes()),
             inbox_messages: self.mesh.inbox_load(self.index) as u64,
             mesh_backlog: self.mesh.backlog().into_iter().map(|n| n as u64).collect(),
             mesh_backlog_peak: self.mesh.backlog_peak.get() as u64,

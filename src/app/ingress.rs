@@ -4,6 +4,15 @@
 //! owning cores and waits while a core's queue is full, so a slow core pushes back on the
 //! source (which then stops granting AMQP link credit) instead of memory growing without bound.
 //! It is `Send + Clone` and works from any async runtime.
+//!
+//! **Bounds and back-pressure.** Per core, at most [`QUEUE_BATCHES`] batches *and*
+//! `--event-hub-queue-bytes` of messages (each charged [`IngestMessage::charge`]) wait. The
+//! source slows down, nothing is dropped or conflated: a sender waits for room in count (the
+//! channel) and in bytes (a semaphore of bytes, fair: first come, first served), and a batch
+//! keeps its bytes' permit until the core has applied it. A batch charged more than the whole
+//! bound is charged the bound (it goes alone). Why bytes too: link credit counts messages
+//! only until they are handed over, and a batch may hold up to a whole credit of messages of
+//! up to `maxMessageBytes` each: in count alone a core's queue could hold 64 × 300 × 1 MiB.
 
 use std::rc::Rc;
 
@@ -16,9 +25,30 @@ use crate::app::Core;
 /// Batches waiting per core before senders are made to wait.
 pub const QUEUE_BATCHES: usize = 64;
 
+/// One core's bound in bytes: a semaphore of bytes (see the module documentation).
+struct Room {
+    bytes: std::sync::Arc<tokio::sync::Semaphore>,
+    bound: u32,
+}
+
+impl Room {
+    /// Waits until `charge` bytes (at most the bound) fit, and holds them.
+    async fn take(&self, charge: usize) -> tokio::sync::OwnedSemaphorePermit {
+        let n = charge.min(self.bound as usize) as u32;
+        self.bytes.clone().acquire_many_owned(n).await.expect("the ingress semaphore is never closed")
+    }
+
+    /// Bytes held by batches waiting or being applied.
+    fn held(&self) -> u64 {
+        u64::from(self.bound).saturating_sub(self.bytes.available_permits() as u64)
+    }
+}
+
 #[derive(Clone)]
 pub struct Ingress {
     queues: Vec<async_channel::Sender<IngressBatch>>,
+    /// Per core: its bound in bytes.
+    rooms: Vec<std::sync::Arc<Room>>,
     /// Per core: the ingress task resting after a long turn (see [`serve`]), woken by the
     /// next batch sent to it.
     kicks: Vec<std::sync::Arc<AtomicWaker>>,
@@ -35,6 +65,8 @@ pub struct IngressBatch {
     /// With several instances, a device's values are current only while this instance
     /// reads their partition (`shard::devices::Source`).
     pub partition: Option<std::sync::Arc<str>>,
+    /// Its bytes in the core's bound, given back when the batch is dropped (applied).
+    room: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// "Partition `key` is applied up to `upto`", and the sequence number of each message.
@@ -63,12 +95,18 @@ pub struct SourcePositions {
 pub struct IngressQueue {
     rx: async_channel::Receiver<IngressBatch>,
     kick: std::sync::Arc<AtomicWaker>,
+    room: std::sync::Arc<Room>,
 }
 
 impl IngressQueue {
     /// Batches waiting.
     pub fn len(&self) -> usize {
         self.rx.len()
+    }
+
+    /// Bytes of the batches waiting or being applied (bounded by `--event-hub-queue-bytes`).
+    pub fn bytes(&self) -> u64 {
+        self.room.held()
     }
 
     /// No batch waiting.
@@ -83,21 +121,27 @@ impl IngressQueue {
 }
 
 impl Ingress {
-    pub fn new(cores: usize) -> (Self, Vec<IngressQueue>) {
-        let (mut senders, mut queues, mut kicks) = (Vec::new(), Vec::new(), Vec::new());
+    /// One queue per core, each bounded by [`QUEUE_BATCHES`] and `bytes` (at least 1).
+    pub fn new(cores: usize, bytes: u32) -> (Self, Vec<IngressQueue>) {
+        let (mut senders, mut queues, mut kicks, mut rooms) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let bound = bytes.max(1);
         for _ in 0..cores {
             let (tx, rx) = async_channel::bounded(QUEUE_BATCHES);
             let kick = std::sync::Arc::new(AtomicWaker::new());
+            let room = std::sync::Arc::new(Room { bytes: std::sync::Arc::new(tokio::sync::Semaphore::new(bound as usize)), bound });
             senders.push(tx);
             kicks.push(kick.clone());
-            queues.push(IngressQueue { rx, kick });
+            rooms.push(room.clone());
+            queues.push(IngressQueue { rx, kick, room });
         }
-        (Self { queues: senders, kicks, source: None }, queues)
+        (Self { queues: senders, rooms, kicks, source: None }, queues)
     }
 
-    /// Queues `batch` for `core`, waiting while its queue is full; wakes its ingress task if
-    /// it rests.
-    async fn put(&self, core: usize, batch: IngressBatch) -> bool {
+    /// Queues `batch` for `core`, waiting while its queue is full in count or in bytes;
+    /// wakes its ingress task if it rests.
+    async fn put(&self, core: usize, mut batch: IngressBatch) -> bool {
+        let charge = batch.messages.iter().map(IngestMessage::charge).sum::<usize>();
+        batch.room = Some(self.rooms[core].take(charge).await);
         let ok = self.queues[core].send(batch).await.is_ok();
         self.kicks[core].wake();
         ok
@@ -140,7 +184,7 @@ impl Ingress {
         let mut ok = true;
         for (core, (messages, seqs)) in per_core.into_iter().enumerate() {
             let mark = Some(Mark { key: key.clone(), upto, seqs });
-            ok &= self.put(core, IngressBatch { messages, mark, partition: Some(from.clone()) }).await;
+            ok &= self.put(core, IngressBatch { messages, mark, partition: Some(from.clone()), room: None }).await;
         }
         ok
     }
@@ -156,7 +200,7 @@ impl Ingress {
 
     /// Hands a batch to one core (every message must belong to it); waits while it is full.
     pub async fn send_to_core(&self, core: usize, batch: Vec<IngestMessage>) -> bool {
-        self.put(core, IngressBatch { messages: batch, mark: None, partition: None }).await
+        self.put(core, IngressBatch { messages: batch, mark: None, partition: None, room: None }).await
     }
 
     /// Routes a batch to the owning cores; waits while any of them is full.
@@ -167,7 +211,7 @@ impl Ingress {
     /// [`Ingress::send`] of messages of one event stream partition (`None`: none).
     async fn send_from(&self, batch: Vec<IngestMessage>, partition: Option<std::sync::Arc<str>>) -> bool {
         if self.cores() == 1 {
-            return self.put(0, IngressBatch { messages: batch, mark: None, partition }).await;
+            return self.put(0, IngressBatch { messages: batch, mark: None, partition, room: None }).await;
         }
         let share = batch.len() / self.cores() + 8;
         let mut per_core: Vec<Vec<IngestMessage>> = (0..self.cores()).map(|_| Vec::with_capacity(share)).collect();
@@ -177,7 +221,7 @@ impl Ingress {
         let mut ok = true;
         for (core, messages) in per_core.into_iter().enumerate() {
             if !messages.is_empty() {
-                ok &= self.put(core, IngressBatch { messages, mark: None, partition: partition.clone() }).await;
+                ok &= self.put(core, IngressBatch { messages, mark: None, partition: partition.clone(), room: None }).await;
             }
         }
         ok
@@ -277,7 +321,7 @@ mod tests {
     /// another thread (what cross-core messages and replies are) while the flood goes on.
     #[test]
     fn a_flooded_core_still_takes_wake_ups_from_other_threads() {
-        let (ingress, mut queues) = Ingress::new(1);
+        let (ingress, mut queues) = Ingress::new(1, 1 << 20);
         let queue = queues.pop().unwrap();
         let flooding = Arc::new(AtomicBool::new(true));
         let sent = Arc::new(AtomicUsize::new(0));

@@ -144,7 +144,7 @@ pub fn start(settings: Arc<Settings>, shared: Arc<Shared>, wiring: Wiring) -> io
     let (report_tx, reports) = mpsc::channel();
     let (flush, flush_rx): (Vec<_>, Vec<_>) = (0..settings.cores).map(|_| async_channel::bounded::<()>(1)).unzip();
     let mut flush_rx = flush_rx.into_iter();
-    let (ingress, mut ingress_queues) = Ingress::new(settings.cores);
+    let (ingress, mut ingress_queues) = Ingress::new(settings.cores, settings.config.event_hub_queue_bytes as u32);
     let (ingress, mut stores) = open_store(&settings, lock, ingress)?;
     let (inboxes, receivers) = mesh::inboxes(settings.cores);
     let limits = mesh::MeshLimits::new(
