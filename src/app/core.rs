@@ -454,7 +454,13 @@ impl Core {
         let mut sessions = self.sessions.borrow_mut();
         let mut now = None;
         let mut trimmed = crate::push::stream::Trimmed::default();
+        // A session whose history is being rebuilt here (design step 11) has its deliveries
+        // held until the rebuild is in (app/rebuild.rs).
+        let holding = !self.recovery.rebuilding.borrow().is_empty();
         for d in &deliveries {
+            if holding && self.rebuild_hold(d) {
+                continue;
+            }
             if let Some(record) = sessions.get_mut(d.session) {
                 let (seq, part) = self.recovery_push(d.session, record, d, &mut now, &mut trimmed);
                 for outlet in &record.sockets {

@@ -16,6 +16,7 @@ pub mod durable;
 pub mod ingress;
 pub mod mesh;
 pub mod record;
+pub mod rebuild;
 pub mod recovery;
 pub mod relay;
 pub mod stop;

@@ -54,10 +54,10 @@ pub struct CoreRecovery {
     /// Charged bytes of every stream of this core (kept by the streams themselves).
     pub total: Rc<Cell<usize>>,
     /// Sessions of this core that have a stream (what the core bound's trim looks at).
-    streamed: RefCell<HashSet<SessionId>>,
+    pub(crate) streamed: RefCell<HashSet<SessionId>>,
     /// When a session's stream may go (its last pid left a window before); stale entries are
     /// skipped when they come up.
-    deadlines: RefCell<BinaryHeap<Reverse<(Instant, SessionId)>>>,
+    pub(crate) deadlines: RefCell<BinaryHeap<Reverse<(Instant, SessionId)>>>,
     last_bound_log: Cell<Option<Instant>>,
     /// `--recovery-durable` with a store (set when the store is attached): the streams are
     /// written ahead (design step 7).
@@ -77,7 +77,7 @@ pub struct CoreRecovery {
     handed: RefCell<hashbrown::HashMap<SessionId, Handed>>,
     /// On the adopting instance: the pids of histories taken in and not yet confirmed by the
     /// instance that handed them (a restore meanwhile fails `unknown_pid`).
-    adopting: RefCell<hashbrown::HashMap<SessionId, SmallVec<[crate::push::stream::PidEntry; 2]>>>,
+    pub(crate) adopting: RefCell<hashbrown::HashMap<SessionId, SmallVec<[crate::push::stream::PidEntry; 2]>>>,
     /// CONNECTs waiting for a history asked of another instance (design step 6b), woken by
     /// the verdict or [`TAKE_WAIT`]; one per waiting socket (bounded by the connections).
     takers: RefCell<hashbrown::HashMap<SessionId, Vec<futures_channel::oneshot::Sender<()>>>>,
@@ -85,6 +85,10 @@ pub struct CoreRecovery {
     /// part ([`crate::push::cut`]), so another instance can rebuild it (design steps 10–11).
     /// Off on one instance: nothing to rebuild on, nothing paid.
     pub cuts: Cell<bool>,
+    /// CONNECTs rebuilding a history from device rings here (design step 11, app/rebuild.rs):
+    /// the session's deliveries meanwhile are held ([`Core::rebuild_hold`]). One per session
+    /// at most, while its CONNECT waits (at most 2 s).
+    pub(crate) rebuilding: RefCell<hashbrown::HashMap<SessionId, crate::app::rebuild::Held>>,
 }
 
 /// How long a CONNECT waits for its history to come from another instance (design step 6b:
@@ -118,6 +122,7 @@ impl CoreRecovery {
             adopting: RefCell::default(),
             takers: RefCell::default(),
             cuts: Cell::new(false),
+            rebuilding: RefCell::default(),
         }
     }
 

@@ -20,6 +20,16 @@ pub trait Relay {
     /// instance; else published here by another): kept in the device's ring while another
     /// instance may need it rebuilt here (design step 10, `cluster/ring.rs`).
     fn ring(&self, _msg: &IngestMessage, _here: bool) {}
+    /// Design step 11, on a device's core: the messages of `device` its ring holds after the
+    /// client's cut (`cut`: the key hash of its last frame of the device; `None`: it had none),
+    /// oldest first; or why they cannot be given.
+    fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<IngestMessage>, String> {
+        Err("no rings".into())
+    }
+    /// Live instances other than this one (a rebuild asks only this one's rings).
+    fn other_instances(&self) -> u64 {
+        u64::MAX
+    }
     /// The end of a burst of [`Relay::offer`]s: hand what was offered over.
     fn flush(&self);
     /// Devices this instance started (`true`) or stopped watching: a session with a socket

@@ -505,6 +505,19 @@ struct Outbox {
 }
 
 impl Relay for CoreRelay {
+    fn ring_after(&self, device: &str, cut: Option<u32>) -> Result<Vec<IngestMessage>, String> {
+        let Some(rings) = &self.rings else { return Err("recovery is off".into()) };
+        rings.borrow().after(device, cut, std::time::Instant::now()).map_err(|lost| format!("{lost:?}"))
+    }
+
+    fn other_instances(&self) -> u64 {
+        // Before the first heartbeat counted them, not known: as many as could be.
+        match self.stats.instances.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            n => n - 1,
+        }
+    }
+
     fn ring(&self, msg: &IngestMessage, here: bool) {
         let Some(rings) = &self.rings else { return };
         let watched = here && self.remote.borrow().contains(&*msg.device_id);

@@ -80,6 +80,16 @@ impl Cuts {
         self.text().into()
     }
 
+    /// The cuts a client's offset names (a stream rebuilt on another instance goes on from
+    /// them: step 11).
+    pub fn from_part(part: &DevicePart) -> Cuts {
+        match part {
+            DevicePart::Overflow => Cuts { devices: SmallVec::new(), overflow: true },
+            DevicePart::Absent => Cuts::default(),
+            DevicePart::Cuts(c) => Cuts { devices: c.iter().map(|(d, k)| (*d, k.unwrap_or(0))).collect(), overflow: false },
+        }
+    }
+
     /// The part's text.
     pub fn text(&self) -> String {
         if self.overflow {
@@ -196,6 +206,20 @@ mod tests {
         assert_eq!(&*c.note("d-last", key(1, 99)), ".x");
         assert_eq!(&*c.note("d0", key(2, 1)), ".x");
         assert_eq!(device_part("h1.1.9.x"), Some(DevicePart::Overflow));
+    }
+
+    #[test]
+    fn a_stream_rebuilt_from_an_offset_goes_on_from_its_cuts() {
+        let mut c = Cuts::default();
+        c.note("d1", key(1, 1));
+        let text = c.note("d2", MsgKey::NONE);
+        let offset = format!("h1.1.2{text}");
+        let mut rebuilt = Cuts::from_part(&device_part(&offset).unwrap());
+        assert_eq!(rebuilt.text(), &*text);
+        let next = rebuilt.note("d2", key(3, 3));
+        assert_eq!(&*next, &*c.note("d2", key(3, 3)));
+        let s = crate::push::stream::SessionStream::continuing(1, 2, Default::default(), std::time::Instant::now());
+        assert_eq!((s.epoch(), s.head(), s.first_seq()), (1, 2, 3));
     }
 
     #[test]

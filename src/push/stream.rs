@@ -219,6 +219,15 @@ impl SessionStream {
         self.epoch
     }
 
+    /// A stream that continues a client's `h1.<epoch>.<seq>` (design step 11: rebuilt on
+    /// another instance): its next frame gets `seq + 1`, and `seq` itself is where it starts.
+    pub fn continuing(epoch: u32, seq: u64, core_total: Rc<Cell<usize>>, now: Instant) -> Self {
+        let mut s = Self::with_epoch(epoch, core_total, now);
+        s.next_seq = seq.saturating_add(1);
+        s.first_seq = s.next_seq;
+        s
+    }
+
     /// `h1.<epoch>.`, the start of this stream's offsets.
     pub fn prefix(&self) -> &Rc<str> {
         &self.prefix

@@ -69,6 +69,18 @@ pub fn restores_elsewhere(conn: &Conn, text: &str) -> Option<SessionId> {
     conn.core.recovery_elsewhere(session, &pid).then_some(session)
 }
 
+/// After [`restores_elsewhere`] found no history elsewhere: the pid and offset to rebuild
+/// the session's history from the device rings here (design step 11), when the pid is still
+/// unknown and the offset carries a device part.
+pub fn rebuild_request(conn: &Conn, text: &str, session: SessionId) -> Option<(String, String)> {
+    let ClientPacket::Connect(packet) = parse_client_packet(text)? else { return None };
+    let rest = &packet[1..];
+    let auth = rest.strip_prefix("/,").unwrap_or(rest);
+    let (pid, offset) = restore_request(auth)?;
+    let offset = offset?;
+    conn.core.rebuild_wanted(session, &pid, &offset).then_some((pid, offset))
+}
+
 /// The reply to a Socket.IO CONNECT (without the Engine.IO `4`): an ack after attaching the
 /// socket to its session, or an error for a bad namespace or an unknown session; and the
 /// frames to replay after it when the CONNECT recovered a connection (connection state

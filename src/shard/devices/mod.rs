@@ -33,6 +33,7 @@ mod durable;
 pub use durable::{Dirty, SnapshotWalk};
 pub(crate) use durable::shrink_after;
 mod fanout;
+mod replay;
 mod ingest;
 mod telemetry;
 mod twin;
