@@ -28,6 +28,8 @@ both_engines!(
     a_thousand_subscriptions_in_one_request_cost_two_redis_round_trips,
     a_watch_whose_announcement_was_lost_is_learnt_from_the_watching_set,
     live_data_between_instances_resumes_by_itself_after_redis_restarts,
+    changes_published_while_an_instance_was_away_are_in_force_there_once_it_is_back,
+    a_delete_published_while_an_instance_was_away_closes_its_socket_once_it_is_back,
 );
 
 fn instance(engine: &Engine, id: &str) -> Server {
@@ -63,6 +65,20 @@ fn watched_on_b(redis: &Engine, device: &str) -> (Server, Server, String, common
     let ws = b.live(&session);
     wait_watched_elsewhere(&a, "a", 1.0);
     (a, b, session, ws)
+}
+
+/// A session opened on A granted and subscribed to the valve's telemetry and connection
+/// state, its plain WebSocket on B, once A knows that B watches the valve.
+fn valve_watched_on_b(a: &Server, b: &Server) -> (String, common::ws::Live) {
+    let session = a.new_session();
+    for kind in ["telemetry", "connectionState"] {
+        let request = json!({"type": kind, "deviceId": "valve"});
+        a.grant(&session, request.clone());
+        assert_eq!(a.subscribe(&session, request).0, 204);
+    }
+    let ws = b.live(&session);
+    wait_watched_elsewhere(a, "a", 1.0);
+    (session, ws)
 }
 
 fn telemetry_values(frames: &[Value], key: &str) -> Vec<i64> {
@@ -143,14 +159,7 @@ fn a_device_no_other_instance_watches_never_crosses_redis(redis: Engine) {
 fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once(redis: Engine) {
     let a = instance(&redis, "a");
     let b = instance(&redis, "b");
-    let session = a.new_session();
-    for kind in ["telemetry", "connectionState"] {
-        let request = json!({"type": kind, "deviceId": "valve"});
-        a.grant(&session, request.clone());
-        assert_eq!(a.subscribe(&session, request).0, 204);
-    }
-    let mut ws = b.live(&session);
-    wait_watched_elsewhere(&a, "a", 1.0);
+    let (session, mut ws) = valve_watched_on_b(&a, &b);
     a.ingest(json!({"deviceId": "valve", "body": {"open": 1}}));
     let first = ws.next_json(WAIT).expect("before the revoke, telemetry arrives on B");
     assert_eq!(first["telemetry"], json!({"open": 1}));
@@ -1094,4 +1103,76 @@ fn a_late_older_access_change_does_not_undo_a_newer_one() {
     let frame = ws.next_json(WAIT).expect("the marker's message reaches B's socket");
     assert_eq!(frame["deviceId"].as_str(), Some(marker.as_str()));
     assert_eq!(read(late), 403, "the late grant at version 1 did not undo the revoke at version 2 on B");
+}
+
+/// Runs `change` (on A) while B's pub/sub connections are certainly gone and cannot come
+/// back: B is frozen (SIGSTOP), every pub/sub connection on the Redis side is killed (`CLIENT
+/// KILL TYPE pubsub`, A's too), A reconnects by itself and makes the change (published on
+/// `ops`: B is subscribed nowhere, so it misses it), then B runs again, finds its subscriber
+/// closed and connects again. Returns once B is connected again.
+fn while_b_is_away(redis: &Engine, a: &Server, b: &Server, change: impl FnOnce()) {
+    let reconnects = |s: &Server, id: &str| metric(s, "hubcast_redis_reconnects_total", id);
+    let (a_before, b_before) = (reconnects(a, "a"), reconnects(b, "b"));
+    b.signal(libc::SIGSTOP);
+    let killed = redis.command_everywhere("CLIENT KILL TYPE pubsub");
+    assert!(killed.iter().any(|r| r.as_deref().is_some_and(|r| r.starts_with(':') && r.trim() != ":0")), "pub/sub connections killed: {killed:?}");
+    a.wait_for_metric("hubcast_redis_reconnects_total{instance=\"a\"}", WAIT, Want::AtLeast(a_before + 1.0)); // A saw its subscriber go
+    a.wait_for_metric("hubcast_redis_connected{instance=\"a\"}", WAIT, Want::Eq(1.0)); // and is back
+    change();
+    b.signal(libc::SIGCONT);
+    b.wait_for_metric("hubcast_redis_reconnects_total{instance=\"b\"}", WAIT, Want::AtLeast(b_before + 1.0)); // B saw its subscriber closed
+    b.wait_for_metric("hubcast_redis_connected{instance=\"b\"}", WAIT, Want::Eq(1.0)); // and connected again
+}
+
+/// A revoke and a new subscription published while B's subscriber was away (Redis pub/sub
+/// keeps nothing for it) are in force on B once it is back: B checks every session it holds
+/// against Redis's version and reads the changed one again (cluster/resync.rs). The socket on
+/// B stops receiving the revoked telemetry and starts receiving the new device.
+fn changes_published_while_an_instance_was_away_are_in_force_there_once_it_is_back(redis: Engine) {
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let (session, mut ws) = valve_watched_on_b(&a, &b);
+    a.ingest(json!({"deviceId": "valve", "body": {"open": 1}}));
+    assert_eq!(ws.next_json(WAIT).expect("before, telemetry arrives on B")["telemetry"], json!({"open": 1}));
+    while_b_is_away(&redis, &a, &b, || {
+        a.revoke(&session, json!({"type": "telemetry", "deviceId": "valve"}));
+        let request = json!({"type": "telemetry", "deviceId": "pump"});
+        a.grant(&session, request.clone());
+        assert_eq!(a.subscribe(&session, request).0, 204);
+    });
+    // B found the session changed in Redis and read it again; it now watches the pump too.
+    b.wait_for_metric("hubcast_redis_sessions_reloaded_total{instance=\"b\"}", WAIT, Want::AtLeast(1.0));
+    wait_watched_elsewhere(&a, "a", 2.0);
+    a.ingest(json!([
+        {"deviceId": "valve", "body": {"open": 2}},
+        {"deviceId": "valve", "source": "deviceConnectionStateEvents",
+         "properties": {"opType": "deviceDisconnected"}, "body": {"sequenceNumber": "000000000000000001D5"}},
+        {"deviceId": "pump", "body": {"n": 1}},
+    ]));
+    // The valve's connection state (still granted) comes after its telemetry on one channel:
+    // once it is here, a telemetry frame delivered in spite of the revoke would be too.
+    let mut after = Vec::new();
+    while !(after.iter().any(|f: &Value| f["connectionState"] == json!(false)) && after.iter().any(|f: &Value| f["deviceId"] == "pump")) {
+        after.push(ws.next_json(WAIT).unwrap_or_else(|| panic!("the valve's connection state and the pump's telemetry arrive on B; got {after:?}\nB: {:?}", b.stderr_lines())));
+    }
+    assert!(after.iter().all(|f| f["deviceId"] != "valve" || f.get("telemetry").is_none()), "no valve telemetry after the revoke: {after:?}");
+    let pump = after.iter().find(|f| f["deviceId"] == "pump").unwrap();
+    assert_eq!(pump["telemetry"], json!({"n": 1}), "the pump, subscribed while B was away");
+    // B's one session, read again once.
+    assert_eq!(metric(&b, "hubcast_redis_sessions_reloaded_total", "b"), 1.0);
+    assert!(metric(&b, "hubcast_redis_sessions_checked_total", "b") >= 1.0);
+}
+
+/// A delete published while B's subscriber was away closes the session's socket on B once it
+/// is back (the session's tombstone says it was deleted, not lost with Redis's data).
+fn a_delete_published_while_an_instance_was_away_closes_its_socket_once_it_is_back(redis: Engine) {
+    let (a, b, session, mut ws) = watched_on_b(&redis, "d");
+    a.ingest(json!({"deviceId": "d", "body": {"v": 1}}));
+    assert!(ws.next_json(WAIT).is_some(), "the socket on B is live");
+    while_b_is_away(&redis, &a, &b, || {
+        let (status, body, _) = a.call("DELETE", &format!("/sessions/{session}"), &[ADMIN], None);
+        assert_eq!(status, 204, "{body}");
+    });
+    assert_eq!(ws.wait_closed(WAIT), Some(1000), "B closes the deleted session's socket once back");
+    assert_eq!(metric(&b, "hubcast_redis_sessions_reloaded_total", "b"), 1.0);
 }

@@ -471,6 +471,7 @@ mod tests {
             session_ttl: Duration::from_secs(1),
             lease_ttl,
             inbound_bytes: 1 << 20,
+            refresh: Duration::from_secs(1),
         };
         Ctx { o, cores, stats: Arc::default(), changes: Arc::new(tokio::sync::Semaphore::new(1)) }
     }

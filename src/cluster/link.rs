@@ -1,6 +1,6 @@
 //! The Redis thread: one current-thread tokio runtime between the cores' command queue and
-//! their inbound queues, running three tasks per connection, none of which waits on a core's
-//! answer inline:
+//! their inbound queues, running four tasks per connection (a cluster: five, with
+//! [`super::shards`]), none of which waits on a core's answer inline:
 //! - **pub/sub** (here): the subscriber connection's messages, demultiplexed into the bounded
 //!   per-core queues (`send().await`: a full queue is back-pressure to Redis's output buffer).
 //!   An access change goes to the *device's* core, in the same FIFO as that device's
@@ -8,6 +8,8 @@
 //!   Another instance's read is answered by a spawned task (at most [`READS_PENDING`]).
 //! - **commands** (here): the cores' commands (session changes, publications, watches,
 //!   reads), on the command connection.
+//! - **resync** ([`super::resync`]): the sessions held here checked against Redis's versions
+//!   after a reconnect or a skipped version (a change missed), and read again if changed.
 //! - **leases** ([`super::lease`]): heartbeat, live instances, partition leases and
 //!   checkpoints on a connection of their own; renewal first, cores asked with a deadline;
 //!   then the check of the others' `watching` sets against what `watch` said
@@ -17,6 +19,8 @@
 //! channels ([`super::names`], all documented in docs/OPERATIONS.md, "Several instances on Redis"):
 //! - `P:session:<id>` hash: `created`, and `a:<device>` → the session's access on the device;
 //!   expires unless an instance holding the session refreshes it.
+//! - `P:gone:<id>` / `P:cleared`: a session deleted / every session deleted, for a session
+//!   TTL (an instance that missed the delete drops its copy, [`super::resync`]).
 //! - `P:instance:<id>` string with a TTL (a cluster: `{P}:instances`, a sorted set), renewed
 //!   every heartbeat: the live instances.
 //! - `P:watching:<id>` set: the devices instance `<id>` watches.
@@ -46,6 +50,7 @@ use super::names::Names;
 
 use super::lease::{self, Ctl, Leases};
 use super::resend;
+use super::resync;
 use super::shards;
 use super::wire::{self, SharedOp};
 use super::{Command, Inbound, Stats};
@@ -117,6 +122,8 @@ pub struct Options {
     pub lease_ttl: Duration,
     /// `--redis-inbound-bytes`: what may wait between Redis and the cores (see [`pubsub`]).
     pub inbound_bytes: u64,
+    /// How often each core names the sessions it holds (`Command::Refresh`).
+    pub refresh: Duration,
 }
 
 impl Options {
@@ -220,6 +227,8 @@ pub(super) struct Shared {
     last_seq: HashMap<Box<str>, Vec<(Box<str>, u64)>>,
     /// Recovery histories handed over and adopted (adopt.rs).
     pub adopt: super::adopt::Adoptions,
+    /// The sessions held here and the version each is applied up to in order (resync.rs).
+    pub versions: super::resync::Versions,
 }
 
 impl Shared {
@@ -273,6 +282,7 @@ pub fn start(
             touched: None,
             last_seq: HashMap::new(),
             adopt: Default::default(),
+            versions: Default::default(),
         }));
         let tasks = tokio::task::LocalSet::new();
         tasks.block_on(&runtime, run(ctx, state, lease, status, commands));
@@ -333,6 +343,7 @@ async fn run(
                     let (shard_tx, shard_rx) = async_channel::bounded(SHARD_REQUESTS);
                     let cluster = ctx.is_cluster();
                     let (shard_conn, initial) = (conns.conn.clone(), conns.initial);
+                    let resync_conn = conns.conn.clone();
                     let shards = async {
                         if cluster {
                             shards::run(&ctx, &state, shard_conn, shard_rx, initial).await
@@ -342,8 +353,12 @@ async fn run(
                     };
                     let commands = command_loop(&ctx, &state, conns.conn, conns.sink, cluster.then_some(shard_tx), &commands, &ctl_tx);
                     let leases = lease::run(&ctx, &state, &mut lease, conns.lease_conn, &mut ctl_rx);
+                    // Session copies that missed a change (this connection's first pass checks
+                    // every held session: what was published while away never arrives).
+                    let resync = resync::run(&ctx, &state, resync_conn);
                     tokio::select! {
                         r = pubsub => r,
+                        r = resync => r,
                         r = commands => r,
                         r = leases => r,
                         r = shards => r,
@@ -499,6 +514,10 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     }
     s.remote = remote;
     s.suspects.clear();
+    // Subscribed to `ops` above: from here on no change is missed; what was published while
+    // away is found by checking every held session (resync.rs). At the first connect every
+    // session held was loaded since, or is unknown and checked anyway.
+    s.versions.check_all = ctx.stats.reconnects.load(Ordering::Relaxed) > 0;
     s.instances = live;
     ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
     Ok(Conns { conn, lease_conn, sink, stream, changes, initial })
@@ -821,6 +840,15 @@ async fn on_command(
     match command {
         Command::Save { op, reply } => {
             let result = save(ctx, &op, conn).await;
+            if result.is_ok() {
+                let mut s = state.borrow_mut();
+                match op {
+                    SharedOp::Create(id) => s.versions.created(id),
+                    SharedOp::Delete(id) => s.versions.gone(id),
+                    SharedOp::DeleteAll => s.versions.clear(),
+                    SharedOp::Access { .. } | SharedOp::Accesses { .. } => {}
+                }
+            }
             let failed = result.as_ref().err().cloned();
             let _ = reply.send(result);
             if let Some(reason) = failed {
@@ -842,20 +870,11 @@ async fn on_command(
             let result: Result<std::collections::HashMap<Vec<u8>, Vec<u8>>, Failed> =
                 within("HGETALL", redis::cmd("HGETALL").arg(&key).query_async(conn)).await;
             let failed = result.as_ref().err().cloned();
-            let _ = reply.send(result.map(|fields| {
-                if fields.is_empty() {
-                    return None;
-                }
-                let v = fields.get(&b"v"[..]).and_then(|v| std::str::from_utf8(v).ok()?.parse().ok()).unwrap_or(0);
-                let ops = fields
-                    .iter()
-                    .filter(|(k, _)| k.starts_with(b"a:"))
-                    .filter_map(|(_, v)| wire::decode_access(v))
-                    .filter(|(_, s, _)| *s == session)
-                    .map(|(device, session, access)| SharedOp::Access { session, device, access })
-                    .collect();
-                Some((v, ops))
-            }));
+            let loaded = result.map(|fields| parse_session(session, &fields));
+            if let Ok(Some((v, _))) = &loaded {
+                state.borrow_mut().versions.loaded(session, *v);
+            }
+            let _ = reply.send(loaded);
             if let Some(reason) = failed {
                 return Err(reason);
             }
@@ -948,6 +967,7 @@ async fn on_command(
             }
         }
         Command::Refresh(ids) => {
+            state.borrow_mut().versions.refreshed(&ids, 3 * ctx.o.refresh);
             let ttl = ctx.o.session_ttl.as_millis() as u64;
             for chunk in ids.chunks(CHUNK) {
                 let mut pipe = redis::pipe();
@@ -959,6 +979,23 @@ async fn on_command(
         }
     }
     Ok(())
+}
+
+/// A session's hash as `HGETALL` answers it: its version and its access per device (`None`:
+/// no such session).
+pub(super) fn parse_session(session: SessionId, fields: &std::collections::HashMap<Vec<u8>, Vec<u8>>) -> super::Loaded {
+    if fields.is_empty() {
+        return None;
+    }
+    let v = fields.get(&b"v"[..]).and_then(|v| std::str::from_utf8(v).ok()?.parse().ok()).unwrap_or(0);
+    let ops = fields
+        .iter()
+        .filter(|(k, _)| k.starts_with(b"a:"))
+        .filter_map(|(_, v)| wire::decode_access(v))
+        .filter(|(_, s, _)| *s == session)
+        .map(|(device, session, access)| SharedOp::Access { session, device, access })
+        .collect();
+    Some((v, ops))
 }
 
 /// One request's changes to a session (see [`Command::Change`]): read its version and the
@@ -1062,6 +1099,8 @@ async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut Conn) -> Result<bool, Failed>
             let key = ctx.session_key(*id);
             let mut pipe = redis::pipe();
             pipe.atomic().cmd("DEL").arg(&key);
+            // Its tombstone: an instance that missed this delete drops its copy (resync.rs).
+            pipe.cmd("SET").arg(ctx.o.names.gone(*id)).arg(1).arg("PX").arg(ttl).ignore();
             let payload = wire::encode_op(&ctx.o.instance, op);
             ctx.with_op(&mut pipe, &payload);
             let (deleted,): (i64,) = within("DEL session", pipe.query_async(&mut conn.at(&key))).await?;
@@ -1069,6 +1108,9 @@ async fn save(ctx: &Ctx, op: &SharedOp, conn: &mut Conn) -> Result<bool, Failed>
             Ok(deleted > 0)
         }
         SharedOp::DeleteAll => {
+            // Before the keys go: an instance that missed this drops its copies (resync.rs).
+            let mark = redis::cmd("SET").arg(ctx.o.names.cleared()).arg(crate::timefmt::now_millis()).arg("PX").arg(ttl).to_owned();
+            within("SET cleared", mark.query_async::<()>(conn)).await?;
             let keys = within("SCAN", conn.scan(&ctx.o.names.sessions_pattern())).await?;
             for chunk in keys.chunks(CHUNK) {
                 within("DEL sessions", redis::cmd("DEL").arg(chunk).query_async::<()>(conn)).await?;
@@ -1115,7 +1157,18 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
             }
         } else if channel == ops {
             flush_messages(ctx, &mut per_core).await;
-            match wire::decode_op(payload) {
+            let decoded = wire::decode_op(payload);
+            if let Some((_, op)) = &decoded {
+                // Own changes too: each version counts once its publication is here (resync.rs).
+                let mut s = state.borrow_mut();
+                match op {
+                    SharedOp::Accesses { session, v, .. } => s.versions.applied(*session, *v),
+                    SharedOp::Delete(id) => s.versions.gone(*id),
+                    SharedOp::DeleteAll => s.versions.clear(),
+                    SharedOp::Create(_) | SharedOp::Access { .. } => {}
+                }
+            }
+            match decoded {
                 Some((origin, op)) if origin != &*ctx.o.instance => route_op(ctx, op).await,
                 // This instance's own: applied here when its change was answered.
                 Some(_) => {}

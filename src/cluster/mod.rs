@@ -41,6 +41,7 @@ mod link;
 mod names;
 mod queue;
 mod resend;
+mod resync;
 pub mod ring;
 mod shards;
 pub mod wire;
@@ -137,6 +138,9 @@ pub(crate) enum Inbound {
     /// The link to Redis is back after an outage: values learnt from the others are no
     /// longer current (before any message of the new connection: same queue).
     Reconnected,
+    /// A session of this core changed in Redis unseen here (a change missed, resync.rs): its
+    /// accesses as Redis holds them at version `v`, in place of the copy's.
+    Reload { session: SessionId, v: u64, accesses: Vec<SharedOp> },
     /// This core's applied marks (source partition → sequence number), for checkpoints;
     /// also how the lease task knows the core is alive (a core that answers no longer is
     /// stalled, see cluster/lease.rs).
@@ -197,6 +201,10 @@ pub struct Stats {
     /// Watches (instance, device) corrected by reading the instances' `watching` sets: an
     /// announcement on the `watch` channel was missed (link.rs, `check_watches`).
     pub watch_resyncs: AtomicU64,
+    /// Held sessions whose version was read from Redis (resync.rs), and those read again
+    /// (or dropped, deleted) because a change to them had been missed.
+    pub sessions_checked: AtomicU64,
+    pub sessions_reloaded: AtomicU64,
     /// Device messages received again (a sequence number not newer than the last applied
     /// from its origin for its device: published again after a slot move), not applied.
     pub duplicates: AtomicU64,
@@ -283,6 +291,7 @@ impl Cluster {
             session_ttl: grace + 2 * refresh + Duration::from_secs(1),
             lease_ttl: Duration::from_secs(c.lease_ttl),
             inbound_bytes: c.redis_inbound_bytes,
+            refresh,
         };
         let (owned_tx, owned) = tokio::sync::watch::channel(Owned::default());
         Ok(Arc::new(Self {
@@ -392,6 +401,8 @@ impl Cluster {
             ("hubcast_redis_duplicates_dropped_total".into(), "Device messages received again from another instance (published again after a slot move) and not applied twice.".into(), label.clone(), get(&s.duplicates)),
             ("hubcast_recovery_ring_bytes".into(), "Charged bytes of the device rings kept for rebuilding a history on this instance after another died (docs/design/recovery.md steps 10-11; bounded per core by --recovery-core-bytes).".into(), label.clone(), get(&s.ring_bytes)),
             ("hubcast_redis_watch_resyncs_total".into(), "Watches (instance, device) corrected by reading the instances' watching sets: an announcement on the watch channel was missed.".into(), label.clone(), get(&s.watch_resyncs)),
+            ("hubcast_redis_sessions_checked_total".into(), "Sessions held here whose version was read from Redis: all of them after each (re)connect, and those with a change missing.".into(), label.clone(), get(&s.sessions_checked)),
+            ("hubcast_redis_sessions_reloaded_total".into(), "Sessions held here read again from Redis (or dropped, deleted) because a change to them was missed: published while the link was down, or never published.".into(), label.clone(), get(&s.sessions_reloaded)),
         ])
         .chain(adopt::OUTCOMES.iter().enumerate().map(|(i, outcome)| {
             let labels = format!("{{instance=\"{}\",outcome=\"{outcome}\"}}", self.instance);
@@ -712,6 +723,7 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                     tracing::info!(session = %session, kept, "recovery history adopted from a stopping instance");
                 }
             }
+            Inbound::Reload { session, v, accesses } => reload(&core, session, v, accesses).await,
             Inbound::Reconnected => {
                 let marked = core.devices.borrow_mut().replicas_not_current();
                 if marked > 0 {
@@ -880,6 +892,27 @@ async fn install(core: &Rc<Core>, session: SessionId, v: u64, accesses: Vec<Shar
         })
         .collect();
     set_accesses(core, session, v, changes).await
+}
+
+/// A session's accesses as Redis holds them at version `v`, in place of the copy here: every
+/// device the copy knows that Redis no longer holds is emptied at `v` (a change missed may
+/// have removed it). Nothing when the session is not held here.
+async fn reload(core: &Rc<Core>, session: SessionId, v: u64, accesses: Vec<SharedOp>) {
+    let mut changes: Vec<(Box<str>, AccessOn)> = accesses
+        .into_iter()
+        .filter_map(|op| match op {
+            SharedOp::Access { device, access, .. } => Some((device, access)),
+            _ => None,
+        })
+        .collect();
+    let held: Vec<Box<str>> = {
+        let sessions = core.sessions.borrow();
+        let Some(record) = sessions.get(session) else { return };
+        let in_redis: HashSet<&str> = changes.iter().map(|(d, _)| &**d).collect();
+        record.devices.iter().filter(|d| !in_redis.contains(d)).map(Box::from).collect()
+    };
+    changes.extend(held.into_iter().map(|d| (d, None)));
+    set_accesses(core, session, v, changes).await;
 }
 
 /// How a change's caller is answered once the change is in force here.

@@ -39,6 +39,23 @@ impl Names {
         }
     }
 
+    /// A deleted session's tombstone, in its session's slot (written with the `DEL`, lives a
+    /// session TTL): a copy whose session is missing from Redis is dropped only if this says it
+    /// was deleted, not lost with a Redis that restarted empty (cluster/resync.rs).
+    pub(crate) fn gone(&self, id: SessionId) -> String {
+        if self.cluster {
+            format!("{}:gone:{{{id}}}", self.prefix)
+        } else {
+            format!("{}:gone:{id}", self.prefix)
+        }
+    }
+
+    /// Written by `DELETE /sessions` (lives a session TTL): every session missing from Redis
+    /// meanwhile was deleted (cluster/resync.rs).
+    pub(crate) fn cleared(&self) -> String {
+        format!("{}:cleared", self.control)
+    }
+
     /// `MATCH` pattern of every session key (both forms).
     pub(crate) fn sessions_pattern(&self) -> String {
         format!("{}:session:*", self.prefix)
@@ -118,6 +135,8 @@ mod tests {
         let id = SessionId(0x1234_5678_9abc);
         assert_eq!(n.session(id), format!("hc:session:{{{id}}}"));
         assert_eq!(slot(&n.session(id)), slot(&id.to_string()));
+        assert_eq!(slot(&n.gone(id)), slot(&n.session(id)), "a tombstone is written with its session's DEL");
+        assert_eq!(slot(&n.cleared()), slot("hc"));
         let slots: std::collections::HashSet<Route> = (0..100).map(|i| slot(&n.device(&format!("dev-{i}")))).collect();
         assert!(slots.len() > 90, "device channels spread over the slots: {}", slots.len());
         assert!(n.session(id).starts_with(&n.sessions_pattern()[..n.sessions_pattern().len() - 1]));

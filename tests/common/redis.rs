@@ -568,6 +568,14 @@ impl Engine {
         }
     }
 
+    /// One inline command on every running node (one Redis: on it); the raw replies.
+    pub fn command_everywhere(&self, line: &str) -> Vec<Option<String>> {
+        match self {
+            Engine::Single(r) => vec![r.command(line)],
+            Engine::Cluster(c) => (0..c.len()).filter(|i| c.nodes[*i].child.is_some()).map(|i| c.command_on(i, line)).collect(),
+        }
+    }
+
     /// The keys matching `pattern` (on a cluster: on every master).
     pub fn keys(&self, pattern: &str) -> Vec<String> {
         match self {
