@@ -1029,9 +1029,16 @@ impl Core {
         let now = Instant::now();
         let written = {
             let mut sessions = self.sessions.borrow_mut();
-            let Some(recovery) = sessions.get_mut(session).and_then(|r| r.recovery.as_deref_mut()) else { return false };
+            let Some(record) = sessions.get_mut(session) else { return false };
+            let Some(recovery) = record.recovery.as_deref_mut() else { return false };
             if !kept {
-                recovery.stream = Some(crate::push::stream::SessionStream::new(self.recovery.total.clone(), now));
+                // A socket may have attached while the verdict was awaited (its CONNECT waited
+                // at most TAKE_WAIT, then got a new pid on this stream): its outlet writes the
+                // new epoch from now on, or its next restore would fail `history_lost`.
+                let prefix = recovery.void_history(&self.recovery.total, now);
+                for outlet in record.sockets.iter().filter(|o| o.offsets().is_some()) {
+                    outlet.set_offsets(Some(prefix.clone()));
+                }
             }
             for pid in pids {
                 if !recovery.pids.iter().any(|p| p.pid == pid.pid) {

@@ -234,8 +234,9 @@ pub(super) fn settle(state: &State, done: std::sync::mpsc::Sender<()>) {
 /// Stopping: the session's core decided (`Core::adoption_marked`); told to the adopter.
 pub(super) async fn verdict(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, kept: bool) -> Result<(), Failed> {
     let Some((to, _)) = state.borrow().adopt.handing.get(&session).cloned() else { return Ok(()) };
-    forget(ctx, state, session);
+    // Counted before `forget` lets `Cluster::leave` go on and log the outcomes.
     count(ctx, if kept { KEPT } else { VOIDED });
+    forget(ctx, state, session);
     let kind = if kept { KIND_KEPT } else { KIND_VOIDED };
     let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &to)).arg(encode(kind, &ctx.o.instance, session, &[])).to_owned();
     within("PUBLISH adoption verdict", publish.query_async::<()>(conn)).await
@@ -298,8 +299,8 @@ pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
         }
         KIND_REFUSED => {
             if state.borrow().adopt.handing.contains_key(&session) {
-                forget(ctx, state, session);
                 count(ctx, REFUSED_BY_PEER);
+                forget(ctx, state, session);
                 tracing::info!(session = %session, by = origin, "the adopter refused a recovery history: its client will not recover");
             }
         }

@@ -335,6 +335,23 @@ impl Cluster {
                 tracing::warn!("recovery histories handed over without a verdict in time: their adopters drop them");
             }
         }
+        // The stopping side's outcomes are counted after the listener closed: no scrape sees
+        // them, so they are logged once here (since the start; received..refused are the
+        // adopter's and were scraped while it ran).
+        let n = |i: usize| self.stats.adoptions[i].load(Ordering::Relaxed);
+        if (adopt::SENT..=adopt::UNSUPPORTED).any(|i| n(i) > 0) {
+            tracing::info!(
+                sent = n(adopt::SENT),
+                kept = n(adopt::KEPT),
+                voided = n(adopt::VOIDED),
+                refused_by_peer = n(adopt::REFUSED_BY_PEER),
+                no_peer = n(adopt::NO_PEER),
+                too_large = n(adopt::TOO_LARGE),
+                over_bound = n(adopt::OVER_BOUND),
+                unsupported = n(adopt::UNSUPPORTED),
+                "recovery histories of this instance by outcome (hubcast_redis_adoptions_total; the stop's are never scraped)"
+            );
+        }
         let (done, left) = std::sync::mpsc::channel();
         if self.commands.try_send(Command::Leave(done)).is_ok() {
             let wait = deadline.saturating_duration_since(std::time::Instant::now()).min(Duration::from_secs(3));

@@ -556,6 +556,26 @@ pub struct SessionRecovery {
 }
 
 impl SessionRecovery {
+    /// The history may have a hole (an adoption voided: docs/design/recovery.md step 6), so
+    /// every offset of it must fail: the stream takes a new epoch with nothing held. Its seqs
+    /// go on from where they were, and the pids of the sockets connected now move to the new
+    /// epoch: what they received live was complete, so their next restore works. A frame
+    /// still queued for such a socket is written with the new epoch at a seq below the new
+    /// stream's first, so a restore from it fails `bound`, never replays across the hole.
+    /// Returns the new prefix, for those sockets' outlets.
+    pub fn void_history(&mut self, core_total: &Rc<Cell<usize>>, now: Instant) -> Rc<str> {
+        let next = self.stream.as_ref().map_or(1, |s| s.next_seq);
+        let mut stream = SessionStream::new(core_total.clone(), now);
+        stream.next_seq = next;
+        stream.first_seq = next;
+        for p in self.pids.iter_mut().filter(|p| p.socket.is_some()) {
+            p.epoch = stream.epoch;
+        }
+        let prefix = stream.prefix.clone();
+        self.stream = Some(stream);
+        prefix
+    }
+
     /// The stream, made (with a new epoch) when there is none.
     pub fn stream_or_new(
         &mut self,
@@ -1314,6 +1334,43 @@ mod tests {
             r.restore("nope", Some(&offset), 5, t0, W).err(),
             Some(Failure::UnknownPid)
         );
+    }
+
+    /// An adoption voided while a socket was connected on the adopter: the pids away fail
+    /// `history_lost` (a hole may be before their offset), the connected socket's next
+    /// restore from what it received after the void works, and nothing before the void is
+    /// replayed to it.
+    #[test]
+    fn a_voided_history_fails_the_old_epoch_and_keeps_a_connected_socket_recoverable() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut r = SessionRecovery::default();
+        r.stream_or_new(&total, t0);
+        let (_, away) = r.issue(1, t0);
+        let (_, here) = r.issue(2, t0);
+        let mut t = Trimmed::default();
+        for i in 0..3 {
+            r.stream.as_mut().unwrap().push(&frame(&format!("f{i}")), t0, W, 1 << 20, &mut t);
+        }
+        let old = r.stream.as_ref().unwrap().offset(2);
+        assert!(r.left(1, t0));
+        let prefix = r.void_history(&total, t0);
+        assert_eq!(total.get(), 0, "nothing held after the void");
+        let stream = r.stream.as_mut().unwrap();
+        assert_eq!(stream.prefix(), &prefix);
+        assert_eq!(stream.head(), 3, "seqs go on");
+        let seq = stream.push(&frame("live"), t0, W, 1 << 20, &mut t);
+        let new = stream.offset(seq);
+        assert_eq!(seq, 4);
+        assert_eq!(r.restore(&away, Some(&old), 3, t0, W).err(), Some(Failure::HistoryLost));
+        r.stream.as_mut().unwrap().push(&frame("after"), t0, W, 1 << 20, &mut t);
+        assert!(r.left(2, t0));
+        let back = r.restore(&here, Some(&new), 4, t0, W).ok().unwrap();
+        assert_eq!(back.frames.iter().map(|(_, s)| *s).collect::<Vec<_>>(), [5]);
+        // A frame queued before the void, written with the new epoch: never a replay across it.
+        let stale = format!("{prefix}{}", 2);
+        assert!(r.left(4, t0));
+        assert_eq!(r.restore(&here, Some(&stale), 5, t0, W).err(), Some(Failure::Bound));
     }
 
     #[test]
