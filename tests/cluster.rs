@@ -1,8 +1,9 @@
 //! Several instances on one Redis (issue 12) or a Redis Cluster (issue 23): real hubcast
 //! processes, a real redis-server (or three, clustered), standard clients spread over the
 //! instances. The scale-out tests run on both engines (`both_engines!`: `name::single`,
-//! `name::cluster`); the URL and password tests of one Redis have cluster twins (TLS has
-//! none: socat in front of the nodes cannot work, the cluster announces their own addresses).
+//! `name::cluster`); the URL, password and TLS tests of one Redis have cluster twins (TLS on
+//! a cluster of nodes speaking TLS themselves: socat in front of the nodes cannot work, the
+//! cluster announces their own addresses).
 
 mod common;
 
@@ -338,25 +339,10 @@ fn a_password_protected_cluster_is_reached_with_the_password_in_the_first_seed_a
 
 #[test]
 fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-    let dir = common::TempDir::new();
-    std::fs::create_dir_all(dir.path()).unwrap();
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "hubcast test Redis CA");
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-    let leaf_cert = leaf.signed_by(&leaf_key, &ca_cert, &ca_key).unwrap();
-    let file = |name: &str, text: String| {
-        let path = format!("{}/{name}", dir.path());
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let (ca_pem, cert, key) = (file("ca.pem", ca_cert.pem()), file("cert.pem", leaf_cert.pem()), file("key.pem", leaf_key.serialize_pem()));
-    // TLS in front of a plain redis-server (Debian's is built without TLS): socat terminates it.
+    let tls = common::redis::TlsFiles::new();
+    let (ca_pem, cert, key) = (tls.ca(), tls.cert(), tls.key());
+    // TLS in front of a plain redis-server: socat terminates it (nodes speaking TLS
+    // themselves: the cluster test below).
     let redis = Redis::start();
     let tls_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     // Killed on drop, also when an assertion fails (it would hold the test's output open).
@@ -396,6 +382,42 @@ fn rediss_with_a_private_ca_connects_and_a_missing_ca_file_stops_start_up() {
     let args = common::full_args(&["--redis-url", &url, "--redis-ca-file", "/nonexistent/ca.pem"], true);
     let (ok, _, stderr) = common::run_expecting_exit(&args, &[]);
     assert!(!ok && stderr.contains("--redis-ca-file"), "{stderr}");
+}
+
+/// `rediss://` seeds and `--redis-ca-file` on a cluster whose nodes speak TLS only (no plain
+/// port, `--tls-cluster yes`): the seeds, the nodes the redis crate discovers, the shard
+/// subscribers and the publishing connections all reach the nodes over TLS, trusting the
+/// private CA, and live data crosses between instances by sharded pub/sub. Without the CA the
+/// link fails on the certificate.
+#[test]
+fn rediss_cluster_nodes_with_a_private_ca_carry_sessions_and_live_data_over_tls() {
+    let redis = Engine::Cluster(common::redis::RedisCluster::start_tls(3));
+    let Engine::Cluster(cluster) = &redis else { unreachable!() };
+    assert!(redis.flags().iter().any(|f| f.starts_with("rediss://")), "{:?}", redis.flags());
+    for node in 0..cluster.len() {
+        let port = cluster.command_on(node, "CONFIG GET port").unwrap_or_default();
+        assert!(port.ends_with("$1\r\n0\r\n"), "node {node} has no plain port: {port:?}");
+    }
+    let (a, b, session, mut ws) = watched_on_b(&redis, "pump");
+    // Sharded pub/sub over TLS: B subscribes on the pump's master, A publishes to it.
+    a.ingest(json!({"deviceId": "pump", "body": {"n": 1}}));
+    assert_eq!(ws.next_json(WAIT).expect("A's message reaches B's socket over the TLS cluster")["telemetry"], json!({"n": 1}));
+    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 1.0);
+    // The session lives in the cluster (its key on its own node), readable from B.
+    let (status, body, _) = b.call("GET", "/lastValue/pump/n", &[("sessionId", &session)], None);
+    assert_eq!(status, 200, "{body}");
+    // Every node is reached by name over TLS: B's shard subscriber on the pump's master, A's
+    // publishing connection to it (the nodes have no plain port).
+    let master = cluster.owner_of(cluster.slot_of("t:device:pump"));
+    let clients = cluster.command_on(master, "CLIENT LIST").unwrap_or_default();
+    for name in ["hubcast-b-shard", "hubcast-a-publish"] {
+        assert!(clients.contains(&format!("name={name}")), "{name} on the pump's master: {clients}");
+    }
+    assert_eq!(metric(&b, "hubcast_redis_cluster_masters", "b"), 3.0);
+    // Without the CA the nodes' certificate is not trusted: the link fails, naming it.
+    let untrusting = Server::start(&["--redis-cluster-nodes", &cluster.seeds(), "--instance-id", "u"]);
+    let refused = untrusting.wait_for_stderr(WAIT, |l| l.contains("Redis unreachable")).expect("the TLS connect without the CA fails");
+    assert!(refused.contains("invalid peer certificate"), "refused for the untrusted certificate: {refused}");
 }
 
 fn behind_a_plain_load_balancer_a_socketio_client_survives_kill_9_of_its_instance_and_keeps_its_session(redis: Engine) {

@@ -122,8 +122,25 @@ impl Drop for Redis {
 /// One inline command (or several, `\r\n`-separated: `replies` of them) to the server on
 /// `port`; the raw replies, read until they are complete.
 fn raw_n(port: u16, line: &str, replies: usize) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    raw_n_over(port, line, replies, None)
+}
+
+/// [`raw_n`], over TLS when `tls` is given (trusting its CA, the server named 127.0.0.1).
+fn raw_n_over(port: u16, line: &str, replies: usize, tls: Option<&TlsFiles>) -> Option<String> {
+    let s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    match tls {
+        None => exchange(s, line, replies),
+        Some(tls) => {
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1").ok()?;
+            let conn = rustls::ClientConnection::new(tls.client_config(), name).ok()?;
+            exchange(rustls::StreamOwned::new(conn, s), line, replies)
+        }
+    }
+}
+
+/// Writes `line` and reads `replies` whole RESP replies.
+fn exchange(mut s: impl Read + Write, line: &str, replies: usize) -> Option<String> {
     s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
     let mut text = Vec::new();
     let mut buf = [0u8; 65536];
@@ -207,6 +224,62 @@ pub struct RedisCluster {
     dir: super::TempDir,
     /// `requirepass` (and `masterauth`) of every node.
     password: Option<String>,
+    /// TLS only (no plain port), between the nodes too (`tls-cluster`): [`RedisCluster::start_tls`].
+    tls: Option<TlsFiles>,
+}
+
+/// A throwaway CA and one certificate for 127.0.0.1 and localhost signed by it (for server
+/// and client use: a TLS cluster's nodes present it to each other on the bus), as PEM files.
+pub struct TlsFiles {
+    dir: super::TempDir,
+    ca_der: rustls::pki_types::CertificateDer<'static>,
+}
+
+impl TlsFiles {
+    pub fn new() -> TlsFiles {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose};
+        let dir = super::TempDir::new();
+        std::fs::create_dir_all(dir.path()).expect("the TLS files' temp dir");
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, "hubcast test Redis CA");
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let leaf_key = KeyPair::generate().unwrap();
+        let mut leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+        leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let leaf_cert = leaf.signed_by(&leaf_key, &ca_cert, &ca_key).unwrap();
+        let files = TlsFiles { dir, ca_der: ca_cert.der().clone() };
+        std::fs::write(files.ca(), ca_cert.pem()).unwrap();
+        std::fs::write(files.cert(), leaf_cert.pem()).unwrap();
+        std::fs::write(files.key(), leaf_key.serialize_pem()).unwrap();
+        files
+    }
+
+    /// The CA's PEM file (`--redis-ca-file`).
+    pub fn ca(&self) -> String {
+        format!("{}/ca.pem", self.dir.path())
+    }
+
+    pub fn cert(&self) -> String {
+        format!("{}/cert.pem", self.dir.path())
+    }
+
+    pub fn key(&self) -> String {
+        format!("{}/key.pem", self.dir.path())
+    }
+
+    fn client_config(&self) -> std::sync::Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(self.ca_der.clone()).unwrap();
+        let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        std::sync::Arc::new(config)
+    }
 }
 
 impl RedisCluster {
@@ -218,10 +291,20 @@ impl RedisCluster {
 
     /// With a password on every node (clients and replicas need it).
     pub fn start_with(masters: usize, replicas: usize, password: Option<&str>) -> RedisCluster {
+        Self::start_over(masters, replicas, password, None)
+    }
+
+    /// Speaking TLS only, to clients and between the nodes (`--port 0`, `--tls-cluster yes`),
+    /// with a certificate of a CA of its own ([`RedisCluster::tls`]).
+    pub fn start_tls(masters: usize) -> RedisCluster {
+        Self::start_over(masters, 0, None, Some(TlsFiles::new()))
+    }
+
+    fn start_over(masters: usize, replicas: usize, password: Option<&str>, tls: Option<TlsFiles>) -> RedisCluster {
         assert!(masters >= 3, "redis-cli --cluster create needs at least 3 masters");
         let dir = super::TempDir::new();
         std::fs::create_dir_all(dir.path()).expect("the cluster's temp dir");
-        let mut c = RedisCluster { nodes: Vec::new(), dir, password: password.map(str::to_string) };
+        let mut c = RedisCluster { nodes: Vec::new(), dir, password: password.map(str::to_string), tls };
         for _ in 0..masters * (1 + replicas) {
             let mut node = Node { port: 0, bus: 0, child: None };
             // The free ports may be taken again before redis-server binds them: fresh ones.
@@ -246,17 +329,24 @@ impl RedisCluster {
         c
     }
 
-    /// `redis-cli`'s password flags.
+    /// `redis-cli`'s password and TLS flags.
     fn cli_auth(&self) -> Vec<String> {
-        self.password.iter().flat_map(|p| ["-a".to_string(), p.clone(), "--no-auth-warning".to_string()]).collect()
+        let tls = self.tls.iter().flat_map(|t| ["--tls".to_string(), "--cacert".to_string(), t.ca()]);
+        self.password.iter().flat_map(|p| ["-a".to_string(), p.clone(), "--no-auth-warning".to_string()]).chain(tls).collect()
     }
 
-    /// [`raw`] with `AUTH` first when the nodes have a password.
+    /// The CA, certificate and key of a TLS cluster.
+    pub fn tls(&self) -> Option<&TlsFiles> {
+        self.tls.as_ref()
+    }
+
+    /// [`raw`] with `AUTH` first when the nodes have a password (over TLS on a TLS cluster).
     fn raw_n(&self, port: u16, line: &str, replies: usize) -> Option<String> {
+        let tls = self.tls.as_ref();
         match &self.password {
-            None => raw_n(port, line, replies),
+            None => raw_n_over(port, line, replies, tls),
             Some(p) => {
-                let reply = raw_n(port, &format!("AUTH {p}\r\n{line}"), replies + 1)?;
+                let reply = raw_n_over(port, &format!("AUTH {p}\r\n{line}"), replies + 1, tls)?;
                 Some(reply.strip_prefix("+OK\r\n").unwrap_or(&reply).to_string())
             }
         }
@@ -273,8 +363,16 @@ impl RedisCluster {
     /// Starts a node's server (again: same config file, same ports); `false` if it exited
     /// (a port was taken). Ready once the server on the port is this process.
     fn try_up(&self, node: &mut Node) -> bool {
+        let port = node.port.to_string();
+        let listen: Vec<&str> = match &self.tls {
+            None => vec!["--port", &port],
+            Some(_) => vec!["--port", "0", "--tls-port", &port, "--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no"],
+        };
+        let files = self.tls.iter().flat_map(|t| [("--tls-cert-file", t.cert()), ("--tls-key-file", t.key()), ("--tls-ca-cert-file", t.ca())]).flat_map(|(f, v)| [f.to_string(), v]);
         let mut child = Command::new("redis-server")
-            .args(["--port", &node.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(listen)
+            .args(files)
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--cluster-enabled", "yes", "--cluster-port", &node.bus.to_string()])
             .args(["--cluster-config-file", &self.conf(node.port), "--cluster-node-timeout", "1000"])
             // A master whose slots all moved away stays a master (Redis 7 would make it a
@@ -349,9 +447,10 @@ impl RedisCluster {
         out
     }
 
-    /// `--redis-cluster-nodes`: every node as a seed.
+    /// `--redis-cluster-nodes`: every node as a seed (`rediss://` on a TLS cluster).
     pub fn seeds(&self) -> String {
-        self.nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",")
+        let scheme = if self.tls.is_some() { "rediss" } else { "redis" };
+        self.nodes.iter().map(|n| format!("{scheme}://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",")
     }
 
     pub fn len(&self) -> usize {
@@ -540,7 +639,10 @@ impl Engine {
     pub fn flags(&self) -> Vec<String> {
         match self {
             Engine::Single(r) => vec!["--redis-url".into(), r.url()],
-            Engine::Cluster(c) => vec!["--redis-cluster-nodes".into(), c.seeds()],
+            Engine::Cluster(c) => {
+                let ca = c.tls().iter().flat_map(|t| ["--redis-ca-file".to_string(), t.ca()]).collect::<Vec<_>>();
+                [vec!["--redis-cluster-nodes".into(), c.seeds()], ca].concat()
+            }
         }
     }
 
