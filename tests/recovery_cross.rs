@@ -128,21 +128,30 @@ fn with_recovery_off_no_ring_is_kept_and_no_offset_written() {
 const FAST_LEASE: [&str; 2] = ["--lease-ttl", "2"];
 
 /// Two instances; the client (reconnecting fast) behind a cutter to A, its session reading
-/// dev-1's d2c messages; its first message, `first`, ingested on `first_on`, received.
-fn client_on_a(first_on: &str) -> (common::redis::Redis, Server, Server, Cutter, SioClient) {
+/// `devices`' d2c messages; a first message of each (`n` 0), ingested on `first_on`, received.
+fn client_on_a_of(first_on: &str, devices: &[&str]) -> (common::redis::Redis, Server, Server, Cutter, SioClient) {
     let redis = common::redis::Redis::start();
     let (a, b) = (instance_with(&redis, "a", &FAST_LEASE), instance_with(&redis, "b", &FAST_LEASE));
-    let session = d2c_session(&a, "dev-1");
+    let session = d2c_session_of(&a, devices);
     let cutter = Cutter::start(a.port);
     let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
     assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
-    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    let watched = format!("{}", devices.len());
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(watched.parse().unwrap()));
     let first = if first_on == "a" { &a } else { &b };
-    first.ingest(message("dev-1", 0));
-    let (_, n, offset) = next(&client);
-    assert_eq!(n, 0);
-    assert_eq!(part_of(&offset).len(), 1, "the offset names dev-1: {offset}");
+    first.ingest(json!(devices.iter().map(|d| message(d, 0)).collect::<Vec<_>>()));
+    let mut offset = String::new();
+    for _ in devices {
+        let (_, n, o) = next(&client);
+        assert_eq!(n, 0);
+        offset = o;
+    }
+    assert_eq!(part_of(&offset).len(), devices.len(), "the offset names every device: {offset}");
     (redis, a, b, cutter, client)
+}
+
+fn client_on_a(first_on: &str) -> (common::redis::Redis, Server, Server, Cutter, SioClient) {
+    client_on_a_of(first_on, &["dev-1"])
 }
 
 /// Kills A (SIGKILL) and waits until B no longer counts it among the live instances.
@@ -198,4 +207,81 @@ fn a_cut_the_survivor_never_held_is_not_rebuilt_and_live_data_flows() {
     assert_eq!(b.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
     b.ingest(message("dev-1", 999));
     assert_eq!(next(&client).1, 999, "live data at once, nothing replayed");
+}
+
+/// Two devices (dev-1 on core 0, dev-2 on core 1 of 2: whichever the session's core, one ask
+/// crosses the mesh), their messages interleaved in
+/// B's batches before and after the kill: every one once, each device's in order, and all
+/// in the order B took them in (merged by key).
+#[test]
+fn a_rebuild_of_two_devices_merges_them_in_the_order_they_were_taken_in() {
+    let (_redis, mut a, b, cutter, client) = client_on_a_of("b", &["dev-1", "dev-2"]);
+    let devices = ["dev-1", "dev-2"];
+    let batch = |from: u64, to: u64| json!((from..=to).map(|n| message(devices[(n % 2) as usize], n)).collect::<Vec<_>>());
+    cut(&cutter, &a, &client, WS_GAUGE);
+    b.ingest(batch(1, 20));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(22.0));
+    kill_a(&mut a, &b);
+    b.ingest(batch(21, 30));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    b.ingest(message("dev-1", 999));
+    let got: Vec<(String, u64)> = (0..31).map(|_| next(&client)).map(|(d, n, _)| (d, n)).collect();
+    let mut want: Vec<(String, u64)> = (1..=30).map(|n| (devices[(n % 2) as usize].to_string(), n)).collect();
+    want.push(("dev-1".into(), 999));
+    assert_eq!(got, want);
+}
+
+/// B keeps ingesting while the client lands on it (a thread posting batches of 20 in a loop,
+/// two devices on the two cores, so that at least one ask crosses the mesh): what a device
+/// core applied before it answered the rebuild is in its ring, what came after was held and
+/// follows. Every acknowledged message once, each device's in order, no hole.
+#[test]
+fn a_rebuild_while_the_survivor_keeps_ingesting_gives_every_message_once_in_order() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let devices = ["dev-1", "dev-2"];
+    let (_redis, mut a, b, cutter, client) = client_on_a_of("b", &devices);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    kill_a(&mut a, &b);
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let firehose = {
+        let (acked, stop, url) = (acked.clone(), stop.clone(), b.url("/ingest"));
+        std::thread::spawn(move || {
+            let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(2)).build();
+            let mut n = 1;
+            while !stop.load(Ordering::Relaxed) {
+                let batch: Vec<Value> = (n..n + 20).map(|i| message(devices[(i % 2) as usize], i)).collect();
+                let r = agent.post(&url).set(ADMIN.0, ADMIN.1).send_json(json!(batch)).expect("ingested");
+                assert_eq!(r.status(), 200);
+                acked.store(n + 19, Ordering::SeqCst);
+                n += 20;
+            }
+        })
+    };
+    b.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(100.0));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    // Live messages after the recovery, then the firehose stops.
+    let first_live = acked.load(Ordering::SeqCst) + 100;
+    let mut got = Vec::new();
+    while got.iter().filter(|(_, n, _)| *n >= first_live).count() < 2 {
+        got.push(next(&client));
+    }
+    stop.store(true, Ordering::Relaxed);
+    firehose.join().unwrap();
+    let last = acked.load(Ordering::SeqCst);
+    while got.len() < last as usize {
+        got.push(next(&client));
+    }
+    let mut seen: Vec<u64> = got.iter().map(|(_, n, _)| *n).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (1..=last).collect::<Vec<_>>(), "every message once, no hole");
+    for device in devices {
+        let mine: Vec<u64> = got.iter().filter(|(d, _, _)| d == device).map(|(_, n, _)| *n).collect();
+        assert!(mine.windows(2).all(|w| w[0] < w[1]), "{device}'s in order: {mine:?}");
+    }
 }

@@ -14,7 +14,7 @@
 //! delivery whose `(device, key)` is in an answer was in the ring (dropped), and every other
 //! came after (kept, after the rebuilt frames). Per device the rebuilt frames are in ring
 //! order, which is the order the dead instance applied them (one origin, FIFO queues, checked
-//! by the ring); devices are merged by key time.
+//! by the ring); devices are merged by key (time, then counter).
 //!
 //! **When it is refused** (the client gets `recovered` false, counted `history_lost`, with a
 //! new pid and live data at once, as for any failed restore): another live instance besides
@@ -236,16 +236,19 @@ impl Core {
         }
         let rebuilt: HashSet<(u32, MsgKey)> =
             per_device.iter().flatten().map(|d| (device_hash(&d.device), d.key)).collect();
-        // Merged by key time, each device's frames in ring order.
+        // Merged by key (time, then counter: one ingress thread's messages in the order it
+        // took them in), each device's frames in ring order.
         let mut frames = Vec::with_capacity(per_device.iter().map(|v| v.len()).sum());
         while let Some(i) = (0..per_device.len())
             .filter(|i| !per_device[*i].is_empty())
-            .min_by_key(|i| per_device[*i].front().map(|d| d.key.ms))
+            .min_by_key(|i| per_device[*i].front().map(|d| d.key))
         {
             frames.extend(per_device[i].pop_front());
         }
         // What arrived meanwhile and was not in a ring follows.
+        let (from_rings, held_count) = (frames.len(), held.deliveries.len());
         frames.extend(held.deliveries.into_iter().filter(|d| !rebuilt.contains(&(device_hash(&d.device), d.key))));
+        tracing::debug!(session = %session, from_rings, held = held_count, held_kept = frames.len() - from_rings, "device rings answered");
         Ok(frames)
     }
 
