@@ -369,6 +369,9 @@ fn source_of(code: u8) -> Option<SourceKind> {
 /// of a frame written here, and one that does not parse stays a property).
 pub const KEY_PROPERTY: &str = "\u{0}k";
 
+/// The most properties a device message may carry across (its key not counted).
+const MAX_PROPERTIES: usize = 1024;
+
 /// A device message as published on its device's channel: `seq` grows with every message
 /// the origin publishes of the device (receivers drop one not newer than the last applied).
 pub fn encode_message(origin: &str, seq: u64, msg: &IngestMessage) -> Vec<u8> {
@@ -439,7 +442,8 @@ pub fn decode_message(bytes: &[u8]) -> Option<(&str, Option<u64>, IngestMessage)
     let n = r.u32()? as usize;
     let mut properties = Properties::new();
     let mut key = MsgKey::NONE;
-    for i in 0..n.min(1024) {
+    // At most 1,024 properties, and the key after them (one more entry since step 9).
+    for i in 0..n.min(MAX_PROPERTIES + 1) {
         let (k, v) = (r.str()?, r.str()?);
         if i + 1 == n && k == KEY_PROPERTY {
             if let Some(found) = key_of(v) {
@@ -449,7 +453,7 @@ pub fn decode_message(bytes: &[u8]) -> Option<(&str, Option<u64>, IngestMessage)
         }
         properties.push((k.into(), v.into()));
     }
-    if n > 1024 {
+    if properties.len() > MAX_PROPERTIES || n > MAX_PROPERTIES + 1 {
         return None;
     }
     let body = r.rest().to_vec();
@@ -560,6 +564,18 @@ mod tests {
             assert_eq!(old, vec![("opType", "x"), (KEY_PROPERTY, std::str::from_utf8(&bytes[bytes.len() - 7 - 32..bytes.len() - 7]).unwrap())]);
             assert_eq!(r.rest(), msg.body.as_slice());
         }
+        // The most properties a message may carry still cross with the key beside them; one
+        // more does not.
+        msg.key = MsgKey::partition(7, 1_700_000_000_123, 987_654);
+        msg.properties = (0..1024).map(|i| (format!("p{i}").into(), "v".into())).collect();
+        let (_, _, back) = decode_message(&encode_message("i1", 3, &msg)).expect("1,024 properties and a key");
+        assert_eq!((back.key, back.properties.len()), (msg.key, 1024));
+        msg.properties.push(("p1024".into(), "v".into()));
+        assert!(decode_message(&encode_message("i1", 3, &msg)).is_none(), "1,025 properties and a key");
+        msg.key = MsgKey::NONE;
+        assert!(decode_message(&encode_message("i1", 3, &msg)).is_none(), "1,025 properties");
+        msg.properties = Properties::new();
+        msg.properties.push(("opType".into(), "x".into()));
         // As an instance before step 9 writes it (no key): no key, the same properties.
         msg.key = MsgKey::NONE;
         let (_, _, back) = decode_message(&encode_message("i1", 3, &msg)).unwrap();
