@@ -513,13 +513,17 @@ impl Publisher {
     }
 
     /// `SPUBLISH`es `items`, one pipeline per master, the masters at once; answers how many
-    /// subscribers got each (in `items`' order; 0 for one redirected or not sent). `Err`:
-    /// the slot map could not be read, or a master refused a command for another reason.
+    /// subscribers got each (in `items`' order; 0 for one redirected, refused or not sent:
+    /// resend.rs publishes those again, the rest of the batch stands). `Err`: the slot map
+    /// could not be read.
     pub(super) async fn publish(&mut self, ctx: &Ctx, conn: &Conn, items: &[(&str, &[u8])], channel: impl Fn(&str) -> String) -> Result<Vec<i64>, Failed> {
         if self.map.is_empty() || self.stale {
             self.map = within("CLUSTER SLOTS", super::conn::slot_map(&mut conn.clone())).await?;
             ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
             self.stale = false;
+            // A master gone from the map (failed over, removed) keeps no connection here.
+            let map = &self.map;
+            self.conns.retain(|a, _| map.iter().any(|(_, _, m)| m == a));
         }
         let now = tokio::time::Instant::now();
         self.paused.retain(|_, until| *until > now);
@@ -559,15 +563,8 @@ impl Publisher {
             match answer {
                 Ok((c, values)) => {
                     self.conns.insert(a, c);
-                    for (i, value) in at.into_iter().zip(values) {
-                        match value {
-                            Value::Int(got) => counts[i] = got,
-                            Value::ServerError(e) => match e.kind() {
-                                Some(redis::ServerErrorKind::Moved | redis::ServerErrorKind::Ask | redis::ServerErrorKind::TryAgain | redis::ServerErrorKind::ClusterDown) => self.stale = true,
-                                _ => refused = Some(format!("SPUBLISH: {e:?}")),
-                            },
-                            other => refused = Some(format!("SPUBLISH answered {other:?}")),
-                        }
+                    if let Some(reason) = take_answers(&at, values, &mut counts, &mut self.stale) {
+                        refused = Some(reason);
                     }
                 }
                 Err(reason) => {
@@ -578,17 +575,60 @@ impl Publisher {
                 }
             }
         }
-        match refused {
-            Some(reason) => Err(reason),
-            None => Ok(counts),
+        if let Some(reason) = refused {
+            tracing::warn!(%reason, "a master refused SPUBLISH: those messages count as received by nobody (published again to watchers)");
+        }
+        Ok(counts)
+    }
+}
+
+/// One master's answers to its pipeline, in `at`'s order, into `counts`: the subscribers a
+/// message reached, or 0 (left as it is) for one redirected (`MOVED`, `ASK`, `TRYAGAIN`,
+/// `CLUSTERDOWN`, `MASTERDOWN`, `READONLY` from a master a failover demoted: the map is then
+/// `stale`) or refused for another reason (the first such
+/// reason is answered, for the log). Either way only that message counts as received by
+/// nobody; the others' counts stand.
+fn take_answers(at: &[usize], values: Vec<Value>, counts: &mut [i64], stale: &mut bool) -> Option<String> {
+    use redis::ServerErrorKind::{Ask, ClusterDown, MasterDown, Moved, ReadOnly, TryAgain};
+    let mut refused = None;
+    for (&i, value) in at.iter().zip(values) {
+        match value {
+            Value::Int(got) => counts[i] = got,
+            Value::ServerError(e) => match e.kind() {
+                Some(Moved | Ask | TryAgain | ClusterDown | MasterDown | ReadOnly) => *stale = true,
+                _ => {
+                    refused.get_or_insert_with(|| format!("SPUBLISH: {e:?}"));
+                }
+            },
+            other => {
+                refused.get_or_insert_with(|| format!("SPUBLISH answered {other:?}"));
+            }
         }
     }
+    refused
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use redis::cluster_routing::{Route, SlotAddr};
+
+    /// A refused or redirected command counts as received by nobody, alone: the other
+    /// messages of its master's pipeline keep their counts (a refusal once lost the batch).
+    #[test]
+    fn a_refused_or_redirected_spublish_costs_only_its_own_message() {
+        let reply = |raw: &[u8]| redis::parse_redis_value(raw).expect("a RESP reply");
+        let (mut counts, mut stale) = (vec![0i64; 5], false);
+        let values = vec![reply(b":2\r\n"), reply(b"-MOVED 3999 127.0.0.1:7001\r\n"), reply(b"-OOM command not allowed\r\n"), reply(b":1\r\n")];
+        let refused = take_answers(&[0, 1, 3, 4], values, &mut counts, &mut stale);
+        assert_eq!(counts, vec![2, 0, 0, 0, 1], "each message its own count; 2 was not in this pipeline");
+        assert!(stale, "a redirect has the map read again");
+        assert!(refused.is_some_and(|r| r.contains("OOM")), "the refusal is told for the log");
+        // A master demoted to replica by a failover answers READONLY: the map is stale too.
+        let (mut counts, mut stale) = (vec![0i64; 1], false);
+        assert_eq!(take_answers(&[0], vec![reply(b"-READONLY You can't write against a read only replica.\r\n")], &mut counts, &mut stale), None);
+        assert!(stale);
+    }
 
     /// Our slot is the redis crate's (which routes `SPUBLISH`), hash tags included.
     #[test]
