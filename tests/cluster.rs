@@ -31,6 +31,7 @@ both_engines!(
     live_data_between_instances_resumes_by_itself_after_redis_restarts,
     changes_published_while_an_instance_was_away_are_in_force_there_once_it_is_back,
     a_delete_published_while_an_instance_was_away_closes_its_socket_once_it_is_back,
+    a_change_never_published_is_in_force_once_a_later_change_shows_its_version_skipped,
 );
 
 fn instance(engine: &Engine, id: &str) -> Server {
@@ -166,6 +167,13 @@ fn a_grant_revoked_on_one_instance_stops_delivery_on_another_at_once(redis: Engi
     assert_eq!(first["telemetry"], json!({"open": 1}));
     // Revoked on A: B must not deliver the next telemetry, and still delivers what is granted.
     a.revoke(&session, json!({"type": "telemetry", "deviceId": "valve"}));
+    assert_valve_telemetry_revoked(&a, &mut ws);
+}
+
+/// A ingests the valve's telemetry, then its connection state: the state (still granted)
+/// arrives on `ws` and, coming after the telemetry on the device's one channel, proves the
+/// telemetry (revoked) was not delivered.
+fn assert_valve_telemetry_revoked(a: &Server, ws: &mut common::ws::Live) {
     a.ingest(json!([
         {"deviceId": "valve", "body": {"open": 2}},
         {"deviceId": "valve", "source": "deviceConnectionStateEvents",
@@ -1197,4 +1205,34 @@ fn a_delete_published_while_an_instance_was_away_closes_its_socket_once_it_is_ba
     });
     assert_eq!(ws.wait_closed(WAIT), Some(1000), "B closes the deleted session's socket once back");
     assert_eq!(metric(&b, "hubcast_redis_sessions_reloaded_total", "b"), 1.0);
+}
+
+/// A change written in Redis whose publication never came (on a cluster a change is written
+/// on its session's node and published after, from the control node: that can fail) shows
+/// as a version skipped when the session's next change arrives; a heartbeat later the
+/// instance reads the session again (cluster/resync.rs), so the missing revoke is in force.
+fn a_change_never_published_is_in_force_once_a_later_change_shows_its_version_skipped(redis: Engine) {
+    use hubcast::cluster::wire::{decode_access, encode_access};
+    use hubcast::model::{DataKind, Grant, GrantKind};
+    let a = instance(&redis, "a");
+    let b = instance(&redis, "b");
+    let (session, mut ws) = valve_watched_on_b(&a, &b);
+    a.ingest(json!({"deviceId": "valve", "body": {"open": 1}}));
+    assert_eq!(ws.next_json(WAIT).expect("before, telemetry arrives on B")["telemetry"], json!({"open": 1}));
+    // The revoke of the valve's telemetry as a change writes it (the whole access after it,
+    // at the session's next version), and no publication.
+    let key = redis.session_key("t", &session);
+    let reply = redis.command_bytes(&key, &[b"HGET", key.as_bytes(), b"a:valve"]).expect("Redis answers");
+    let stored = common::redis::bulk_bytes(&reply).expect("the valve's access is in Redis");
+    let Some((device, id, Some((grants, subs)))) = decode_access(&stored) else { panic!("an access: {stored:?}") };
+    let mut access = hubcast::shard::access::Access::new(grants, subs);
+    access.revoke(&Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None });
+    let revoked = encode_access(&device, id, Some(&(access.grants(), access.subs())));
+    redis.command_bytes(&key, &[b"HSET", key.as_bytes(), b"a:valve", &revoked]).expect("HSET");
+    redis.command_bytes(&key, &[b"HINCRBY", key.as_bytes(), b"v", b"1"]).expect("HINCRBY");
+    // The session's next change, published: B finds a version skipped before it.
+    a.grant(&session, json!({"type": "telemetry", "deviceId": "pump"}));
+    b.wait_for_metric("hubcast_redis_sessions_reloaded_total{instance=\"b\"}", WAIT, Want::AtLeast(1.0)); // B read the session again
+    assert_valve_telemetry_revoked(&a, &mut ws);
+    assert_eq!(metric(&b, "hubcast_redis_reconnects_total", "b"), 0.0, "found without a reconnect");
 }

@@ -140,8 +140,34 @@ fn raw_n_over(port: u16, line: &str, replies: usize, tls: Option<&TlsFiles>) -> 
 }
 
 /// Writes `line` and reads `replies` whole RESP replies.
-fn exchange(mut s: impl Read + Write, line: &str, replies: usize) -> Option<String> {
-    s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
+fn exchange(s: impl Read + Write, line: &str, replies: usize) -> Option<String> {
+    exchange_bytes(s, format!("{line}\r\n").as_bytes(), replies).map(|r| String::from_utf8_lossy(&r).into_owned())
+}
+
+/// One command of binary arguments (a RESP array) to the server on `port`; its raw reply.
+fn command_bytes_at(port: u16, args: &[&[u8]]) -> Option<Vec<u8>> {
+    let s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut cmd = format!("*{}\r\n", args.len()).into_bytes();
+    for arg in args {
+        cmd.extend_from_slice(format!("${}\r\n", arg.len()).as_bytes());
+        cmd.extend_from_slice(arg);
+        cmd.extend_from_slice(b"\r\n");
+    }
+    exchange_bytes(s, &cmd, 1)
+}
+
+/// The bytes of a RESP bulk string reply (`None`: nil or not a bulk string).
+pub fn bulk_bytes(reply: &[u8]) -> Option<Vec<u8>> {
+    let rest = reply.strip_prefix(b"$")?;
+    let eol = rest.windows(2).position(|w| w == b"\r\n")?;
+    let len: usize = std::str::from_utf8(&rest[..eol]).ok()?.parse().ok()?;
+    rest.get(eol + 2..eol + 2 + len).map(<[u8]>::to_vec)
+}
+
+/// Writes `bytes` and reads `replies` whole RESP replies.
+fn exchange_bytes(mut s: impl Read + Write, bytes: &[u8], replies: usize) -> Option<Vec<u8>> {
+    s.write_all(bytes).ok()?;
     let mut text = Vec::new();
     let mut buf = [0u8; 65536];
     loop {
@@ -152,7 +178,7 @@ fn exchange(mut s: impl Read + Write, line: &str, replies: usize) -> Option<Stri
             at = at.and_then(|i| resp_end(&text, i));
         }
         if at.is_some() {
-            return Some(String::from_utf8_lossy(&text).into_owned());
+            return Some(text);
         }
     }
 }
@@ -676,6 +702,16 @@ impl Engine {
             Engine::Single(r) => vec![r.command(line)],
             Engine::Cluster(c) => (0..c.len()).filter(|i| c.nodes[*i].child.is_some()).map(|i| c.command_on(i, line)).collect(),
         }
+    }
+
+    /// One command of binary arguments on the server of `key` (a cluster: the node serving its
+    /// slot now); the raw reply.
+    pub fn command_bytes(&self, key: &str, args: &[&[u8]]) -> Option<Vec<u8>> {
+        let port = match self {
+            Engine::Single(r) => r.port,
+            Engine::Cluster(c) => c.port(c.owner_of(c.slot_of(key))),
+        };
+        command_bytes_at(port, args)
     }
 
     /// The keys matching `pattern` (on a cluster: on every master).
