@@ -225,6 +225,7 @@ impl Core {
             };
             written = self.durable_record(recovery, created, now);
             outlet.set_offsets(Some(prefix));
+            outlet.set_parts_on(self.recovery.cuts.get());
             record.sockets.push(outlet.clone());
             record.had_socket = true;
             let displaced =
@@ -491,6 +492,7 @@ impl Core {
             recovery.moved(old.id, new.id);
         }
         new.set_offsets(old.offsets());
+        new.set_parts_on(old.parts_on());
     }
 
     /// The recovery step of a delivery to a session with a stream: its seq (0: no stream).

@@ -265,6 +265,9 @@ pub struct Outlet {
     /// first (its frame's offset then has no part: a rebuild from it fails, honestly); an
     /// entry leaves when the writer passes its seq.
     parts: RefCell<std::collections::VecDeque<(u64, Rc<str>)>>,
+    /// Whether its offsets carry device parts (a Socket.IO socket with `--redis-url`; a
+    /// plain `offsets=1` socket's writer has no place for them, so none are kept for it).
+    parts_on: Cell<bool>,
 }
 
 /// Device parts an outlet holds at most (one per queued envelope of a streamed session).
@@ -309,6 +312,7 @@ impl Outlet {
             listed: Cell::new(false),
             offsets: RefCell::new(None),
             parts: RefCell::default(),
+            parts_on: Cell::new(false),
         })
     }
 
@@ -435,7 +439,7 @@ impl Outlet {
 
     /// The device part of the offset of the envelope queued with `seq` ([`super::cut`]).
     pub fn set_part(&self, seq: u64, part: &Rc<str>) {
-        if seq == 0 || self.offsets.borrow().is_none() {
+        if seq == 0 || !self.parts_on.get() {
             return;
         }
         let mut parts = self.parts.borrow_mut();
@@ -459,6 +463,15 @@ impl Outlet {
             Some((s, _)) if *s == seq => parts.pop_front().map(|(_, p)| p),
             _ => None,
         }
+    }
+
+    /// Whether this socket's offsets carry device parts (see [`Outlet::set_part`]).
+    pub fn set_parts_on(&self, on: bool) {
+        self.parts_on.set(on);
+    }
+
+    pub fn parts_on(&self) -> bool {
+        self.parts_on.get()
     }
 
     /// Whether any device part waits (the writer looks them up only then).
@@ -620,6 +633,29 @@ fn merged_with(older: Option<&Out>, newer: Out) -> Out {
 mod tests {
     use super::*;
     use crate::ids::SessionId;
+
+    #[test]
+    fn device_parts_are_kept_by_seq_only_for_sockets_that_write_them_and_bounded() {
+        let o = Outlet::new(1, limits(2, 100));
+        let part: Rc<str> = ".a-b".into();
+        o.set_part(1, &part);
+        assert!(!o.has_parts(), "a socket without parts keeps none");
+        o.set_parts_on(true);
+        for seq in 1..=3 {
+            o.set_part(seq, &format!(".d-{seq}").into());
+        }
+        o.set_part(0, &part);
+        // The writer passes seq 2 (seq 1 was conflated away), then 3.
+        assert_eq!(o.take_part(2).as_deref(), Some(".d-2"));
+        assert_eq!(o.take_part(2), None);
+        assert_eq!(o.take_part(3).as_deref(), Some(".d-3"));
+        assert!(!o.has_parts());
+        for seq in 1..=(MAX_PARTS as u64 + 10) {
+            o.set_part(seq, &part);
+        }
+        assert_eq!(o.parts.borrow().len(), MAX_PARTS);
+        assert_eq!(o.take_part(5), None, "the oldest went first");
+    }
 
     fn delivery(device: &str, kind: FrameKind, frame: &str) -> Delivery {
         Delivery { session: SessionId(1), device: device.into(), kind, frame: frame.into(), arrived: None, key: Default::default() }
