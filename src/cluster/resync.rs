@@ -13,10 +13,11 @@
 //! the link keeps, per session held here, the version up to which it has applied every
 //! change **in order** ([`Versions`]; own changes count when their publication comes back).
 //! A change whose version skips one is a *gap*. Then:
-//! - at every (re)connect, each held session's version is read (`HMGET created v`, with its
-//!   tombstone: one small pipeline per session, [`CHUNK`] sessions at a time) and only the
-//!   sessions Redis holds newer are read whole (`HGETALL`) and put in place of the copy here
-//!   (every device the copy knows and Redis no longer holds is emptied at that version);
+//! - at every reconnect, each held session's version is read (`HMGET created v`, with its
+//!   tombstone's `EXISTS`: two small commands per session, [`CHUNK`] sessions at a time) and
+//!   only the sessions Redis holds newer are read whole (`HGETALL`) and put in place of the
+//!   copy here (every device the copy knows and Redis no longer holds is emptied at that
+//!   version);
 //! - a gap still open a heartbeat later (a cluster's publications of two instances may
 //!   cross: the missing one usually follows) reloads the session the same way;
 //! - sessions held here that the link never saw loaded (restored from the durable store)
@@ -52,7 +53,7 @@ use super::Inbound;
 use crate::ids::SessionId;
 use crate::runtime::routing::core_of_session;
 
-/// Sessions checked at once (one small pipeline each, all in flight together).
+/// Sessions checked at once (two small commands each, all in flight together).
 const CHUNK: usize = 512;
 /// Versions past a gap remembered per session (beyond: the session is reloaded anyway).
 const ABOVE: usize = 8;
@@ -218,11 +219,15 @@ async fn check(ctx: &Rc<Ctx>, state: &State, conn: &Conn, sessions: &[SessionId]
     for chunk in sessions.chunks(CHUNK) {
         let reads = chunk.iter().map(|session| {
             let (key, gone) = (ctx.o.names.session(*session), ctx.o.names.gone(*session));
-            let mut c = conn.clone();
+            let (mut c, mut d) = (conn.clone(), conn.clone());
+            // Two commands, each routed by its key (a cluster: `MOVED`/`ASK` followed during
+            // a reshard), sent together on the multiplexed connections.
             async move {
-                let mut pipe = redis::pipe();
-                pipe.cmd("HMGET").arg(&key).arg("created").arg("v").cmd("EXISTS").arg(gone);
-                pipe.query_async::<(Vec<Option<String>>, bool)>(&mut c.at(&key)).await
+                let (hmget, exists) = (redis::cmd("HMGET").arg(&key).arg("created").arg("v").to_owned(), redis::cmd("EXISTS").arg(gone).to_owned());
+                let version = hmget.query_async::<Vec<Option<String>>>(&mut c);
+                let deleted = exists.query_async::<bool>(&mut d);
+                let (version, deleted) = futures_util::future::join(version, deleted).await;
+                Ok::<_, redis::RedisError>((version?, deleted?))
             }
         });
         let answers = within("HMGET versions", async { futures_util::future::join_all(reads).await.into_iter().collect::<redis::RedisResult<Vec<_>>>() }).await?;
