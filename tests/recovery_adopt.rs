@@ -66,14 +66,27 @@ struct Away {
 }
 
 fn away(flags_a: &[&str], flags_bc: &[&str]) -> Away {
+    away_over("websocket", flags_a, flags_bc)
+}
+
+/// [`away`] with the client on `transports` (`"websocket"` or `"polling"`).
+fn away_over(transports: &str, flags_a: &[&str], flags_bc: &[&str]) -> Away {
     let redis = common::redis::Redis::start();
     let a = instance_with(&redis, "a", flags_a);
     let (b, c) = (instance_with(&redis, "b", flags_bc), instance_with(&redis, "c", flags_bc));
     a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
     let session = d2c_session(&a, "dev-1");
     let cutter = Cutter::start(a.port);
-    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
-    cut(&cutter, &a, &client, WS_GAUGE);
+    let client = connected_behind(&cutter, &a, &session, transports, 1000);
+    if transports == "polling" {
+        // A long poll cut by the proxy is not a closed socket for the server (no TCP of its
+        // own): A lets it go at its SIGTERM's goodbye, before the hand-over.
+        cutter.cut();
+        let gone = client.wait_for("disconnect", WAIT).expect("the client sees the cut");
+        assert!(gone["reason"].as_str().unwrap().starts_with("transport "), "{gone}");
+    } else {
+        cut(&cutter, &a, &client, WS_GAUGE);
+    }
     let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
         0 => (b, "b", c, "c"),
         _ => (c, "c", b, "b"),
@@ -262,4 +275,70 @@ fn a_history_too_large_to_hand_over_stays_and_the_client_elsewhere_is_not_recove
     assert_eq!(back["recovered"], false, "{back}");
     assert_eq!(adoptions(&b, "b", "received"), Some(0.0));
     failed_elsewhere(&b);
+}
+
+/// Design step 6b over long polling: the client, forced to `transports: ['polling']`, lands
+/// on the third instance X (not the adopter); X's CONNECT (a POST) waits while X takes the
+/// history from the adopter, so the client recovers every missed message once, in order,
+/// then live data ingested on X. Before, a polling CONNECT did not ask (`unknown_pid`).
+#[test]
+fn a_polling_client_landing_on_a_third_instance_takes_its_history_from_the_adopter() {
+    let mut w = away_over("polling", &["--recovery-handoff", "true"], &["--recovery-handoff", "true"]);
+    sigterm(&mut w.a);
+    assert_stop_outcomes(&w.a, &["sent=1", "kept=1"]);
+    let id = w.adopter_id;
+    assert_eq!(adoptions(&w.adopter, id, "confirmed"), Some(1.0));
+    w.other.ingest(json!((10..20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    w.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(10.0));
+    w.cutter.retarget(w.other.port);
+    let back = come_back(&w.cutter, &w.client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", w.other.stderr_lines().join("\n"));
+    assert_eq!(back["transport"], "polling", "{back}");
+    w.other.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..21).map(|_| next_n(&w.client).0).collect();
+    let mut want: Vec<u64> = (0..20).collect();
+    want.push(999);
+    assert_eq!(got, want, "taken from the adopter over polling: once, in order, then live");
+    assert_eq!(w.other.metric("hubcast_recovery_succeeded_total{transport=\"socketio_polling\"}"), Some(1.0));
+    assert_eq!(adoptions(&w.other, w.other_id, "confirmed"), Some(1.0));
+    assert_eq!(adoptions(&w.adopter, id, "kept"), Some(1.0));
+    w.adopter.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
+    w.other.ingest(message("dev-1", 1001));
+    assert_eq!(next_n(&w.client).0, 1001, "nothing twice");
+}
+
+/// Design step 11 over long polling (the same path as 6b's: `socketio::fetch_history`): the
+/// client's instance A is killed while the client is cut off; the other instance B, asked by
+/// the polling CONNECT, finds no holder and rebuilds the history from its ring of the device:
+/// `recovered` true, what B took in before and after the kill once, in order, then live.
+#[test]
+fn a_polling_client_whose_instance_was_killed_recovers_on_another_from_its_device_rings() {
+    let redis = common::redis::Redis::start();
+    let lease = ["--lease-ttl", "2"];
+    let (mut a, b) = (instance_with(&redis, "a", &lease), instance_with(&redis, "b", &lease));
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = common::sio::socketio_at(&cutter.base(), &[&session], "polling", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    // The cut must be in B's ring: the first message is ingested there.
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    b.ingest(message("dev-1", 0));
+    assert_eq!(next_n(&client).0, 0);
+    cutter.cut();
+    client.wait_for("disconnect", WAIT).expect("the client sees the cut");
+    b.ingest(json!((1..=20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT).expect("killed");
+    b.wait_for_metric("hubcast_redis_instances{instance=\"b\"}", std::time::Duration::from_secs(20), Want::Eq(1.0));
+    b.ingest(json!((21..=30).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    b.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..31).map(|_| next_n(&client).0).collect();
+    let mut want: Vec<u64> = (1..=30).collect();
+    want.push(999);
+    assert_eq!(got, want, "rebuilt over polling: once, in order, then live");
+    assert_eq!(b.metric("hubcast_recovery_succeeded_total{transport=\"socketio_polling\"}"), Some(1.0));
 }

@@ -836,9 +836,24 @@ impl Core {
             return None;
         }
         let (now, now_ms) = (Instant::now(), crate::timefmt::now_millis());
+        // At a stop every socket was told goodbye. A polling socket whose long poll was cut
+        // has none to carry it and stays until its ping timeout, so its pid is away from
+        // here: its client is not coming back to this instance.
+        let stopping = to.is_none() && crate::shutdown::STOPPING.is_stopping();
+        if stopping {
+            let mut sessions = self.sessions.borrow_mut();
+            if let Some(record) = sessions.get_mut(id).filter(|r| !r.sockets.is_empty() && r.sockets.iter().all(|o| o.is_closing())) {
+                let outlets: Vec<u64> = record.sockets.iter().map(|o| o.id).collect();
+                if let Some(recovery) = record.recovery.as_deref_mut() {
+                    for outlet in outlets {
+                        recovery.left(outlet, now);
+                    }
+                }
+            }
+        }
         let (stored, devices, left, head) = {
             let sessions = self.sessions.borrow();
-            sessions.get(id).filter(|r| r.sockets.is_empty()).and_then(|record| {
+            sessions.get(id).filter(|r| r.sockets.is_empty() || (stopping && r.sockets.iter().all(|o| o.is_closing()))).and_then(|record| {
                 let recovery = record.recovery.as_ref()?;
                 let left = recovery.stream_deadline(window)?.saturating_duration_since(now);
                 let stored = recovery.to_stored(now, now_ms).filter(|_| !left.is_zero())?;

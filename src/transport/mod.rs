@@ -522,13 +522,10 @@ async fn read_loop(conn: Rc<Conn>, mut reading: Reading, leftover: Vec<u8>) {
                     if let SocketKind::SocketIo { .. } = conn.kind {
                         // Its history may be on another instance (design step 6b): asked
                         // for first. Boxed: this task's future stays small (issue 25 item 3).
+                        // None came: its instance may have died (`kill -9`); rebuilt from
+                        // the device rings here when its offset allows (step 11).
                         if let Some(session) = socketio::restores_elsewhere(&conn, &text) {
-                            Box::pin(conn.core.take_stream(session)).await;
-                            // None came: its instance may have died (`kill -9`). Rebuilt
-                            // from the device rings here when its offset allows (step 11).
-                            if let Some((pid, offset)) = socketio::rebuild_request(&conn, &text, session) {
-                                Box::pin(conn.core.rebuild_stream(session, &pid, &offset)).await;
-                            }
+                            Box::pin(socketio::fetch_history(conn.core.clone(), session, &text[1..])).await;
                         }
                         socketio::on_websocket_text(&conn, &text);
                     }

@@ -62,23 +62,35 @@ fn restore_request(auth: &str) -> Option<(String, Option<String>)> {
 /// another instance may hold (design step 6b): the session to ask for before answering.
 pub fn restores_elsewhere(conn: &Conn, text: &str) -> Option<SessionId> {
     let ClientPacket::Connect(packet) = parse_client_packet(text)? else { return None };
-    let session = conn.session.filter(|_| !conn.attached.get())?;
-    let rest = &packet[1..];
-    let auth = rest.strip_prefix("/,").unwrap_or(rest);
-    let (pid, _) = restore_request(auth)?;
-    conn.core.recovery_elsewhere(session, &pid).then_some(session)
+    connect_restores_elsewhere(&conn.core, conn.session, conn.attached.get(), packet)
 }
 
-/// After [`restores_elsewhere`] found no history elsewhere: the pid and offset to rebuild
-/// the session's history from the device rings here (design step 11), when the pid is still
-/// unknown and the offset carries a device part.
-pub fn rebuild_request(conn: &Conn, text: &str, session: SessionId) -> Option<(String, String)> {
-    let ClientPacket::Connect(packet) = parse_client_packet(text)? else { return None };
-    let rest = &packet[1..];
-    let auth = rest.strip_prefix("/,").unwrap_or(rest);
-    let (pid, offset) = restore_request(auth)?;
-    let offset = offset?;
-    conn.core.rebuild_wanted(session, &pid, &offset).then_some((pid, offset))
+/// [`restores_elsewhere`] for a CONNECT packet (`0…`, what `ClientPacket::Connect` holds) of a
+/// socket on `session`, over either transport.
+pub fn connect_restores_elsewhere(core: &Core, session: Option<SessionId>, attached: bool, packet: &str) -> Option<SessionId> {
+    let session = session.filter(|_| !attached)?;
+    let (pid, _) = connect_auth(packet)?;
+    core.recovery_elsewhere(session, &pid).then_some(session)
+}
+
+/// The `{pid, offset}` of a CONNECT packet, if it has them.
+fn connect_auth(packet: &str) -> Option<(String, Option<String>)> {
+    let rest = packet.get(1..)?;
+    restore_request(rest.strip_prefix("/,").unwrap_or(rest))
+}
+
+/// Once [`restores_elsewhere`] named the session, before the CONNECT `packet` is answered,
+/// over either transport: its history is asked of the instance that holds it (design step
+/// 6b, at most 2 s); when none came and the pid is still unknown here, it is rebuilt from the
+/// device rings here if the offset carries a device part (design step 11). Callers box it:
+/// a socket's task stays small while it is not needed (issue 25 item 3).
+pub async fn fetch_history(core: Rc<Core>, session: SessionId, packet: &str) {
+    core.take_stream(session).await;
+    // None came: its instance may have died (`kill -9`).
+    let Some((pid, Some(offset))) = connect_auth(packet) else { return };
+    if core.rebuild_wanted(session, &pid, &offset) {
+        core.rebuild_stream(session, &pid, &offset).await;
+    }
 }
 
 /// The reply to a Socket.IO CONNECT (without the Engine.IO `4`): an ack after attaching the

@@ -151,7 +151,7 @@ pub async fn serve(core: Rc<Core>, request: PollRequest) -> Response {
         return engine_error(1, "Session ID unknown");
     };
     match request.post {
-        Some(body) => on_post(&core, &socket, &body),
+        Some(body) => on_post(&core, &socket, &body).await,
         None => poll(&core, &socket).await,
     }
 }
@@ -210,7 +210,7 @@ fn handshake(core: &Rc<Core>, session: Option<SessionId>) -> Response {
     text(open_packet(&sid, &["websocket"], c.ping_interval, c.ping_timeout))
 }
 
-fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response {
+async fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response {
     if body.len() > MAX_PAYLOAD {
         close(core, socket, CloseReason::new(1009, "payload too large"));
         return engine_error(3, "Bad request");
@@ -234,6 +234,14 @@ fn on_post(core: &Rc<Core>, socket: &Rc<PollingSocket>, body: &[u8]) -> Response
         match packet {
             ClientPacket::Close => close(core, socket, CloseReason::new(1000, "client closed")),
             ClientPacket::Connect(sio) => {
+                // Its history may be on another instance (design step 6b, as over WebSocket):
+                // asked for first, this POST answered once it came or at most 2 s passed.
+                if let Some(session) = super::socketio::connect_restores_elsewhere(core, socket.session, socket.attached.get(), sio) {
+                    Box::pin(super::socketio::fetch_history(core.clone(), session, sio)).await;
+                    if socket.outlet.is_closing() {
+                        return engine_error(1, "Session ID unknown");
+                    }
+                }
                 let was_pending = !socket.attached.get();
                 let answer = connect_reply(core, socket.session, &socket.outlet, &socket.attached, sio, POLLING);
                 if was_pending && socket.attached.get() {
