@@ -16,6 +16,11 @@
 //! not compare. A partition id that is not a number below 2¹⁵, or a sequence number from
 //! 2⁴⁸ on (9 years at a million messages a second in one partition), gives an arrival key:
 //! such messages are applied as before, never taken for re-reads.
+//!
+//! Where it does not hold: the mark lives in the device's entry, so a device entry removed
+//! (a `deleteDeviceIdentity` event, or pruned once it holds no value and no session's access,
+//! e.g. after `DELETE` of its values) takes its mark with it, and a re-read after a takeover
+//! applies and pushes that device's messages again (at least once, as before step 9).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};

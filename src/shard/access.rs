@@ -92,22 +92,9 @@ impl FromIterator<Box<str>> for Keys {
 }
 
 impl KeySet {
-    pub fn is_empty(&self) -> bool {
-        self.view().is_empty()
-    }
-
-    /// Whether `key` (`None` = every key) is covered.
-    pub fn covers(&self, key: Option<&str>) -> bool {
-        self.view().covers(key)
-    }
-
     /// Whether a single concrete key passes this set.
     pub fn contains_key(&self, key: &str) -> bool {
-        self.view().contains_key(key)
-    }
-
-    pub fn view(&self) -> KeyView<'_> {
-        KeyView { all: self.all, keys: self.keys.as_slice() }
+        KeyView { all: self.all, keys: self.keys.as_slice() }.contains_key(key)
     }
 }
 
@@ -159,12 +146,6 @@ pub struct Subscriptions {
     pub device_twin: bool,
     pub connection_state: bool,
     pub d2c_messages: bool,
-}
-
-impl Subscriptions {
-    pub fn is_empty(&self) -> bool {
-        self.telemetry.is_empty() && !self.device_twin && !self.connection_state && !self.d2c_messages
-    }
 }
 
 /// Telemetry held back by `throttlingInterval` for one session and device.
@@ -307,7 +288,7 @@ impl Access {
             connection_state: self.has(bit::G_CONNECTION),
             d2c_messages: self.has(bit::G_MESSAGES),
             desired_properties: self.has(bit::G_DESIRED),
-            direct_methods: KeyView { all: self.has(bit::G_METHODS), keys: self.keys(|m| &m.methods) }.to_set(),
+            direct_methods: self.grant_methods().to_set(),
         }
     }
 
@@ -323,6 +304,11 @@ impl Access {
 
     pub fn grant_telemetry(&self) -> KeyView<'_> {
         KeyView { all: self.has(bit::G_TELEMETRY), keys: self.keys(|m| &m.telemetry) }
+    }
+
+    /// The direct methods granted.
+    pub fn grant_methods(&self) -> KeyView<'_> {
+        KeyView { all: self.has(bit::G_METHODS), keys: self.keys(|m| &m.methods) }
     }
 
     #[inline]
@@ -488,7 +474,7 @@ impl Access {
             GrantKind::Data(kind) => self.permits(&Subscription { kind, key: grant.key.clone() }),
             GrantKind::DesiredProperties => self.has(bit::G_DESIRED),
             GrantKind::DirectMethod => {
-                KeyView { all: self.has(bit::G_METHODS), keys: self.keys(|m| &m.methods) }.covers(grant.key.as_deref())
+                self.grant_methods().covers(grant.key.as_deref())
             }
         }
     }

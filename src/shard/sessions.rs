@@ -129,21 +129,27 @@ impl DeviceSet {
 
     /// Adds `id`; false when it was there already.
     pub fn insert(&mut self, id: &str) -> bool {
-        if self.contains(id) {
-            return false;
-        }
         match self {
-            DeviceSet::Few(buf) if self_len(buf) >= Self::FEW => {
-                let ids: HashSet<Box<str>> = DeviceIter::Few(buf).map(Box::from).chain([Box::from(id)]).collect();
-                *self = DeviceSet::Many(Box::new(ids));
-            }
             DeviceSet::Few(buf) => {
-                // Exact: a session's ids are added once and kept (the allocator rounds up).
-                buf.reserve_exact(id.len() + 3);
-                put_len(buf, id.len());
-                buf.extend_from_slice(id.as_bytes());
+                // One walk: whether it is there, and how many are.
+                let mut n = 0;
+                if DeviceIter::Few(buf).inspect(|_| n += 1).any(|x| x == id) {
+                    return false;
+                }
+                if n >= Self::FEW {
+                    let ids: HashSet<Box<str>> = DeviceIter::Few(buf).map(Box::from).chain([Box::from(id)]).collect();
+                    *self = DeviceSet::Many(Box::new(ids));
+                } else {
+                    // Exact: a session's ids are added once and kept (the allocator rounds up).
+                    buf.reserve_exact(id.len() + 3);
+                    put_len(buf, id.len());
+                    buf.extend_from_slice(id.as_bytes());
+                }
             }
             DeviceSet::Many(ids) => {
+                if ids.contains(id) {
+                    return false;
+                }
                 ids.insert(id.into());
             }
         }
@@ -152,7 +158,7 @@ impl DeviceSet {
 
     pub fn len(&self) -> usize {
         match self {
-            DeviceSet::Few(buf) => self_len(buf),
+            DeviceSet::Few(buf) => few_len(buf),
             DeviceSet::Many(ids) => ids.len(),
         }
     }
@@ -165,7 +171,7 @@ impl DeviceSet {
     }
 }
 
-fn self_len(buf: &[u8]) -> usize {
+fn few_len(buf: &[u8]) -> usize {
     DeviceIter::Few(buf).count()
 }
 
