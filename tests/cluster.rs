@@ -32,6 +32,7 @@ both_engines!(
     changes_published_while_an_instance_was_away_are_in_force_there_once_it_is_back,
     a_delete_published_while_an_instance_was_away_closes_its_socket_once_it_is_back,
     a_change_never_published_is_in_force_once_a_later_change_shows_its_version_skipped,
+    a_session_restored_from_the_store_takes_the_changes_made_while_its_instance_was_down,
 );
 
 fn instance(engine: &Engine, id: &str) -> Server {
@@ -1235,4 +1236,32 @@ fn a_change_never_published_is_in_force_once_a_later_change_shows_its_version_sk
     b.wait_for_metric("hubcast_redis_sessions_reloaded_total{instance=\"b\"}", WAIT, Want::AtLeast(1.0)); // B read the session again
     assert_valve_telemetry_revoked(&a, &mut ws);
     assert_eq!(metric(&b, "hubcast_redis_reconnects_total", "b"), 0.0, "found without a reconnect");
+}
+
+/// A session restored from an instance's durable store at start may have changed in Redis
+/// while the instance was down: the link learns at once which sessions the cores hold and
+/// checks them (cluster/resync.rs: a session it never saw loaded), so a revoke made meanwhile
+/// is in force on the session's sockets there, which find the copy and load nothing.
+fn a_session_restored_from_the_store_takes_the_changes_made_while_its_instance_was_down(redis: Engine) {
+    let a = instance(&redis, "a");
+    let dir = common::TempDir::new();
+    let mut args = redis.flags();
+    args.extend(["--instance-id", "b", "--redis-prefix", "t", "--data-dir", dir.path()].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut b = Server::start(&args);
+    b.wait_for_metric("hubcast_redis_connected{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    let (session, mut ws) = valve_watched_on_b(&a, &b);
+    a.ingest(json!({"deviceId": "valve", "body": {"open": 1}}));
+    assert_eq!(ws.next_json(WAIT).expect("before, telemetry arrives on B")["telemetry"], json!({"open": 1}));
+    drop(ws);
+    b.signal(libc::SIGTERM);
+    assert!(b.wait_exit(WAIT).is_some_and(|s| s.success()), "B stops gracefully");
+    wait_watched_elsewhere(&a, "a", 0.0);
+    // Revoked while B is down; B restarts with the session in its store.
+    a.revoke(&session, json!({"type": "telemetry", "deviceId": "valve"}));
+    let b = Server::start(&args);
+    b.wait_for_metric("hubcast_redis_sessions_reloaded_total{instance=\"b\"}", WAIT, Want::AtLeast(1.0)); // B read the restored session again
+    let mut ws = b.live(&session);
+    wait_watched_elsewhere(&a, "a", 1.0);
+    assert_valve_telemetry_revoked(&a, &mut ws);
 }

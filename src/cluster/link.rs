@@ -446,7 +446,8 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
             }
             ctx.stats.watched_here.store(s.local.len() as u64, Ordering::Relaxed);
         }
-        Command::Refresh(_) => {}
+        // Not connected: the sessions named are still held here (resync.rs checks them).
+        Command::Refresh(ids) => state.borrow_mut().versions.refreshed(&ids, 3 * ctx.o.refresh),
         Command::Stream(plan) => refuse_ctl(lease, Ctl::Stream(plan)),
         Command::Leave(done) => refuse_ctl(lease, Ctl::Leave(done)),
         Command::Read { reply, .. } => {

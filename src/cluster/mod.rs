@@ -813,10 +813,16 @@ async fn set_accesses(core: &Rc<Core>, session: SessionId, v: u64, changes: Vec<
     true
 }
 
-/// Keeps the Redis keys of this core's sessions alive.
+/// Keeps the Redis keys of this core's sessions alive. The first list goes at start: the
+/// sessions restored from the durable store are then known to the link, which checks them
+/// against Redis at its next heartbeat (they may have changed while this instance was down,
+/// cluster/resync.rs).
 async fn refresh(core: Rc<Core>, commands: queue::Sender, every: Duration) {
+    let mut first = true;
     loop {
-        monoio::time::sleep(every).await;
+        if !std::mem::take(&mut first) {
+            monoio::time::sleep(every).await;
+        }
         if crate::shutdown::STOPPING.is_stopping() {
             return;
         }
