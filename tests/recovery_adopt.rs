@@ -305,6 +305,10 @@ fn a_polling_client_landing_on_a_third_instance_takes_its_history_from_the_adopt
     w.adopter.wait_for_metric("hubcast_recovery_history_bytes", WAIT, Want::Eq(0.0));
     w.other.ingest(message("dev-1", 1001));
     assert_eq!(next_n(&w.client).0, 1001, "nothing twice");
+    // Each history adopted was charged to --redis-inbound-bytes until installed, then let go.
+    for (server, id) in [(&w.adopter, id), (&w.other, w.other_id)] {
+        server.wait_for_metric(&format!("hubcast_redis_inbound_bytes{{instance=\"{id}\"}}"), WAIT, Want::Eq(0.0));
+    }
 }
 
 /// Design step 11 over long polling (the same path as 6b's: `socketio::fetch_history`): the
@@ -341,4 +345,30 @@ fn a_polling_client_whose_instance_was_killed_recovers_on_another_from_its_devic
     want.push(999);
     assert_eq!(got, want, "rebuilt over polling: once, in order, then live");
     assert_eq!(b.metric("hubcast_recovery_succeeded_total{transport=\"socketio_polling\"}"), Some(1.0));
+}
+
+/// A history is charged to the adopter's `--redis-inbound-bytes` from the moment it is read
+/// until its core has installed it: one that would pass the bound is refused (A hears it at
+/// once), the subscriber is not dropped for it, and the charge goes back to 0. The client,
+/// on the adopter, is not recovered and gets live data. (The histories of the other tests,
+/// under the default 64 MiB, are adopted.)
+#[test]
+fn a_history_over_the_adopters_redis_inbound_bytes_is_refused_and_the_subscriber_stays() {
+    let mut w = away(&["--recovery-handoff", "true"], &["--recovery-handoff", "true", "--redis-inbound-bytes", "65536"]);
+    let pad = "x".repeat(1000);
+    w.other.ingest(json!((10..110).map(|n| json!({"deviceId": "dev-1", "body": {"n": n, "pad": pad}})).collect::<Vec<_>>()));
+    w.a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(111.0));
+    assert!(w.a.metric("hubcast_recovery_history_bytes").unwrap() > 100_000.0);
+    sigterm(&mut w.a);
+    assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "refused_by_peer=1"]);
+    let id = w.adopter_id;
+    assert_eq!(adoptions(&w.adopter, id, "received"), Some(1.0));
+    assert_eq!(adoptions(&w.adopter, id, "refused"), Some(1.0));
+    assert!(w.adopter.stderr_lines().iter().any(|l| l.contains("over --redis-inbound-bytes")));
+    assert_eq!(w.adopter.metric(&format!("hubcast_redis_overruns_total{{instance=\"{id}\"}}")), Some(0.0));
+    assert_eq!(w.adopter.metric(&format!("hubcast_redis_inbound_bytes{{instance=\"{id}\"}}")), Some(0.0));
+    w.other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{}\"}}", w.other_id), WAIT, Want::Eq(0.0));
+    let back = not_recovered_and_live(&w.cutter, &w.client, &w.adopter, &w.other, w.other_id);
+    assert_eq!(back["recovered"], false, "{back}");
+    failed_elsewhere(&w.adopter);
 }

@@ -37,7 +37,9 @@
 //! each subscriber's pub/sub output up to its `client-output-buffer-limit` (32 MiB hard by
 //! default) and would drop B's connection past it; a full command queue is `over_bound` too
 //! (nothing waits); at most [`PENDING`] adoptions in flight per instance on either side
-//! (`over_bound` on A, `refused` on B). A history kept is written to the data dir as before
+//! (`over_bound` on A, `refused` on B); on B a history is charged to `--redis-inbound-bytes`
+//! until its core has installed it, and one that would pass that bound is `refused` (the
+//! subscriber is not dropped for it). A history kept is written to the data dir as before
 //! (step 5) and otherwise lost with the process: its client gets `recovered` false.
 
 use std::sync::atomic::Ordering;
@@ -282,7 +284,23 @@ pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
                 s.adopt.adopted.insert(session, (origin.into(), 0));
             }
             count(ctx, RECEIVED);
-            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::Adopt { session, blob: rest.to_vec() }).await;
+            // Charged to `--redis-inbound-bytes` from here until its core has installed it
+            // (its payload is charged as well while the batch that brought it is applied: for
+            // that moment twice, on the safe side). Past the bound it is refused, not the
+            // subscriber dropped: a history is worth less than the device messages behind it,
+            // and the stopping instance hears the refusal at once.
+            let charged = rest.len() as u64 + 64;
+            let before = ctx.stats.inbound_bytes.fetch_add(charged, Ordering::Relaxed);
+            let blob = if before + charged > ctx.o.inbound_bytes {
+                ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+                None
+            } else {
+                Some(rest.to_vec())
+            };
+            let charged = if blob.is_some() { charged } else { 0 };
+            if ctx.cores[core_of_session(session, cores)].send(Inbound::Adopt { session, blob, charged }).await.is_err() {
+                ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+            }
         }
         KIND_WATCHING => {
             let Some(devices) = state.borrow().adopt.handing.get(&session).map(|(_, d)| d.clone()) else { return };
@@ -385,7 +403,16 @@ impl crate::app::mesh::CoreTask for WatchBarrier {
 
 /// On the adopting session's core: loads the session, installs the history, watches its
 /// devices, then one [`WatchBarrier`] per device core; voided if no verdict comes in time.
-pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: SessionId, blob: Vec<u8>, stats: Arc<super::Stats>) {
+pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: SessionId, blob: Option<Vec<u8>>, charged: u64, stats: Arc<super::Stats>) {
+    // The blob's charge to `--redis-inbound-bytes`, released once the history is installed
+    // (then counted in the core's recovery bytes) or refused, whichever way this returns.
+    struct Charge(Arc<super::Stats>, u64);
+    impl Drop for Charge {
+        fn drop(&mut self) {
+            self.0.inbound_bytes.fetch_sub(self.1, Ordering::Relaxed);
+        }
+    }
+    let charge = Charge(stats.clone(), charged);
     let refuse = |why: &str| {
         core.recovery_take_done(session);
         stats.adoptions[REFUSED].fetch_add(1, Ordering::Relaxed);
@@ -394,6 +421,7 @@ pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: Ses
             relay.adopt_watching(session, 0);
         }
     };
+    let Some(blob) = blob else { return refuse("over --redis-inbound-bytes") };
     let mut stored = None;
     let decoded = crate::store::format::decode(&blob, &mut |record| {
         if let crate::store::Record::Stream(id, Some(r)) = record {
@@ -411,6 +439,8 @@ pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: Ses
     if let Err(why) = core.adopt_stream(session, stored) {
         return refuse(why);
     }
+    drop(blob);
+    drop(charge);
     let cores = core.cores();
     let mut marked: Vec<usize> = core.sessions.borrow().get(session).map(|r| r.devices.iter().map(|d| core_of_device(d, cores)).collect()).unwrap_or_default();
     marked.sort_unstable();

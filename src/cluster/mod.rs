@@ -149,8 +149,10 @@ pub(crate) enum Inbound {
     /// reads it; the asking instance filters by its session's grants) and how new the data is.
     /// `None` when the data here is not newer than `newer_than` (the asker's own copy).
     Read { device: Box<str>, kind: wire::ReadKind, newer_than: Option<Millis>, reply: oneshot::Sender<Option<(Millis, View)>> },
-    /// Another instance's recovery history for a session of this core (adopt.rs).
-    Adopt { session: SessionId, blob: Vec<u8> },
+    /// Another instance's recovery history for a session of this core (adopt.rs), charged
+    /// `charged` bytes to `Stats::inbound_bytes` until the core has installed it; `None`: it
+    /// would have passed `--redis-inbound-bytes`, so it is refused.
+    Adopt { session: SessionId, blob: Option<Vec<u8>>, charged: u64 },
     /// A handed session's adopter watches its devices: a mark to its session's core after
     /// this core's earlier deliveries (adopt.rs).
     AdoptMark { session: SessionId, cores: usize },
@@ -727,8 +729,8 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 };
                 let _ = reply.send(found.filter(|(newest, _)| newer_than.is_none_or(|t| *newest > t)));
             }
-            Inbound::Adopt { session, blob } => {
-                monoio::spawn(adopt::adopt_here(core.clone(), session, blob, relay.stats.clone()));
+            Inbound::Adopt { session, blob, charged } => {
+                monoio::spawn(adopt::adopt_here(core.clone(), session, blob, charged, relay.stats.clone()));
             }
             Inbound::AdoptMark { session, cores } => adopt::mark(&core, session, cores),
             Inbound::Give { session, to } => core.give_stream(session, &to),
