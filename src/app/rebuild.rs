@@ -17,8 +17,8 @@
 //! by the ring); devices are merged by key (time, then counter).
 //!
 //! **When it is refused** (the client gets `recovered` false, counted `history_lost`, with a
-//! new pid and live data at once, as for any failed restore): another live instance besides
-//! this one (its rings are not asked: not built), a device part that is absent, `x` or names
+//! new pid and live data at once, as for any failed restore): another instance seen alive
+//! ([`Core::peers_gone`]: its rings are not asked, not built), a device part that is absent, `x` or names
 //! a device's last frame without a key, two subscribed devices with one hash, a session that
 //! already has a stream or a socket here, any device a ring cannot answer for (see
 //! `ring::Lost`), a throttled telemetry subscription or a twin/connection event after a cut,
@@ -153,7 +153,7 @@ impl Core {
     /// docs). Installs a stream continuing the offset with what the rings hold and the pid,
     /// or, when refused, the pid with no history (its restore then fails `history_lost`).
     pub async fn rebuild_stream(self: &Rc<Self>, session: SessionId, pid: &str, offset: &str) {
-        let outcome = match self.rebuild_asks(session, offset) {
+        let outcome = match self.peers_gone().await.and_then(|()| self.rebuild_asks(session, offset)) {
             Ok(asks) => self.rebuild_gather(session, asks).await,
             Err(why) => Err(why),
         };
@@ -164,15 +164,46 @@ impl Core {
         }
     }
 
+    /// Waits until every other instance that still has a presence in Redis is known dead
+    /// (its presence not renewed for a heartbeat and a second: it missed a renewal) or alive
+    /// (seen renewing it between two probes: refused, its rings are not asked). The client of
+    /// a `kill -9` is usually back within a second, long before the dead instance's presence
+    /// expires (`--lease-ttl`), so counting live instances would refuse it; a probe every
+    /// half heartbeat decides within about a heartbeat and a second, by Redis's clock.
+    async fn peers_gone(&self) -> Result<(), String> {
+        let relay = self.relay.borrow().clone().ok_or("no relay")?;
+        let heartbeat = relay.heartbeat();
+        let dead_after = (heartbeat + Duration::from_secs(1)).as_millis() as i64;
+        let deadline = Instant::now() + Duration::from_secs(self.settings.config.lease_ttl) + heartbeat * 2;
+        let mut seen: HashMap<Box<str>, i64> = HashMap::new();
+        loop {
+            let asked = relay.peers_staleness().ok_or("the Redis command queue is full")?;
+            let stale = asked.await.map_err(|_| "no answer from the Redis thread".to_string())??;
+            let mut undecided = 0;
+            for (id, ms) in stale {
+                let Some(ms) = ms else { continue }; // its presence went: dead
+                if seen.get(&id).is_some_and(|before| ms < *before) {
+                    return Err(format!("instance {id} is alive (its rings are not asked)"));
+                }
+                if ms <= dead_after {
+                    undecided += 1;
+                }
+                seen.insert(id, ms);
+            }
+            if undecided == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err("another instance's presence is neither renewed nor gone".into());
+            }
+            monoio::time::sleep(heartbeat / 2).await;
+        }
+    }
+
     /// The cuts per device core (refusing what cannot be rebuilt), and the holding started.
     fn rebuild_asks(&self, session: SessionId, offset: &str) -> Result<Vec<(usize, Vec<(Arc<str>, Option<u32>)>)>, String> {
-        let relay = self.relay.borrow().clone().ok_or("no relay")?;
         if self.recovery.rebuilding.borrow().contains_key(&session) {
             return Err("another CONNECT of the session is rebuilding it".into());
-        }
-        let others = relay.other_instances();
-        if others > 0 {
-            return Err(format!("{others} other live instance(s) whose rings are not asked"));
         }
         let part = match device_part(offset) {
             Some(DevicePart::Cuts(c)) => DevicePart::Cuts(c),

@@ -26,9 +26,15 @@ pub trait Relay {
     fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<IngestMessage>, String> {
         Err("no rings".into())
     }
-    /// Live instances other than this one (a rebuild asks only this one's rings).
-    fn other_instances(&self) -> u64 {
-        u64::MAX
+    /// Design step 11: for each other instance, how long ago (ms) it last renewed its
+    /// presence (`None`: its presence went); `None` when it cannot be asked.
+    #[allow(clippy::type_complexity)]
+    fn peers_staleness(&self) -> Option<futures_channel::oneshot::Receiver<Result<Vec<(Box<str>, Option<i64>)>, String>>> {
+        None
+    }
+    /// How often every instance renews its presence.
+    fn heartbeat(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(2)
     }
     /// The end of a burst of [`Relay::offer`]s: hand what was offered over.
     fn flush(&self);

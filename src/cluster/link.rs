@@ -460,6 +460,9 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
         Command::Settle(done) => {
             let _ = done.send(());
         }
+        Command::Staleness(reply) => {
+            let _ = reply.send(Err(format!("not connected ({reason})")));
+        }
     }
 }
 
@@ -943,6 +946,20 @@ async fn on_command(
         // Handed to the lease task by the command loop; adoption's above.
         Command::Stream(_) | Command::Leave(_) => {}
         Command::Adopt { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) | Command::Take { .. } | Command::GiveNone { .. } => {}
+        Command::Staleness(reply) => {
+            if ctx.is_cluster() {
+                let _ = reply.send(Err("a Redis Cluster (presence is a sorted set)".into()));
+                return Ok(());
+            }
+            let others: Vec<Arc<str>> = live_instances(ctx, conn).await?.into_iter().collect();
+            let mut pipe = redis::pipe();
+            for id in &others {
+                pipe.cmd("PTTL").arg(ctx.key("instance", id));
+            }
+            let left: Vec<i64> = if others.is_empty() { Vec::new() } else { within("PTTL instances", pipe.query_async(conn)).await? };
+            let ttl = ctx.o.lease_ttl.as_millis() as i64;
+            let _ = reply.send(Ok(others.iter().zip(left).map(|(id, p)| (Box::from(&**id), (p >= 0).then(|| ttl - p))).collect()));
+        }
         Command::Read { device, kind, newer_than, reply } => {
             // Waiting before it is asked: the answers come on the pub/sub connection, which
             // may deliver them before this task sees its PUBLISH answered.

@@ -124,6 +124,10 @@ pub(crate) enum Command {
     AdoptVerdict { session: SessionId, kept: bool },
     /// Stopping: answered once every history handed over has its verdict.
     Settle(std::sync::mpsc::Sender<()>),
+    /// Design step 11: for each other instance with a presence key, how long ago (ms, by
+    /// Redis's clock: the key's TTL less what is left of it) it last renewed it; `None` for
+    /// one whose key went meanwhile. Refused on a Redis Cluster.
+    Staleness(oneshot::Sender<Result<Vec<(Box<str>, Option<i64>)>, String>>),
 }
 
 pub(crate) enum Inbound {
@@ -497,6 +501,7 @@ impl CorePlugin for Cluster {
             adopt_blob_max: adopt::blob_max(core.settings.config.recovery_session_bytes),
             adopt_budget: std::cell::Cell::new(adopt::SEND_BYTES / core.cores().max(1)),
             rings: core.recovery.window.map(|w| RefCell::new(ring::Rings::new(w, core.recovery.core_bytes))),
+            heartbeat: (Duration::from_secs(core.settings.config.lease_ttl) / 3).clamp(Duration::from_millis(100), Duration::from_secs(2)),
         });
         *core.relay.borrow_mut() = Some(relay.clone());
         core.recovery.cuts.set(core.recovery.window.is_some());
@@ -526,6 +531,8 @@ struct CoreRelay {
     adopt_budget: std::cell::Cell<usize>,
     /// Device rings (ring.rs, design step 10); `None` with recovery off.
     rings: Option<RefCell<ring::Rings>>,
+    /// How often every instance renews its presence (`--lease-ttl` / 3, 100 ms to 2 s).
+    heartbeat: Duration,
 }
 
 #[derive(Default)]
@@ -540,12 +547,14 @@ impl Relay for CoreRelay {
         rings.borrow().after(device, cut, std::time::Instant::now()).map_err(|lost| format!("{lost:?}"))
     }
 
-    fn other_instances(&self) -> u64 {
-        // Before the first heartbeat counted them, not known: as many as could be.
-        match self.stats.instances.load(Ordering::Relaxed) {
-            0 => u64::MAX,
-            n => n - 1,
-        }
+    fn peers_staleness(&self) -> Option<oneshot::Receiver<Result<Vec<(Box<str>, Option<i64>)>, String>>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.try_send(Command::Staleness(tx)).ok()?;
+        Some(rx)
+    }
+
+    fn heartbeat(&self) -> Duration {
+        self.heartbeat
     }
 
     fn ring(&self, msg: &IngestMessage, here: bool) {

@@ -53,7 +53,7 @@ impl Command {
             Command::Read { device, .. } => device.len() as u64,
             Command::Adopt { devices, blob, .. } => blob.len() as u64 + devices.iter().map(|d| d.len() as u64 + PER_ITEM).sum::<u64>(),
             Command::GiveNone { to, .. } => to.len() as u64,
-            Command::Load { .. } | Command::Leave(_) | Command::Take { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) => 0,
+            Command::Load { .. } | Command::Leave(_) | Command::Take { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) | Command::Staleness(_) => 0,
         };
         PER_COMMAND + strings
     }
