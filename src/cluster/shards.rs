@@ -80,6 +80,32 @@ pub(super) fn slot(channel: &str) -> u16 {
 
 type Addr = (String, u16);
 
+/// The cluster's slot map: `(first slot, last slot, master)`, sorted; empty until read.
+#[derive(Default)]
+struct SlotMap(Vec<(u16, u16, Addr)>);
+
+impl SlotMap {
+    /// `CLUSTER SLOTS` through `conn`, counted in `hubcast_redis_topology_refreshes_total`.
+    async fn read(ctx: &Ctx, conn: &mut Conn) -> Result<Self, Failed> {
+        let map = within("CLUSTER SLOTS", super::conn::slot_map(conn)).await?;
+        ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
+        Ok(Self(map))
+    }
+
+    fn owner(&self, slot: u16) -> Option<&Addr> {
+        let i = self.0.partition_point(|(_, last, _)| *last < slot);
+        self.0.get(i).filter(|(first, _, _)| *first <= slot).map(|(_, _, a)| a)
+    }
+
+    fn masters(&self) -> HashSet<&Addr> {
+        self.0.iter().map(|(_, _, a)| a).collect()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 struct Sub {
     conn: MultiplexedConnection,
     channels: HashSet<String>,
@@ -91,8 +117,7 @@ struct Shards<'a> {
     ctx: &'a Rc<Ctx>,
     state: &'a State,
     conn: Conn,
-    /// `(first slot, last slot, master)`, sorted.
-    map: Vec<(u16, u16, Addr)>,
+    map: SlotMap,
     subs: HashMap<Addr, Sub>,
     /// Every device channel this instance receives.
     want: HashSet<String>,
@@ -115,7 +140,7 @@ fn push_bytes(info: &PushInfo) -> u64 {
 /// announced to the others, so none of their messages is published before it receives them.
 pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_channel::Receiver<Req>, initial: Vec<Box<str>>) -> Failed {
     let (tx, rx) = async_channel::bounded(PUSHES);
-    let mut s = Shards { ctx, state, conn, map: Vec::new(), subs: HashMap::new(), want: HashSet::new(), tx };
+    let mut s = Shards { ctx, state, conn, map: SlotMap::default(), subs: HashMap::new(), want: HashSet::new(), tx };
     let result = s.serve(&reqs, &rx, initial).await;
     ctx.stats.shard_connections.store(0, Ordering::Relaxed);
     // Pushes not taken go with the subscribers.
@@ -173,16 +198,14 @@ impl Shards<'_> {
     }
 
     fn owner(&self, slot: u16) -> Option<Addr> {
-        let i = self.map.partition_point(|(_, last, _)| *last < slot);
-        self.map.get(i).filter(|(first, _, _)| *first <= slot).map(|(_, _, a)| a.clone())
+        self.map.owner(slot).cloned()
     }
 
     /// Reads the slot map again; closes subscribers of nodes that are no longer masters and
     /// places their channels by the new map.
     async fn refresh(&mut self) -> Result<(), Failed> {
-        self.map = within("CLUSTER SLOTS", super::conn::slot_map(&mut self.conn)).await?;
-        self.ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
-        let masters: HashSet<&Addr> = self.map.iter().map(|(_, _, a)| a).collect();
+        self.map = SlotMap::read(self.ctx, &mut self.conn).await?;
+        let masters = self.map.masters();
         self.ctx.stats.cluster_masters.store(masters.len() as u64, Ordering::Relaxed);
         let gone: Vec<Addr> = self.subs.keys().filter(|a| !masters.contains(a)).cloned().collect();
         let mut orphans = Vec::new();
@@ -345,8 +368,7 @@ impl Shards<'_> {
             }
             channels = again;
             tokio::time::sleep(Duration::from_millis(50 * (attempt as u64 + 1))).await;
-            self.map = within("CLUSTER SLOTS", super::conn::slot_map(&mut self.conn)).await?;
-            self.ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
+            self.map = SlotMap::read(self.ctx, &mut self.conn).await?;
         }
         Err(format!("{} device channels could not be subscribed on their masters ({TRIES} tries)", channels.len()))
     }
@@ -488,8 +510,8 @@ const PUBLISH_DEADLINE: Duration = Duration::from_secs(5);
 /// so in one pipeline, in order; batches go one after the other.
 #[derive(Default)]
 pub(super) struct Publisher {
-    /// `(first slot, last slot, master)`, sorted; empty until the first batch.
-    map: Vec<(u16, u16, Addr)>,
+    /// Empty until the first batch.
+    map: SlotMap,
     conns: HashMap<Addr, MultiplexedConnection>,
     /// Masters whose connection failed, and until when they are not tried.
     paused: HashMap<Addr, tokio::time::Instant>,
@@ -498,11 +520,6 @@ pub(super) struct Publisher {
 }
 
 impl Publisher {
-    fn owner(&self, slot: u16) -> Option<&Addr> {
-        let i = self.map.partition_point(|(_, last, _)| *last < slot);
-        self.map.get(i).filter(|(first, _, _)| *first <= slot).map(|(_, _, a)| a)
-    }
-
     async fn connection(ctx: &Ctx, a: &Addr) -> Result<MultiplexedConnection, Failed> {
         let client = node_client(ctx, a, "publishing connection")?;
         let config = redis::AsyncConnectionConfig::new().set_connection_timeout(Some(PUBLISH_DEADLINE)).set_response_timeout(Some(PUBLISH_DEADLINE));
@@ -518,12 +535,11 @@ impl Publisher {
     /// could not be read.
     pub(super) async fn publish(&mut self, ctx: &Ctx, conn: &Conn, items: &[(&str, &[u8])], channel: impl Fn(&str) -> String) -> Result<Vec<i64>, Failed> {
         if self.map.is_empty() || self.stale {
-            self.map = within("CLUSTER SLOTS", super::conn::slot_map(&mut conn.clone())).await?;
-            ctx.stats.topology_refreshes.fetch_add(1, Ordering::Relaxed);
+            self.map = SlotMap::read(ctx, &mut conn.clone()).await?;
             self.stale = false;
             // A master gone from the map (failed over, removed) keeps no connection here.
-            let map = &self.map;
-            self.conns.retain(|a, _| map.iter().any(|(_, _, m)| m == a));
+            let masters = self.map.masters();
+            self.conns.retain(|a, _| masters.contains(a));
         }
         let now = tokio::time::Instant::now();
         self.paused.retain(|_, until| *until > now);
@@ -531,7 +547,7 @@ impl Publisher {
         let mut per_master: BTreeMap<Addr, (redis::Pipeline, Vec<usize>)> = BTreeMap::new();
         for (i, (device, payload)) in items.iter().enumerate() {
             let c = channel(device);
-            let Some(owner) = self.owner(slot(&c)) else {
+            let Some(owner) = self.map.owner(slot(&c)) else {
                 // No master serves the slot (the cluster is not ok): nobody got it.
                 self.stale = true;
                 continue;
