@@ -294,7 +294,7 @@ impl Core {
         let mut trimmed = Trimmed::default();
         for d in &frames {
             stream.push(&d.frame, now, window, self.recovery.session_bytes, &mut trimmed);
-            stream.cuts.note(&d.device, d.key);
+            stream.cuts.note_only(&d.device, d.key);
         }
         if !trimmed.is_empty() {
             return Err("the rebuilt history is over --recovery-session-bytes".into());

@@ -521,7 +521,15 @@ impl Core {
         if self.recovery.durable.get() {
             self.recovery.appends.borrow_mut().add(session, stream.epoch(), seq, frame);
         }
-        let part = self.recovery.cuts.get().then(|| stream.cuts.note(&d.device, d.key));
+        // The part's text only for a socket to write it (an away session's cut moves all the same).
+        let part = match (self.recovery.cuts.get(), record.sockets.is_empty()) {
+            (false, _) => None,
+            (true, false) => Some(stream.cuts.note(&d.device, d.key)),
+            (true, true) => {
+                stream.cuts.note_only(&d.device, d.key);
+                None
+            }
+        };
         (seq, part)
     }
 

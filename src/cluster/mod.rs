@@ -560,7 +560,11 @@ impl Relay for CoreRelay {
     fn ring(&self, msg: &IngestMessage, here: bool) {
         let Some(rings) = &self.rings else { return };
         let watched = here && self.remote.borrow().contains(&*msg.device_id);
-        let change = rings.borrow_mut().note(msg, here, watched, std::time::Instant::now());
+        let mut rings = rings.borrow_mut();
+        if !rings.may_keep(&msg.device_id, here, watched) {
+            return;
+        }
+        let change = rings.note(msg, here, watched, std::time::Instant::now());
         if change != 0 {
             self.stats.ring_bytes.fetch_add(change as u64, Ordering::Relaxed);
         }

@@ -91,6 +91,13 @@ impl Rings {
         Self { window, core_bytes, rings: HashMap::new(), bytes: 0, entries: 0, gap_until: None, next_sweep: None }
     }
 
+    /// Whether [`Rings::note`] would keep anything of a message of `device` (`here`,
+    /// `watched` as there): a message taken in here of a device nobody elsewhere watches and
+    /// without a ring costs this look-up only, no clock read.
+    pub fn may_keep(&self, device: &str, here: bool, watched: bool) -> bool {
+        !here || watched || self.rings.contains_key(device)
+    }
+
     /// Charged bytes held.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -250,11 +257,14 @@ mod tests {
     fn a_device_watched_elsewhere_is_kept_and_what_followed_a_cut_comes_back_in_order() {
         let now = Instant::now();
         let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
+        assert!(!r.may_keep("unwatched", true, false), "no clock read for it");
         assert_eq!(r.note(&msg("unwatched", 1), true, false, now), 0);
         assert_eq!(r.entries(), 0);
+        assert!(r.may_keep("unwatched", false, false), "a replica's copy is kept");
         for n in 1..=5 {
             assert!(r.note(&msg("d", n), true, true, now) > 0);
         }
+        assert!(r.may_keep("d", true, false), "a ring goes on a window after its watcher left");
         assert_eq!(ns(r.after("d", cut(2), now).unwrap()), [3, 4, 5]);
         assert_eq!(ns(r.after("d", cut(5), now).unwrap()), Vec::<u64>::new());
         assert_eq!(r.after("d", cut(9), now).unwrap_err(), Lost::CutNotHeld);

@@ -65,6 +65,12 @@ impl Cuts {
     /// Notes a frame of `device` with `key`; returns the part its offset carries (starting
     /// with `.`).
     pub fn note(&mut self, device: &str, key: MsgKey) -> Rc<str> {
+        self.note_only(device, key);
+        self.text().into()
+    }
+
+    /// [`Cuts::note`] without making the part's text (a session with no socket connected).
+    pub fn note_only(&mut self, device: &str, key: MsgKey) {
         if !self.overflow {
             let dh = device_hash(device);
             let kh = key_hash(key).unwrap_or(0);
@@ -77,7 +83,6 @@ impl Cuts {
                 }
             }
         }
-        self.text().into()
     }
 
     /// The cuts a client's offset names (a stream rebuilt on another instance goes on from
