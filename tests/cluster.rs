@@ -526,6 +526,15 @@ fn live_data_between_instances_resumes_by_itself_after_redis_restarts(mut redis:
     };
     assert!(first["telemetry"]["level"].as_i64().is_some_and(|l| l >= 2), "{first}");
     eprintln!("after the restart: level {level} first, {} watches corrected", metric(&a, "hubcast_redis_watch_resyncs_total", "a"));
+    // B checked its session against Redis after reconnecting: gone with Redis's data, with
+    // no tombstone, so kept (cluster/resync.rs), and its socket still served.
+    b.wait_for_metric("hubcast_redis_sessions_checked_total{instance=\"b\"}", WAIT, Want::AtLeast(1.0));
+    assert_eq!(metric(&b, "hubcast_redis_sessions_reloaded_total", "b"), 0.0, "nothing dropped nor read again");
+    a.ingest(json!({"deviceId": "tank", "body": {"level": 0}}));
+    let mut frame = ws.next_json(WAIT).expect("the socket on B is still served after the check");
+    while frame["telemetry"]["level"] != json!(0) {
+        frame = ws.next_json(WAIT).expect("the socket on B is still served after the check");
+    }
     assert!(a.metric("hubcast_redis_reconnects_total{instance=\"a\"}").unwrap_or(0.0) >= 1.0);
     a.assert_alive();
     b.assert_alive();

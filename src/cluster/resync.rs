@@ -243,8 +243,9 @@ async fn check(ctx: &Rc<Ctx>, state: &State, conn: &Conn, sessions: &[SessionId]
                     let core = core_of_session(*session, ctx.cores.len());
                     let _ = ctx.cores[core].send(Inbound::Op(SharedOp::Delete(*session), None)).await;
                 } else {
-                    // Lost with Redis's data, or expired: left as it is (see the module's docs).
-                    state.borrow_mut().versions.loaded(*session, 0);
+                    // Lost with Redis's data, or expired: left as it is (see the module's docs),
+                    // and no longer checked.
+                    state.borrow_mut().versions.settled(*session, 0);
                 }
                 continue;
             }
