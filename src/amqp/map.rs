@@ -316,8 +316,15 @@ impl<'a> Received<'a> {
 
     /// The message for the owning core; `Err` says why it cannot be used (count it, skip it).
     pub fn to_ingest(self, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
+        let sequence = self.sequence();
+        self.to_ingest_sequenced(settings, sequence)
+    }
+
+    /// [`Self::to_ingest`] of a message whose [`Self::sequence`] was read already (the
+    /// receiver reads it first, for the redelivery check): not decoded a second time.
+    pub fn to_ingest_sequenced(self, settings: &MapSettings, sequence: Option<i64>) -> Result<IngestMessage, Rejected> {
         match self.0 {
-            Read::Scanned(fields, body) => ingest_of(&fields, body.to_vec(), settings),
+            Read::Scanned(fields, body) => ingest_of(&fields, body.to_vec(), settings, sequence),
             Read::Decoded(mut message) => to_ingest(&mut message, settings),
             Read::Received(message) => to_ingest(message, settings),
         }
@@ -421,11 +428,13 @@ pub fn to_json(v: &Value) -> serde_json::Value {
 pub fn to_ingest(message: &mut Message<Body<Value>>, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
     let body = into_body_bytes(std::mem::replace(&mut message.body, Body::Empty));
     let fields = Fields::of(message.message_annotations.as_ref(), message.application_properties.as_ref());
-    ingest_of(&fields, body, settings)
+    let sequence = fields.sequence();
+    ingest_of(&fields, body, settings, sequence)
 }
 
-/// [`to_ingest`] once the fields are found and the body is bytes.
-fn ingest_of(fields: &Fields, body: Vec<u8>, settings: &MapSettings) -> Result<IngestMessage, Rejected> {
+/// [`to_ingest`] once the fields are found and the body is bytes; `sequence` is
+/// `fields.sequence()`, read once per message by the caller.
+fn ingest_of(fields: &Fields, body: Vec<u8>, settings: &MapSettings, sequence: Option<i64>) -> Result<IngestMessage, Rejected> {
     let named_device = fields.text(DEVICE).or_else(|| fields.properties[DEVICE_ID_PROPERTY].and_then(|f| f.text()));
     let reject = |fault, device: Option<&str>, detail: String| Rejected { fault, device: device.map(str::to_owned), detail };
 
@@ -462,12 +471,17 @@ fn ingest_of(fields: &Fields, body: Vec<u8>, settings: &MapSettings) -> Result<I
     }
     // ux4iot reads the hub's enqueued time before the broker's (reference §8); a plain Event
     // Hub message has only the latter, which still beats the arrival time after a replay.
-    let enqueued_at = fields.annotation(HUB_ENQUEUED).or_else(|| fields.annotation(ENQUEUED)).and_then(|f| f.millis());
+    // The broker's enqueued time is decoded once, for both.
+    let enqueued = fields.annotation(ENQUEUED).and_then(|f| f.millis());
+    let enqueued_at = match fields.annotation(HUB_ENQUEUED) {
+        Some(hub) => hub.millis(),
+        None => enqueued,
+    };
 
     // Its stable key (design step 9): the partition gives both again on a re-read (its
-    // partition is set by the receiver: `MsgKey::in_partition`). Without both (a plain
+    // partition is set by the receiver: `MsgKey::in_numbered`). Without both (a plain
     // queue) the message is keyed at arrival and never taken for a re-read.
-    let key = match (fields.annotation(ENQUEUED).and_then(|f| f.millis()), fields.sequence()) {
+    let key = match (enqueued, sequence) {
         (Some(ms), Some(seq)) => MsgKey::partition(0, ms, seq),
         _ => MsgKey::arrival(crate::timefmt::now_millis()),
     };

@@ -192,6 +192,8 @@ pub async fn consume(
     };
     tokio::pin!(released);
     let tapped = tap.as_ref().and_then(|t| t.link(&name));
+    // The partition number each message's key holds (design step 9), parsed once.
+    let partition_number = crate::ingest::key::partition_number(&label);
     if tap.is_some() && tapped.is_none() {
         tracing::warn!(partition = %label, "the AMQP tap does not serve this link: fe2o3 decodes its messages");
     }
@@ -276,10 +278,10 @@ pub async fn consume(
             }
             warn_retention_gap(&label, newest_seq, sequence);
             let positioned = sequence.is_some() || received.has_offset();
-            match received.to_ingest(&settings) {
+            match received.to_ingest_sequenced(&settings, sequence) {
                 Ok(mut msg) => {
                     // The key's partition (design step 9; `ingest::key`).
-                    msg.key = msg.key.in_partition(&label);
+                    msg.key = msg.key.in_numbered(partition_number);
                     if sequence.is_none() {
                         super::STATS.unsequenced.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         tracing::debug!(partition = %label, device = %msg.device_id, "message without a sequence number: applied unordered");

@@ -74,12 +74,19 @@ impl MsgKey {
     /// This partition key moved to the partition named `id` (its number; an id that is not a
     /// number up to [`MAX_PARTITION`] gives an arrival key). Other keys are kept.
     pub fn in_partition(self, id: &str) -> MsgKey {
+        self.in_numbered(partition_number(id))
+    }
+
+    /// [`Self::in_partition`] with the id's [`partition_number`], parsed once per partition
+    /// (not once per message).
+    #[inline]
+    pub fn in_numbered(self, number: Option<u16>) -> MsgKey {
         if !self.from_partition() {
             return self;
         }
-        match id.parse::<u16>() {
-            Ok(p) => MsgKey::partition(p, self.ms, (self.n & SEQUENCE) as i64),
-            Err(_) => MsgKey::arrival(self.ms),
+        match number {
+            Some(p) => MsgKey::partition(p, self.ms, (self.n & SEQUENCE) as i64),
+            None => MsgKey::arrival(self.ms),
         }
     }
 
@@ -107,6 +114,12 @@ impl MsgKey {
     pub fn from_partition(self) -> bool {
         !self.is_none() && self.n & ARRIVAL == 0
     }
+}
+
+/// A partition id as [`MsgKey::in_numbered`] takes it: its number, `None` when it is not a
+/// `u16` (a number above [`MAX_PARTITION`] is given as it is: the key refuses it).
+pub fn partition_number(id: &str) -> Option<u16> {
+    id.parse::<u16>().ok()
 }
 
 /// What a device has applied of one partition's keys (the partition of the last one): the
@@ -204,6 +217,13 @@ mod tests {
         assert!(!k.in_partition("40000").from_partition());
         let a = MsgKey::arrival(1);
         assert_eq!(a.in_partition("5"), a);
+        // Numbered once per partition: the same keys.
+        for id in ["0", "5", "40000", "queue/x", "-1"] {
+            assert_eq!(k.in_numbered(partition_number(id)).from_partition(), k.in_partition(id).from_partition(), "{id}");
+            if k.in_partition(id).from_partition() {
+                assert_eq!(k.in_numbered(partition_number(id)), k.in_partition(id), "{id}");
+            }
+        }
     }
 
     #[test]
