@@ -18,11 +18,11 @@
 //! a core holds at most `--recovery-core-bytes` (the same bound as the session streams, a
 //! second budget of that size) and [`CORE_ENTRIES`] entries: past either, the largest rings
 //! are emptied first until the core is at 7/8 of the bound. Every entry that leaves for a
-//! bound marks its ring *cut*; a cut that names a message no longer held is then not found
-//! and the rebuild fails `history_lost` (honest, counted), never a replay with a hole. A ring
-//! emptied and silent past its window is dropped; a core that had to drop a ring holding
-//! entries remembers it for a window (`gap_until`), and a rebuild there of a device with no
-//! ring fails instead of assuming there was nothing.
+//! bound marks its ring *cut* (for a window); a cut that names a message no longer held is
+//! then not found and the rebuild fails `history_lost` (honest, counted), never a replay with
+//! a hole. A ring emptied and silent past its window is dropped; a core that drops a ring
+//! cut within the window (emptied for a bound) remembers it for a window (`gap_until`), and
+//! a rebuild there of a device with no ring fails instead of assuming there was nothing.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -53,8 +53,16 @@ struct Ring {
     bytes: usize,
     /// Keep taking messages of this device until then (a window after it was last watched).
     until: Option<Instant>,
-    /// Entries left it for a bound.
-    cut: bool,
+    /// When entries last left it for a bound (a cut older than a window loses nothing a
+    /// rebuild could still ask for: what it cut was past the window anyway).
+    cut_at: Option<Instant>,
+}
+
+impl Ring {
+    /// Whether entries left it for a bound within the last `window`.
+    fn cut_lately(&self, now: Instant, window: Duration) -> bool {
+        self.cut_at.is_some_and(|t| now.saturating_duration_since(t) <= window)
+    }
 }
 
 /// Why a rebuild cannot use what a ring holds.
@@ -71,7 +79,7 @@ pub enum Lost {
     /// Messages of the device came from this and another instance: their order on the dead
     /// instance is not known.
     TwoOrigins,
-    /// A ring of this core was dropped for a bound within the window.
+    /// A ring of this core emptied for a bound within the window was dropped since.
     Gap,
 }
 
@@ -142,7 +150,9 @@ impl Rings {
             ring.bytes -= e.charged;
             self.bytes -= e.charged;
             self.entries -= 1;
-            ring.cut |= !old;
+            if !old {
+                ring.cut_at = Some(now);
+            }
         }
         if self.bytes > self.core_bytes || self.entries > CORE_ENTRIES {
             self.cut_largest(now);
@@ -155,7 +165,7 @@ impl Rings {
     fn cut_largest(&mut self, now: Instant) {
         let (bytes_target, entries_target) = (self.core_bytes - self.core_bytes / 8, CORE_ENTRIES - CORE_ENTRIES / 8);
         let mut sizes: Vec<(usize, Box<str>)> = self.rings.iter().map(|(k, r)| (r.bytes, k.clone())).collect();
-        sizes.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        sizes.sort_unstable_by_key(|(bytes, _)| std::cmp::Reverse(*bytes));
         for (_, device) in sizes {
             if self.bytes <= bytes_target && self.entries <= entries_target {
                 break;
@@ -165,7 +175,7 @@ impl Rings {
                 self.entries -= ring.entries.len();
                 ring.bytes = 0;
                 ring.entries.clear();
-                ring.cut = true;
+                ring.cut_at = Some(now);
             }
         }
         self.gap_until = Some(now + self.window);
@@ -190,7 +200,7 @@ impl Rings {
                 bytes += ring.bytes;
                 entries += ring.entries.len();
             } else {
-                gap |= ring.cut && ring.until.is_some_and(|u| u + window > now);
+                gap |= ring.cut_lately(now, window);
             }
             keep
         });
@@ -217,7 +227,7 @@ impl Rings {
             return Err(Lost::TwoOrigins);
         }
         let Some(cut) = cut else {
-            return if held.is_empty() && !ring.cut { Ok(Vec::new()) } else { Err(Lost::NoCut) };
+            return if held.is_empty() && !ring.cut_lately(now, self.window) { Ok(Vec::new()) } else { Err(Lost::NoCut) };
         };
         let mut at = held.iter().enumerate().filter(|(_, e)| key_hash(e.msg.key) == Some(cut)).map(|(i, _)| i);
         match (at.next(), at.next()) {
@@ -297,6 +307,31 @@ mod tests {
         r.note(&msg("e", 1), false, false, now);
         r.note(&msg("e", 1), false, false, now);
         assert_eq!(r.after("e", cut(1), now).unwrap_err(), Lost::Ambiguous);
+    }
+
+    /// A cut older than a window does not make a later dropped ring a gap (found in review:
+    /// the flag was never cleared, so a ring cut hours before it was dropped failed every
+    /// rebuild of the core's unringed devices for a window).
+    #[test]
+    fn a_ring_cut_long_before_it_is_dropped_leaves_no_gap() {
+        let t0 = Instant::now();
+        let w = Duration::from_secs(10);
+        let one = msg("big", 0).charge() + ENTRY_OVERHEAD;
+        let mut r = Rings::new(w, one * 10);
+        for n in 1..=12 {
+            r.note(&msg("big", n), true, true, t0);
+        }
+        // Watched on long after the cut, then left: the ring ages out and is dropped.
+        let mut t = t0;
+        for n in 13..=16 {
+            t += w;
+            r.note(&msg("big", n), true, true, t);
+        }
+        // Just past the window after the last watched message: the sweep drops the ring.
+        let late = t + w + Duration::from_secs(1);
+        r.note(&msg("other", 1), true, false, late);
+        assert!(!r.may_keep("big", true, false), "the ring of big is gone");
+        assert_eq!(ns(r.after("never", None, late).unwrap()), Vec::<u64>::new());
     }
 
     #[test]
