@@ -75,8 +75,7 @@ fn publish_round(hub: &FakeHub, n: i64) {
 
 /// A new session on `server` granted and subscribed to every device's telemetry.
 fn subscribed_to_every_device(server: &Server) -> String {
-    let session = server.telemetry_session(&all_devices());
-    session
+    server.telemetry_session(&all_devices())
 }
 
 /// Waits until `server` answers every device's last `n` with `n` (read from any instance).

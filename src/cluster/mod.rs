@@ -127,8 +127,11 @@ pub(crate) enum Command {
     /// Design step 11: for each other instance with a presence key, how long ago (ms, by
     /// Redis's clock: the key's TTL less what is left of it) it last renewed it; `None` for
     /// one whose key went meanwhile. Refused on a Redis Cluster.
-    Staleness(oneshot::Sender<Result<Vec<(Box<str>, Option<i64>)>, String>>),
+    Staleness(oneshot::Sender<Result<Vec<Staleness>, String>>),
 }
+
+/// An other instance and how long ago (ms) it renewed its presence key (`None`: gone).
+pub(crate) type Staleness = (Box<str>, Option<i64>);
 
 pub(crate) enum Inbound {
     /// Apply a shared change to the copy here, on the device's core for an access change
@@ -692,10 +695,8 @@ impl CoreRelay {
             return;
         }
         let changes: Vec<_> = pending.drain().collect();
-        if let Err(refused) = self.commands.try_send(Command::Watch(changes)) {
-            if let Command::Watch(changes) = refused {
-                pending.extend(changes);
-            }
+        if let Err(Command::Watch(changes)) = self.commands.try_send(Command::Watch(changes)) {
+            pending.extend(changes);
         }
     }
 }
