@@ -138,14 +138,23 @@ fn a_history_that_grew_after_the_hand_over_is_voided_and_the_client_is_not_recov
     w.adopter.signal(libc::SIGSTOP);
     w.a.signal(libc::SIGTERM);
     w.a.wait_for_stderr(WAIT, |l| l.contains(HANDED)).expect("A hands the history over");
-    let published = monitor.count("t:device:dev-1");
+    // Sent to the adopter, which is stopped: nothing can answer before it goes on.
+    monitor.wait_past(&format!("\"PUBLISH\" \"t:adopt:{}\"", w.adopter_id), 0);
+    let publish = "\"PUBLISH\" \"t:device:dev-1\"";
+    let published = monitor.count(publish);
     w.other.ingest(message("dev-1", 10));
     // In Redis before the adopter's `watching`, so A's pub/sub gets it before the answer.
-    monitor.wait_past("t:device:dev-1", published);
+    monitor.wait_past(publish, published);
     w.adopter.signal(libc::SIGCONT);
     let exit = w.a.wait_exit(WAIT).expect("A exits");
     assert!(exit.success(), "{exit:?}");
-    assert!(w.a.stderr_lines().iter().any(|l| l.contains("a delivery reached the history after it was handed over")));
+    let lines = w.a.stderr_lines();
+    assert!(
+        lines.iter().any(|l| l.contains("a delivery reached the history after it was handed over")),
+        "{}\nRedis:\n{}",
+        lines.join("\n"),
+        monitor.lines("t:").join("\n")
+    );
     assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=1"]);
     let id = w.adopter_id;
     w.adopter.wait_for_metric(&format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"lost\"}}"), WAIT, Want::Eq(1.0));

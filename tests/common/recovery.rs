@@ -139,6 +139,11 @@ impl Monitor {
         Monitor { lines }
     }
 
+    /// The commands naming `needle`, as printed.
+    pub fn lines(&self, needle: &str) -> Vec<String> {
+        self.lines.lock().unwrap().iter().filter(|l| l.contains(needle)).cloned().collect()
+    }
+
     pub fn count(&self, needle: &str) -> usize {
         self.lines.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
     }
