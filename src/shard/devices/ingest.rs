@@ -115,17 +115,18 @@ impl DeviceTable {
                 }
                 Self::stamp(source, device);
                 let subscribed = subscribed_any(device);
-                let message = (subscribed && device.wants(|a| a.subscribed_messages())).then(|| crate::ingest::message_json(body));
-                let mut publication = Publication { at, message, ..Default::default() };
-                if subscribed {
-                    publication.device = Arc::from(device_id);
-                }
+                // Built only for subscribers (most messages have none): a `Publication` is
+                // ~400 bytes to fill, move and drop.
+                let mut publication = subscribed.then(|| {
+                    let message = device.wants(|a| a.subscribed_messages()).then(|| crate::ingest::message_json(body));
+                    Publication { at, message, device: Arc::from(device_id), ..Default::default() }
+                });
                 // Kept as they were sent, over the old values (no allocation once the device
                 // has its keys: [`Telemetry`]).
                 for (i, (key, text)) in parsed.values.iter().enumerate() {
                     device.telemetry.set(i, key, text, at);
                 }
-                if subscribed {
+                if let Some(publication) = publication.as_mut() {
                     // What subscribers get: the message's values in one allocation.
                     let texts = JsonText::share(parsed.values.iter().map(|(_, v)| *v), &mut self.scratch);
                     for ((key, _), json) in parsed.values.iter().zip(texts) {
@@ -144,7 +145,9 @@ impl DeviceTable {
                 if let Some(connected) = connected {
                     let sequence = device.connection.as_mut().and_then(|c| c.sequence.take());
                     device.connection = Some(ConnectionState { connected, at, sequence });
-                    publication.connection = Some(connected);
+                    if let Some(publication) = publication.as_mut() {
+                        publication.connection = Some(connected);
+                    }
                 }
                 device.last_seen = Some(now);
                 Self::arm_offline_check(&mut self.offline_due, connection_ttl, device_id, device, now);
@@ -156,7 +159,7 @@ impl DeviceTable {
                         self.dirty.device(device_id);
                     }
                 }
-                return subscribed.then_some(publication);
+                return publication;
             }
             SourceKind::TwinChange => {
                 let doc = match serde_json::from_slice::<Value>(body) {
