@@ -80,11 +80,11 @@ impl Telemetry {
     fn find(&self, key: &str, hint: usize) -> Option<usize> {
         let key = key.as_bytes();
         if let Some(e) = self.entries.get(hint) {
-            if e.key_len as usize == key.len() && self.key_of(e) == key {
+            if e.key_len as usize == key.len() && same_bytes(self.key_of(e), key) {
                 return Some(hint);
             }
         }
-        self.entries.iter().position(|e| e.key_len as usize == key.len() && self.key_of(e) == key)
+        self.entries.iter().position(|e| e.key_len as usize == key.len() && same_bytes(self.key_of(e), key))
     }
 
     /// The value of `key` and its time.
@@ -110,7 +110,7 @@ impl Telemetry {
             Some(i) => {
                 let start = (self.entries[i].key + self.entries[i].key_len) as usize;
                 if start + value.len() <= self.slot_end(i) {
-                    self.text[start..start + value.len()].copy_from_slice(value.as_bytes());
+                    copy_bytes(&mut self.text[start..start + value.len()], value.as_bytes());
                     let e = &mut self.entries[i];
                     e.len = value.len() as u32;
                     e.at = at;
@@ -166,6 +166,45 @@ impl Telemetry {
         for (i, (k, v, at)) in kept.iter().enumerate() {
             self.set(i, k, v, *at);
         }
+    }
+}
+
+/// `a == b` for slices of equal length, without a call for the short keys telemetry has
+/// (1 to 16 bytes: two overlapping loads of each), `memcmp` beyond. Each message compares
+/// each of its keys once, and the call was most of the comparison (issue 25 item 4).
+#[inline]
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let u64_at = |s: &[u8], i: usize| u64::from_le_bytes(s[i..i + 8].try_into().expect("eight bytes"));
+    let u32_at = |s: &[u8], i: usize| u32::from_le_bytes(s[i..i + 4].try_into().expect("four bytes"));
+    match n {
+        8..=16 => u64_at(a, 0) == u64_at(b, 0) && u64_at(a, n - 8) == u64_at(b, n - 8),
+        4..=7 => u32_at(a, 0) == u32_at(b, 0) && u32_at(a, n - 4) == u32_at(b, n - 4),
+        1..=3 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
+        _ => a == b,
+    }
+}
+
+/// `to.copy_from_slice(from)` without a call for the short values telemetry has (up to 16
+/// bytes: two overlapping copies), `memcpy` beyond.
+#[inline]
+fn copy_bytes(to: &mut [u8], from: &[u8]) {
+    let n = from.len();
+    match n {
+        8..=16 => {
+            let (head, tail): ([u8; 8], [u8; 8]) = (from[..8].try_into().expect("eight"), from[n - 8..].try_into().expect("eight"));
+            to[..8].copy_from_slice(&head);
+            to[n - 8..n].copy_from_slice(&tail);
+        }
+        4..=7 => {
+            let (head, tail): ([u8; 4], [u8; 4]) = (from[..4].try_into().expect("four"), from[n - 4..].try_into().expect("four"));
+            to[..4].copy_from_slice(&head);
+            to[n - 4..n].copy_from_slice(&tail);
+        }
+        _ => to.copy_from_slice(from),
     }
 }
 
@@ -230,6 +269,24 @@ mod tests {
         assert_eq!(t.get("temperature"), Some(("\"é\u{1F600}\"", 7)));
         t.clear();
         assert!(t.is_empty() && t.get("temperature").is_none());
+    }
+
+    #[test]
+    fn short_compares_and_copies_agree_with_the_slice_ones() {
+        let mut rng = fastrand::Rng::with_seed(4);
+        for _ in 0..20_000 {
+            let n = rng.usize(0..40);
+            let a: Vec<u8> = (0..n).map(|_| rng.u8(b'a'..b'd')).collect();
+            let mut b = a.clone();
+            if n > 0 && rng.bool() {
+                b[rng.usize(0..n)] = rng.u8(b'a'..b'd');
+            }
+            assert_eq!(same_bytes(&a, &b), a == b, "{a:?} {b:?}");
+            let mut to = vec![0u8; n + 3];
+            copy_bytes(&mut to[..n], &a);
+            assert_eq!(&to[..n], &a[..]);
+            assert_eq!(&to[n..], &[0, 0, 0]);
+        }
     }
 
     /// Against a map, on random keys, value lengths and orders.
