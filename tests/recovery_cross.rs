@@ -291,21 +291,90 @@ fn a_rebuild_while_the_survivor_keeps_ingesting_gives_every_message_once_in_orde
     }
 }
 
-/// A third instance alive: its rings are not asked (not built), so B refuses once it has seen
-/// C renew its presence: `recovered` false, `history_lost`, live data at once.
+/// Three instances A, B, C; the client on A reads dev-1 (taken in on C) and dev-2 (taken in on
+/// B); a first message of each received.
+fn three_with_client_on_a() -> (common::redis::Redis, Server, Server, Server, Cutter, SioClient) {
+    let redis = common::redis::Redis::start();
+    let a = instance_with(&redis, "a", &FAST_LEASE);
+    let b = instance_with(&redis, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
+    let c = instance_with(&redis, "c", &FAST_LEASE);
+    let session = d2c_session_of(&a, &["dev-1", "dev-2"]);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    for (id, server) in [("b", &b), ("c", &c)] {
+        server.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}"), WAIT, Want::Eq(2.0));
+        server.wait_for_metric(&format!("hubcast_redis_instances{{instance=\"{id}\"}}"), WAIT, Want::Eq(3.0));
+    }
+    c.ingest(message("dev-1", 0));
+    assert_eq!(next(&client).1, 0);
+    b.ingest(message("dev-2", 0));
+    let (_, n, offset) = next(&client);
+    assert_eq!(n, 0);
+    assert_eq!(part_of(&offset).len(), 2, "the offset names both devices: {offset}");
+    (redis, a, b, c, cutter, client)
+}
+
+/// Issue 24's last case with a third instance alive (design step 11, asking the others'
+/// rings): the client is cut off A while C takes in dev-1 and B dev-2, A is killed, both take
+/// in more; the client lands on B, which asks C for what its ring of dev-1 holds after the
+/// client's cut and rebuilds from C's answer and its own ring: `recovered` true, every
+/// missed message once, each device's in order, then live data from C.
 #[test]
-fn a_third_live_instance_refuses_the_rebuild_and_live_data_flows() {
-    let (redis, mut a, b, cutter, client) = client_on_a("b");
-    let _c = instance_with(&redis, "c", &FAST_LEASE);
-    b.wait_for_metric("hubcast_redis_instances{instance=\"b\"}", WAIT, Want::Eq(3.0));
+fn with_a_third_live_instance_the_client_recovers_from_every_instances_rings() {
+    let (_redis, mut a, b, c, cutter, client) = three_with_client_on_a();
     cut(&cutter, &a, &client, WS_GAUGE);
-    b.ingest(message("dev-1", 1));
-    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(2.0));
+    c.ingest(json!((1..=10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    b.ingest(json!((11..=20).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(22.0));
+    kill_a(&mut a, &b);
+    c.ingest(json!((21..=25).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    b.ingest(json!((26..=30).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
+    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(16.0));
+    b.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(16.0));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    c.ingest(message("dev-1", 999));
+    let got: Vec<(String, u64)> = (0..31).map(|_| next(&client)).map(|(d, n, _)| (d, n)).collect();
+    let of = |device: &str| got.iter().filter(|(d, _)| d == device).map(|(_, n)| *n).collect::<Vec<_>>();
+    let mut want_1: Vec<u64> = (1..=10).chain(21..=25).collect();
+    want_1.push(999);
+    assert_eq!(of("dev-1"), want_1, "C's, once, in order, then live: {got:?}");
+    assert_eq!(of("dev-2"), (11..=20).chain(26..=30).collect::<Vec<_>>(), "B's, once, in order: {got:?}");
+    assert_eq!(got.last(), Some(&("dev-1".to_string(), 999)), "live after every replayed one");
+    assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(30.0), "all 30 rebuilt on B");
+    assert!(b.stderr_lines().iter().any(|l| l.contains("another instance is alive") && l.contains("instance=c")), "C was asked");
+    // The rebuilt stream goes on: the next offset names both devices again.
+    b.ingest(message("dev-2", 1000));
+    let (_, n, offset) = next(&client);
+    assert_eq!(n, 1000, "nothing twice");
+    assert_eq!(part_of(&offset).len(), 2, "{offset}");
+}
+
+/// C, where dev-1 is taken in, is frozen (SIGSTOP) before the client lands on B: it renews its
+/// presence no more, so B counts it dead and does not ask it, and nobody else holds the
+/// client's cut of dev-1: `recovered` false, `history_lost`, and live data at once (B's
+/// dev-2 first, dev-1 once C is resumed). Never a replay with a hole.
+#[test]
+fn a_third_instance_that_cannot_answer_refuses_the_rebuild_and_live_data_flows() {
+    let (_redis, mut a, b, c, cutter, client) = three_with_client_on_a();
+    cut(&cutter, &a, &client, WS_GAUGE);
+    c.ingest(json!((1..=5).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    b.ingest(json!((6..=10).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(12.0));
+    c.signal(libc::SIGSTOP);
     kill_a(&mut a, &b);
     cutter.retarget(b.port);
     let back = come_back(&cutter, &client);
+    c.signal(libc::SIGCONT);
     assert_eq!(back["recovered"], false, "{back}");
     assert_eq!(b.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
-    b.ingest(message("dev-1", 999));
-    assert_eq!(next(&client).1, 999, "live data at once, nothing replayed");
+    assert!(b.stderr_lines().iter().any(|l| l.contains("history not rebuilt") && l.contains("dev-1")), "refused for dev-1:\n{}", b.stderr_lines().join("\n"));
+    b.ingest(message("dev-2", 999));
+    let (device, n, _) = next(&client);
+    assert_eq!((device.as_str(), n), ("dev-2", 999), "live data at once, nothing replayed");
+    c.ingest(message("dev-1", 1000));
+    let (device, n, _) = next(&client);
+    assert_eq!((device.as_str(), n), ("dev-1", 1000), "C's live data once it is resumed");
 }

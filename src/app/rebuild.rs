@@ -3,7 +3,8 @@
 //! offset carrying a device part (`push/cut.rs`). Its session stream died with its instance;
 //! what survives is the device side. Before its CONNECT is answered, this, the session's
 //! core, asks each device core of the session's subscribed devices for the messages its ring
-//! (`cluster/ring.rs`) holds after the client's cut of that device, has each turned into the
+//! (`cluster/ring.rs`) holds after the client's cut of that device (and, with other instances
+//! alive, each of them: below), has each turned into the
 //! frames the session's subscriptions give (`DeviceTable::replay_frames`), and installs a
 //! stream that continues the client's epoch and seq with them. The CONNECT then restores the
 //! pid from it as from any stream: `recovered` true, the frames once, in order, before live.
@@ -16,12 +17,26 @@
 //! order, which is the order the dead instance applied them (one origin, FIFO queues, checked
 //! by the ring); devices are merged by key (time, then counter).
 //!
+//! **Other live instances** (`cluster/ringask.rs`): the probe ([`Core::peers_alive`]) tells
+//! the dead from the live; with any alive, this instance first watches the session's devices
+//! (so each live instance publishes them here from before it reads its rings), and each
+//! device core here, after its watch changes, asks every other instance for its rings of its
+//! devices too. Their answers reach the session's core through the device core that asked,
+//! behind the deliveries of what the answering instance published before it, so [`Held`]
+//! works across instances as on one. Per device, the holders' parts are merged
+//! ([`merge_holders`]): the instance that takes the device in and the replicas it published
+//! to hold the same messages in the same order, so one list is taken and the others must be
+//! within it (deduplicated by `(device, key)`); a holder lacking the cut is fine unless the
+//! device is taken in there.
+//!
 //! **When it is refused** (the client gets `recovered` false, counted `history_lost`, with a
-//! new pid and live data at once, as for any failed restore): another instance seen alive
-//! ([`Core::peers_gone`]: its rings are not asked, not built), a device part that is absent, `x` or names
+//! new pid and live data at once, as for any failed restore): a live instance that does not
+//! answer within [`REBUILD_WAIT`] or answers a refusal (its answer over the bound, its Redis
+//! queue full), a device part that is absent, `x` or names
 //! a device's last frame without a key, two subscribed devices with one hash, a session that
-//! already has a stream or a socket here, any device a ring cannot answer for (see
-//! `ring::Lost`), a throttled telemetry subscription or a twin/connection event after a cut,
+//! already has a stream or a socket here, any device no holder has the cut of, or whose
+//! taker-in lacks it, or that a ring cannot answer for (see `ring::Lost`), two holders
+//! disagreeing, a throttled telemetry subscription or a twin/connection event after a cut,
 //! more held than `--recovery-session-bytes`, or no answer within [`REBUILD_WAIT`].
 //!
 //! **What it cannot see**: messages the dead instance took in itself (`POST /ingest` there,
@@ -42,13 +57,29 @@ use crate::ids::SessionId;
 use crate::ingest::MsgKey;
 use crate::push::cut::{device_hash, device_part, DevicePart};
 use crate::push::stream::{parse_offset, PidEntry, SessionStream, Trimmed};
+use crate::app::relay::RingMiss;
+use crate::ingest::IngestMessage;
 use crate::push::Delivery;
 
-/// How long a CONNECT waits for the device cores' answers before it is answered without.
+/// How long a CONNECT waits for the answers (device cores here and other live instances)
+/// before it is answered without.
 const REBUILD_WAIT: Duration = Duration::from_secs(2);
 
-/// One device core's answer: per device, its frames in ring order; or why not.
-type Answer = Result<Vec<Vec<Delivery>>, String>;
+/// One device's part of an answer: its frames in ring order, or why its ring lacks them.
+enum Part {
+    Frames(Vec<Delivery>),
+    Miss(RingMiss),
+}
+
+/// One answer (a device core here, or one of `of` from another instance), or why not.
+type Answer = Result<Vec<(Arc<str>, Part)>, String>;
+
+/// Who answered: a device core here, or instance `from` for the ask of core `core` here (one
+/// of `of` answers).
+enum From {
+    Here,
+    Peer { from: Box<str>, core: usize, of: u32 },
+}
 
 /// A rebuild in progress on the session's core.
 #[derive(Default)]
@@ -57,23 +88,40 @@ pub(crate) struct Held {
     deliveries: Vec<Delivery>,
     bytes: usize,
     over: bool,
-    /// Answers by device core; `waiting` still out.
     answers: Vec<Answer>,
+    /// Device cores here still to answer.
     waiting: usize,
+    /// The other instances asked (seen alive), and the cores here that asked them.
+    peers: Vec<Box<str>>,
+    ask_cores: Vec<usize>,
+    /// Per (instance, asking core): answers got, out of how many.
+    remote: HashMap<(Box<str>, usize), (u32, u32)>,
     done: Option<futures_channel::oneshot::Sender<()>>,
 }
 
-/// The ask, run on a device core.
+impl Held {
+    fn complete(&self) -> bool {
+        self.waiting == 0
+            && self.peers.iter().all(|peer| {
+                self.ask_cores.iter().all(|core| self.remote.get(&(peer.clone(), *core)).is_some_and(|(got, of)| got >= of))
+            })
+    }
+}
+
+/// The ask, run on a device core here.
 struct RingAsk {
     session: SessionId,
     reply_to: usize,
     devices: Vec<(Arc<str>, Option<u32>)>,
+    /// Other instances are alive: ask them too, from this core.
+    remote: bool,
 }
 
 /// The answer, run on the session's core (posted after the device core's earlier deliveries).
 struct RingAnswer {
     session: SessionId,
     answer: Answer,
+    from: From,
 }
 
 impl CoreTask for RingAsk {
@@ -82,34 +130,87 @@ impl CoreTask for RingAsk {
     }
 
     fn run(self: Box<Self>, core: &Rc<Core>) {
-        let answer = core.ring_answer(self.session, &self.devices);
-        core.mesh.post(self.reply_to, CoreMsg::Task(Box::new(RingAnswer { session: self.session, answer })));
+        core.ring_ask_here(self.session, self.reply_to, &self.devices, self.remote);
+    }
+}
+
+fn answer_bytes(answer: &Answer) -> usize {
+    match answer {
+        Ok(parts) => {
+            64 + parts
+                .iter()
+                .map(|(d, p)| match p {
+                    Part::Frames(f) => d.len() + f.iter().map(|d| d.frame.len() + 64).sum::<usize>(),
+                    Part::Miss(_) => d.len() + 32,
+                })
+                .sum::<usize>()
+        }
+        Err(_) => 64,
     }
 }
 
 impl CoreTask for RingAnswer {
     fn bytes(&self) -> usize {
-        match &self.answer {
-            Ok(frames) => 64 + frames.iter().flatten().map(|d| d.frame.len() + 64).sum::<usize>(),
-            Err(_) => 64,
-        }
+        answer_bytes(&self.answer)
     }
 
     fn run(self: Box<Self>, core: &Rc<Core>) {
-        core.rebuild_answered(self.session, self.answer);
+        core.rebuild_answered(self.session, self.answer, self.from);
     }
 }
 
 impl Core {
-    /// On a device core: the frames `session` is owed for each of `devices` (this core's)
-    /// after its cut, from the rings here.
+    /// On a device core here: the answer of this core's rings, then (`remote`) the ask of
+    /// the other instances for the same devices, after this core's watch changes.
+    fn ring_ask_here(self: &Rc<Self>, session: SessionId, reply_to: usize, devices: &[(Arc<str>, Option<u32>)], remote: bool) {
+        let answer = self.ring_answer(session, devices);
+        self.post_answer(session, reply_to, answer, From::Here);
+        if remote {
+            // The answers come back to this core (it asked), then go on to the session's.
+            let sent = self.relay.borrow().as_ref().is_some_and(|relay| relay.rings_ask(session, self.index, devices));
+            if !sent {
+                // Not sent: an answer that refuses.
+                self.post_answer(session, reply_to, Err("the ask of the other instances could not be sent".into()), From::Here);
+            }
+        }
+    }
+
+    fn post_answer(self: &Rc<Self>, session: SessionId, reply_to: usize, answer: Answer, from: From) {
+        if reply_to == self.index {
+            self.rebuild_answered(session, answer, from);
+        } else {
+            self.mesh.post(reply_to, CoreMsg::Task(Box::new(RingAnswer { session, answer, from })));
+        }
+    }
+
+    /// On a device core: what `session` is owed for each of `devices` (this core's) after
+    /// its cut, from the rings here.
     fn ring_answer(&self, session: SessionId, devices: &[(Arc<str>, Option<u32>)]) -> Answer {
         let Some(relay) = self.relay.borrow().clone() else { return Err("no relay".into()) };
+        let msgs = devices.iter().map(|(device, cut)| (device.clone(), relay.ring_after(device, *cut))).collect();
+        self.frames_of(session, msgs)
+    }
+
+    /// On a device core here: another instance's answer to this core's ask (ringask.rs),
+    /// turned into the session's frames and passed to its core behind this core's
+    /// deliveries of what came before it.
+    pub fn rings_remote(self: &Rc<Self>, session: SessionId, from: Box<str>, of: u32, parts: Result<Vec<(Arc<str>, Result<Vec<IngestMessage>, RingMiss>)>, String>) {
+        let answer = parts.map_err(|why| format!("instance {from}: {why}")).and_then(|parts| self.frames_of(session, parts));
+        let reply_to = self.session_core(session);
+        let core = self.index;
+        self.post_answer(session, reply_to, answer, From::Peer { from, core, of });
+    }
+
+    fn frames_of(&self, session: SessionId, msgs: Vec<(Arc<str>, Result<Vec<IngestMessage>, RingMiss>)>) -> Answer {
         let table = self.devices.borrow();
-        let mut out = Vec::with_capacity(devices.len());
-        for (device, cut) in devices {
-            let msgs = relay.ring_after(device, *cut).map_err(|why| format!("{device}: {why}"))?;
-            out.push(table.replay_frames(session, device, &msgs).map_err(|why| format!("{device}: {why}"))?);
+        let mut out = Vec::with_capacity(msgs.len());
+        for (device, got) in msgs {
+            let part = match got {
+                Ok(msgs) => Part::Frames(table.replay_frames(session, &device, &msgs).map_err(|why| format!("{device}: {why}"))?),
+                Err(RingMiss::Lost(why)) => return Err(format!("{device}: {why}")),
+                Err(miss) => Part::Miss(miss),
+            };
+            out.push((device, part));
         }
         Ok(out)
     }
@@ -127,12 +228,22 @@ impl Core {
         true
     }
 
-    fn rebuild_answered(&self, session: SessionId, answer: Answer) {
+    fn rebuild_answered(&self, session: SessionId, answer: Answer, from: From) {
         let mut rebuilding = self.recovery.rebuilding.borrow_mut();
         let Some(held) = rebuilding.get_mut(&session) else { return };
+        match from {
+            From::Here => held.waiting = held.waiting.saturating_sub(1),
+            From::Peer { from, core, of } => {
+                if !held.peers.contains(&from) || !held.ask_cores.contains(&core) {
+                    return; // not asked (an instance that came up meanwhile): not waited for
+                }
+                let entry = held.remote.entry((from, core)).or_insert((0, of));
+                entry.0 += 1;
+                entry.1 = of;
+            }
+        }
         held.answers.push(answer);
-        held.waiting = held.waiting.saturating_sub(1);
-        if held.waiting == 0 {
+        if held.complete() {
             if let Some(done) = held.done.take() {
                 let _ = done.send(());
             }
@@ -153,37 +264,53 @@ impl Core {
     /// docs). Installs a stream continuing the offset with what the rings hold and the pid,
     /// or, when refused, the pid with no history (its restore then fails `history_lost`).
     pub async fn rebuild_stream(self: &Rc<Self>, session: SessionId, pid: &str, offset: &str) {
-        let outcome = match self.peers_gone().await.and_then(|()| self.rebuild_asks(session, offset)) {
-            Ok(asks) => self.rebuild_gather(session, asks).await,
+        let mut watched = Vec::new();
+        let outcome = match self.peers_alive().await {
+            Ok(peers) => match self.rebuild_asks(session, offset, peers) {
+                Ok((asks, devices)) => {
+                    watched = devices;
+                    self.rebuild_gather(session, asks).await
+                }
+                Err(why) => Err(why),
+            },
             Err(why) => Err(why),
         };
         let outcome = outcome.and_then(|frames| self.rebuild_install(session, pid, offset, frames));
         if let Err(why) = outcome {
             tracing::debug!(session = %session, reason = %why, "history not rebuilt from device rings");
             self.rebuild_refused(session, pid);
+            // Watched for the asks only: the CONNECT's socket watches them again.
+            self.presence(session, watched, false);
         }
     }
 
     /// Waits until every other instance that still has a presence in Redis is known dead
     /// (its presence not renewed for a heartbeat and a second: it missed a renewal) or alive
-    /// (seen renewing it between two probes: refused, its rings are not asked). The client of
-    /// a `kill -9` is usually back within a second, long before the dead instance's presence
-    /// expires (`--lease-ttl`), so counting live instances would refuse it; a probe every
-    /// half heartbeat decides within about a heartbeat and a second, by Redis's clock.
-    async fn peers_gone(&self) -> Result<(), String> {
+    /// (seen renewing it between two probes); the live ones, whose rings are asked. The
+    /// client of a `kill -9` is usually back within a second, long before the dead
+    /// instance's presence expires (`--lease-ttl`), so asking every instance with a presence
+    /// would wait for the dead one; a probe every half heartbeat decides within about a
+    /// heartbeat and a second, by Redis's clock.
+    async fn peers_alive(&self) -> Result<Vec<Box<str>>, String> {
         let relay = self.relay.borrow().clone().ok_or("no relay")?;
         let heartbeat = relay.heartbeat();
         let dead_after = (heartbeat + Duration::from_secs(1)).as_millis() as i64;
         let deadline = Instant::now() + Duration::from_secs(self.settings.config.lease_ttl) + heartbeat * 2;
         let mut seen: HashMap<Box<str>, i64> = HashMap::new();
+        let mut alive: Vec<Box<str>> = Vec::new();
         loop {
             let asked = relay.peers_staleness().ok_or("the Redis command queue is full")?;
             let stale = asked.await.map_err(|_| "no answer from the Redis thread".to_string())??;
             let mut undecided = 0;
             for (id, ms) in stale {
                 let Some(ms) = ms else { continue }; // its presence went: dead
+                if alive.contains(&id) {
+                    continue;
+                }
                 if seen.get(&id).is_some_and(|before| ms < *before) {
-                    return Err(format!("instance {id} is alive (its rings are not asked)"));
+                    tracing::debug!(instance = %id, "another instance is alive: its rings are asked");
+                    alive.push(id);
+                    continue;
                 }
                 if ms <= dead_after {
                     undecided += 1;
@@ -191,7 +318,7 @@ impl Core {
                 seen.insert(id, ms);
             }
             if undecided == 0 {
-                return Ok(());
+                return Ok(alive);
             }
             if Instant::now() >= deadline {
                 return Err("another instance's presence is neither renewed nor gone".into());
@@ -200,8 +327,10 @@ impl Core {
         }
     }
 
-    /// The cuts per device core (refusing what cannot be rebuilt), and the holding started.
-    fn rebuild_asks(&self, session: SessionId, offset: &str) -> Result<Vec<(usize, Vec<(Arc<str>, Option<u32>)>)>, String> {
+    /// The cuts per device core (refusing what cannot be rebuilt), the devices watched for
+    /// the asks, and the holding started.
+    #[allow(clippy::type_complexity)]
+    fn rebuild_asks(self: &Rc<Self>, session: SessionId, offset: &str, peers: Vec<Box<str>>) -> Result<(Vec<(usize, Vec<(Arc<str>, Option<u32>)>)>, Vec<Box<str>>), String> {
         if self.recovery.rebuilding.borrow().contains_key(&session) {
             return Err("another CONNECT of the session is rebuilding it".into());
         }
@@ -231,39 +360,65 @@ impl Core {
             };
             per_core.entry(self.device_core(&device)).or_default().push((device, cut));
         }
-        self.recovery.rebuilding.borrow_mut().insert(session, Held { waiting: per_core.len(), ..Default::default() });
-        Ok(per_core.into_iter().collect())
+        // Asking others: this instance watches the devices first (each device core's watch
+        // changes go to the link before its ask), so what they take in after reading their
+        // rings is published here and held below.
+        let watched: Vec<Box<str>> = if peers.is_empty() {
+            Vec::new()
+        } else {
+            per_core.values().flatten().map(|(d, _)| Box::from(&**d)).collect()
+        };
+        self.presence(session, watched.clone(), true);
+        let ask_cores = if peers.is_empty() { Vec::new() } else { per_core.keys().copied().collect() };
+        self.recovery.rebuilding.borrow_mut().insert(session, Held { waiting: per_core.len(), peers, ask_cores, ..Default::default() });
+        Ok((per_core.into_iter().collect(), watched))
     }
 
     /// Sends the asks and waits for every answer; the frames in replay order, or why not.
     async fn rebuild_gather(self: &Rc<Self>, session: SessionId, asks: Vec<(usize, Vec<(Arc<str>, Option<u32>)>)>) -> Result<Vec<Delivery>, String> {
         let (tx, rx) = futures_channel::oneshot::channel();
-        if let Some(held) = self.recovery.rebuilding.borrow_mut().get_mut(&session) {
+        let remote = {
+            let mut rebuilding = self.recovery.rebuilding.borrow_mut();
+            let held = rebuilding.get_mut(&session).ok_or("the rebuild was dropped")?;
             held.done = Some(tx);
-        }
+            !held.peers.is_empty()
+        };
+        let cuts: HashMap<Arc<str>, Option<u32>> = asks.iter().flat_map(|(_, d)| d.iter().cloned()).collect();
         for (core, devices) in asks {
             if core == self.index {
                 // This core's own deliveries were handed out synchronously: none in flight.
-                let answer = self.ring_answer(session, &devices);
-                self.rebuild_answered(session, answer);
+                self.ring_ask_here(session, self.index, &devices, remote);
             } else {
-                self.mesh.post(core, CoreMsg::Task(Box::new(RingAsk { session, reply_to: self.index, devices })));
+                self.mesh.post(core, CoreMsg::Task(Box::new(RingAsk { session, reply_to: self.index, devices, remote })));
             }
         }
         let timed_out = {
-            let waiting = self.recovery.rebuilding.borrow().get(&session).is_some_and(|h| h.waiting > 0);
+            let waiting = self.recovery.rebuilding.borrow().get(&session).is_some_and(|h| !h.complete());
             waiting && monoio::time::timeout(REBUILD_WAIT, rx).await.is_err()
         };
         let held = self.recovery.rebuilding.borrow_mut().remove(&session).ok_or("the rebuild was dropped")?;
         if timed_out {
-            return Err("no answer from every device core in time".into());
+            let missing: Vec<&str> = held.peers.iter().filter(|p| !held.ask_cores.iter().all(|c| held.remote.get(&((*p).clone(), *c)).is_some_and(|(g, o)| g >= o))).map(|p| &**p).collect();
+            return Err(format!("no answer in time (device cores here waiting: {}, instances: {missing:?})", held.waiting));
         }
         if held.over {
             return Err("more delivered meanwhile than --recovery-session-bytes".into());
         }
-        let mut per_device: Vec<std::collections::VecDeque<Delivery>> = Vec::new();
+        // Per device, every holder's part: frames from one or more (the instance that took it
+        // in, replicas that were sent it), or why it lacks them.
+        let mut by_device: HashMap<Arc<str>, Vec<Part>> = HashMap::new();
         for answer in held.answers {
-            per_device.extend(answer?.into_iter().filter(|v| !v.is_empty()).map(Into::into));
+            for (device, part) in answer? {
+                by_device.entry(device).or_default().push(part);
+            }
+        }
+        let mut per_device: Vec<std::collections::VecDeque<Delivery>> = Vec::new();
+        for (device, parts) in by_device {
+            if let Some(frames) = merge_holders(&device, cuts.get(&device).copied().flatten(), parts)? {
+                if !frames.is_empty() {
+                    per_device.push(frames.into());
+                }
+            }
         }
         let rebuilt: HashSet<(u32, MsgKey)> =
             per_device.iter().flatten().map(|d| (device_hash(&d.device), d.key)).collect();
@@ -279,7 +434,7 @@ impl Core {
         // What arrived meanwhile and was not in a ring follows.
         let (from_rings, held_count) = (frames.len(), held.deliveries.len());
         frames.extend(held.deliveries.into_iter().filter(|d| !rebuilt.contains(&(device_hash(&d.device), d.key))));
-        tracing::debug!(session = %session, from_rings, held = held_count, held_kept = frames.len() - from_rings, "device rings answered");
+        tracing::debug!(session = %session, from_rings, held = held_count, held_kept = frames.len() - from_rings, peers = held.peers.len(), "device rings answered");
         Ok(frames)
     }
 
@@ -339,5 +494,73 @@ impl Core {
             epoch: 0,
             start_seq: 0,
         });
+    }
+}
+
+/// One device's frames from every holder's part (`cut`: the client's; `None`: it had none of
+/// the device): each holder that has the cut gives what followed it in its ring order; they
+/// must agree (every frame of each is in the longest, by key: the instance that took the
+/// device in and the replicas it published to hold the same messages in the same order), and
+/// one of them gives the frames. A holder where the device is taken in that lacks the cut,
+/// or no holder with it, refuses. `None`: nothing owed.
+fn merge_holders(device: &str, cut: Option<u32>, parts: Vec<Part>) -> Result<Option<Vec<Delivery>>, String> {
+    let mut lists: Vec<Vec<Delivery>> = Vec::new();
+    for part in parts {
+        match part {
+            Part::Frames(f) => lists.push(f),
+            Part::Miss(RingMiss::NotHeld { origin: true }) => {
+                return Err(format!("{device}: its cut is not held where it is taken in"));
+            }
+            Part::Miss(RingMiss::NotHeld { origin: false }) => {}
+            Part::Miss(RingMiss::Lost(why)) => return Err(format!("{device}: {why}")),
+        }
+    }
+    if lists.is_empty() {
+        return match cut {
+            Some(_) => Err(format!("{device}: no instance holds its cut")),
+            None => Ok(None),
+        };
+    }
+    lists.sort_by_key(|l| std::cmp::Reverse(l.len()));
+    let mut lists = lists.into_iter();
+    let longest = lists.next().expect("one");
+    let keys: HashSet<MsgKey> = longest.iter().map(|d| d.key).collect();
+    for other in lists {
+        if other.iter().any(|d| !keys.contains(&d.key)) {
+            return Err(format!("{device}: two holders hold different messages after its cut"));
+        }
+    }
+    Ok(Some(longest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::SessionId;
+
+    fn frames(device: &str, ns: &[u64]) -> Part {
+        Part::Frames(ns.iter().map(|n| delivery(device, *n)).collect())
+    }
+
+    fn delivery(device: &str, n: u64) -> Delivery {
+        Delivery { session: SessionId(1), device: device.into(), kind: crate::push::FrameKind::Message, frame: format!("{n}").into(), arrived: None, key: MsgKey { ms: 1, n } }
+    }
+
+    fn ns(got: Option<Vec<Delivery>>) -> Vec<u64> {
+        got.unwrap_or_default().iter().map(|d| d.key.n).collect()
+    }
+
+    #[test]
+    fn holders_of_a_device_merge_into_one_list_or_refuse() {
+        let not_held = |origin| Part::Miss(RingMiss::NotHeld { origin });
+        // The taker in and a replica that has part of it: the longest, once.
+        assert_eq!(ns(merge_holders("d", Some(1), vec![frames("d", &[2, 3]), frames("d", &[2, 3, 4]), not_held(false)]).unwrap()), [2, 3, 4]);
+        // A replica that began after the cut, the taker in with it.
+        assert_eq!(ns(merge_holders("d", Some(1), vec![not_held(false), frames("d", &[2])]).unwrap()), [2]);
+        assert!(merge_holders("d", Some(1), vec![not_held(false), not_held(false)]).is_err(), "nobody holds the cut");
+        assert!(merge_holders("d", Some(1), vec![frames("d", &[2]), not_held(true)]).is_err(), "its taker in lost the cut");
+        assert!(merge_holders("d", Some(1), vec![frames("d", &[2, 3]), frames("d", &[4])]).is_err(), "two origins");
+        assert!(merge_holders("d", None, vec![frames("d", &[]), Part::Miss(RingMiss::Lost("NoCut".into()))]).is_err());
+        assert_eq!(ns(merge_holders("d", None, vec![]).unwrap()), Vec::<u64>::new());
     }
 }

@@ -23,8 +23,16 @@ pub trait Relay {
     /// Design step 11, on a device's core: the messages of `device` its ring holds after the
     /// client's cut (`cut`: the key hash of its last frame of the device; `None`: it had none),
     /// oldest first; or why they cannot be given.
-    fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<IngestMessage>, String> {
-        Err("no rings".into())
+    fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<IngestMessage>, RingMiss> {
+        Err(RingMiss::Lost("no rings".into()))
+    }
+    /// Design step 11 with other live instances, on a device's core of the instance
+    /// rebuilding `session` (its core `reply_core`): after this core's watch changes are with
+    /// the link (so every instance publishes the devices here before it reads its rings), ask
+    /// every other instance for what its rings hold of `devices` after their cuts. Their
+    /// answers come back to this core (`Core::rings_remote`). False when it cannot be sent.
+    fn rings_ask(&self, _session: SessionId, _reply_core: usize, _devices: &[(Arc<str>, Option<u32>)]) -> bool {
+        false
     }
     /// Design step 11: for each other instance, how long ago (ms) it last renewed its
     /// presence (`None`: its presence went); `None` when it cannot be asked.
@@ -63,6 +71,18 @@ pub trait Relay {
     /// On the adopting instance: this core's watch changes for an adopted `session` are with
     /// the link (one of `cores` such reports; 0: the history was not taken).
     fn adopt_watching(&self, _session: SessionId, _cores: usize) {}
+}
+
+/// Why a ring cannot give what followed a client's cut of a device (design step 11).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RingMiss {
+    /// The cut is not among the messages held: fine from an instance that is not where the
+    /// device is taken in (a replica that began later, or never had it) when another holder
+    /// has it; `origin` when this ring holds messages taken in on this instance (its cut
+    /// should be here: the rebuild is refused).
+    NotHeld { origin: bool },
+    /// Anything else (`ring::Lost`): the rebuild is refused.
+    Lost(String),
 }
 
 /// Something that runs beside every core, started on the core's own thread before it serves.

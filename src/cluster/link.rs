@@ -463,6 +463,8 @@ fn refuse(ctx: &Ctx, state: &State, lease: &mut Leases, command: Command, reason
         Command::Staleness(reply) => {
             let _ = reply.send(Err(format!("not connected ({reason})")));
         }
+        // The asker's deadline answers for them.
+        Command::RingsAsk(_) | Command::RingsAnswer { .. } => {}
     }
 }
 
@@ -960,6 +962,14 @@ async fn on_command(
             let ttl = ctx.o.lease_ttl.as_millis() as i64;
             let _ = reply.send(Ok(others.iter().zip(left).map(|(id, p)| (Box::from(&**id), (p >= 0).then(|| ttl - p))).collect()));
         }
+        Command::RingsAsk(payload) => {
+            let publish = redis::cmd("PUBLISH").arg(ctx.channel("read")).arg(payload).to_owned();
+            within("PUBLISH rings ask", publish.query_async::<()>(conn)).await?;
+        }
+        Command::RingsAnswer { to, payload } => {
+            let publish = redis::cmd("PUBLISH").arg(ctx.key("answer", &to)).arg(payload).to_owned();
+            within("PUBLISH rings answer", publish.query_async::<()>(conn)).await?;
+        }
         Command::Read { device, kind, newer_than, reply } => {
             // Waiting before it is asked: the answers come on the pub/sub connection, which
             // may deliver them before this task sees its PUBLISH answered.
@@ -1200,9 +1210,19 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
         } else if channel == read {
             // Asked of the core after the messages before it (same queue, in order).
             flush_messages(ctx, &mut per_core).await;
-            spawn_answer(ctx, state, conn, payload);
+            if payload.first() == Some(&super::ringask::ASK) {
+                super::ringask::on_ask(ctx, payload).await;
+            } else {
+                spawn_answer(ctx, state, conn, payload);
+            }
         } else if channel == answer {
-            on_answer(ctx, state, payload);
+            if payload.first() == Some(&super::ringask::ANSWER) {
+                // After the device messages before it are with their cores (ringask.rs).
+                flush_messages(ctx, &mut per_core).await;
+                super::ringask::on_answer(ctx, payload).await;
+            } else {
+                on_answer(ctx, state, payload);
+            }
         } else if channel == adopt {
             // After the device messages before it are with their cores (adopt.rs, step 2).
             flush_messages(ctx, &mut per_core).await;

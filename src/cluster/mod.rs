@@ -43,6 +43,7 @@ mod queue;
 mod resend;
 mod resync;
 pub mod ring;
+mod ringask;
 mod shards;
 pub mod wire;
 
@@ -61,7 +62,7 @@ use crate::config::Settings;
 use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
-use crate::app::relay::{CorePlugin, Relay};
+use crate::app::relay::{CorePlugin, Relay, RingMiss};
 use crate::app::Core;
 use crate::app::directory::{local, Directory, Leases, Membership, Pending, View};
 use crate::shard::{ask, DeviceOp, Grants, Subscriptions, TelemetryView, Viewer};
@@ -128,6 +129,11 @@ pub(crate) enum Command {
     /// Redis's clock: the key's TTL less what is left of it) it last renewed it; `None` for
     /// one whose key went meanwhile. Refused on a Redis Cluster.
     Staleness(oneshot::Sender<Result<Vec<Staleness>, String>>),
+    /// Design step 11: ask every other instance for its rings of a session's devices
+    /// (`ringask::encode_ask`'s payload, published on `P:read`).
+    RingsAsk(Vec<u8>),
+    /// The answer to instance `to`'s ask, after this core's publications before it.
+    RingsAnswer { to: Arc<str>, payload: Vec<u8> },
 }
 
 /// An other instance and how long ago (ms) it renewed its presence key (`None`: gone).
@@ -169,6 +175,12 @@ pub(crate) enum Inbound {
     Give { session: SessionId, to: Arc<str> },
     /// No history is coming for the session: its waiting CONNECTs go on.
     TakeDone { session: SessionId },
+    /// Instance `to` asks what this core's rings hold of `devices` after their cuts, for
+    /// `session` (its core `reply_core` there); one of `of` answers (ringask.rs).
+    RingsAsk { to: Arc<str>, session: SessionId, reply_core: u32, of: u32, devices: Vec<(Arc<str>, Option<u32>)> },
+    /// Another instance's answer to this core's ask (ringask.rs), charged `charged` bytes to
+    /// `Stats::inbound_bytes` until read here.
+    RingsAnswer { payload: Vec<u8>, charged: u64 },
 }
 
 /// A change to one session's access on one device (see [`Command::Change`]).
@@ -545,9 +557,24 @@ struct Outbox {
 }
 
 impl Relay for CoreRelay {
-    fn ring_after(&self, device: &str, cut: Option<u32>) -> Result<Vec<IngestMessage>, String> {
-        let Some(rings) = &self.rings else { return Err("recovery is off".into()) };
-        rings.borrow().after(device, cut, std::time::Instant::now()).map_err(|lost| format!("{lost:?}"))
+    fn ring_after(&self, device: &str, cut: Option<u32>) -> Result<Vec<IngestMessage>, RingMiss> {
+        let Some(rings) = &self.rings else { return Err(RingMiss::Lost("recovery is off".into())) };
+        let rings = rings.borrow();
+        let now = std::time::Instant::now();
+        rings.after(device, cut, now).map_err(|lost| match lost {
+            ring::Lost::CutNotHeld => RingMiss::NotHeld { origin: rings.holds_here(device, now) },
+            lost => RingMiss::Lost(format!("{lost:?}")),
+        })
+    }
+
+    fn rings_ask(&self, session: SessionId, reply_core: usize, devices: &[(Arc<str>, Option<u32>)]) -> bool {
+        // After this core's watch changes (same queue): refused when they could not be sent.
+        self.send_pending_watch();
+        if !self.pending_watch.borrow().is_empty() || self.cluster {
+            return false;
+        }
+        let payload = ringask::encode_ask(&self.instance, session, reply_core as u32, devices);
+        self.commands.try_send(Command::RingsAsk(payload)).is_ok()
     }
 
     fn peers_staleness(&self) -> Option<oneshot::Receiver<Result<Vec<(Box<str>, Option<i64>)>, String>>> {
@@ -749,6 +776,49 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
             Inbound::AdoptMark { session, cores } => adopt::mark(&core, session, cores),
             Inbound::Give { session, to } => core.give_stream(session, &to),
             Inbound::TakeDone { session } => core.recovery_take_done(session),
+            Inbound::RingsAsk { to, session, reply_core, of, devices } => {
+                let parts: Vec<(Arc<str>, ringask::Part)> = devices
+                    .into_iter()
+                    .map(|(device, cut)| {
+                        let part = match relay.ring_after(&device, cut) {
+                            Ok(msgs) => ringask::Part::Msgs(msgs),
+                            Err(miss) => ringask::Part::Miss(miss),
+                        };
+                        (device, part)
+                    })
+                    .collect();
+                let mut payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Ok(parts));
+                if payload.len() > relay.adopt_blob_max {
+                    payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Err(format!("over {} bytes", relay.adopt_blob_max)));
+                }
+                // What this core offered before it read its rings is published first.
+                relay.flush();
+                if relay.commands.try_send(Command::RingsAnswer { to, payload }).is_err() {
+                    tracing::debug!(session = %session, "a rings answer was not sent: the Redis command queue is full");
+                }
+            }
+            Inbound::RingsAnswer { payload, charged } => {
+                let decoded = ringask::decode_answer(&payload);
+                drop(payload);
+                relay.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+                match decoded {
+                    Some((from, session, of, parts)) => {
+                        let parts = parts.map(|parts| {
+                            parts
+                                .into_iter()
+                                .map(|(device, part)| match part {
+                                    ringask::Part::Msgs(msgs) => (device, Ok(msgs)),
+                                    ringask::Part::Miss(miss) => (device, Err(miss)),
+                                })
+                                .collect()
+                        });
+                        core.rings_remote(session, from, of, parts);
+                    }
+                    None => {
+                        relay.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
             Inbound::AdoptVerdict { session, kept } => {
                 if core.adoption_verdict(session, kept) {
                     let outcome = if kept { adopt::CONFIRMED } else { adopt::LOST };

@@ -211,6 +211,12 @@ impl Rings {
         }
     }
 
+    /// Whether the ring of `device` holds a message taken in on this instance (within the
+    /// window): the device is taken in here, so a cut of it not found here is lost.
+    pub fn holds_here(&self, device: &str, now: Instant) -> bool {
+        self.rings.get(device).is_some_and(|r| r.entries.iter().any(|e| e.here && now.saturating_duration_since(e.at) <= self.window))
+    }
+
     /// The messages of `device` held after the client's last frame of it (`cut`: its key
     /// hash, `None`: the client had none of it in its stream), oldest first.
     pub fn after(&self, device: &str, cut: Option<u32>, now: Instant) -> Result<Vec<IngestMessage>, Lost> {

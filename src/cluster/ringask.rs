@@ -1,0 +1,325 @@
+//! Design step 11 with other live instances (docs/design/recovery.md, "asking the others'
+//! rings"): the instance rebuilding a killed instance's client asks every other instance for
+//! what its device rings (`ring.rs`) hold of the session's devices after the client's cuts.
+//!
+//! **Channels.** The ask goes on `P:read` (every instance subscribes to it), the answers on
+//! the asker's `P:answer:<id>`; each payload's first byte ([`ASK`], [`ANSWER`]) tells it
+//! from a read's (version byte 1). An instance before this step counts the ask undecodable
+//! and does not answer: the asker's deadline refuses the rebuild (honest, `history_lost`).
+//! Nothing here runs unless a client comes back with a pid another instance issued and an
+//! offset naming devices: no Redis traffic for a device nobody watches, none with recovery
+//! off.
+//!
+//! **Order (why exactly once holds).** The asker sends one ask per device core of its own,
+//! from that core, after the core's watch changes are with the link (`Relay::rings_ask`): so
+//! its `SUBSCRIBE` and `+watch` go before the ask on one connection. Each instance gets the
+//! watch before the ask (one subscriber connection, in order), routes the ask to each device
+//! core holding asked devices (the queue of their messages), and that core reads its rings,
+//! publishes what it took in before (its outbox flushed) and only then its answer, on one
+//! command connection. On the asker the answer is routed to the asking core behind every
+//! device message received before it (`link`: messages flushed to the cores first), and that
+//! core posts the frames to the session's core behind the deliveries it made of them. So a
+//! delivery the session's core holds meanwhile (`app/rebuild.rs`, `Held`) either is in an
+//! answer (dropped) or came after it (kept, after the rebuilt frames).
+//!
+//! **Bounds and policy.** An answer is at most `adopt::blob_max` bytes (twice
+//! `--recovery-session-bytes` + 64 KiB, as an adopted history): past it the answering core
+//! sends a refusal instead (the asker refuses the rebuild). On the asker an answer is
+//! charged to `--redis-inbound-bytes` from its arrival until its core has read it, and one
+//! that would pass that bound is replaced by a refusal (the subscriber is not dropped for
+//! it). An ask names at most [`MAX_DEVICES`] devices (a session's offset names at most 8).
+//! Answers nobody waits for (late, or to an ask that gave up) are dropped by the session's
+//! core.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+
+use super::link::Ctx;
+use super::wire::{decode_message, encode_message};
+use super::Inbound;
+use crate::app::relay::RingMiss;
+use crate::ids::SessionId;
+use crate::ingest::IngestMessage;
+use crate::runtime::routing::core_of_device;
+
+/// First byte of an ask (a read's is 1).
+pub const ASK: u8 = 0x52;
+/// First byte of an answer (a read's answer's is 1).
+pub const ANSWER: u8 = 0x53;
+/// Devices one ask names at most.
+pub const MAX_DEVICES: usize = 64;
+
+/// What one answering core says of one device.
+#[derive(Debug, Clone)]
+pub enum Part {
+    /// What followed the cut, oldest first.
+    Msgs(Vec<IngestMessage>),
+    Miss(RingMiss),
+}
+
+fn put_str(buf: &mut Vec<u8>, s: &[u8]) {
+    buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    buf.extend_from_slice(s);
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (out, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(out)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn str(&mut self) -> Option<&'a str> {
+        std::str::from_utf8(self.bytes()?).ok()
+    }
+    fn session(&mut self) -> Option<SessionId> {
+        Some(SessionId(u128::from_le_bytes(self.take(16)?.try_into().ok()?)))
+    }
+}
+
+/// `ASK origin session reply_core n (device has_cut cut)*`.
+pub fn encode_ask(origin: &str, session: SessionId, reply_core: u32, devices: &[(Arc<str>, Option<u32>)]) -> Vec<u8> {
+    let mut buf = vec![ASK];
+    put_str(&mut buf, origin.as_bytes());
+    buf.extend_from_slice(&session.0.to_le_bytes());
+    buf.extend_from_slice(&reply_core.to_le_bytes());
+    buf.extend_from_slice(&(devices.len() as u32).to_le_bytes());
+    for (device, cut) in devices {
+        put_str(&mut buf, device.as_bytes());
+        buf.push(cut.is_some() as u8);
+        buf.extend_from_slice(&cut.unwrap_or(0).to_le_bytes());
+    }
+    buf
+}
+
+/// An ask: the asker, the session, the asker's core to answer, the devices and their cuts.
+pub type Asked<'a> = (&'a str, SessionId, u32, Vec<(Arc<str>, Option<u32>)>);
+
+pub fn decode_ask(bytes: &[u8]) -> Option<Asked<'_>> {
+    let mut r = Reader(bytes);
+    if r.u8()? != ASK {
+        return None;
+    }
+    let origin = r.str()?;
+    let session = r.session()?;
+    let reply_core = r.u32()?;
+    let n = r.u32()? as usize;
+    if n > MAX_DEVICES {
+        return None;
+    }
+    let mut devices = Vec::with_capacity(n);
+    for _ in 0..n {
+        let device: Arc<str> = r.str()?.into();
+        let has = r.u8()?;
+        let cut = r.u32()?;
+        devices.push((device, (has == 1).then_some(cut)));
+    }
+    r.0.is_empty().then_some((origin, session, reply_core, devices))
+}
+
+/// `ANSWER from session reply_core of status …`: `of` answers from `from` make its whole
+/// answer (one per device core there holding asked devices). Status 0: `n (device kind …)*`
+/// (kind 0: `n (message)*`, each as `wire::encode_message` writes it; 1: not held, `origin`;
+/// 2: lost, why); status 1: refused, why.
+pub fn encode_answer(from: &str, session: SessionId, reply_core: u32, of: u32, parts: &Result<Vec<(Arc<str>, Part)>, String>) -> Vec<u8> {
+    let mut buf = vec![ANSWER];
+    put_str(&mut buf, from.as_bytes());
+    buf.extend_from_slice(&session.0.to_le_bytes());
+    buf.extend_from_slice(&reply_core.to_le_bytes());
+    buf.extend_from_slice(&of.to_le_bytes());
+    match parts {
+        Err(why) => {
+            buf.push(1);
+            put_str(&mut buf, why.as_bytes());
+        }
+        Ok(parts) => {
+            buf.push(0);
+            buf.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+            for (device, part) in parts {
+                put_str(&mut buf, device.as_bytes());
+                match part {
+                    Part::Msgs(msgs) => {
+                        buf.push(0);
+                        buf.extend_from_slice(&(msgs.len() as u32).to_le_bytes());
+                        for m in msgs {
+                            put_str(&mut buf, &encode_message(from, 0, m));
+                        }
+                    }
+                    Part::Miss(RingMiss::NotHeld { origin }) => {
+                        buf.push(1);
+                        buf.push(*origin as u8);
+                    }
+                    Part::Miss(RingMiss::Lost(why)) => {
+                        buf.push(2);
+                        put_str(&mut buf, why.as_bytes());
+                    }
+                }
+            }
+        }
+    }
+    buf
+}
+
+/// An answer's head: who answered, the session, the asking core.
+pub fn answer_head(bytes: &[u8]) -> Option<(&str, SessionId, u32)> {
+    let mut r = Reader(bytes);
+    if r.u8()? != ANSWER {
+        return None;
+    }
+    Some((r.str()?, r.session()?, r.u32()?))
+}
+
+/// A whole answer: who, the session, `of`, and the parts or why not.
+pub type Answered = (Box<str>, SessionId, u32, Result<Vec<(Arc<str>, Part)>, String>);
+
+pub fn decode_answer(bytes: &[u8]) -> Option<Answered> {
+    let mut r = Reader(bytes);
+    if r.u8()? != ANSWER {
+        return None;
+    }
+    let from: Box<str> = r.str()?.into();
+    let session = r.session()?;
+    let _reply_core = r.u32()?;
+    let of = r.u32()?;
+    let parts = match r.u8()? {
+        1 => Err(r.str()?.to_string()),
+        0 => {
+            let n = r.u32()? as usize;
+            if n > MAX_DEVICES {
+                return None;
+            }
+            let mut parts = Vec::with_capacity(n);
+            for _ in 0..n {
+                let device: Arc<str> = r.str()?.into();
+                let part = match r.u8()? {
+                    0 => {
+                        let k = r.u32()? as usize;
+                        let mut msgs = Vec::with_capacity(k.min(4096));
+                        for _ in 0..k {
+                            let (_, _, m) = decode_message(r.bytes()?)?;
+                            if *m.device_id != *device {
+                                return None;
+                            }
+                            msgs.push(m);
+                        }
+                        Part::Msgs(msgs)
+                    }
+                    1 => Part::Miss(RingMiss::NotHeld { origin: r.u8()? == 1 }),
+                    2 => Part::Miss(RingMiss::Lost(r.str()?.to_string())),
+                    _ => return None,
+                };
+                parts.push((device, part));
+            }
+            Ok(parts)
+        }
+        _ => return None,
+    };
+    r.0.is_empty().then_some((from, session, of, parts))
+}
+
+/// On `P:read`, another instance's ask: to each device core here holding asked devices, in
+/// the queue of their messages (after those before it: the caller flushed them).
+pub(super) async fn on_ask(ctx: &Ctx, payload: &[u8]) {
+    let Some((origin, session, reply_core, devices)) = decode_ask(payload) else {
+        ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    if origin == &*ctx.o.instance {
+        return;
+    }
+    let cores = ctx.cores.len();
+    let mut per_core: HashMap<usize, Vec<(Arc<str>, Option<u32>)>> = HashMap::new();
+    for (device, cut) in devices {
+        per_core.entry(core_of_device(&device, cores)).or_default().push((device, cut));
+    }
+    let of = per_core.len() as u32;
+    let to: Arc<str> = origin.into();
+    for (core, devices) in per_core {
+        let _ = ctx.cores[core].send(Inbound::RingsAsk { to: to.clone(), session, reply_core, of, devices }).await;
+    }
+}
+
+/// On `P:answer:<this>`, an answer to this instance's ask: to the asking core, charged to
+/// `--redis-inbound-bytes` until it has read it (past the bound: a refusal in its place).
+pub(super) async fn on_answer(ctx: &Ctx, payload: &[u8]) {
+    let Some((from, session, reply_core)) = answer_head(payload) else {
+        ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let Some(core) = ctx.cores.get(reply_core as usize) else { return };
+    let charged = payload.len() as u64;
+    let before = ctx.stats.inbound_bytes.fetch_add(charged, Ordering::Relaxed);
+    let (payload, charged) = if before + charged > ctx.o.inbound_bytes {
+        ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+        (encode_answer(from, session, reply_core, 1, &Err("over --redis-inbound-bytes here".into())), 0)
+    } else {
+        (payload.to_vec(), charged)
+    };
+    if core.send(Inbound::RingsAnswer { payload, charged }).await.is_err() {
+        ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::{MsgKey, SourceKind};
+
+    fn msg(device: &str, n: u64) -> IngestMessage {
+        IngestMessage {
+            device_id: device.into(),
+            source: SourceKind::Telemetry,
+            properties: Default::default(),
+            body: format!("{{\"n\":{n}}}").into_bytes(),
+            enqueued_at: None,
+            arrived: None,
+            key: MsgKey { ms: 1_000, n },
+        }
+    }
+
+    #[test]
+    fn asks_and_answers_round_trip_and_garbage_is_refused() {
+        let session = SessionId(7);
+        let devices: Vec<(Arc<str>, Option<u32>)> = vec![("d1".into(), Some(42)), ("d2".into(), None)];
+        let ask = encode_ask("b", session, 1, &devices);
+        assert_eq!(decode_ask(&ask), Some(("b", session, 1, devices.clone())));
+        assert_eq!(decode_ask(&ask[..ask.len() - 1]), None);
+        assert_eq!(decode_ask(&[1, 2, 3]), None, "a read's payload is not an ask");
+        let parts = Ok(vec![
+            ("d1".into(), Part::Msgs(vec![msg("d1", 1), msg("d1", 2)])),
+            ("d2".into(), Part::Miss(RingMiss::NotHeld { origin: true })),
+            ("d3".into(), Part::Miss(RingMiss::Lost("Gap".into()))),
+        ]);
+        let answer = encode_answer("c", session, 1, 2, &parts);
+        assert_eq!(answer_head(&answer), Some(("c", session, 1)));
+        let (from, s, of, got) = decode_answer(&answer).expect("decodes");
+        assert_eq!((&*from, s, of), ("c", session, 2));
+        let got = got.unwrap();
+        let Part::Msgs(msgs) = &got[0].1 else { panic!("{got:?}") };
+        assert_eq!(msgs.iter().map(|m| (m.key, m.body.clone())).collect::<Vec<_>>(), vec![(msg("d1", 1).key, msg("d1", 1).body), (msg("d1", 2).key, msg("d1", 2).body)]);
+        assert!(matches!(&got[1].1, Part::Miss(RingMiss::NotHeld { origin: true })));
+        assert!(matches!(&got[2].1, Part::Miss(RingMiss::Lost(why)) if why == "Gap"));
+        let refused = encode_answer("c", session, 0, 1, &Err("over".into()));
+        assert!(matches!(decode_answer(&refused).unwrap().3, Err(why) if why == "over"));
+        assert!(decode_answer(&answer[..answer.len() - 3]).is_none());
+        // A message of another device inside a device's part is refused.
+        let wrong = encode_answer("c", session, 1, 1, &Ok(vec![("d1".into(), Part::Msgs(vec![msg("d9", 1)]))]));
+        assert!(decode_answer(&wrong).is_none());
+    }
+}
