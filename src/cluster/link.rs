@@ -26,6 +26,8 @@
 //! - `P:watching:<id>` set: the devices instance `<id>` watches.
 //! - channel `P:ops`: shared session changes; `P:watch`: `+<id>\t<device>` / `-<id>\t<device>`;
 //!   `P:device:<device>`: the device's messages, for the instances watching it;
+//!   `P:read` / `P:answer:<id>` also carry a recovery rebuild's asks of the others' device
+//!   rings and their answers ([`super::ringask`]);
 //!   `P:adopt:<id>`: recovery histories handed to instance `<id>` at a SIGTERM and their
 //!   handshake, with `P:stream:<session>` naming the adopter ([`super::adopt`]).
 //!
