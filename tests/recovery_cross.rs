@@ -352,6 +352,57 @@ fn with_a_third_live_instance_the_client_recovers_from_every_instances_rings() {
     assert_eq!(part_of(&offset).len(), 2, "{offset}");
 }
 
+/// C keeps taking dev-1 in while the client lands on B (a thread posting batches of 20 to C,
+/// paced): what C applied before it read its ring is in its answer, what came after reaches
+/// B behind the answer and was held (or is live) and follows. Every acknowledged message
+/// once, in order, no hole: exactly once across instances.
+#[test]
+fn a_rebuild_while_a_third_instance_keeps_ingesting_gives_every_message_once_in_order() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let (_redis, mut a, b, c, cutter, client) = three_with_client_on_a();
+    cut(&cutter, &a, &client, WS_GAUGE);
+    kill_a(&mut a, &b);
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let firehose = {
+        let (acked, stop, url) = (acked.clone(), stop.clone(), c.url("/ingest"));
+        std::thread::spawn(move || {
+            let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(2)).build();
+            let mut n = 1;
+            while !stop.load(Ordering::Relaxed) {
+                let batch: Vec<Value> = (n..n + 20).map(|i| message("dev-1", i)).collect();
+                let r = agent.post(&url).set(ADMIN.0, ADMIN.1).send_json(json!(batch)).expect("ingested");
+                assert_eq!(r.status(), 200);
+                acked.store(n + 19, Ordering::SeqCst);
+                n += 20;
+                // Paced (not a wait), as in the two-instance firehose: within the session bound.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(100.0));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    let first_live = acked.load(Ordering::SeqCst) + 100;
+    let mut got = Vec::new();
+    while got.iter().filter(|n| **n >= first_live).count() < 2 {
+        let (device, n, _) = next(&client);
+        assert_eq!(device, "dev-1");
+        got.push(n);
+    }
+    stop.store(true, Ordering::Relaxed);
+    firehose.join().unwrap();
+    let last = acked.load(Ordering::SeqCst);
+    while got.len() < last as usize {
+        got.push(next(&client).1);
+    }
+    assert_eq!(got, (1..=last).collect::<Vec<_>>(), "every message once, in order, no hole");
+    let answered = b.stderr_lines().into_iter().filter(|l| l.contains("device rings answered")).collect::<Vec<_>>();
+    eprintln!("{}", answered.join("\n"));
+}
+
 /// C, where dev-1 is taken in, is frozen (SIGSTOP) before the client lands on B: it renews its
 /// presence no more, so B counts it dead and does not ask it, and nobody else holds the
 /// client's cut of dev-1: `recovered` false, `history_lost`, and live data at once (B's

@@ -71,6 +71,15 @@ enum Part {
     Miss(RingMiss),
 }
 
+/// Devices and the client's cut of each (`None`: it had no frame of the device).
+type DeviceCuts = Vec<(Arc<str>, Option<u32>)>;
+
+/// The asks per device core here.
+type Asks = Vec<(usize, DeviceCuts)>;
+
+/// What one holder's rings gave per device: the messages after the cut, or why not.
+pub type RingGot = Vec<(Arc<str>, Result<Vec<IngestMessage>, RingMiss>)>;
+
 /// One answer (a device core here, or one of `of` from another instance), or why not.
 type Answer = Result<Vec<(Arc<str>, Part)>, String>;
 
@@ -112,7 +121,7 @@ impl Held {
 struct RingAsk {
     session: SessionId,
     reply_to: usize,
-    devices: Vec<(Arc<str>, Option<u32>)>,
+    devices: DeviceCuts,
     /// Other instances are alive: ask them too, from this core.
     remote: bool,
 }
@@ -194,14 +203,14 @@ impl Core {
     /// On a device core here: another instance's answer to this core's ask (ringask.rs),
     /// turned into the session's frames and passed to its core behind this core's
     /// deliveries of what came before it.
-    pub fn rings_remote(self: &Rc<Self>, session: SessionId, from: Box<str>, of: u32, parts: Result<Vec<(Arc<str>, Result<Vec<IngestMessage>, RingMiss>)>, String>) {
+    pub fn rings_remote(self: &Rc<Self>, session: SessionId, from: Box<str>, of: u32, parts: Result<RingGot, String>) {
         let answer = parts.map_err(|why| format!("instance {from}: {why}")).and_then(|parts| self.frames_of(session, parts));
         let reply_to = self.session_core(session);
         let core = self.index;
         self.post_answer(session, reply_to, answer, From::Peer { from, core, of });
     }
 
-    fn frames_of(&self, session: SessionId, msgs: Vec<(Arc<str>, Result<Vec<IngestMessage>, RingMiss>)>) -> Answer {
+    fn frames_of(&self, session: SessionId, msgs: RingGot) -> Answer {
         let table = self.devices.borrow();
         let mut out = Vec::with_capacity(msgs.len());
         for (device, got) in msgs {
@@ -329,8 +338,7 @@ impl Core {
 
     /// The cuts per device core (refusing what cannot be rebuilt), the devices watched for
     /// the asks, and the holding started.
-    #[allow(clippy::type_complexity)]
-    fn rebuild_asks(self: &Rc<Self>, session: SessionId, offset: &str, peers: Vec<Box<str>>) -> Result<(Vec<(usize, Vec<(Arc<str>, Option<u32>)>)>, Vec<Box<str>>), String> {
+    fn rebuild_asks(self: &Rc<Self>, session: SessionId, offset: &str, peers: Vec<Box<str>>) -> Result<(Asks, Vec<Box<str>>), String> {
         if self.recovery.rebuilding.borrow().contains_key(&session) {
             return Err("another CONNECT of the session is rebuilding it".into());
         }
@@ -348,7 +356,7 @@ impl Core {
             record.devices.iter().map(Arc::from).collect()
         };
         let mut hashes = HashSet::new();
-        let mut per_core: HashMap<usize, Vec<(Arc<str>, Option<u32>)>> = HashMap::new();
+        let mut per_core: HashMap<usize, DeviceCuts> = HashMap::new();
         for device in devices {
             if !hashes.insert(device_hash(&device)) {
                 return Err("two subscribed devices share a hash".into());
@@ -375,7 +383,7 @@ impl Core {
     }
 
     /// Sends the asks and waits for every answer; the frames in replay order, or why not.
-    async fn rebuild_gather(self: &Rc<Self>, session: SessionId, asks: Vec<(usize, Vec<(Arc<str>, Option<u32>)>)>) -> Result<Vec<Delivery>, String> {
+    async fn rebuild_gather(self: &Rc<Self>, session: SessionId, asks: Asks) -> Result<Vec<Delivery>, String> {
         let (tx, rx) = futures_channel::oneshot::channel();
         let remote = {
             let mut rebuilding = self.recovery.rebuilding.borrow_mut();

@@ -108,8 +108,11 @@ pub fn encode_ask(origin: &str, session: SessionId, reply_core: u32, devices: &[
     buf
 }
 
+/// Devices and their cuts.
+type DeviceCuts = Vec<(Arc<str>, Option<u32>)>;
+
 /// An ask: the asker, the session, the asker's core to answer, the devices and their cuts.
-pub type Asked<'a> = (&'a str, SessionId, u32, Vec<(Arc<str>, Option<u32>)>);
+pub type Asked<'a> = (&'a str, SessionId, u32, DeviceCuts);
 
 pub fn decode_ask(bytes: &[u8]) -> Option<Asked<'_>> {
     let mut r = Reader(bytes);
@@ -244,7 +247,7 @@ pub(super) async fn on_ask(ctx: &Ctx, payload: &[u8]) {
         return;
     }
     let cores = ctx.cores.len();
-    let mut per_core: HashMap<usize, Vec<(Arc<str>, Option<u32>)>> = HashMap::new();
+    let mut per_core: HashMap<usize, DeviceCuts> = HashMap::new();
     for (device, cut) in devices {
         per_core.entry(core_of_device(&device, cores)).or_default().push((device, cut));
     }
