@@ -294,10 +294,15 @@ fn a_rebuild_while_the_survivor_keeps_ingesting_gives_every_message_once_in_orde
 /// Three instances A, B, C; the client on A reads dev-1 (taken in on C) and dev-2 (taken in on
 /// B); a first message of each received.
 fn three_with_client_on_a() -> (common::redis::Redis, Server, Server, Server, Cutter, SioClient) {
+    three_with_client_on_a_and(&[])
+}
+
+/// [`three_with_client_on_a`], C started with `c_extra` too.
+fn three_with_client_on_a_and(c_extra: &[&str]) -> (common::redis::Redis, Server, Server, Server, Cutter, SioClient) {
     let redis = common::redis::Redis::start();
     let a = instance_with(&redis, "a", &FAST_LEASE);
     let b = instance_with(&redis, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
-    let c = instance_with(&redis, "c", &FAST_LEASE);
+    let c = instance_with(&redis, "c", &[&FAST_LEASE[..], c_extra].concat());
     let session = d2c_session_of(&a, &["dev-1", "dev-2"]);
     let cutter = Cutter::start(a.port);
     let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
@@ -401,6 +406,31 @@ fn a_rebuild_while_a_third_instance_keeps_ingesting_gives_every_message_once_in_
     assert_eq!(got, (1..=last).collect::<Vec<_>>(), "every message once, in order, no hole");
     let answered = b.stderr_lines().into_iter().filter(|l| l.contains("device rings answered")).collect::<Vec<_>>();
     eprintln!("{}", answered.join("\n"));
+}
+
+/// C answers, but its ring of dev-1 (taken in there) lost the client's cut to its core bound
+/// (`--recovery-core-bytes 4096` on C: the largest ring is emptied): B cannot know what C
+/// took in between, so the rebuild is refused: `recovered` false, `history_lost`, live data
+/// at once, nothing replayed.
+#[test]
+fn a_third_instance_whose_ring_lost_the_cut_refuses_the_rebuild_and_live_data_flows() {
+    let (_redis, mut a, b, c, cutter, client) = three_with_client_on_a_and(&["--recovery-core-bytes", "4096"]);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    c.ingest(json!((1..=60).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(62.0));
+    kill_a(&mut a, &b);
+    c.ingest(message("dev-1", 61));
+    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(62.0));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], false, "{back}");
+    assert_eq!(b.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
+    let log = b.stderr_lines();
+    assert!(log.iter().any(|l| l.contains("another instance is alive") && l.contains("instance=c")), "C was asked");
+    assert!(log.iter().any(|l| l.contains("history not rebuilt") && l.contains("dev-1: its cut is not held where it is taken in")), "{}", log.join("\n"));
+    c.ingest(message("dev-1", 999));
+    let (device, n, _) = next(&client);
+    assert_eq!((device.as_str(), n), ("dev-1", 999), "live data at once, nothing replayed");
 }
 
 /// C, where dev-1 is taken in, is frozen (SIGSTOP) before the client lands on B: it renews its
