@@ -33,6 +33,7 @@ both_engines!(
     a_delete_published_while_an_instance_was_away_closes_its_socket_once_it_is_back,
     a_change_never_published_is_in_force_once_a_later_change_shows_its_version_skipped,
     a_session_restored_from_the_store_takes_the_changes_made_while_its_instance_was_down,
+    publications_queued_behind_a_busy_redis_go_in_one_pipeline_in_order,
 );
 
 fn instance(engine: &Engine, id: &str) -> Server {
@@ -1273,4 +1274,40 @@ fn a_session_restored_from_the_store_takes_the_changes_made_while_its_instance_w
     let mut ws = b.live(&session);
     wait_watched_elsewhere(&a, "a", 1.0);
     assert_valve_telemetry_revoked(&a, &mut ws);
+}
+
+/// Publications queued together go together (cluster/queue.rs `coalesce`, issue 23 step 8's
+/// measurement): Redis holds writes (`CLIENT PAUSE … WRITE`: `PUBLISH`/`SPUBLISH` wait) while
+/// A's first publication is in flight; ten more `POST /ingest`, each its own batch (answered
+/// once applied, so queued), wait behind it. Once Redis runs again they go in one pipeline
+/// (one per master: the device's), not one each, and B's socket gets them all once, in
+/// order. Fails without the coalescing: 10 more pipelines.
+fn publications_queued_behind_a_busy_redis_go_in_one_pipeline_in_order(redis: Engine) {
+    let (a, b, _, mut ws) = watched_on_b(&redis, "pump");
+    a.ingest(json!({"deviceId": "pump", "body": {"n": 0}}));
+    assert_eq!(ws.next_json(WAIT).expect("before the pause")["telemetry"], json!({"n": 0}));
+    let before = metric(&a, "hubcast_redis_publish_pipelines_total", "a");
+    assert!(before >= 1.0, "the first message went in a pipeline");
+    for answer in redis.command_everywhere("CLIENT PAUSE 8000 WRITE") {
+        assert_eq!(answer.as_deref().map(str::trim), Some("+OK"));
+    }
+    for n in 1..=10 {
+        a.ingest(json!({"deviceId": "pump", "body": {"n": n}}));
+    }
+    for answer in redis.command_everywhere("CLIENT UNPAUSE") {
+        assert_eq!(answer.as_deref().map(str::trim), Some("+OK"));
+    }
+    let mut got: Vec<i64> = Vec::new();
+    while got.last() != Some(&10) {
+        let frame = ws.next_json(WAIT).unwrap_or_else(|| panic!("every message reaches B; got {got:?}\nA: {:?}\nB: {:?}", a.stderr_lines(), b.stderr_lines()));
+        got.extend(frame["telemetry"]["n"].as_i64());
+    }
+    assert_eq!(got, (1..=10).collect::<Vec<_>>(), "once each, in order");
+    assert_eq!(metric(&a, "hubcast_redis_published_total", "a"), 11.0);
+    let pipelines = metric(&a, "hubcast_redis_publish_pipelines_total", "a") - before;
+    // The one in flight during the pause and the one of those queued behind it (a third if
+    // another command, a heartbeat's, came between them in the queue).
+    assert!(pipelines <= 3.0, "10 publications queued behind a busy Redis went in {pipelines} pipelines");
+    eprintln!("10 publications queued behind a paused Redis went in {pipelines} pipelines");
+    assert_eq!(ws.closed, None);
 }

@@ -810,16 +810,45 @@ async fn command_loop(
                 resend::again(ctx, state, &conn, &mut resend).await
             }
             command = commands.recv() => match command {
-                Ok(Command::Stream(plan)) => ctl.send(Ctl::Stream(plan)).await.map_err(|_| "stopped".to_string()),
-                Ok(Command::Leave(done)) => ctl.send(Ctl::Leave(done)).await.map_err(|_| "stopped".to_string()),
-                Ok(command) => on_command(ctx, state, command, &mut conn, &mut sink, shards.as_ref(), &mut resend).await,
-                Err(_) => Err("stopped".to_string()),
+                // Publications queued together go together (queue.rs, `coalesce`: bounded,
+                // order kept); what ended the gathering is served right after them.
+                Ok(Command::Publish(items)) => {
+                    let (items, next) = commands.coalesce(items, super::queue::COALESCE_WINDOW).await;
+                    match on_command(ctx, state, Command::Publish(items), &mut conn, &mut sink, shards.as_ref(), &mut resend).await {
+                        Ok(()) => match next {
+                            Some(next) => serve(ctx, state, next, &mut conn, &mut sink, shards.as_ref(), &mut resend, ctl).await,
+                            None => Ok(()),
+                        },
+                        Err(reason) => Err(reason),
+                    }
+                }
+                command => serve(ctx, state, command, &mut conn, &mut sink, shards.as_ref(), &mut resend, ctl).await,
             },
         };
         if let Err(reason) = result {
             resend.abandon(ctx);
             return reason;
         }
+    }
+}
+
+/// One command taken from the queue (or its end).
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    ctx: &Rc<Ctx>,
+    state: &State,
+    command: Result<Command, async_channel::RecvError>,
+    conn: &mut Conn,
+    sink: &mut PubSubSink,
+    shards: Option<&async_channel::Sender<shards::Req>>,
+    resend: &mut resend::Resend,
+    ctl: &tokio::sync::mpsc::Sender<Ctl>,
+) -> Result<(), Failed> {
+    match command {
+        Ok(Command::Stream(plan)) => ctl.send(Ctl::Stream(plan)).await.map_err(|_| "stopped".to_string()),
+        Ok(Command::Leave(done)) => ctl.send(Ctl::Leave(done)).await.map_err(|_| "stopped".to_string()),
+        Ok(command) => on_command(ctx, state, command, conn, sink, shards, resend).await,
+        Err(_) => Err("stopped".to_string()),
     }
 }
 
@@ -897,6 +926,7 @@ async fn on_command(
             for (device, payload) in &items {
                 pipe.cmd("PUBLISH").arg(ctx.key("device", device)).arg(payload.as_slice()).ignore();
             }
+            ctx.stats.publish_pipelines.fetch_add(1, Ordering::Relaxed);
             if let Err(reason) = within("PUBLISH", pipe.query_async::<()>(conn)).await {
                 ctx.stats.dropped.fetch_add(n, Ordering::Relaxed);
                 return Err(reason);

@@ -215,6 +215,9 @@ impl AccessChange {
 pub struct Stats {
     pub connected: AtomicU64,
     pub published: AtomicU64,
+    /// Pipelines of device messages sent (`PUBLISH`es on one Redis; one per master on a
+    /// cluster): publications queued together go together (queue.rs, `coalesce`).
+    pub publish_pipelines: AtomicU64,
     pub received: AtomicU64,
     pub dropped: AtomicU64,
     pub undecodable: AtomicU64,
@@ -424,6 +427,7 @@ impl Cluster {
             ("hubcast_redis_watched_devices".into(), "Devices this instance receives from the others (a socket here subscribes).".into(), label.clone(), get(&s.watched_here)),
             ("hubcast_redis_watched_elsewhere_devices".into(), "Devices other instances watch: their messages ingested here are published.".into(), label.clone(), get(&s.watched_elsewhere)),
             ("hubcast_redis_published_total".into(), "Device messages published to Redis for other instances.".into(), label.clone(), get(&s.published)),
+            ("hubcast_redis_publish_pipelines_total".into(), "Pipelines of device messages sent to Redis (one per master on a cluster); publications queued together share one.".into(), label.clone(), get(&s.publish_pipelines)),
             ("hubcast_redis_received_total".into(), "Device messages received from other instances through Redis.".into(), label.clone(), get(&s.received)),
             ("hubcast_redis_dropped_total".into(), "Device messages not published: the link's queue was full or Redis was down.".into(), label.clone(), get(&s.dropped)),
             ("hubcast_redis_undecodable_total".into(), "Payloads from Redis that did not decode (skipped).".into(), label.clone(), get(&s.undecodable)),

@@ -23,14 +23,35 @@
 //!
 //! A command heavier than the whole bound is taken when nothing else waits (so one large
 //! request body still goes through: the request limits bound it).
+//!
+//! **Publications go together** ([`Receiver::coalesce`]; issue 23, step 8's measurement): a
+//! `Publish` taken brings every `Publish` queued right behind it, and waits up to
+//! [`COALESCE_WINDOW`] for more, so Redis reads fewer, larger pipelines (one per master per
+//! gathering on a cluster) and writes each subscriber fewer, larger pushes. Bounds (the
+//! policy): it stops at [`COALESCE_MESSAGES`] messages or [`COALESCE_BYTES`] (at most one
+//! command past either: a command taken is not put back), at the window's end, or at the
+//! first command of another kind, which is then served right after the publications (the
+//! queue's order is kept). What is gathered is released from the queue's bytes as it is
+//! taken; it is bounded by these constants instead while it waits here. Cost: a lone
+//! publication waits the window (1 ms, tokio's timer grain) before it goes.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::{Command, Stats};
 
 /// Commands waiting for the Redis thread.
 pub(super) const COMMANDS: usize = 1024;
+
+/// How long a publication waits for others to go with it, at most (module doc).
+pub(super) const COALESCE_WINDOW: Duration = Duration::from_millis(1);
+/// Messages and bytes (as [`Command::bytes`] weighs them) gathered into one publication.
+pub(super) const COALESCE_MESSAGES: usize = 4096;
+pub(super) const COALESCE_BYTES: u64 = 4 << 20;
+
+/// A device's messages to publish, in order (what `Command::Publish` holds).
+pub(super) type Items = Vec<(Box<str>, Vec<u8>)>;
 
 /// A fixed weight per command and per item in it (the enum, a vector slot, a small struct).
 const PER_COMMAND: u64 = std::mem::size_of::<Command>() as u64;
@@ -118,6 +139,35 @@ impl Receiver {
         Ok(command)
     }
 
+    /// Gathers the publications queued behind `items` and those arriving within `window`,
+    /// within the bounds (module doc). Answers them and what stopped the gathering: a command
+    /// of another kind (to serve next) or the queue's end.
+    pub(crate) async fn coalesce(&self, mut items: Items, window: Duration) -> (Items, Option<Result<Command, async_channel::RecvError>>) {
+        let deadline = tokio::time::Instant::now() + window;
+        let mut bytes = Command::Publish(Vec::new()).bytes() + items.iter().map(|(d, p)| (d.len() + p.len()) as u64 + PER_ITEM).sum::<u64>();
+        while items.len() < COALESCE_MESSAGES && bytes < COALESCE_BYTES {
+            let next = match self.rx.try_recv() {
+                Ok(command) => command,
+                Err(async_channel::TryRecvError::Closed) => return (items, Some(Err(async_channel::RecvError))),
+                Err(async_channel::TryRecvError::Empty) => match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                    Ok(Ok(command)) => command,
+                    Ok(Err(closed)) => return (items, Some(Err(closed))),
+                    Err(_) => break,
+                },
+            };
+            let n = next.bytes();
+            self.stats.command_bytes.fetch_sub(n, Ordering::Relaxed);
+            match next {
+                Command::Publish(more) => {
+                    bytes += n;
+                    items.extend(more);
+                }
+                other => return (items, Some(Ok(other))),
+            }
+        }
+        (items, None)
+    }
+
     pub(crate) fn is_closed(&self) -> bool {
         self.rx.is_closed()
     }
@@ -152,7 +202,48 @@ mod tests {
         assert!(tx.try_send(publish(1)).is_err());
     }
 
+    /// Publications queued back to back go as one, in order, up to the bounds; a command of
+    /// another kind ends the gathering and comes next; a lone one waits the window only.
+    #[test]
+    fn publications_queued_together_are_taken_as_one_in_order_within_the_bounds() {
+        let stats = Arc::new(Stats::default());
+        let (tx, rx) = bounded(stats.clone(), 64 << 20);
+        let one = |d: &str| Command::Publish(vec![(d.into(), vec![1; 10])]);
+        for d in ["a", "b", "c"] {
+            assert!(tx.try_send(one(d)).is_ok());
+        }
+        assert!(tx.try_send(Command::Refresh(Vec::new())).is_ok());
+        assert!(tx.try_send(one("d")).is_ok());
+        futures_executor_block_on(async {
+            let Ok(Command::Publish(first)) = rx.recv().await else { panic!("a publication") };
+            let (items, next) = rx.coalesce(first, COALESCE_WINDOW).await;
+            let devices: Vec<&str> = items.iter().map(|(d, _)| &**d).collect();
+            assert_eq!(devices, ["a", "b", "c"]);
+            assert!(matches!(next, Some(Ok(Command::Refresh(_)))), "the refresh comes next, after them");
+            let Ok(Command::Publish(last)) = rx.recv().await else { panic!("a publication") };
+            let started = tokio::time::Instant::now();
+            let (items, next) = rx.coalesce(last, COALESCE_WINDOW).await;
+            assert_eq!(items.len(), 1);
+            assert!(next.is_none());
+            assert!(started.elapsed() < Duration::from_millis(500), "a lone publication waits the window only");
+        });
+        assert_eq!(stats.command_bytes.load(Ordering::Relaxed), 0, "what was gathered is released");
+        // Bounds: at most one command past the count, the rest stays queued.
+        let hundred = || Command::Publish((0..100).map(|_| ("e".into(), vec![1; 10])).collect());
+        for _ in 0..50 {
+            assert!(tx.try_send(hundred()).is_ok());
+        }
+        futures_executor_block_on(async {
+            let Ok(Command::Publish(first)) = rx.recv().await else { panic!("a publication") };
+            let (items, next) = rx.coalesce(first, COALESCE_WINDOW).await;
+            assert_eq!(items.len(), 4100, "stops at the first command reaching {COALESCE_MESSAGES}");
+            assert!(next.is_none());
+            let Ok(Command::Publish(rest)) = rx.recv().await else { panic!("the rest waits") };
+            assert_eq!(rest.len(), 100);
+        });
+    }
+
     fn futures_executor_block_on(f: impl std::future::Future<Output = ()>) {
-        tokio::runtime::Builder::new_current_thread().build().expect("a runtime").block_on(f)
+        tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a runtime").block_on(f)
     }
 }

@@ -559,6 +559,7 @@ impl Publisher {
             entry.0.cmd("SPUBLISH").arg(&c).arg(*payload);
             entry.1.push(i);
         }
+        ctx.stats.publish_pipelines.fetch_add(per_master.len() as u64, Ordering::Relaxed);
         let sent = per_master.into_iter().map(|(a, (pipe, at))| {
             let open = self.conns.get(&a).cloned();
             async move {
