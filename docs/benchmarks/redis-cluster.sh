@@ -22,7 +22,8 @@
 #   bash docs/benchmarks/redis-cluster.sh [hubcast] [hubcast-load] [rounds]
 # Two hubcast builds side by side: NEW=path/to/other/hubcast adds an engine `cluster-new`
 # (the cluster run with that binary) to every round, in alternating order; SUBS=0 skips the
-# PUT /subscriptions phases.
+# PUT /subscriptions phases; BATCH=n posts n messages per POST /ingest (500; small batches are
+# many small publications, what coalescing them acts on).
 set -u
 if [ "${1:-}" = hook ]; then
   # hubcast-load --step-hook: one line per node at each window edge.
@@ -33,8 +34,9 @@ if [ "${1:-}" = hook ]; then
   for p in $NODES; do
     redis-cli -p "$p" info all | tr -d '\r' | awk -v e="$HUBCAST_LOAD_STEP" -v r="$HUBCAST_LOAD_RATE" -v p="$p" -v pub="$pub" -v rec="$rec" -v ta="$ta" -v tb="$tb" -F'[:,=]' '
       $1=="used_cpu_sys" {s=$2} $1=="used_cpu_user" {u=$2} $1=="total_reads_processed" {rd=$2}
-      $1=="cmdstat_spublish" {sp=$3} $1=="cmdstat_publish" {pp=$3}
-      END {printf "%s %s %s cpu=%.6f spublish=%d publish=%d published=%d received=%d reads=%d a_ticks=%d b_ticks=%d\n", e, r, p, s+u, sp, pp, pub, rec, rd, ta, tb}'
+      $1=="cmdstat_spublish" {sp=$3; us+=$5} $1=="cmdstat_publish" {pp=$3; us+=$5}
+      $1=="total_net_input_bytes" {ib=$2} $1=="total_net_output_bytes" {ob=$2} $1=="total_writes_processed" {wr=$2}
+      END {printf "%s %s %s cpu=%.6f spublish=%d publish=%d published=%d received=%d reads=%d a_ticks=%d b_ticks=%d usec=%d in=%d out=%d writes=%d\n", e, r, p, s+u, sp, pp, pub, rec, rd, ta, tb, us, ib, ob, wr}'
   done >> "$HOOK_LOG"
   exit 0
 fi
@@ -42,7 +44,7 @@ H=${1:-target/release/hubcast}; L=${2:-target/release/hubcast-load}; ROUNDS=${3:
 export KEY=hubcast-load-key
 RP=${RP:-6393}; CP=${CP:-7110}; PA=18181; PB=18182
 export URL_A=http://127.0.0.1:$PA URL_B=http://127.0.0.1:$PB
-RATES=${RATES:-5000,20000}
+RATES=${RATES:-5000,20000}; BATCH=${BATCH:-500}   # messages per POST /ingest
 NEW=${NEW:-}; SUBS_PHASE=${SUBS:-1}
 OUT=$(mktemp -d /tmp/redis-cluster-bench.XXXX)
 SELF=$(realpath "$0"); SUBS=$(dirname "$SELF")/redis-cluster-subs.py
@@ -100,27 +102,33 @@ binary_of() { if [ "$1" = cluster-new ]; then echo "$NEW"; else echo "$H"; fi; }
 
 traffic() { # engine round
   PHASE=traffic-$1-$2; BIN=$(binary_of "$1"); export NODES; NODES=$(nodes_of "$1"); flush
+  # Redis's own idle (no instance connected), 5 s.
+  local bare=""; declare -A c0
+  for p in $NODES; do c0[$p]=$(cpu_of $p); done; sleep 5
+  for p in $NODES; do bare+=" $p=$(echo "($(cpu_of $p)-${c0[$p]})*1000" | bc -l | xargs printf '%.1f')ms"; done
   local A B; A=$(start_hubcast $PA a $(engine_flags "$1")); B=$(start_hubcast $PB b $(engine_flags "$1")); pids+=($A $B)
   wait_connected $URL_A a && wait_connected $URL_B b || { stop $A $B; return 1; }
   echo "=== round $2 traffic $1 ($(uptime | sed 's/.*load/load/'))"
+  echo "bare 5 s (no instance), Redis CPU:$bare"
   # Idle baseline: both instances up, no traffic, 5 s.
-  local idle=""; declare -A c0
+  local idle=""
   for p in $NODES; do c0[$p]=$(cpu_of $p); done; sleep 5
   for p in $NODES; do idle+=" $p=$(echo "($(cpu_of $p)-${c0[$p]})*1000" | bc -l | xargs printf '%.1f')ms"; done
   echo "idle 5 s, Redis CPU:$idle"
   export HOOK_LOG="$OUT/hook-$1-$2.log"; : > "$HOOK_LOG"
   export A_PID=$A B_PID=$B
   taskset -c 1 $N "$L" --url $URL_B --pid $B --warmup 1 --duration 5 --step-hook "bash $SELF hook" --json "$OUT/fanout-$1-$2.json" \
-    fanout --clients 1000 --subs 1 --devices 1000 --rate "$RATES" --fleet-target $URL_A 2>&1 | grep -v '^machine\|^pinning' | tail -4
+    fanout --clients 1000 --subs 1 --devices 1000 --rate "$RATES" --batch "$BATCH" --fleet-target $URL_A 2>&1 | grep -v '^machine\|^pinning' | tail -4
   cat "$HOOK_LOG"
   # Per rate: per node CPU ms per 1,000 messages published by A, and the share of them.
   awk -v eng="$1" -v round="$2" -v tick="$(getconf CLK_TCK)" '
     { split($4,c,"="); split($5,s,"="); split($6,q,"="); split($7,pb,"="); split($8,rc,"="); split($9,rd,"="); split($10,ta,"="); split($11,tb,"=")
-      k=$2" "$3; if ($1=="begin") {c0[k]=c[2]; s0[k]=s[2]; q0[k]=q[2]; d0[k]=rd[2]; p0[$2]=pb[2]; r0[$2]=rc[2]; a0[$2]=ta[2]; b0[$2]=tb[2]}
-      else {dc[k]=c[2]-c0[k]; ds[k]=s[2]-s0[k]; dq[k]=q[2]-q0[k]; dd[k]=rd[2]-d0[k]; dp[$2]=pb[2]-p0[$2]; dr[$2]=rc[2]-r0[$2]; da[$2]=ta[2]-a0[$2]; db[$2]=tb[2]-b0[$2]; keys[k]=1} }
+      split($12,us,"="); split($13,ib,"="); split($14,ob,"="); split($15,wr,"=")
+      k=$2" "$3; if ($1=="begin") {c0[k]=c[2]; s0[k]=s[2]; q0[k]=q[2]; d0[k]=rd[2]; p0[$2]=pb[2]; r0[$2]=rc[2]; a0[$2]=ta[2]; b0[$2]=tb[2]; u0[k]=us[2]; i0[k]=ib[2]; o0[k]=ob[2]; w0[k]=wr[2]}
+      else {dc[k]=c[2]-c0[k]; ds[k]=s[2]-s0[k]; dq[k]=q[2]-q0[k]; dd[k]=rd[2]-d0[k]; dp[$2]=pb[2]-p0[$2]; dr[$2]=rc[2]-r0[$2]; da[$2]=ta[2]-a0[$2]; db[$2]=tb[2]-b0[$2]; du[k]=us[2]-u0[k]; di[k]=ib[2]-i0[k]; do_[k]=ob[2]-o0[k]; dw[k]=wr[2]-w0[k]; keys[k]=1} }
     END { for (k in keys) { split(k,a," "); r=a[1]; n=dp[r] ? dp[r] : 1;
-            printf "RESULT %s round=%s rate=%s node=%s published=%d received=%d cpu_ms=%.1f cpu_ms_per_1000=%.3f spublish=%d publish=%d reads_per_1000=%.1f a_cpu_ms_per_1000=%.2f b_cpu_ms_per_1000=%.2f\n",
-              eng, round, r, a[2], dp[r], dr[r], dc[k]*1000, dc[k]*1e6/n, ds[k], dq[k], dd[k]*1000/n, da[r]*1e6/tick/n, db[r]*1e6/tick/n } }' "$HOOK_LOG" | sort
+            printf "RESULT %s round=%s rate=%s node=%s published=%d received=%d cpu_ms=%.1f cpu_ms_per_1000=%.3f spublish=%d publish=%d reads_per_1000=%.1f a_cpu_ms_per_1000=%.2f b_cpu_ms_per_1000=%.2f cmd_ms_per_1000=%.3f writes_per_1000=%.1f in_bytes_per_msg=%.0f out_bytes_per_msg=%.0f\n",
+              eng, round, r, a[2], dp[r], dr[r], dc[k]*1000, dc[k]*1e6/n, ds[k], dq[k], dd[k]*1000/n, da[r]*1e6/tick/n, db[r]*1e6/tick/n, du[k]/n, dw[k]*1000/n, di[k]/n, do_[k]/n } }' "$HOOK_LOG" | sort
   jq -r --arg e "$1" --arg r "$2" '.results[0].rows[] | "LATENCY \($e) round=\($r) rate=\(.rate) delivered_msg_s=\(.delivered_msg_s|floor) p50_ms=\(.p50_ms) p99_ms=\(.p99_ms) hubcast_b_cpu=\(.hubcast_cpu)"' "$OUT/fanout-$1-$2.json"
   stop $A $B
   warns "$PHASE"
@@ -179,10 +187,25 @@ for rate in sorted({d["rate"] for _, d in res}, key=float):
         ds = [d for x, d in rows if x == e and d["node"] == nodes[0]]
         reads = [float(d["reads_per_1000"]) for x, d in rows if x == e]
         print(f"  {e}: hubcast A (ingest, publish) CPU ms per 1,000 {med([float(d['a_cpu_ms_per_1000']) for d in ds])}, B (receive, deliver) {med([float(d['b_cpu_ms_per_1000']) for d in ds])}; Redis reads per 1,000 messages per node {med(reads)}")
+        alln = [d for x, d in rows if x == e and "cmd_ms_per_1000" in d]
+        if alln:
+            print(f"  {e}: per node, of the CPU per 1,000 messages, in the command itself (commandstats usec) {med([float(d['cmd_ms_per_1000']) for d in alln])} ms; writes per 1,000 {med([float(d['writes_per_1000']) for d in alln])}; bytes in / out per message {med([float(d['in_bytes_per_msg']) for d in alln])} / {med([float(d['out_bytes_per_msg']) for d in alln])}")
     for e in ["single"] + clusters:
         ls = [d for x, d in lat if x == e and d["rate"] == rate]
         if ls:
             print(f"  {e}: delivered/s {med([float(d['delivered_msg_s']) for d in ls])}, p50 ms {med([float(d['p50_ms']) for d in ls])}, p99 ms {med([float(d['p99_ms']) for d in ls])}")
+print("Idle Redis CPU, ms per s per node (bare: no instance connected; idle: both instances up, no traffic)")
+eng = None
+idle = {}
+for l in text:
+    m = re.match(r"=== round \d+ traffic (\S+)", l)
+    if m: eng = m.group(1)
+    for kind in ("bare", "idle"):
+        if l.startswith(kind + " 5 s") and eng:
+            for node, ms in re.findall(r"(\d+)=([\d.]+)ms", l):
+                idle.setdefault((eng, kind), []).append(float(ms) / 5)
+for (e, kind), xs in sorted(idle.items()):
+    print(f"  {e} {kind}: {med(xs)}")
 subs = [(l.split()[1], kv(l)) for l in text if l.startswith("SUBS ")]
 print("PUT /subscriptions of 1,000 devices")
 for e in ("single", "cluster", "cluster-new"):
