@@ -88,6 +88,8 @@ type Answer = Result<Vec<(Arc<str>, Part)>, String>;
 enum From {
     Here,
     Peer { from: Box<str>, core: usize, of: u32 },
+    /// The ask of the other instances could not be sent: nothing more to wait for.
+    Unsent,
 }
 
 /// A rebuild in progress on the session's core.
@@ -105,12 +107,15 @@ pub(crate) struct Held {
     ask_cores: Vec<usize>,
     /// Per (instance, asking core): answers got, out of how many.
     remote: HashMap<(Box<str>, usize), (u32, u32)>,
+    /// An ask could not be sent (refused: no need to wait for the rest).
+    unsent: bool,
     done: Option<futures_channel::oneshot::Sender<()>>,
 }
 
 impl Held {
     fn complete(&self) -> bool {
-        self.waiting == 0
+        self.unsent
+            || self.waiting == 0
             && self.peers.iter().all(|peer| {
                 self.ask_cores.iter().all(|core| self.remote.get(&(peer.clone(), *core)).is_some_and(|(got, of)| got >= of))
             })
@@ -179,7 +184,7 @@ impl Core {
             let sent = self.relay.borrow().as_ref().is_some_and(|relay| relay.rings_ask(session, self.index, devices));
             if !sent {
                 // Not sent: an answer that refuses.
-                self.post_answer(session, reply_to, Err("the ask of the other instances could not be sent".into()), From::Here);
+                self.post_answer(session, reply_to, Err("the ask of the other instances could not be sent".into()), From::Unsent);
             }
         }
     }
@@ -242,6 +247,7 @@ impl Core {
         let Some(held) = rebuilding.get_mut(&session) else { return };
         match from {
             From::Here => held.waiting = held.waiting.saturating_sub(1),
+            From::Unsent => held.unsent = true,
             From::Peer { from, core, of } => {
                 if !held.peers.contains(&from) || !held.ask_cores.contains(&core) {
                     return; // not asked (an instance that came up meanwhile): not waited for
