@@ -247,18 +247,10 @@ impl Rings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ingest::{MsgKey, SourceKind};
+    use crate::ingest::MsgKey;
 
     fn msg(device: &str, n: u64) -> IngestMessage {
-        IngestMessage {
-            device_id: device.into(),
-            source: SourceKind::Telemetry,
-            properties: Default::default(),
-            body: format!("{{\"n\":{n}}}").into_bytes(),
-            enqueued_at: None,
-            arrived: None,
-            key: MsgKey { ms: 1_000, n },
-        }
+        IngestMessage::ring_fixture(device, n)
     }
 
     fn ns(v: Vec<IngestMessage>) -> Vec<u64> {

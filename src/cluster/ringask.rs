@@ -282,18 +282,9 @@ pub(super) async fn on_answer(ctx: &Ctx, payload: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ingest::{MsgKey, SourceKind};
 
     fn msg(device: &str, n: u64) -> IngestMessage {
-        IngestMessage {
-            device_id: device.into(),
-            source: SourceKind::Telemetry,
-            properties: Default::default(),
-            body: format!("{{\"n\":{n}}}").into_bytes(),
-            enqueued_at: None,
-            arrived: None,
-            key: MsgKey { ms: 1_000, n },
-        }
+        IngestMessage::ring_fixture(device, n)
     }
 
     #[test]

@@ -65,6 +65,23 @@ pub struct IngestMessage {
     pub key: MsgKey,
 }
 
+#[cfg(test)]
+impl IngestMessage {
+    /// A telemetry message `{"n": n}` of `device` with the key `(1000, n)`: the device rings'
+    /// and their asks' unit tests.
+    pub(crate) fn ring_fixture(device: &str, n: u64) -> Self {
+        IngestMessage {
+            device_id: device.into(),
+            source: SourceKind::Telemetry,
+            properties: Default::default(),
+            body: format!("{{\"n\":{n}}}").into_bytes(),
+            enqueued_at: None,
+            arrived: None,
+            key: MsgKey { ms: 1_000, n },
+        }
+    }
+}
+
 impl IngestMessage {
     /// Bytes it is charged for against queue bounds (an estimate of what it holds: body, id,
     /// properties and the struct).
