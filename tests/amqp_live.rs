@@ -244,12 +244,13 @@ fn a_blocked_core_holds_the_stream_back_at_its_queue_bytes_and_loses_nothing() {
     let hub = FakeHub::start(&["0"], FakeAuth::Plain);
     let bound = ["--cores", "1", "--event-hub-queue-bytes", "262144", "--event-hub-prefetch", "8", "--event-hub-linger-ms", "0"];
     let server = gateway(&hub, &bound);
-    let session = subscribed(&server, "big", &[json!({"type": "telemetry"})]);
+    // d2c messages: never conflated on a slow socket (telemetry would be, by design).
+    let session = subscribed(&server, "big", &[json!({"type": "d2cMessages"})]);
     let mut live = server.live(&session);
     // A message crosses while the core keeps up.
     hub.publish("0", NewEvent::telemetry("big", json!({"n": 0})));
     let first = live.next_json(WAIT).expect("the first message reaches the socket");
-    assert_eq!(first["telemetry"]["n"], 0);
+    assert_eq!(first["message"]["n"], 0);
 
     let url = server.url("");
     let stall = std::thread::spawn(move || {
@@ -282,7 +283,7 @@ fn a_blocked_core_holds_the_stream_back_at_its_queue_bytes_and_loses_nothing() {
     let mut seen = Vec::new();
     while seen.last() != Some(&N) {
         let frame = live.next_json(WAIT).unwrap_or_else(|| panic!("every message arrives after the stall; got {seen:?}"));
-        seen.push(frame["telemetry"]["n"].as_i64().expect("n"));
+        seen.push(frame["message"]["n"].as_i64().expect("n"));
     }
     assert_eq!(seen, (1..=N).collect::<Vec<_>>(), "once each, in order");
     let held = server.wait_for_metric("hubcast_core_queue_bytes{core=\"0\",queue=\"ingress\"}", WAIT, common::Want::Eq(0.0));
