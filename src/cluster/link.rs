@@ -205,6 +205,11 @@ const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + ma
 /// A cluster's live instances: expired members dropped, the rest answered.
 const LIVE: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) return redis.call('ZRANGE', KEYS[1], 0, -1)";
 
+/// A cluster's presence probe (design step 11, "who is dead"): every member of the
+/// `instances` sorted set with the milliseconds left before its score (its expiry, by Redis's
+/// clock), -1 for one already expired (as `PTTL` of a key gone); `[member, left]` each.
+const PRESENCE_LEFT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES') local out = {} for i = 1, #m, 2 do local left = tonumber(m[i + 1]) - now if left < 0 then left = -1 end out[#out + 1] = {m[i], left} end return out";
+
 /// What the link's tasks share. One thread: a `RefCell`, never borrowed across an await.
 pub(super) struct Shared {
     /// Devices this instance watches (kept while Redis is down, announced on reconnect).
@@ -981,8 +986,13 @@ async fn on_command(
         Command::Stream(_) | Command::Leave(_) => {}
         Command::Adopt { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) | Command::Take { .. } | Command::GiveNone { .. } => {}
         Command::Staleness(reply) => {
+            let ttl = ctx.o.lease_ttl.as_millis() as i64;
             if ctx.is_cluster() {
-                let _ = reply.send(Err("a Redis Cluster (presence is a sorted set)".into()));
+                // Presence is a member of the `instances` sorted set scored with when it
+                // expires (Redis's clock): what is left of it, as `PTTL` answers on one Redis.
+                let left: Vec<(String, i64)> = within("presence left", redis::cmd("EVAL").arg(PRESENCE_LEFT).arg(1).arg(ctx.o.names.instances()).query_async(conn)).await?;
+                let me = &*ctx.o.instance;
+                let _ = reply.send(Ok(left.into_iter().filter(|(id, _)| id != me).map(|(id, p)| (id.into_boxed_str(), (p >= 0).then(|| ttl - p))).collect()));
                 return Ok(());
             }
             let others: Vec<Arc<str>> = live_instances(ctx, conn).await?.into_iter().collect();
@@ -991,7 +1001,6 @@ async fn on_command(
                 pipe.cmd("PTTL").arg(ctx.key("instance", id));
             }
             let left: Vec<i64> = if others.is_empty() { Vec::new() } else { within("PTTL instances", pipe.query_async(conn)).await? };
-            let ttl = ctx.o.lease_ttl.as_millis() as i64;
             let _ = reply.send(Ok(others.iter().zip(left).map(|(id, p)| (Box::from(&**id), (p >= 0).then(|| ttl - p))).collect()));
         }
         Command::RingsAsk(payload) => {

@@ -127,7 +127,8 @@ pub(crate) enum Command {
     Settle(std::sync::mpsc::Sender<()>),
     /// Design step 11: for each other instance with a presence key, how long ago (ms, by
     /// Redis's clock: the key's TTL less what is left of it) it last renewed it; `None` for
-    /// one whose key went meanwhile. Refused on a Redis Cluster.
+    /// one whose key went meanwhile (on a Redis Cluster: the `instances` sorted set's scores,
+    /// when each presence expires).
     Staleness(oneshot::Sender<Result<Vec<Staleness>, String>>),
     /// Design step 11: ask every other instance for its rings of a session's devices
     /// (`ringask::encode_ask`'s payload, published on `P:read`).

@@ -1,0 +1,131 @@
+//! Issue 23 × issue 24: a Socket.IO client recovers across instances on a Redis Cluster
+//! (`--redis-cluster-nodes`: device channels over sharded pub/sub, presence in a sorted set;
+//! docs/design/recovery.md, steps 6 and 11, "On a Redis Cluster"). Real binaries on a
+//! throwaway 3-master cluster of their own (as tests/cluster.rs: nothing shared with other
+//! tests, prefix `t`), the npm socket.io-client behind a cutting proxy.
+
+mod common;
+
+use common::lb::Cutter;
+use common::recovery::*;
+use common::redis::Engine;
+use common::sio::{socketio_at, SioClient};
+use common::*;
+use serde_json::json;
+
+/// A lease TTL of 2 s: a killed instance is known dead within about 2 s.
+const FAST_LEASE: [&str; 2] = ["--lease-ttl", "2"];
+
+/// Instance `id` on the cluster (prefix `t`), once its link is up.
+fn instance_on(engine: &Engine, id: &str, extra: &[&str]) -> Server {
+    let mut args: Vec<String> = engine.flags();
+    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
+    server
+}
+
+/// The next `data` event: its message's device, `n` and offset.
+fn next(client: &SioClient) -> (String, u64, String) {
+    let (n, e) = next_n(client);
+    let device = e["data"]["deviceId"].as_str().unwrap_or_else(|| panic!("{e}")).to_string();
+    let offset = e["offset"].as_str().unwrap_or_else(|| panic!("a string offset: {e}")).to_string();
+    (device, n, offset)
+}
+
+/// How many devices an offset's device part names (`h1.<epoch>.<seq>.<device>-<key>…`).
+fn devices_named(offset: &str) -> usize {
+    offset.split('.').skip(3).filter(|i| i.contains('-')).count()
+}
+
+/// A session on `server` reading every one of `devices`' d2c messages.
+fn session_of(server: &Server, devices: &[&str]) -> String {
+    let session = d2c_session(server, devices[0]);
+    for device in &devices[1..] {
+        server.grant(&session, kind("d2cMessages", device));
+        let (status, body) = server.subscribe(&session, kind("d2cMessages", device));
+        assert_eq!(status, 204, "{body}");
+    }
+    session
+}
+
+/// Two instances on a fresh cluster (B logging at debug: why a rebuild was refused); the
+/// client (reconnecting fast) behind a cutter to A, its session reading dev-1's d2c
+/// messages; a first message (`n` 0), ingested on `first_on`, received.
+fn two_with_client_on_a(first_on: &str) -> (Engine, Server, Server, Cutter, SioClient) {
+    let engine = Engine::cluster();
+    let a = instance_on(&engine, "a", &FAST_LEASE);
+    let b = instance_on(&engine, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
+    let session = session_of(&a, &["dev-1"]);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    let first = if first_on == "a" { &a } else { &b };
+    first.ingest(message("dev-1", 0));
+    let (_, n, offset) = next(&client);
+    assert_eq!(n, 0);
+    assert_eq!(devices_named(&offset), 1, "the offset names dev-1: {offset}");
+    (engine, a, b, cutter, client)
+}
+
+fn kill(server: &mut Server) {
+    server.signal(libc::SIGKILL);
+    server.wait_exit(WAIT).expect("killed");
+}
+
+/// Issue 24's "`kill -9` of the client's instance" on a Redis Cluster (design step 11): the
+/// client is cut off A while B ingests 20 (A takes them into the client's history through
+/// sharded pub/sub), A is killed, B ingests 10 more; the client lands on B, which tells A
+/// dead from the `instances` sorted set's scores and rebuilds from its ring of dev-1:
+/// `recovered` true, all 30 once, in order, then live data. (Before: the probe of who is
+/// dead was refused on a cluster, and so was every rebuild.)
+#[test]
+fn on_a_cluster_a_client_whose_instance_was_killed_recovers_on_another_from_its_device_rings() {
+    let (_engine, mut a, b, cutter, client) = two_with_client_on_a("b");
+    cut(&cutter, &a, &client, WS_GAUGE);
+    b.ingest(json!((1..=20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    kill(&mut a);
+    b.ingest(json!((21..=30).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    b.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..31).map(|_| next(&client).1).collect();
+    let mut want: Vec<u64> = (1..=30).collect();
+    want.push(999);
+    assert_eq!(got, want, "what B took in before and after the kill, once, in order, then live");
+    assert_eq!(b.metric("hubcast_recovery_succeeded_total{transport=\"socketio_websocket\"}"), Some(1.0));
+    assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(30.0), "all 30 rebuilt on B");
+    b.ingest(message("dev-1", 1000));
+    let (_, n, offset) = next(&client);
+    assert_eq!(n, 1000, "nothing twice");
+    assert_eq!(devices_named(&offset), 1, "the rebuilt stream goes on naming dev-1: {offset}");
+}
+
+/// The client's last frame came from A itself (ingested there, never published: B did not
+/// watch dev-1 then), so B cannot know what A took in after it: the rebuild is refused for
+/// that reason (B's log), not for the cluster, `recovered` false counted `history_lost`,
+/// and live data flows at once on the same socket.
+#[test]
+fn on_a_cluster_a_cut_the_survivor_never_held_is_not_rebuilt_and_live_data_flows() {
+    let (_engine, mut a, b, cutter, client) = two_with_client_on_a("a");
+    cut(&cutter, &a, &client, WS_GAUGE);
+    kill(&mut a);
+    b.ingest(message("dev-1", 5));
+    b.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(1.0));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], false, "{back}");
+    assert_eq!(b.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
+    let log = b.stderr_lines();
+    assert!(
+        log.iter().any(|l| l.contains("history not rebuilt") && l.contains("dev-1: ") && l.contains("cut")),
+        "refused because dev-1's cut is held nowhere (A counted dead), not for the cluster:\n{}",
+        log.join("\n")
+    );
+    b.ingest(message("dev-1", 999));
+    assert_eq!(next(&client).1, 999, "live data at once, nothing replayed");
+}
