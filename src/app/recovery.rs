@@ -300,6 +300,8 @@ impl Core {
             let stream = recovery.stream_or_new(&self.recovery.total, now);
             stream.trim_age(now, window, &mut aged);
             outlet.set_offsets(Some(stream.prefix().clone()));
+            // The device part too, exactly when a Socket.IO socket gets it (design step 10).
+            outlet.set_parts_on(self.recovery.cuts.get());
             let resumed = since.map(|offset| recovery.resume(offset));
             recovery.issue(outlet.id, now);
             written = self.durable_record(recovery, created, now);
@@ -915,6 +917,22 @@ impl Core {
         let sessions = self.sessions.borrow();
         let known = sessions.get(session).and_then(|r| r.recovery.as_ref()).is_some_and(|r| r.pids.iter().any(|p| &*p.pid == pid));
         !known
+    }
+
+    /// Design steps 6b and 11 for a plain WebSocket's `since=` (it has no pid: its stream is
+    /// found by the offset's epoch): whether the history should first be asked of the
+    /// instance holding it, then rebuilt from the device rings. True when recovery and a
+    /// relay are on and the session has no stream here (or one being adopted, whose verdict
+    /// is awaited). A stream of another epoch here is never replaced: `history_lost` at once.
+    pub fn since_elsewhere(&self, session: SessionId) -> bool {
+        if self.recovery.window.is_none() || self.relay.borrow().is_none() {
+            return false;
+        }
+        if self.recovery.adopting.borrow().contains_key(&session) {
+            return true;
+        }
+        let sessions = self.sessions.borrow();
+        sessions.get(session).is_some_and(|r| r.recovery.as_ref().and_then(|r| r.stream.as_ref()).is_none())
     }
 
     /// Design step 6b: asks for `session`'s history and waits (at most [`TAKE_WAIT`]) until

@@ -448,18 +448,11 @@ fn run(
             }
         }
         SocketKind::Plain { offsets: true, since, .. } => {
-            let attached = conn.session.and_then(|s| conn.core.attach_plain_offsets(s, &conn.outlet, since.as_deref()));
-            conn.attached.set(attached.is_some());
-            match attached {
-                Some(a) => {
-                    if let Some(first) = a.first {
-                        conn.outlet.push(Out::Packet(first.into()));
-                    }
-                    if !a.replay.is_empty() {
-                        conn.outlet.start_replay(a.replay.into_iter().map(|(frame, seq)| Out::Envelope(frame, seq)));
-                    }
-                }
-                None => conn.outlet.close(CloseReason::new(1008, "unknown or expired session")),
+            // A `since` whose history is not here is sought first, by the reader (design
+            // steps 6b and 11: the take from its holder, the rebuild from the device rings).
+            let elsewhere = since.is_some() && conn.session.is_some_and(|s| conn.core.since_elsewhere(s));
+            if !elsewhere {
+                attach_plain(&conn, since.as_deref());
             }
         }
         SocketKind::SocketIo { upgrade_sid } => {
@@ -471,6 +464,24 @@ fn run(
     timers::register_websocket(&conn);
     monoio::spawn(writer(conn.clone(), write, handshake));
     read_loop(conn, Reading { _live: live, read, _slot: slot }, leftover)
+}
+
+/// Attaches a plain `offsets=1` socket: its first frame (`recovered`, with `since`), then
+/// what it missed; an unknown or expired session closes it.
+fn attach_plain(conn: &Conn, since: Option<&str>) {
+    let attached = conn.session.and_then(|s| conn.core.attach_plain_offsets(s, &conn.outlet, since));
+    conn.attached.set(attached.is_some());
+    match attached {
+        Some(a) => {
+            if let Some(first) = a.first {
+                conn.outlet.push(Out::Packet(first.into()));
+            }
+            if !a.replay.is_empty() {
+                conn.outlet.start_replay(a.replay.into_iter().map(|(frame, seq)| Out::Envelope(frame, seq)));
+            }
+        }
+        None => conn.outlet.close(CloseReason::new(1008, "unknown or expired session")),
+    }
 }
 
 /// What the reader owns besides the connection, in drop order: the drain's entry first, so
@@ -491,6 +502,17 @@ async fn read_loop(conn: Rc<Conn>, mut reading: Reading, leftover: Vec<u8>) {
     let mut chunk = Vec::with_capacity(READ_CHUNK);
     // Bytes handled since this task last waited or paused (see READ_BUDGET).
     let mut budget = 0;
+    if let (SocketKind::Plain { offsets: true, since: Some(since), .. }, Some(session)) = (&conn.kind, conn.session) {
+        if !conn.attached.get() && !conn.outlet.is_closing() {
+            // `run` left it to this task: its history is sought elsewhere before it attaches
+            // (as a Socket.IO CONNECT is answered). Boxed, as that one: this task's future
+            // stays small (issue 25 item 3).
+            Box::pin(socketio::fetch_since(conn.core.clone(), session, since)).await;
+            if !conn.outlet.is_closing() {
+                attach_plain(&conn, Some(since));
+            }
+        }
+    }
     'read: loop {
         let mut incoming = Vec::new();
         match parser.parse(&mut pending, &mut incoming) {
@@ -644,17 +666,18 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         // (An offset adds at most 28 bytes: within the 32 as well.)
         buf.reserve(drained.items.iter().map(Out::charged_bytes).sum::<usize>() + 160);
         let offsets = conn.outlet.offsets();
-        // Each Socket.IO envelope's device part (with `--redis-url`: push/cut.rs).
-        let parts: Vec<Option<Rc<str>>> = match (&conn.kind, conn.outlet.has_parts()) {
-            (SocketKind::SocketIo { .. }, true) => drained
+        // Each envelope's device part (with `--redis-url`: push/cut.rs).
+        let parts: Vec<Option<Rc<str>>> = if conn.outlet.has_parts() {
+            drained
                 .items
                 .iter()
                 .map(|i| match i {
                     Out::Envelope(_, seq) if *seq > 0 => conn.outlet.take_part(*seq),
                     _ => None,
                 })
-                .collect(),
-            _ => Vec::new(),
+                .collect()
+        } else {
+            Vec::new()
         };
         let mut frames = encode(&conn.kind, &drained.items, offsets.as_deref(), &parts, &mut buf);
         if let Some(reason) = &drained.closing {
@@ -771,19 +794,27 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
         (_, Some(prefix)) => [b",\"".as_slice(), prefix.as_bytes()].concat().into(),
         (_, None) => smallvec::SmallVec::new(),
     };
-    // Each item's seq in base 36 and `",`, for a plain socket with offsets (referenced by the parts).
+    // Each item's seq in base 36 and `",` (only the digits when a device part follows them),
+    // for a plain socket with offsets (referenced by the parts).
     let digits: Vec<Base36> = match plain_offsets {
-        Some(_) => items.iter().map(|i| Base36::with_suffix(if let Out::Envelope(_, seq) = i { *seq } else { 0 }, b"\",")).collect(),
+        Some(_) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| {
+                let seq = if let Out::Envelope(_, seq) = item { *seq } else { 0 };
+                Base36::with_suffix(seq, if part_of(parts, i).is_some() { b"" } else { b"\"," })
+            })
+            .collect(),
         None => Vec::new(),
     };
     let mut frames = 0;
     // The batch being gathered: its envelopes (as parts) and its payload length so far.
-    let mut run: Vec<[&[u8]; 3]> = Vec::new();
+    let mut run: Vec<[&[u8]; 5]> = Vec::new();
     let mut run_len = 0;
     for (i, item) in items.iter().enumerate() {
         match (kind, item) {
             (SocketKind::Plain { .. }, Out::Envelope(e, seq)) if batch => {
-                let parts = plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i));
+                let parts = plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i), part_of(parts, i));
                 let added = parts.iter().map(|p| p.len()).sum::<usize>() + 1; // the envelope and its `[` or `,`
                 if !run.is_empty() && run_len + added + 1 > BATCH_FRAME_BYTES {
                     frames += frame::write_text_array(buf, &run, run_len + 1);
@@ -804,7 +835,7 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
         frames += 1;
         match (kind, item) {
             (SocketKind::Plain { .. }, Out::Envelope(e, seq)) => {
-                frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i)))
+                frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i), part_of(parts, i)))
             }
             (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
                 Some(_) if parts.get(i).is_some_and(Option::is_some) => {
@@ -829,12 +860,27 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
     frames
 }
 
+/// The device part of item `i`, if it has one (`parts` is empty when none has).
+fn part_of(parts: &[Option<Rc<str>>], i: usize) -> Option<&str> {
+    parts.get(i).and_then(|p| p.as_deref())
+}
+
 /// A plain envelope's text as parts: with an offset, `{"offset":"<prefix>` (`lead`), the
-/// seq's digits and `",`, and the envelope after its `{`; without, the envelope alone.
-fn plain_parts<'a>(e: &'a [u8], seq: u64, lead: Option<&'a [u8]>, digits: Option<&'a crate::push::stream::Base36>) -> [&'a [u8]; 3] {
+/// seq's digits and `",` (with a device `part`: the digits, the part, then `",`), and the
+/// envelope after its `{`; without, the envelope alone.
+fn plain_parts<'a>(
+    e: &'a [u8],
+    seq: u64,
+    lead: Option<&'a [u8]>,
+    digits: Option<&'a crate::push::stream::Base36>,
+    part: Option<&'a str>,
+) -> [&'a [u8]; 5] {
     match (lead, digits) {
-        (Some(lead), Some(digits)) if seq > 0 && e.first() == Some(&b'{') && e.len() > 2 => [lead, digits.as_bytes(), &e[1..]],
-        _ => [e, b"", b""],
+        (Some(lead), Some(digits)) if seq > 0 && e.first() == Some(&b'{') && e.len() > 2 => match part {
+            Some(part) => [lead, digits.as_bytes(), part.as_bytes(), b"\",", &e[1..]],
+            None => [lead, digits.as_bytes(), &e[1..], b"", b""],
+        },
+        _ => [e, b"", b"", b"", b""],
     }
 }
 
@@ -928,6 +974,32 @@ mod tests {
         let mut buf = Vec::new();
         encode(&SocketKind::Plain { batch: false, offsets: false, since: None }, &items, None, &[], &mut buf);
         assert_eq!(frames(&buf)[0].1, r#"{"v":1}"#, "a plain socket without offsets is unchanged");
+    }
+
+    #[test]
+    fn a_device_part_follows_the_seq_in_both_protocols_offsets_and_only_where_an_item_has_one() {
+        let items = [
+            Out::Envelope(Arc::from("{\"v\":1}"), 36 * 36 + 1),
+            Out::Envelope(Arc::from("{\"v\":2}"), 36 * 36 + 2),
+            Out::Envelope(Arc::from("{\"v\":3}"), 0),
+        ];
+        let parts: Vec<Option<Rc<str>>> = vec![Some(Rc::from(".abc-12")), None, None];
+        let text = |kind: SocketKind| {
+            let mut buf = Vec::new();
+            encode(&kind, &items, Some("h1.k3f."), &parts, &mut buf);
+            frames(&buf).into_iter().map(|(_, p)| p).collect::<Vec<String>>()
+        };
+        assert_eq!(
+            text(SocketKind::SocketIo { upgrade_sid: None }),
+            [r#"42["data",{"v":1},"h1.k3f.101.abc-12"]"#, r#"42["data",{"v":2},"h1.k3f.102"]"#, r#"42["data",{"v":3}]"#]
+        );
+        assert_eq!(
+            text(SocketKind::Plain { batch: false, offsets: true, since: None }),
+            [r#"{"offset":"h1.k3f.101.abc-12","v":1}"#, r#"{"offset":"h1.k3f.102","v":2}"#, r#"{"v":3}"#]
+        );
+        let batched = text(SocketKind::Plain { batch: true, offsets: true, since: None });
+        assert_eq!(batched, [r#"[{"offset":"h1.k3f.101.abc-12","v":1},{"offset":"h1.k3f.102","v":2},{"v":3}]"#]);
+        serde_json::from_str::<serde_json::Value>(&batched[0]).expect("JSON");
     }
 
     #[test]

@@ -93,6 +93,22 @@ pub async fn fetch_history(core: Rc<Core>, session: SessionId, packet: &str) {
     }
 }
 
+/// [`fetch_history`] for a plain WebSocket's `since=` offset, once `Core::since_elsewhere`
+/// said its history is not here: the take from the instance holding it (design step 6b),
+/// then, when none came, the rebuild from the device rings (step 11). A plain socket has no
+/// pid: its resume finds the stream by the offset's epoch, so the rebuild is given a pid
+/// nobody will ever send (its entry only keeps the stream a window, as a pid away does).
+pub async fn fetch_since(core: Rc<Core>, session: SessionId, since: &str) {
+    core.take_stream(session).await;
+    if !core.since_elsewhere(session) {
+        return; // taken from its holder (or a stream was made here meanwhile)
+    }
+    let pid = random_token(16);
+    if core.rebuild_wanted(session, &pid, since) {
+        core.rebuild_stream(session, &pid, since).await;
+    }
+}
+
 /// The reply to a Socket.IO CONNECT (without the Engine.IO `4`): an ack after attaching the
 /// socket to its session, or an error for a bad namespace or an unknown session; and the
 /// frames to replay after it when the CONNECT recovered a connection (connection state
