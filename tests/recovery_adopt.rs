@@ -126,14 +126,10 @@ fn not_recovered_and_live(cutter: &Cutter, client: &SioClient, to: &Server, from
     back
 }
 
-/// A's history grew after it was written (a message from C reached A after the hand-over,
-/// before the adopter had subscribed): the adopter may lack it, so A's verdict is `voided`
-/// and the adopter gives the history a new epoch. Made certain, not raced for: the adopter
-/// is stopped before A's SIGTERM, the message is published (Redis `MONITOR`) after A handed
-/// the history over, and only then does the adopter go on and subscribe.
-#[test]
-fn a_history_that_grew_after_the_hand_over_is_voided_and_the_client_is_not_recovered() {
-    let mut w = away(&["--recovery-handoff", "true"], &["--recovery-handoff", "true"]);
+/// A's SIGTERM with the adopter stopped (SIGSTOP): A hands the history over, `msg` from the
+/// other instance is in Redis (`MONITOR`) before the adopter goes on (SIGCONT) and
+/// subscribes, so A's copy takes it and the adopter does not; A exits having logged `line`.
+fn grows_during_the_hand_over(w: &mut Away, msg: serde_json::Value, line: &str) {
     let monitor = Monitor::start(w.redis.port);
     w.adopter.signal(libc::SIGSTOP);
     w.a.signal(libc::SIGTERM);
@@ -142,24 +138,59 @@ fn a_history_that_grew_after_the_hand_over_is_voided_and_the_client_is_not_recov
     monitor.wait_past(&format!("\"PUBLISH\" \"t:adopt:{}\"", w.adopter_id), 0);
     let publish = "\"PUBLISH\" \"t:device:dev-1\"";
     let published = monitor.count(publish);
-    w.other.ingest(message("dev-1", 10));
+    w.other.ingest(msg);
     // In Redis before the adopter's `watching`, so A's pub/sub gets it before the answer.
     monitor.wait_past(publish, published);
     w.adopter.signal(libc::SIGCONT);
     let exit = w.a.wait_exit(WAIT).expect("A exits");
     assert!(exit.success(), "{exit:?}");
     let lines = w.a.stderr_lines();
-    assert!(
-        lines.iter().any(|l| l.contains("a delivery reached the history after it was handed over")),
-        "{}\nRedis:\n{}",
-        lines.join("\n"),
-        monitor.lines("t:").join("\n")
-    );
-    assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=1"]);
+    assert!(lines.iter().any(|l| l.contains(line)), "{}\nRedis:\n{}", lines.join("\n"), monitor.lines("t:").join("\n"));
+}
+
+/// A's history grew after it was written (a message from the other instance reached A after
+/// the hand-over, before the adopter had subscribed): the adopter lacks it, so A's verdict
+/// carries what A took in since, with each frame's key (`tail_sent`), and the adopter
+/// stitches in what it lacks (`stitched`, design step 6): the client recovers every message
+/// once, in order (before, the history was voided: `recovered` false). Made certain, not
+/// raced for: the adopter is stopped before A's SIGTERM, the message is published (Redis
+/// `MONITOR`) after A handed the history over, and only then does the adopter go on and
+/// subscribe.
+#[test]
+fn a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_every_message() {
+    let mut w = away(&["--recovery-handoff", "true"], &["--recovery-handoff", "true"]);
+    grows_during_the_hand_over(&mut w, message("dev-1", 10), "deliveries reached the history after it was handed over");
+    assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=0", "tail_sent=1"]);
+    let id = w.adopter_id;
+    w.adopter.wait_for_metric(&format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"stitched\"}}"), WAIT, Want::Eq(1.0));
+    assert_eq!(adoptions(&w.adopter, id, "received"), Some(1.0));
+    assert_eq!(adoptions(&w.adopter, id, "lost"), Some(0.0));
+    w.cutter.retarget(w.adopter.port);
+    let back = come_back(&w.cutter, &w.client);
+    assert_eq!(back["recovered"], true, "{back}");
+    w.other.ingest(message("dev-1", 1002));
+    let got: Vec<u64> = (0..12).map(|_| next_n(&w.client).0).collect();
+    let mut want: Vec<u64> = (0..=10).collect();
+    want.push(1002);
+    assert_eq!(got, want, "every message once, in order, the stitched one last, then live");
+    assert_eq!(w.adopter.metric("hubcast_recovery_replayed_frames_total"), Some(11.0));
+}
+
+/// What A took in after the hand-over is no longer whole in A's history (one message larger
+/// than `--recovery-session-bytes` trimmed it away): nothing can be stitched, so A's verdict
+/// is `voided` and the adopter gives the history a new epoch: the client gets `recovered`
+/// false and live data at once, never a replay with a hole. Made certain as above.
+#[test]
+fn a_history_whose_growth_after_the_hand_over_was_trimmed_is_voided_and_the_client_is_not_recovered() {
+    let mut w = away(&["--recovery-handoff", "true", "--recovery-session-bytes", "2048"], &["--recovery-handoff", "true"]);
+    let big = json!({"deviceId": "dev-1", "body": {"n": 10, "pad": "x".repeat(3000)}});
+    grows_during_the_hand_over(&mut w, big, "a delivery reached the history after it was handed over and cannot be stitched");
+    assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=1", "tail_sent=0"]);
     let id = w.adopter_id;
     w.adopter.wait_for_metric(&format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"lost\"}}"), WAIT, Want::Eq(1.0));
     assert_eq!(adoptions(&w.adopter, id, "received"), Some(1.0));
     assert_eq!(adoptions(&w.adopter, id, "confirmed"), Some(0.0));
+    assert_eq!(adoptions(&w.adopter, id, "stitched"), Some(0.0));
     let back = not_recovered_and_live(&w.cutter, &w.client, &w.adopter, &w.other, w.other_id);
     assert_eq!(back["recovered"], false, "{back}");
     assert_eq!(w.adopter.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));

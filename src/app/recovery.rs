@@ -33,6 +33,7 @@ use smallvec::SmallVec;
 use crate::app::Core;
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Outlet};
+use crate::push::stitch::{Noted, TailFrame};
 use crate::push::stream::{cut_largest_first, Failure, PushClock, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
 use crate::store::Change;
 
@@ -89,6 +90,12 @@ pub struct CoreRecovery {
     /// the session's deliveries meanwhile are held ([`Core::rebuild_hold`]). One per session
     /// at most, while its CONNECT waits (at most 2 s).
     pub(crate) rebuilding: RefCell<hashbrown::HashMap<SessionId, crate::app::rebuild::Held>>,
+    /// While a hand-over runs, on either side (design step 6): the keys of each such
+    /// session's frames since, for the stitch ([`crate::push::stitch`]); bounded per session
+    /// by `stitch::MAX_KEYS`, one entry per session handed or adopting (bounded as those are).
+    noted: RefCell<hashbrown::HashMap<SessionId, Noted>>,
+    /// Whether `noted` has any: the one check a delivery pays.
+    noting: Cell<bool>,
 }
 
 /// How long a CONNECT waits for its history to come from another instance (design step 6b:
@@ -123,6 +130,8 @@ impl CoreRecovery {
             takers: RefCell::default(),
             cuts: Cell::new(false),
             rebuilding: RefCell::default(),
+            noted: RefCell::default(),
+            noting: Cell::new(false),
         }
     }
 
@@ -520,6 +529,11 @@ impl Core {
         });
         let frame = &d.frame;
         let seq = stream.push_at(frame, clock, self.recovery.session_bytes, trimmed);
+        if self.recovery.noting.get() {
+            if let Some(noted) = self.recovery.noted.borrow_mut().get_mut(&session) {
+                noted.note(&d.device, d.key);
+            }
+        }
         if self.recovery.durable.get() {
             self.recovery.appends.borrow_mut().add(session, stream.epoch(), seq, frame);
         }
@@ -877,6 +891,7 @@ impl Core {
             return Some(false);
         }
         self.recovery.handed.borrow_mut().insert(id, Handed { head, marks: 0, decided: false });
+        self.note_from(id, head);
         // Its pids are the adopter's now: a client back here must not restore from this copy.
         if let Some(recovery) = self.sessions.borrow_mut().get_mut(id).and_then(|r| r.recovery.as_deref_mut()) {
             recovery.pids.clear();
@@ -979,13 +994,17 @@ impl Core {
         h.decided = true;
         let head = h.head;
         drop(handed);
+        let noted = self.unnote(session);
         let now_head = self.sessions.borrow().get(session).and_then(|r| r.recovery.as_ref()).and_then(|r| r.stream.as_ref()).map(|s| s.head());
         let kept = now_head == Some(head);
-        if !kept {
-            tracing::info!(session = %session, "a delivery reached the history after it was handed over: the adopter drops it (its client gets recovered false)");
+        let tail = if kept { None } else { self.tail_of(session, head, noted) };
+        match &tail {
+            Some((_, n)) => tracing::info!(session = %session, frames = n, "deliveries reached the history after it was handed over: sent to the adopter, which stitches in what it lacks"),
+            None if !kept => tracing::info!(session = %session, "a delivery reached the history after it was handed over and cannot be stitched (a frame without a key, or past the bounds): the adopter drops it (its client gets recovered false)"),
+            None => {}
         }
         if let Some(relay) = self.relay.borrow().clone() {
-            relay.adopt_verdict(session, kept);
+            relay.adopt_verdict(session, kept, tail.map(|(blob, _)| blob));
         }
         self.drop_handed(session);
     }
@@ -994,6 +1013,7 @@ impl Core {
     /// the store; an away session stops watching its devices for it.
     fn drop_handed(self: &Rc<Self>, session: SessionId) {
         self.recovery.handed.borrow_mut().remove(&session);
+        self.unnote(session);
         let unwatch = {
             let mut sessions = self.sessions.borrow_mut();
             let Some(record) = sessions.get_mut(session) else { return };
@@ -1035,6 +1055,7 @@ impl Core {
                 return Err("past the window");
             }
             let pids = std::mem::take(&mut recovery.pids);
+            self.note_from(session, recovery.stream.as_ref().map_or(0, |s| s.head()));
             let written = self.durable_record(&recovery, true, now);
             record.recovery = Some(Box::new(recovery));
             self.recovery.streamed.borrow_mut().insert(session);
@@ -1057,24 +1078,48 @@ impl Core {
     /// Voided: the history gets a new epoch with nothing in it, so every offset of the old
     /// one fails `history_lost` (a frame may be missing) and nothing is claimed that cannot be
     /// replayed. False when no adoption of it was pending.
-    pub fn adoption_verdict(&self, session: SessionId, kept: bool) -> bool {
+    pub fn adoption_verdict(&self, session: SessionId, kept: bool, tail: Option<&[u8]>) -> Option<Verdict> {
         let woken = self.recovery.takers.borrow().contains_key(&session);
-        let applied = self.apply_verdict(session, kept);
+        let applied = self.apply_verdict(session, kept, tail);
         if woken {
             self.recovery_take_done(session);
         }
         applied
     }
 
-    fn apply_verdict(&self, session: SessionId, kept: bool) -> bool {
-        let Some(pids) = self.recovery.adopting.borrow_mut().remove(&session) else { return false };
-        let Some(window) = self.recovery.window else { return false };
+    fn apply_verdict(&self, session: SessionId, kept: bool, tail: Option<&[u8]>) -> Option<Verdict> {
+        let noted = self.unnote(session);
+        let pids = self.recovery.adopting.borrow_mut().remove(&session)?;
+        let window = self.recovery.window?;
         let now = Instant::now();
-        let written = {
+        let (written, verdict) = {
             let mut sessions = self.sessions.borrow_mut();
-            let Some(record) = sessions.get_mut(session) else { return false };
-            let Some(recovery) = record.recovery.as_deref_mut() else { return false };
-            if !kept {
+            let record = sessions.get_mut(session)?;
+            let sockets = record.sockets.len();
+            let recovery = record.recovery.as_deref_mut()?;
+            let verdict = match tail {
+                _ if kept => Verdict::Kept,
+                None => Verdict::Voided,
+                // A socket attached meanwhile has seen this instance's seqs: they stay.
+                Some(_) if sockets > 0 => Verdict::Voided,
+                Some(tail) => {
+                    let mut trimmed = Trimmed::default();
+                    let clock = PushClock::new(now, window);
+                    let stitched = stitch_in(recovery, noted, tail, &clock, self.recovery.session_bytes, &mut trimmed);
+                    self.count_trimmed(trimmed);
+                    match stitched {
+                        Ok(n) => {
+                            tracing::info!(session = %session, frames = n, "frames the stopping instance took in after the hand-over stitched into the adopted history");
+                            Verdict::Stitched
+                        }
+                        Err(why) => {
+                            tracing::info!(session = %session, reason = why, "the stopping instance's frames after the hand-over cannot be stitched: voided (its client gets recovered false)");
+                            Verdict::Voided
+                        }
+                    }
+                }
+            };
+            if verdict == Verdict::Voided {
                 // A socket may have attached while the verdict was awaited (its CONNECT waited
                 // at most TAKE_WAIT, then got a new pid on this stream): its outlet writes the
                 // new epoch from now on, or its next restore would fail `history_lost`.
@@ -1091,12 +1136,46 @@ impl Core {
             if let Some(at) = recovery.stream_deadline(window) {
                 self.recovery.deadlines.borrow_mut().push(Reverse((at, session)));
             }
-            self.durable_record(recovery, !kept, now)
+            (self.durable_record(recovery, verdict != Verdict::Kept, now), verdict)
         };
         self.recovery_write(session, written);
+        if self.recovery.total.get() > self.recovery.core_bytes {
+            self.trim_to_core_bound();
+        }
         // Its deadline may be the core's earliest now.
         self.arm_clock();
-        true
+        Some(verdict)
+    }
+
+    /// A hand-over of `session` began at its stream's `head`: its frames' keys are noted.
+    fn note_from(&self, session: SessionId, head: u64) {
+        self.recovery.noted.borrow_mut().insert(session, Noted::new(head));
+        self.recovery.noting.set(true);
+    }
+
+    fn unnote(&self, session: SessionId) -> Option<Noted> {
+        let mut noted = self.recovery.noted.borrow_mut();
+        let gone = noted.remove(&session);
+        self.recovery.noting.set(!noted.is_empty());
+        gone
+    }
+
+    /// On the stopping instance: the frames `session`'s history took in after it was handed
+    /// over at `head`, with their keys, encoded for the adopter and how many; `None` when
+    /// they cannot be stitched (one without a key, too many, not all held, or past the
+    /// history's own bound).
+    fn tail_of(&self, session: SessionId, head: u64, noted: Option<Noted>) -> Option<(Vec<u8>, usize)> {
+        let noted = noted.filter(|n| !n.spoilt && n.head == head)?;
+        let frames = {
+            let sessions = self.sessions.borrow();
+            sessions.get(session)?.recovery.as_ref()?.stream.as_ref()?.after(head).ok()?
+        };
+        if frames.len() != noted.keys.len() {
+            return None;
+        }
+        let tail: Vec<TailFrame> = noted.keys.into_iter().zip(frames).map(|((device, key), (frame, _))| TailFrame { device: (*device).into(), key, frame }).collect();
+        let blob = crate::push::stitch::encode(&tail);
+        (blob.len() <= crate::push::stitch::tail_max(self.recovery.session_bytes)).then_some((blob, tail.len()))
     }
 
     /// A session ended: it leaves the streamed set (its stream went with its record).
@@ -1105,4 +1184,44 @@ impl Core {
             self.recovery.streamed.borrow_mut().remove(&session);
         }
     }
+}
+
+/// How an adoption ended on the adopter ([`Core::adoption_verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The history as handed over is whole: its pids are valid here.
+    Kept,
+    /// The stopping instance's frames after the hand-over were stitched in: whole, valid.
+    Stitched,
+    /// A frame may be missing: a new epoch, the client gets `history_lost`.
+    Voided,
+}
+
+/// The adopter's stitch (design step 6, [`crate::push::stitch`]): `tail` (what the stopping
+/// instance took in after the hand-over) against the keys `noted` of what came here since;
+/// the frames this instance lacks go in after the history as handed over, then its own,
+/// renumbered (no client has seen them: its pids were held aside). Returns how many went in.
+fn stitch_in(recovery: &mut SessionRecovery, noted: Option<Noted>, tail: &[u8], clock: &PushClock, session_bytes: usize, trimmed: &mut Trimmed) -> Result<usize, &'static str> {
+    let noted = noted.filter(|n| !n.spoilt).ok_or("a frame here had no key, or too many")?;
+    let tail = crate::push::stitch::decode(tail).ok_or("an undecodable tail")?;
+    let insert = crate::push::stitch::missing(&tail, &noted.keys).ok_or("the tail has a frame without a key, or one this instance lacks after one it has")?;
+    let stream = recovery.stream.as_mut().ok_or("no history")?;
+    if stream.head() != noted.head + noted.keys.len() as u64 {
+        return Err("frames here were not noted");
+    }
+    let mine = stream.take_after(noted.head).ok_or("frames here were trimmed")?;
+    for &i in &insert {
+        stream.push_at(&tail[i].frame, clock, session_bytes, trimmed);
+    }
+    for frame in &mine {
+        stream.push_at(frame, clock, session_bytes, trimmed);
+    }
+    // A device's cut is its last frame's: this instance's own, else the tail's.
+    let here: HashSet<&str> = noted.keys.iter().map(|(d, _)| &**d).collect();
+    for &i in &insert {
+        if !here.contains(&*tail[i].device) {
+            stream.cuts.note_only(&tail[i].device, tail[i].key);
+        }
+    }
+    Ok(insert.len())
 }

@@ -67,7 +67,7 @@ pub trait Relay {
     fn give_none(&self, _session: SessionId, _to: &str) {}
     /// The verdict on a history handed over ([`Relay::adopt`]): `kept` when nothing was
     /// delivered to it here after it was written (`Core::adoption_marked`).
-    fn adopt_verdict(&self, _session: SessionId, _kept: bool) {}
+    fn adopt_verdict(&self, _session: SessionId, _kept: bool, _tail: Option<Vec<u8>>) {}
     /// On the adopting instance: this core's watch changes for an adopted `session` are with
     /// the link (one of `cores` such reports; 0: the history was not taken).
     fn adopt_watching(&self, _session: SessionId, _cores: usize) {}

@@ -70,9 +70,10 @@ pub(super) fn blob_max(session_bytes: u64) -> usize {
 /// Outcomes counted in `hubcast_redis_adoptions_total{outcome}`: the stopping instance's
 /// (sent, kept, voided, refused by the adopter, and not sent: no_peer, too_large, over_bound,
 /// unsupported), then the adopter's (received, confirmed, lost: voided or no verdict in time,
-/// refused).
-pub(super) const OUTCOMES: [&str; 12] = [
-    "sent", "kept", "voided", "refused_by_peer", "no_peer", "too_large", "over_bound", "unsupported", "received", "confirmed", "lost", "refused",
+/// refused), then the stitch's: `tail_sent` (the stopping instance sent what its copy took
+/// in after the hand-over) and `stitched` (the adopter joined it: its client recovers).
+pub(super) const OUTCOMES: [&str; 14] = [
+    "sent", "kept", "voided", "refused_by_peer", "no_peer", "too_large", "over_bound", "unsupported", "received", "confirmed", "lost", "refused", "tail_sent", "stitched",
 ];
 pub(super) const SENT: usize = 0;
 pub(super) const KEPT: usize = 1;
@@ -86,12 +87,16 @@ pub(super) const RECEIVED: usize = 8;
 pub(super) const CONFIRMED: usize = 9;
 pub(super) const LOST: usize = 10;
 pub(super) const REFUSED: usize = 11;
+pub(super) const TAIL_SENT: usize = 12;
+pub(super) const STITCHED: usize = 13;
 
 const KIND_ADOPT: u8 = b'A';
 const KIND_WATCHING: u8 = b'W';
 const KIND_REFUSED: u8 = b'N';
 const KIND_KEPT: u8 = b'C';
 const KIND_VOIDED: u8 = b'V';
+/// Not kept, with the frames the history took in after the hand-over (push/stitch.rs).
+const KIND_TAIL: u8 = b'S';
 /// Step 6b: X asks the holder for a history, which answers with an adoption or this.
 const KIND_TAKE: u8 = b'T';
 const KIND_NONE: u8 = b'0';
@@ -234,13 +239,19 @@ pub(super) fn settle(state: &State, done: std::sync::mpsc::Sender<()>) {
 }
 
 /// Stopping: the session's core decided (`Core::adoption_marked`); told to the adopter.
-pub(super) async fn verdict(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, kept: bool) -> Result<(), Failed> {
+pub(super) async fn verdict(ctx: &Ctx, state: &State, conn: &mut Conn, session: SessionId, kept: bool, tail: Option<Vec<u8>>) -> Result<(), Failed> {
     let Some((to, _)) = state.borrow().adopt.handing.get(&session).cloned() else { return Ok(()) };
     // Counted before `forget` lets `Cluster::leave` go on and log the outcomes.
-    count(ctx, if kept { KEPT } else { VOIDED });
+    let (outcome, kind) = match (kept, &tail) {
+        (true, _) => (KEPT, KIND_KEPT),
+        (false, Some(_)) => (TAIL_SENT, KIND_TAIL),
+        (false, None) => (VOIDED, KIND_VOIDED),
+    };
+    count(ctx, outcome);
     forget(ctx, state, session);
-    let kind = if kept { KIND_KEPT } else { KIND_VOIDED };
-    let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &to)).arg(encode(kind, &ctx.o.instance, session, &[])).to_owned();
+    let payload = encode(kind, &ctx.o.instance, session, tail.as_deref().unwrap_or_default());
+    drop(tail);
+    let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &to)).arg(payload).to_owned();
     within("PUBLISH adoption verdict", publish.query_async::<()>(conn)).await
 }
 
@@ -330,7 +341,22 @@ pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
             let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::TakeDone { session }).await;
         }
         KIND_KEPT | KIND_VOIDED => {
-            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::AdoptVerdict { session, kept: kind == KIND_KEPT }).await;
+            let _ = ctx.cores[core_of_session(session, cores)].send(Inbound::AdoptVerdict { session, kept: kind == KIND_KEPT, tail: None, charged: 0 }).await;
+        }
+        KIND_TAIL => {
+            // Charged as a history is (above); past the bound the history is voided, not the
+            // subscriber dropped.
+            let charged = rest.len() as u64 + 64;
+            let before = ctx.stats.inbound_bytes.fetch_add(charged, Ordering::Relaxed);
+            let (tail, charged) = if before + charged > ctx.o.inbound_bytes {
+                ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+                (None, 0)
+            } else {
+                (Some(rest.to_vec()), charged)
+            };
+            if ctx.cores[core_of_session(session, cores)].send(Inbound::AdoptVerdict { session, kept: false, tail, charged }).await.is_err() {
+                ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+            }
         }
         _ => {
             ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
@@ -357,7 +383,7 @@ pub(super) async fn on_command(ctx: &Ctx, state: &State, conn: &mut Conn, comman
             within("PUBLISH adoption none", publish.query_async::<()>(conn)).await.map(|_| None)
         }
         Command::AdoptWatching { session, cores } => watching(ctx, state, conn, session, cores).await.map(|_| None),
-        Command::AdoptVerdict { session, kept } => verdict(ctx, state, conn, session, kept).await.map(|_| None),
+        Command::AdoptVerdict { session, kept, tail } => verdict(ctx, state, conn, session, kept, tail).await.map(|_| None),
         Command::Settle(done) => {
             settle(state, done);
             Ok(None)
@@ -458,7 +484,7 @@ pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: Ses
     }
     tracing::debug!(session = %session, "recovery history adopted; waiting for the verdict");
     monoio::time::sleep(VERDICT_WAIT).await;
-    if core.adoption_verdict(session, false) {
+    if core.adoption_verdict(session, false, None).is_some() {
         stats.adoptions[LOST].fetch_add(1, Ordering::Relaxed);
         tracing::info!(session = %session, "no verdict on an adopted recovery history in time: voided (its client gets recovered false)");
     }

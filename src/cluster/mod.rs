@@ -63,6 +63,7 @@ use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
 use crate::app::relay::{CorePlugin, Relay, RingMiss};
+use crate::app::recovery::Verdict;
 use crate::app::Core;
 use crate::app::directory::{local, Directory, Leases, Membership, Pending, View};
 use crate::shard::{ask, DeviceOp, Grants, Subscriptions, TelemetryView, Viewer};
@@ -121,8 +122,9 @@ pub(crate) enum Command {
     /// Adopting: one of `cores` device cores handed its watch changes for the session over
     /// (0: the history was not taken).
     AdoptWatching { session: SessionId, cores: usize },
-    /// Stopping: the verdict on a history handed over.
-    AdoptVerdict { session: SessionId, kept: bool },
+    /// Stopping: the verdict on a history handed over; not kept with a `tail`: the frames
+    /// the history took in since, for the adopter to stitch in (push/stitch.rs).
+    AdoptVerdict { session: SessionId, kept: bool, tail: Option<Vec<u8>> },
     /// Stopping: answered once every history handed over has its verdict.
     Settle(std::sync::mpsc::Sender<()>),
     /// Design step 11: for each other instance with a presence key, how long ago (ms, by
@@ -170,8 +172,9 @@ pub(crate) enum Inbound {
     /// A handed session's adopter watches its devices: a mark to its session's core after
     /// this core's earlier deliveries (adopt.rs).
     AdoptMark { session: SessionId, cores: usize },
-    /// The verdict on a history adopted here.
-    AdoptVerdict { session: SessionId, kept: bool },
+    /// The verdict on a history adopted here (a `tail` charged to `--redis-inbound-bytes`
+    /// by `charged` until the core has read it).
+    AdoptVerdict { session: SessionId, kept: bool, tail: Option<Vec<u8>>, charged: u64 },
     /// Instance `to` asks for the history of a session of this core (step 6b).
     Give { session: SessionId, to: Arc<str> },
     /// No history is coming for the session: its waiting CONNECTs go on.
@@ -260,7 +263,7 @@ pub struct Stats {
     pub resubscribes: [AtomicU64; 5],
     pub topology_refreshes: AtomicU64,
     /// Recovery histories handed over and adopted, by outcome (`adopt::OUTCOMES`).
-    pub adoptions: [AtomicU64; 12],
+    pub adoptions: [AtomicU64; 14],
     /// Bytes of the commands waiting for the Redis thread (bounded by `--redis-command-bytes`,
     /// cluster/queue.rs), and the commands refused because the queue was full.
     pub command_bytes: AtomicU64,
@@ -369,6 +372,7 @@ impl Cluster {
                 sent = n(adopt::SENT),
                 kept = n(adopt::KEPT),
                 voided = n(adopt::VOIDED),
+                tail_sent = n(adopt::TAIL_SENT),
                 refused_by_peer = n(adopt::REFUSED_BY_PEER),
                 no_peer = n(adopt::NO_PEER),
                 too_large = n(adopt::TOO_LARGE),
@@ -692,8 +696,8 @@ impl Relay for CoreRelay {
         let _ = self.commands.try_send(Command::GiveNone { session, to: to.into() });
     }
 
-    fn adopt_verdict(&self, session: SessionId, kept: bool) {
-        let verdict = Command::AdoptVerdict { session, kept };
+    fn adopt_verdict(&self, session: SessionId, kept: bool, tail: Option<Vec<u8>>) {
+        let verdict = Command::AdoptVerdict { session, kept, tail };
         if let Err(e) = self.commands.try_send(verdict) {
             // Never dropped: the adopter would wait its full time and void the history.
             let commands = self.commands.clone();
@@ -824,11 +828,18 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                     }
                 }
             }
-            Inbound::AdoptVerdict { session, kept } => {
-                if core.adoption_verdict(session, kept) {
-                    let outcome = if kept { adopt::CONFIRMED } else { adopt::LOST };
+            Inbound::AdoptVerdict { session, kept, tail, charged } => {
+                let verdict = core.adoption_verdict(session, kept, tail.as_deref());
+                drop(tail);
+                relay.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
+                if let Some(verdict) = verdict {
+                    let outcome = match verdict {
+                        Verdict::Kept => adopt::CONFIRMED,
+                        Verdict::Stitched => adopt::STITCHED,
+                        Verdict::Voided => adopt::LOST,
+                    };
                     relay.stats.adoptions[outcome].fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(session = %session, kept, "recovery history adopted from a stopping instance");
+                    tracing::info!(session = %session, verdict = ?verdict, "recovery history adopted from a stopping instance");
                 }
             }
             Inbound::Reload { session, v, accesses } => reload(&core, session, v, accesses).await,

@@ -80,8 +80,9 @@ impl Command {
             Command::Adopt { devices, blob, .. } => blob.len() as u64 + devices.iter().map(|d| d.len() as u64 + PER_ITEM).sum::<u64>(),
             Command::GiveNone { to, .. } => to.len() as u64,
             Command::RingsAsk(payload) => payload.len() as u64,
+            Command::AdoptVerdict { tail: Some(tail), .. } => tail.len() as u64,
             Command::RingsAnswer { to, payload } => (to.len() + payload.len()) as u64,
-            Command::Load { .. } | Command::Leave(_) | Command::Take { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) | Command::Staleness(_) => 0,
+            Command::Load { .. } | Command::Leave(_) | Command::Take { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { tail: None, .. } | Command::Settle(_) | Command::Staleness(_) => 0,
         };
         PER_COMMAND + strings
     }

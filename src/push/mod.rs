@@ -15,6 +15,7 @@ pub mod cut;
 pub mod envelope;
 pub mod linger;
 pub mod outlet;
+pub mod stitch;
 pub mod stream;
 
 use std::sync::Arc;

@@ -378,6 +378,22 @@ impl SessionStream {
             .collect())
     }
 
+    /// Takes the frames after `seq` out of the stream, in order, so the next frame gets
+    /// `seq + 1` again (a hand-over's stitch inserts frames there: [`super::stitch`]).
+    /// `None`, and nothing changed, unless the stream holds every frame after `seq`.
+    pub fn take_after(&mut self, seq: u64) -> Option<Vec<Arc<str>>> {
+        if seq > self.head() || seq + 1 < self.first_seq {
+            return None;
+        }
+        let keep = (seq + 1 - self.first_seq) as usize;
+        let taken: Vec<Arc<str>> = self.entries.drain(keep..).map(|e| e.frame).collect();
+        let charged: usize = taken.iter().map(|f| f.len() + ENTRY_OVERHEAD).sum();
+        self.bytes -= charged;
+        self.core_total.set(self.core_total.get() - charged);
+        self.next_seq = seq + 1;
+        Some(taken)
+    }
+
     /// The offset text of `seq`.
     pub fn offset(&self, seq: u64) -> String {
         offset_text(&self.prefix, seq)
@@ -1029,6 +1045,30 @@ mod tests {
 
     fn frame(s: &str) -> Arc<str> {
         Arc::from(s)
+    }
+
+    #[test]
+    fn take_after_gives_the_frames_back_and_the_seqs_go_on_from_there() {
+        let total = Rc::new(Cell::new(0));
+        let t0 = Instant::now();
+        let mut s = SessionStream::new(total.clone(), t0);
+        let mut trimmed = Trimmed::default();
+        for n in 0..5 {
+            s.push(&frame(&format!("f{n}")), t0, W, usize::MAX, &mut trimmed);
+        }
+        let (bytes, held) = (s.bytes(), total.get());
+        assert_eq!(s.take_after(6), None, "past the head");
+        let taken = s.take_after(3).expect("held");
+        assert_eq!(taken, vec![frame("f3"), frame("f4")]);
+        assert_eq!((s.head(), s.len()), (3, 3));
+        assert_eq!(bytes - s.bytes(), 2 * (2 + ENTRY_OVERHEAD));
+        assert_eq!(total.get(), held - 2 * (2 + ENTRY_OVERHEAD), "the core's total follows");
+        assert_eq!(s.push(&frame("x"), t0, W, usize::MAX, &mut trimmed), 4);
+        assert_eq!(s.after(3).unwrap(), vec![(frame("x"), 4)]);
+        // A stream that lost the frames after the seq (trimmed) gives nothing.
+        s.trim_to(0, TrimCause::CoreBound);
+        assert_eq!(s.take_after(2), None);
+        assert_eq!(s.take_after(4), Some(vec![]));
     }
 
     #[test]
