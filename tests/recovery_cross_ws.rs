@@ -280,3 +280,59 @@ fn without_offsets_a_plain_socket_gets_todays_frames_exactly_with_redis_and_a_wi
     assert_eq!(arr, format!("[{text}]"));
     assert_eq!(parse_json(&text)["message"]["n"], 1);
 }
+
+/// The instance a stopping one picks for `session` among `live` (sorted ids): the session id
+/// modulo their number, as `cluster::adopt::adopter` does.
+fn adopter_of(session: &str, live: &[&'static str]) -> usize {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(session).expect("a session id");
+    let id = u128::from_le_bytes(bytes.try_into().expect("16 bytes"));
+    (id % live.len() as u128) as usize
+}
+
+/// A `since=` on the adopter while its adopted history still awaits the verdict (the adopter,
+/// at `--log-level debug`, was stopped through A's 2 s wait, so none will come, and it voids
+/// the history 5 s after taking it in; the socket arrives once it is taken in, by its log
+/// line): the socket's wait for the verdict ends at 2 s, and nothing is resumed from
+/// a history that may yet be voided (a Socket.IO client's pids are held aside then): the first
+/// frame says `recovered` false, `history_lost`; the void comes, and live data flows with the
+/// new epoch's offsets.
+#[test]
+fn a_plain_since_before_the_adopters_verdict_is_not_resumed_from_a_history_it_may_void() {
+    let redis = common::redis::Redis::start();
+    let flags = ["--recovery-handoff", "true"];
+    let mut a = instance_with(&redis, "a", &flags);
+    let dflags = ["--recovery-handoff", "true", "--log-level", "debug"];
+    let (b, c) = (instance_with(&redis, "b", &dflags), instance_with(&redis, "c", &dflags));
+    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let mut ws = plain_at(&cutter, &session, None);
+    a.ingest(message("dev-1", 1000));
+    let (_, _, offset) = next(&mut ws);
+    cut_plain(&cutter, &a);
+    let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
+        0 => (b, "b", c, "c"),
+        _ => (c, "c", b, "b"),
+    };
+    other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(1.0));
+    other.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
+    adopter.signal(libc::SIGSTOP);
+    sigterm(&mut a);
+    assert!(a.stderr_lines().iter().any(|l| l.contains("handed over without a verdict in time")));
+    adopter.signal(libc::SIGCONT);
+    let adoptions = |outcome: &str| format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"{outcome}\"}}");
+    adopter.wait_for_metric(&adoptions("received"), WAIT, Want::Eq(1.0));
+    // Installed on the session's core (the socket then finds it adopting, not absent).
+    adopter.wait_for_stderr(WAIT, |l| l.contains("recovery history adopted; waiting for the verdict")).expect("adopted");
+    let mut ws = back_at(&cutter, adopter.port, &session, &offset);
+    assert_eq!(frame(&mut ws), json!({"recovered": false, "reason": "history_lost"}));
+    assert_eq!(adopter.metric("hubcast_recovery_replayed_frames_total"), Some(0.0));
+    adopter.wait_for_metric(&adoptions("lost"), WAIT, Want::Eq(1.0));
+    other.ingest(message("dev-1", 1002));
+    let (_, n, live) = next(&mut ws);
+    assert_eq!(n, 1002, "live data, nothing of the past");
+    let epoch = |o: &str| o.split('.').nth(1).map(str::to_string);
+    assert_ne!(epoch(&live), epoch(&offset), "the void gave the history a new epoch: {live} after {offset}");
+}

@@ -295,6 +295,9 @@ impl Core {
     /// after. `None` for an unknown or expired session.
     pub fn attach_plain_offsets(self: &Rc<Self>, session: SessionId, outlet: &Rc<Outlet>, since: Option<&str>) -> Option<PlainAttached> {
         let window = self.recovery.window?;
+        // An adopted history still awaiting its verdict may yet be voided: nothing is resumed
+        // from it (a Socket.IO socket's pids are held aside then; a plain one has none).
+        let adopting = since.is_some() && self.recovery.adopting.borrow().contains_key(&session);
         let now = Instant::now();
         let mut aged = Trimmed::default();
         let written;
@@ -311,7 +314,7 @@ impl Core {
             outlet.set_offsets(Some(stream.prefix().clone()));
             // The device part too, exactly when a Socket.IO socket gets it (design step 10).
             outlet.set_parts_on(self.recovery.cuts.get());
-            let resumed = since.map(|offset| recovery.resume(offset));
+            let resumed = since.map(|offset| if adopting { Err(Failure::HistoryLost) } else { recovery.resume(offset) });
             recovery.issue(outlet.id, now);
             written = self.durable_record(recovery, created, now);
             record.sockets.push(outlet.clone());
