@@ -409,7 +409,7 @@ impl Core {
                     // Kept for a rebuild on this instance (design step 10): after `offer`,
                     // which does not move it.
                     if let Some(relay) = &any_relay {
-                        relay.ring(&msg, local.is_some());
+                        relay.ring(&msg, local.is_some(), now, &|| devices.decided(&msg));
                     }
                 }
             }

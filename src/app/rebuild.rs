@@ -36,7 +36,9 @@
 //! a device's last frame without a key, two subscribed devices with one hash, a session that
 //! already has a stream or a socket here, any device no holder has the cut of, or whose
 //! taker-in lacks it, or that a ring cannot answer for (see `ring::Lost`), two holders
-//! disagreeing, a throttled telemetry subscription or a twin/connection event after a cut,
+//! disagreeing, a throttled telemetry subscription, a twin change held for a hub read for a
+//! twin subscriber (twin changes and connection events are otherwise rebuilt as the live path
+//! decided them where they were applied: `shard/devices/replay.rs`),
 //! more held than `--recovery-session-bytes`, or no answer within [`REBUILD_WAIT`].
 //!
 //! **What it cannot see**: messages the dead instance took in itself (`POST /ingest` there,
@@ -58,8 +60,8 @@ use crate::ingest::MsgKey;
 use crate::push::cut::{device_hash, device_part, DevicePart};
 use crate::push::stream::{parse_offset, PidEntry, SessionStream, Trimmed};
 use crate::app::relay::RingMiss;
-use crate::ingest::IngestMessage;
 use crate::push::Delivery;
+use crate::shard::devices::Kept;
 
 /// How long a CONNECT waits for the answers (device cores here and other live instances)
 /// before it is answered without.
@@ -77,8 +79,9 @@ type DeviceCuts = Vec<(Arc<str>, Option<u32>)>;
 /// The asks per device core here.
 type Asks = Vec<(usize, DeviceCuts)>;
 
-/// What one holder's rings gave per device: the messages after the cut, or why not.
-pub type RingGot = Vec<(Arc<str>, Result<Vec<IngestMessage>, RingMiss>)>;
+/// What one holder's rings gave per device: the messages after the cut (with what was
+/// decided for each there), or why not.
+pub type RingGot = Vec<(Arc<str>, Result<Vec<Kept>, RingMiss>)>;
 
 /// One answer (a device core here, or one of `of` from another instance), or why not.
 type Answer = Result<Vec<(Arc<str>, Part)>, String>;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use crate::ids::SessionId;
 use crate::ingest::IngestMessage;
+use crate::shard::devices::{Decided, Kept};
 use crate::app::Core;
 
 /// A core's link to the other instances, installed by a [`CorePlugin`] at start.
@@ -18,12 +19,14 @@ pub trait Relay {
     fn offer(&self, msg: &IngestMessage);
     /// A device message applied on this, its device's, core (`here`: from a source of this
     /// instance; else published here by another): kept in the device's ring while another
-    /// instance may need it rebuilt here (design step 10, `cluster/ring.rs`).
-    fn ring(&self, _msg: &IngestMessage, _here: bool) {}
+    /// instance may need it rebuilt here (design step 10, `cluster/ring.rs`), with what was
+    /// decided for it (`decided`, called only when it is kept: a twin change's is the whole
+    /// twin's text) and `now`, the batch's clock (the one its throttling saw).
+    fn ring(&self, _msg: &IngestMessage, _here: bool, _now: std::time::Instant, _decided: &dyn Fn() -> Decided) {}
     /// Design step 11, on a device's core: the messages of `device` its ring holds after the
     /// client's cut (`cut`: the key hash of its last frame of the device; `None`: it had none),
     /// oldest first; or why they cannot be given.
-    fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<IngestMessage>, RingMiss> {
+    fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<Kept>, RingMiss> {
         Err(RingMiss::Lost("no rings".into()))
     }
     /// Design step 11 with other live instances, on a device's core of the instance

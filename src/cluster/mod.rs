@@ -64,6 +64,7 @@ use crate::ingest::IngestMessage;
 use crate::model::{Checked, Rejection};
 use crate::app::relay::{CorePlugin, Relay, RingMiss};
 use crate::app::recovery::Verdict;
+use crate::shard::devices::{Decided, Kept};
 use crate::app::Core;
 use crate::app::directory::{local, Directory, Leases, Membership, Pending, View};
 use crate::shard::{ask, DeviceOp, Grants, Subscriptions, TelemetryView, Viewer};
@@ -566,7 +567,7 @@ struct Outbox {
 }
 
 impl Relay for CoreRelay {
-    fn ring_after(&self, device: &str, cut: Option<u32>) -> Result<Vec<IngestMessage>, RingMiss> {
+    fn ring_after(&self, device: &str, cut: Option<u32>) -> Result<Vec<Kept>, RingMiss> {
         let Some(rings) = &self.rings else { return Err(RingMiss::Lost("recovery is off".into())) };
         let rings = rings.borrow();
         let now = std::time::Instant::now();
@@ -596,14 +597,14 @@ impl Relay for CoreRelay {
         self.heartbeat
     }
 
-    fn ring(&self, msg: &IngestMessage, here: bool) {
+    fn ring(&self, msg: &IngestMessage, here: bool, now: std::time::Instant, decided: &dyn Fn() -> Decided) {
         let Some(rings) = &self.rings else { return };
         let watched = here && self.remote.borrow().contains(&*msg.device_id);
         let mut rings = rings.borrow_mut();
         if !rings.may_keep(&msg.device_id, here, watched) {
             return;
         }
-        let change = rings.note(msg, here, watched, std::time::Instant::now());
+        let change = rings.note(msg, decided, here, watched, now);
         if change != 0 {
             self.stats.ring_bytes.fetch_add(change as u64, Ordering::Relaxed);
         }

@@ -12,8 +12,16 @@
 //! look-up per message, and adds nothing to Redis: rings are local memory, never sent
 //! except as a rebuild's answer on this instance.
 //!
+//! **What an entry holds** (design step 11, "twin and connection events"): the message, when
+//! it was applied here (the batch's clock) and what the live path decided for it here
+//! ([`Decided`]: a twin change's whole twin after it, a connection event's state, or that
+//! nothing was sent), so a rebuild sends a twin or connection subscriber the frames it was
+//! sent rather than deciding again against a state it no longer has. Entries are in the
+//! order the device's core applied them: twin changes, connection events and telemetry of
+//! one device in one ring, so their order holds as the keys' does.
+//!
 //! **Bounds and policy** (each entry is charged its message's [`IngestMessage::charge`]
-//! plus [`ENTRY_OVERHEAD`]): an entry older than the window leaves at the ring's next push
+//! and its decision's [`Decided::charge`] (a twin's text) plus [`ENTRY_OVERHEAD`]): an entry older than the window leaves at the ring's next push
 //! and at the once-a-second sweep; a ring holds at most [`RING_ENTRIES`] (the oldest leaves);
 //! a core holds at most `--recovery-core-bytes` (the same bound as the session streams, a
 //! second budget of that size) and [`CORE_ENTRIES`] entries: past either, the largest rings
@@ -31,6 +39,7 @@ use hashbrown::HashMap;
 
 use crate::ingest::IngestMessage;
 use crate::push::cut::key_hash;
+use crate::shard::devices::{Decided, Kept};
 
 /// Bytes an entry is charged beyond its message's own charge.
 pub const ENTRY_OVERHEAD: usize = 48;
@@ -45,6 +54,7 @@ struct Entry {
     here: bool,
     charged: usize,
     msg: IngestMessage,
+    decided: Decided,
 }
 
 #[derive(Default)]
@@ -116,9 +126,10 @@ impl Rings {
     }
 
     /// A message applied on this core: `here` (taken in on this instance) and `watched`
-    /// (another instance watches its device now), or published here by another instance.
-    /// Returns the change of the bytes held.
-    pub fn note(&mut self, msg: &IngestMessage, here: bool, watched: bool, now: Instant) -> isize {
+    /// (another instance watches its device now), or published here by another instance;
+    /// `decided`: what was decided for it (called only when it is kept). Returns the change
+    /// of the bytes held.
+    pub fn note(&mut self, msg: &IngestMessage, decided: &dyn Fn() -> Decided, here: bool, watched: bool, now: Instant) -> isize {
         let before = self.bytes as isize;
         let keep = !here || watched;
         let ring = match self.rings.get_mut(&*msg.device_id) {
@@ -135,8 +146,9 @@ impl Rings {
             self.maybe_sweep(now);
             return self.bytes as isize - before;
         }
-        let charged = msg.charge() + ENTRY_OVERHEAD;
-        ring.entries.push_back(Entry { at: now, here, charged, msg: msg.clone() });
+        let decided = decided();
+        let charged = msg.charge() + decided.charge() + ENTRY_OVERHEAD;
+        ring.entries.push_back(Entry { at: now, here, charged, msg: msg.clone(), decided });
         ring.bytes += charged;
         self.bytes += charged;
         self.entries += 1;
@@ -218,8 +230,9 @@ impl Rings {
     }
 
     /// The messages of `device` held after the client's last frame of it (`cut`: its key
-    /// hash, `None`: the client had none of it in its stream), oldest first.
-    pub fn after(&self, device: &str, cut: Option<u32>, now: Instant) -> Result<Vec<IngestMessage>, Lost> {
+    /// hash, `None`: the client had none of it in its stream), oldest first, with what was
+    /// decided for each and when it was applied.
+    pub fn after(&self, device: &str, cut: Option<u32>, now: Instant) -> Result<Vec<Kept>, Lost> {
         let Some(ring) = self.rings.get(device) else {
             return match cut {
                 Some(_) => Err(Lost::CutNotHeld),
@@ -237,7 +250,7 @@ impl Rings {
         };
         let mut at = held.iter().enumerate().filter(|(_, e)| key_hash(e.msg.key) == Some(cut)).map(|(i, _)| i);
         match (at.next(), at.next()) {
-            (Some(i), None) => Ok(held[i + 1..].iter().map(|e| e.msg.clone()).collect()),
+            (Some(i), None) => Ok(held[i + 1..].iter().map(|e| Kept { msg: e.msg.clone(), decided: e.decided.clone(), at: e.at }).collect()),
             (Some(_), Some(_)) => Err(Lost::Ambiguous),
             (None, _) => Err(Lost::CutNotHeld),
         }
@@ -253,8 +266,12 @@ mod tests {
         IngestMessage::ring_fixture(device, n)
     }
 
-    fn ns(v: Vec<IngestMessage>) -> Vec<u64> {
-        v.iter().map(|m| m.key.n).collect()
+    fn ns(v: Vec<Kept>) -> Vec<u64> {
+        v.iter().map(|m| m.msg.key.n).collect()
+    }
+
+    fn tel() -> Decided {
+        Decided::FromMessage
     }
 
     fn cut(n: u64) -> Option<u32> {
@@ -266,11 +283,11 @@ mod tests {
         let now = Instant::now();
         let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
         assert!(!r.may_keep("unwatched", true, false), "no clock read for it");
-        assert_eq!(r.note(&msg("unwatched", 1), true, false, now), 0);
+        assert_eq!(r.note(&msg("unwatched", 1), &tel, true, false, now), 0);
         assert_eq!(r.entries(), 0);
         assert!(r.may_keep("unwatched", false, false), "a replica's copy is kept");
         for n in 1..=5 {
-            assert!(r.note(&msg("d", n), true, true, now) > 0);
+            assert!(r.note(&msg("d", n), &tel, true, true, now) > 0);
         }
         assert!(r.may_keep("d", true, false), "a ring goes on a window after its watcher left");
         assert_eq!(ns(r.after("d", cut(2), now).unwrap()), [3, 4, 5]);
@@ -285,12 +302,12 @@ mod tests {
     fn a_ring_goes_on_for_a_window_after_its_last_watcher_left() {
         let t0 = Instant::now();
         let mut r = Rings::new(Duration::from_secs(10), 1 << 20);
-        r.note(&msg("d", 1), true, true, t0);
-        r.note(&msg("d", 2), true, false, t0 + Duration::from_secs(5));
+        r.note(&msg("d", 1), &tel, true, true, t0);
+        r.note(&msg("d", 2), &tel, true, false, t0 + Duration::from_secs(5));
         assert_eq!(ns(r.after("d", cut(1), t0 + Duration::from_secs(5)).unwrap()), [2]);
         // Past the window after the watcher left: nothing more is kept, and what was ages out.
         let late = t0 + Duration::from_secs(30);
-        r.note(&msg("d", 3), true, false, late);
+        r.note(&msg("d", 3), &tel, true, false, late);
         assert_eq!(r.entries(), 0);
         assert_eq!(r.bytes(), 0);
     }
@@ -299,11 +316,11 @@ mod tests {
     fn two_origins_in_a_ring_and_two_entries_with_one_key_fail() {
         let now = Instant::now();
         let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
-        r.note(&msg("d", 1), true, true, now);
-        r.note(&msg("d", 2), false, false, now);
+        r.note(&msg("d", 1), &tel, true, true, now);
+        r.note(&msg("d", 2), &tel, false, false, now);
         assert_eq!(r.after("d", cut(1), now).unwrap_err(), Lost::TwoOrigins);
-        r.note(&msg("e", 1), false, false, now);
-        r.note(&msg("e", 1), false, false, now);
+        r.note(&msg("e", 1), &tel, false, false, now);
+        r.note(&msg("e", 1), &tel, false, false, now);
         assert_eq!(r.after("e", cut(1), now).unwrap_err(), Lost::Ambiguous);
     }
 
@@ -317,17 +334,17 @@ mod tests {
         let one = msg("big", 0).charge() + ENTRY_OVERHEAD;
         let mut r = Rings::new(w, one * 10);
         for n in 1..=12 {
-            r.note(&msg("big", n), true, true, t0);
+            r.note(&msg("big", n), &tel, true, true, t0);
         }
         // Watched on long after the cut, then left: the ring ages out and is dropped.
         let mut t = t0;
         for n in 13..=16 {
             t += w;
-            r.note(&msg("big", n), true, true, t);
+            r.note(&msg("big", n), &tel, true, true, t);
         }
         // Just past the window after the last watched message: the sweep drops the ring.
         let late = t + w + Duration::from_secs(1);
-        r.note(&msg("other", 1), true, false, late);
+        r.note(&msg("other", 1), &tel, true, false, late);
         assert!(!r.may_keep("big", true, false), "the ring of big is gone");
         assert_eq!(ns(r.after("never", None, late).unwrap()), Vec::<u64>::new());
     }
@@ -337,9 +354,9 @@ mod tests {
         let now = Instant::now();
         let one = msg("big", 0).charge() + ENTRY_OVERHEAD;
         let mut r = Rings::new(Duration::from_secs(60), one * 10);
-        r.note(&msg("small", 1), true, true, now);
+        r.note(&msg("small", 1), &tel, true, true, now);
         for n in 1..=9 {
-            r.note(&msg("big", n), true, true, now);
+            r.note(&msg("big", n), &tel, true, true, now);
         }
         assert!(r.bytes() <= one * 10, "{} over {}", r.bytes(), one * 10);
         assert_eq!(r.after("big", cut(3), now).unwrap_err(), Lost::CutNotHeld);

@@ -41,8 +41,8 @@ use super::wire::{decode_message, encode_message};
 use super::Inbound;
 use crate::app::relay::RingMiss;
 use crate::ids::SessionId;
-use crate::ingest::IngestMessage;
 use crate::runtime::routing::core_of_device;
+use crate::shard::devices::{Decided, Kept};
 
 /// First byte of an ask (a read's is 1).
 pub const ASK: u8 = 0x52;
@@ -54,8 +54,8 @@ pub const MAX_DEVICES: usize = 64;
 /// What one answering core says of one device.
 #[derive(Debug, Clone)]
 pub enum Part {
-    /// What followed the cut, oldest first.
-    Msgs(Vec<IngestMessage>),
+    /// What followed the cut, oldest first, with what was decided for each (`ring.rs`).
+    Msgs(Vec<Kept>),
     Miss(RingMiss),
 }
 
@@ -91,6 +91,52 @@ impl<'a> Reader<'a> {
     fn session(&mut self) -> Option<SessionId> {
         Some(SessionId(u128::from_le_bytes(self.take(16)?.try_into().ok()?)))
     }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+}
+
+/// A kept message: `message`, then how long before the answer it was applied (µs, u64),
+/// then its decision: 0 from the message, 1 twin `at` (i64) `doc`, 2 connection `at` (i64)
+/// `connected` (u8), 3 nothing, 4 held.
+fn put_kept(buf: &mut Vec<u8>, from: &str, k: &Kept, now: std::time::Instant) {
+    put_str(buf, &encode_message(from, 0, &k.msg));
+    buf.extend_from_slice(&(now.saturating_duration_since(k.at).as_micros() as u64).to_le_bytes());
+    match &k.decided {
+        Decided::FromMessage => buf.push(0),
+        Decided::Twin { at, doc } => {
+            buf.push(1);
+            buf.extend_from_slice(&at.to_le_bytes());
+            put_str(buf, doc.as_bytes());
+        }
+        Decided::Connection { at, connected } => {
+            buf.push(2);
+            buf.extend_from_slice(&at.to_le_bytes());
+            buf.push(*connected as u8);
+        }
+        Decided::Nothing => buf.push(3),
+        Decided::Held => buf.push(4),
+    }
+}
+
+fn read_kept(r: &mut Reader<'_>, now: std::time::Instant) -> Option<Kept> {
+    let (_, _, msg) = decode_message(r.bytes()?)?;
+    let ago = std::time::Duration::from_micros(r.u64()?);
+    let decided = match r.u8()? {
+        0 => Decided::FromMessage,
+        1 => {
+            let at = r.u64()? as i64;
+            Decided::Twin { at, doc: r.str()?.into() }
+        }
+        2 => {
+            let at = r.u64()? as i64;
+            Decided::Connection { at, connected: r.u8()? == 1 }
+        }
+        3 => Decided::Nothing,
+        4 => Decided::Held,
+        _ => return None,
+    };
+    Some(Kept { msg, decided, at: now.checked_sub(ago).unwrap_or(now) })
 }
 
 /// `ASK origin session reply_core n (device has_cut cut)*`.
@@ -138,9 +184,11 @@ pub fn decode_ask(bytes: &[u8]) -> Option<Asked<'_>> {
 
 /// `ANSWER from session reply_core of status …`: `of` answers from `from` make its whole
 /// answer (one per device core there holding asked devices). Status 0: `n (device kind …)*`
-/// (kind 0: `n (message)*`, each as `wire::encode_message` writes it; 1: not held, `origin`;
+/// (kind 0: `n (kept)*`, each message as `wire::encode_message` writes it with its age and
+/// decision, `put_kept`; 1: not held, `origin`;
 /// 2: lost, why); status 1: refused, why.
 pub fn encode_answer(from: &str, session: SessionId, reply_core: u32, of: u32, parts: &Result<Vec<(Arc<str>, Part)>, String>) -> Vec<u8> {
+    let now = std::time::Instant::now();
     let mut buf = vec![ANSWER];
     put_str(&mut buf, from.as_bytes());
     buf.extend_from_slice(&session.0.to_le_bytes());
@@ -160,8 +208,8 @@ pub fn encode_answer(from: &str, session: SessionId, reply_core: u32, of: u32, p
                     Part::Msgs(msgs) => {
                         buf.push(0);
                         buf.extend_from_slice(&(msgs.len() as u32).to_le_bytes());
-                        for m in msgs {
-                            put_str(&mut buf, &encode_message(from, 0, m));
+                        for k in msgs {
+                            put_kept(&mut buf, from, k, now);
                         }
                     }
                     Part::Miss(RingMiss::NotHeld { origin }) => {
@@ -192,6 +240,7 @@ pub fn answer_head(bytes: &[u8]) -> Option<(&str, SessionId, u32)> {
 pub type Answered = (Box<str>, SessionId, u32, Result<Vec<(Arc<str>, Part)>, String>);
 
 pub fn decode_answer(bytes: &[u8]) -> Option<Answered> {
+    let now = std::time::Instant::now();
     let mut r = Reader(bytes);
     if r.u8()? != ANSWER {
         return None;
@@ -215,11 +264,11 @@ pub fn decode_answer(bytes: &[u8]) -> Option<Answered> {
                         let k = r.u32()? as usize;
                         let mut msgs = Vec::with_capacity(k.min(4096));
                         for _ in 0..k {
-                            let (_, _, m) = decode_message(r.bytes()?)?;
-                            if *m.device_id != *device {
+                            let kept = read_kept(&mut r, now)?;
+                            if *kept.msg.device_id != *device {
                                 return None;
                             }
-                            msgs.push(m);
+                            msgs.push(kept);
                         }
                         Part::Msgs(msgs)
                     }
@@ -282,9 +331,10 @@ pub(super) async fn on_answer(ctx: &Ctx, payload: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ingest::IngestMessage;
 
-    fn msg(device: &str, n: u64) -> IngestMessage {
-        IngestMessage::ring_fixture(device, n)
+    fn msg(device: &str, n: u64) -> Kept {
+        Kept { msg: IngestMessage::ring_fixture(device, n), decided: Decided::FromMessage, at: std::time::Instant::now() }
     }
 
     #[test]
@@ -296,7 +346,7 @@ mod tests {
         assert_eq!(decode_ask(&ask[..ask.len() - 1]), None);
         assert_eq!(decode_ask(&[1, 2, 3]), None, "a read's payload is not an ask");
         let parts = Ok(vec![
-            ("d1".into(), Part::Msgs(vec![msg("d1", 1), msg("d1", 2)])),
+            ("d1".into(), Part::Msgs(vec![msg("d1", 1), Kept { decided: Decided::Twin { at: 7, doc: "{\"a\":1}".into() }, ..msg("d1", 2) }, Kept { decided: Decided::Connection { at: -3, connected: true }, ..msg("d1", 3) }, Kept { decided: Decided::Held, ..msg("d1", 4) }])),
             ("d2".into(), Part::Miss(RingMiss::NotHeld { origin: true })),
             ("d3".into(), Part::Miss(RingMiss::Lost("Gap".into()))),
         ]);
@@ -306,7 +356,9 @@ mod tests {
         assert_eq!((&*from, s, of), ("c", session, 2));
         let got = got.unwrap();
         let Part::Msgs(msgs) = &got[0].1 else { panic!("{got:?}") };
-        assert_eq!(msgs.iter().map(|m| (m.key, m.body.clone())).collect::<Vec<_>>(), vec![(msg("d1", 1).key, msg("d1", 1).body), (msg("d1", 2).key, msg("d1", 2).body)]);
+        assert_eq!(msgs.iter().map(|m| (m.msg.key, m.msg.body.clone())).collect::<Vec<_>>(), (1..=4).map(|n| (msg("d1", n).msg.key, msg("d1", n).msg.body)).collect::<Vec<_>>());
+        let decided: Vec<&Decided> = msgs.iter().map(|k| &k.decided).collect();
+        assert_eq!(decided, [&Decided::FromMessage, &Decided::Twin { at: 7, doc: "{\"a\":1}".into() }, &Decided::Connection { at: -3, connected: true }, &Decided::Held]);
         assert!(matches!(&got[1].1, Part::Miss(RingMiss::NotHeld { origin: true })));
         assert!(matches!(&got[2].1, Part::Miss(RingMiss::Lost(why)) if why == "Gap"));
         let refused = encode_answer("c", session, 0, 1, &Err("over".into()));

@@ -162,6 +162,7 @@ impl DeviceTable {
                 return publication;
             }
             SourceKind::TwinChange => {
+                self.event = replay::Event::Nothing;
                 let doc = match serde_json::from_slice::<Value>(body) {
                     Ok(doc @ Value::Object(_)) => doc,
                     Ok(_) => {
@@ -191,6 +192,9 @@ impl DeviceTable {
                 // With a hub, a change alone is never taken for the twin: it waits for the
                 // whole twin to be read (behind the changes already waiting, to keep order).
                 if hub && !replace && (device.twin.is_none() || device.twin_pending.is_some()) {
+                    // Held (or, with nobody here to push to, dropped until a read): a twin
+                    // subscriber elsewhere gets its frame later, from a read, without a key.
+                    self.event = replay::Event::Held;
                     if device.twin_pending.is_none() && !device.wants(|a| a.subscribed_twin()) {
                         // Nobody to push to; a later read asks the hub anyway.
                         self.prune(device_id); // the entry made above, if it holds nothing
@@ -215,12 +219,14 @@ impl DeviceTable {
                         twin.at = at;
                     }
                 }
+                self.event = replay::Event::Twin { at };
                 if device.wants(|a| a.subscribed_twin()) {
                     let twin = device.twin.as_ref().map(|t| t.doc.to_string());
                     return Some(Publication { device: Arc::from(device_id), at, twin, ..Default::default() });
                 }
             }
             SourceKind::ConnectionState => {
+                self.event = replay::Event::Nothing;
                 if !self.settings.custom_connection_state_key.is_empty() {
                     return None; // the body key is the only source of truth then (reference §9)
                 }
@@ -251,6 +257,7 @@ impl DeviceTable {
                 }
                 device.connection = Some(ConnectionState { connected, at, sequence });
                 Self::stamp(source, device);
+                self.event = replay::Event::Connection { at, connected };
                 device.last_seen = Some(now);
                 let connection_ttl = self.timing.connection_ttl;
                 Self::arm_offline_check(&mut self.offline_due, connection_ttl, device_id, device, now);

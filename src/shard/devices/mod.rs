@@ -34,6 +34,7 @@ pub use durable::{Dirty, SnapshotWalk};
 pub(crate) use durable::shrink_after;
 mod fanout;
 mod replay;
+pub use replay::{Decided, Kept};
 mod ingest;
 mod telemetry;
 mod twin;
@@ -215,6 +216,9 @@ pub struct DeviceTable {
     wall_clock: Option<(Instant, Millis)>,
     /// Messages read again from their partition, recognised and not applied (design step 9).
     rereads: u64,
+    /// What the last twin change or connection event applied was decided to send
+    /// ([`Self::decided`], kept in device rings: design step 11).
+    event: replay::Event,
 }
 
 impl DeviceTable {
@@ -234,6 +238,7 @@ impl DeviceTable {
             scratch: String::new(),
             wall_clock: None,
             rereads: 0,
+            event: replay::Event::Nothing,
         }
     }
 

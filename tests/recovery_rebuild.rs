@@ -1,0 +1,142 @@
+//! Issue 24 item 5 across instances (docs/design/recovery.md step 11): after a `kill -9` of
+//! the client's instance, the history rebuilt on another instance from its device rings is
+//! what the socket would have received had it stayed: twin changes and connection events
+//! included, as the live path decided them. Real binaries on one `redis-server`, the npm
+//! socket.io-client behind a cutting proxy, a never-cut client beside it to compare with.
+
+mod common;
+
+use common::lb::Cutter;
+use common::recovery::*;
+use common::sio::{socketio_at, SioClient};
+use common::*;
+use serde_json::{json, Value};
+
+/// A lease TTL of 2 s: a killed instance leaves the others' view of live instances soon;
+/// `deviceTwin` grants need an IoT Hub service connection (never contacted here: the twin
+/// comes whole in a `replaceTwin` first).
+const ARGS: [&str; 4] = ["--lease-ttl", "2", "--iot-hub-service-connection-string", "HostName=127.0.0.1;SharedAccessKeyName=service;SharedAccessKey=a2V5"];
+
+/// A session granted and subscribed to each of `kinds` of `device`.
+fn session_of(server: &Server, device: &str, kinds: &[&str]) -> String {
+    let session = server.new_session();
+    for k in kinds {
+        server.grant(&session, kind(k, device));
+        let (status, body) = server.subscribe(&session, kind(k, device));
+        assert_eq!(status, 204, "{body}");
+    }
+    session
+}
+
+/// The `data` envelopes up to and including the d2c message `last`.
+fn frames_until(client: &SioClient, last: u64) -> Vec<Value> {
+    let mut frames = Vec::new();
+    loop {
+        let e = client.wait_for("data", WAIT).unwrap_or_else(|| panic!("frames up to message {last}: {frames:#?}"));
+        let done = e["data"]["message"]["n"] == last;
+        frames.push(e["data"].clone());
+        if done {
+            return frames;
+        }
+    }
+}
+
+/// A d2c message with a time of its own (so every frame of it has one timestamp wherever it
+/// is made).
+fn timed(device: &str, n: u64) -> Value {
+    json!({"deviceId": device, "enqueuedTime": format!("2026-11-28T06:00:{:02}.000Z", n % 60), "body": {"n": n}})
+}
+
+fn twin_change(device: &str, version: u64, fw: &str) -> Value {
+    let op = if version == 1 { "replaceTwin" } else { "updateTwin" };
+    json!({
+        "deviceId": device, "source": "twinChangeEvents", "properties": {"opType": op},
+        "enqueuedTime": format!("2026-11-28T06:01:{:02}.000Z", version),
+        "body": {"version": version, "properties": {"reported": {"fw": fw}}}
+    })
+}
+
+fn connection_event(device: &str, op: &str, sequence: u64) -> Value {
+    json!({
+        "deviceId": device, "source": "deviceConnectionStateEvents", "properties": {"opType": op},
+        "enqueuedTime": format!("2026-11-28T06:02:{:02}.000Z", sequence),
+        "body": {"sequenceNumber": format!("{sequence:048x}")}
+    })
+}
+
+fn kinds_of(frames: &[Value]) -> Vec<String> {
+    frames
+        .iter()
+        .map(|f| {
+            ["message", "deviceTwin", "connectionState", "telemetry"]
+                .into_iter()
+                .find(|k| f.get(*k).is_some())
+                .map(|k| match k {
+                    "message" => format!("message {}", f["message"]["n"]),
+                    "deviceTwin" => format!("twin {}", f["deviceTwin"]["properties"]["reported"]["fw"].as_str().unwrap_or("?")),
+                    "connectionState" => format!("connection {}", f["connectionState"]),
+                    k => k.to_string(),
+                })
+                .unwrap_or_else(|| panic!("an envelope of one kind: {f}"))
+        })
+        .collect()
+}
+
+/// Twin changes and connection events in a rebuild (design step 11, d): a session reading
+/// dev-1's d2c messages, twin and connection state is cut off A while B takes in messages,
+/// twin changes (one stale: dropped live, so not replayed either) and connection events (one
+/// with an older sequence number: dropped too); A is killed, B takes in more; the client
+/// lands on B: `recovered` true, and every frame once, in the order a never-cut client of the
+/// same subscriptions on B received them, then live. Before, the rebuild refused any session
+/// subscribed to twins or connection states with such an event after its cut.
+#[test]
+fn twin_changes_and_connection_events_are_rebuilt_as_a_client_that_stayed_received_them() {
+    let redis = common::redis::Redis::start();
+    let (mut a, b) = (instance_with(&redis, "a", &ARGS), instance_with(&redis, "b", &ARGS));
+    let kinds = ["d2cMessages", "deviceTwin", "connectionState"];
+    let session = session_of(&a, "dev-1", &kinds);
+    let staying = session_of(&b, "dev-1", &kinds);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    let stay = socketio_at(&format!("http://127.0.0.1:{}", b.port), &[&staying], "websocket", false, &[PRINT]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    stay.wait_for("connect", WAIT).expect("connect");
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    b.ingest(json!([twin_change("dev-1", 1, "1.0"), timed("dev-1", 0)]));
+    assert_eq!(kinds_of(&frames_until(&client, 0)), ["twin 1.0", "connection true", "message 0"]);
+    assert_eq!(kinds_of(&frames_until(&stay, 0)), ["twin 1.0", "connection true", "message 0"]);
+
+    cut(&cutter, &a, &client, WS_GAUGE);
+    b.ingest(json!([
+        timed("dev-1", 1),
+        twin_change("dev-1", 2, "2.0"),
+        timed("dev-1", 2),
+        connection_event("dev-1", "deviceDisconnected", 5),
+        connection_event("dev-1", "deviceConnected", 4),
+        twin_change("dev-1", 2, "stale"),
+        twin_change("dev-1", 3, "3.0"),
+    ]));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"twinChangeEvents\"}", WAIT, Want::AtLeast(4.0));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"deviceConnectionStateEvents\"}", WAIT, Want::AtLeast(2.0));
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT).expect("killed");
+    b.ingest(json!([connection_event("dev-1", "deviceDisconnected", 6), twin_change("dev-1", 4, "4.0"), timed("dev-1", 3)]));
+    let stayed = frames_until(&stay, 3);
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    b.ingest(timed("dev-1", 99));
+    let replayed = frames_until(&client, 99);
+    let live = frames_until(&stay, 99);
+    assert_eq!(
+        kinds_of(&stayed),
+        [
+            "connection true", "message 1", "twin 2.0", "connection true", "message 2", "connection false",
+            "twin 3.0", "connection false", "twin 4.0", "connection true", "message 3",
+        ],
+        "what a client that stayed received (a stale twin version and connection event dropped)"
+    );
+    assert_eq!(replayed[..stayed.len()], stayed[..], "the replay is what the client that stayed received, once, in order");
+    assert_eq!(replayed[stayed.len()..], live[..], "then live");
+    assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(stayed.len() as f64));
+}
