@@ -140,3 +140,82 @@ fn twin_changes_and_connection_events_are_rebuilt_as_a_client_that_stayed_receiv
     assert_eq!(replayed[stayed.len()..], live[..], "then live");
     assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(stayed.len() as f64));
 }
+
+// ---- a rebuilt history kept in the landing instance's data dir (design step 11, h) ----------
+
+/// The next `data` event's d2c message `n`.
+fn next_message(client: &SioClient) -> u64 {
+    let e = client.wait_for("data", WAIT).expect("a data event");
+    e["data"]["message"]["n"].as_u64().unwrap_or_else(|| panic!("a d2c message: {e}"))
+}
+
+/// A history rebuilt on B is written whole to B's data dir (`--recovery-durable`, the
+/// default with one), as a stream made new is: after the rebuild and 5 live messages, a
+/// `kill -9` and restart of B on the same data dir, then a SIGTERM and restart, each with
+/// messages taken in before the client is let back: `recovered` true each time, every message
+/// once, in order. Before, the rebuilt stream had no base in the store: its appends were read
+/// back after a gap, and the client failed after B's `kill -9` (a SIGTERM alone wrote it whole
+/// at the stop, as every stream).
+#[test]
+fn a_rebuilt_history_survives_a_restart_of_the_instance_it_was_rebuilt_on() {
+    let redis = common::redis::Redis::start();
+    let dir = TempDir::new();
+    let url = redis.url();
+    let start_b = |port: &str| {
+        let args = ["--redis-url", &url, "--instance-id", "b", "--redis-prefix", "t", "--lease-ttl", "2", "--data-dir", dir.path(), "--port", port];
+        let server = Server::start(&args);
+        server.wait_for_metric("hubcast_redis_connected{instance=\"b\"}", WAIT, Want::Eq(1.0));
+        server
+    };
+    let mut a = instance_with(&redis, "a", &ARGS[..2]);
+    let mut b = start_b("0");
+    let port = b.port.to_string();
+    let session = session_of(&a, "dev-1", &["d2cMessages"]);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    b.ingest(message("dev-1", 0));
+    assert_eq!(next_message(&client), 0);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    b.ingest(json!((1..=10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT).expect("killed");
+    b.ingest(json!((11..=15).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    let got: Vec<u64> = (0..15).map(|_| next_message(&client)).collect();
+    assert_eq!(got, (1..=15).collect::<Vec<_>>());
+
+    // kill -9 and restart at once: what was appended to the rebuilt history (5 live) is read
+    // back over its base; 5 taken in before the client is let back.
+    b.ingest(json!((16..=20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    assert_eq!((0..5).map(|_| next_message(&client)).collect::<Vec<_>>(), (16..=20).collect::<Vec<_>>());
+    b.wait_for_metric("hubcast_recovery_appended_frames_total", WAIT, Want::AtLeast(5.0));
+    b.signal(libc::SIGKILL);
+    b.wait_exit(WAIT).expect("killed");
+    client.wait_for("disconnect", WAIT).expect("the client sees B go");
+    cutter.hold();
+    b = start_b(&port);
+    b.ingest(json!((21..=25).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "after a kill -9: {back}\n{}", b.stderr_lines().join("\n"));
+    let got: Vec<u64> = (0..5).map(|_| next_message(&client)).collect();
+    assert_eq!(got, (21..=25).collect::<Vec<_>>());
+    // Then SIGTERM and restart on the same data dir; 5 taken in before the client is let back.
+    b.signal(libc::SIGTERM);
+    client.wait_for("disconnect", WAIT).expect("the goodbye");
+    b.wait_exit(WAIT).expect("exits after SIGTERM");
+    cutter.hold();
+    b = start_b(&port);
+    b.ingest(json!((26..=30).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "after a SIGTERM: {back}\n{}", b.stderr_lines().join("\n"));
+    let got: Vec<u64> = (0..5).map(|_| next_message(&client)).collect();
+    assert_eq!(got, (26..=30).collect::<Vec<_>>());
+
+    b.ingest(message("dev-1", 999));
+    assert_eq!(next_message(&client), 999, "nothing twice, then live");
+}

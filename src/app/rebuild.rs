@@ -487,7 +487,11 @@ impl Core {
         });
         self.recovery.streamed.borrow_mut().insert(session);
         self.recovery.deadlines.borrow_mut().push(std::cmp::Reverse((now + window, session)));
+        // `--recovery-durable`: written whole, as a stream made new is, so the appends of
+        // what follows have a base and a restart here (even a `kill -9`) keeps it.
+        let written = self.durable_record(recovery, true, now);
         drop(sessions);
+        self.recovery_write(session, written);
         self.arm_clock();
         tracing::debug!(session = %session, frames = frames.len(), "history rebuilt from device rings");
         Ok(())

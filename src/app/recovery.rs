@@ -142,7 +142,7 @@ impl CoreRecovery {
 }
 
 /// A session's recovery state as the write-ahead commits it after a change of its pids.
-enum Written {
+pub(super) enum Written {
     Whole(Box<StoredRecovery>),
     Pids(Vec<crate::push::stream::StoredPid>),
 }
@@ -386,7 +386,7 @@ impl Core {
 
     /// What the write-ahead keeps of a session's recovery state after a change of its pids
     /// (the whole stream when it was just `created`); `None` unless `--recovery-durable`.
-    fn durable_record(&self, recovery: &SessionRecovery, created: bool, now: Instant) -> Option<Written> {
+    pub(super) fn durable_record(&self, recovery: &SessionRecovery, created: bool, now: Instant) -> Option<Written> {
         if !self.recovery.durable.get() {
             return None;
         }
@@ -398,7 +398,7 @@ impl Core {
     }
 
     /// Commits a [`Core::durable_record`] (the session table not borrowed).
-    fn recovery_write(&self, session: SessionId, written: Option<Written>) {
+    pub(super) fn recovery_write(&self, session: SessionId, written: Option<Written>) {
         let Some(written) = written else { return };
         if let Some(store) = self.store.borrow_mut().as_mut() {
             match &written {
