@@ -10,7 +10,7 @@ use hashbrown::HashMap;
 use crate::ids::SessionId;
 use crate::push::stream::{AppendBatch, StoredPid, StoredRecovery};
 use crate::shard::access::{Access, Grants, Subscriptions};
-use crate::shard::devices::Device;
+use crate::shard::devices::{Device, DeviceId};
 
 /// One change of durable state, borrowed from the shard that made it.
 pub enum Change<'a> {
@@ -42,7 +42,7 @@ pub enum Change<'a> {
 /// instead of building a second one (start-up with 1,000,000 devices, issue 11).
 #[derive(Default)]
 pub struct Loaded {
-    pub devices: HashMap<Box<str>, Device>,
+    pub devices: HashMap<DeviceId, Device>,
     pub access: HashMap<(Box<str>, SessionId), (Grants, Subscriptions)>,
     pub sessions: HashMap<SessionId, Vec<Box<str>>>,
     /// Source partition → the highest sequence number this core has applied.

@@ -742,7 +742,7 @@ impl NewestFirst {
         }
         match decode_one(r, tag)? {
             Record::Device(id, None) => {
-                if !into.devices.contains_key(&id) {
+                if !into.devices.contains_key(&*id) {
                     self.gone.insert(id);
                 }
             }

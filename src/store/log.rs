@@ -1127,7 +1127,7 @@ mod tests {
 
     fn all_devices(o: &Opened) -> Vec<(Box<str>, DeviceData)> {
         let mut v: Vec<_> =
-            o.loaded.iter().flat_map(|l| l.devices.iter().map(|(k, d)| (k.clone(), crate::store::data_of_device(d)))).collect();
+            o.loaded.iter().flat_map(|l| l.devices.iter().map(|(k, d)| (Box::<str>::from(k), crate::store::data_of_device(d)))).collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }

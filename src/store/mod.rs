@@ -70,10 +70,10 @@ impl Loaded {
                 if device.heard_at_start(*self.heard.get_or_insert_with(std::time::Instant::now)) {
                     self.connected.push(id.clone());
                 }
-                self.devices.insert(id, device);
+                self.devices.insert(id.into(), device);
             }
             Record::Device(id, None) => {
-                self.devices.remove(&id);
+                self.devices.remove(&*id);
             }
             Record::Access(device, session, Some(a)) => {
                 self.access.insert((device, session), a);

@@ -198,7 +198,7 @@ impl DeviceTable {
         }
         for ((device, session), (grants, subs)) in loaded.access.drain() {
             let access = Access::new(grants, subs);
-            self.devices.entry(device).or_default().access.insert(session, access);
+            self.devices.entry_ref(&*device).or_default().access.insert(session, access);
         }
     }
 }

@@ -108,8 +108,8 @@ impl DeviceTable {
                 };
                 let connection_ttl = self.timing.connection_ttl;
                 let source = self.source;
-                // One look-up of the device per message.
-                let device = self.devices.entry_ref(device_id).or_default();
+                // One look-up of the device per message; its id is compared in the bucket.
+                let device = self.devices.entry_ref(&Lookup::new(device_id)).or_default();
                 if Self::reread(&mut self.rereads, device, key) {
                     return None;
                 }

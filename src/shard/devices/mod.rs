@@ -33,12 +33,14 @@ mod durable;
 pub use durable::{Dirty, SnapshotWalk};
 pub(crate) use durable::shrink_after;
 mod fanout;
+mod id;
 mod replay;
 pub use replay::{Decided, Kept};
 mod ingest;
 mod telemetry;
 mod twin;
 pub use telemetry::Telemetry;
+pub use id::{DeviceId, Lookup};
 pub use twin::merge_patch;
 
 
@@ -186,7 +188,7 @@ impl Device {
 }
 
 pub struct DeviceTable {
-    devices: HashMap<Box<str>, Device>,
+    devices: HashMap<DeviceId, Device>,
     settings: IngestSettings,
     timing: PushTiming,
     /// Trailing throttle flushes: (due, device, session). Entries are checked, not trusted.
@@ -318,7 +320,7 @@ impl DeviceTable {
 
     /// Devices watched here now (after a reconnect to Redis, to subscribe again).
     pub fn watched_here(&self) -> Vec<Box<str>> {
-        self.devices.iter().filter(|(_, d)| d.watched_here).map(|(k, _)| k.clone()).collect()
+        self.devices.iter().filter(|(_, d)| d.watched_here).map(|(k, _)| Box::from(k)).collect()
     }
 
     /// Re-computes whether `device` is watched here, noting a change.
@@ -355,7 +357,7 @@ impl DeviceTable {
 
     /// Every device of this core, in no order (for the console's listing, `shard::listing`).
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Device)> {
-        self.devices.iter().map(|(id, d)| (&**id, d))
+        self.devices.iter().map(|(id, d)| (id.as_str(), d))
     }
 
     pub fn is_empty(&self) -> bool {
