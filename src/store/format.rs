@@ -33,10 +33,12 @@ pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// the write-ahead of the streams ([`TAG_STREAM_APPEND`], [`TAG_STREAM_PIDS`]) and the
 /// delivery counts of the crash rule ([`TAG_POSTED`], [`TAG_RECEIVED`]): design step 7.
 /// Version 4 added the device record with its read mark ([`TAG_DEVICE_KEYED`]): step 9.
-pub const VERSION: u32 = 4;
+/// Version 5 writes devices as compact records ([`TAG_DEVICE_COMPACT`]: varint lengths, one
+/// time per record); the records of versions 1-4 are still read, in any file.
+pub const VERSION: u32 = 5;
 /// The versions this hubcast reads (it writes [`VERSION`]). An older hubcast refuses a
 /// newer file by name: a downgrade is not supported once one was written.
-pub const READS: [u32; 4] = [1, 2, 3, 4];
+pub const READS: [u32; 5] = [1, 2, 3, 4, 5];
 pub const HEADER_LEN: usize = 16;
 pub const KIND_LOG: u8 = 1;
 pub const KIND_SNAPSHOT: u8 = 2;
@@ -68,11 +70,28 @@ const TAG_RECEIVED: u8 = 13;
 /// takeover is still recognised (version 4: design step 9). Written only for a device that
 /// has one; the others keep [`TAG_DEVICE`], byte for byte as before.
 const TAG_DEVICE_KEYED: u8 = 14;
+/// A device record, compact (version 5; issue 25 item 4: the store's cost is mostly the
+/// kernel's, in proportion to the bytes written, and a telemetry message writes its device's
+/// record). Lengths and counts are LEB128 varints, times zigzag varints: the record's base
+/// time once, every other time as its difference from it (one byte when the values of a
+/// message share its time):
+///
+/// `id: vstr`, `flags: u8` ([`HAS_TWIN`], [`HAS_CONNECTION`], [`CONNECTED`], [`HAS_SEQUENCE`],
+/// [`HAS_MARK`]; other bits are damage), `base: zvarint`, `n: varint`, n × (`key: vstr`,
+/// `value: vstr`, `at - base: zvarint`), twin: (`doc: vstr`, `at - base`), connection:
+/// (`at - base`, sequence: `vstr`), mark: (`ms - base: zvarint`, `n: varint`).
+/// 70-80 bytes for a device of three short values where [`TAG_DEVICE`] took ~126.
+const TAG_DEVICE_COMPACT: u8 = 15;
+const HAS_TWIN: u8 = 1;
+const HAS_CONNECTION: u8 = 2;
+const CONNECTED: u8 = 4;
+const HAS_SEQUENCE: u8 = 8;
+const HAS_MARK: u8 = 16;
 pub const TAG_END: u8 = 0xFF;
 
-/// A device record, with or without its read mark.
+/// A device record: with or without its read mark, or compact.
 fn is_device(tag: u8) -> bool {
-    tag == TAG_DEVICE || tag == TAG_DEVICE_KEYED
+    tag == TAG_DEVICE || tag == TAG_DEVICE_KEYED || tag == TAG_DEVICE_COMPACT
 }
 
 pub use crate::shard::change::Change;
@@ -165,6 +184,119 @@ fn put_str(buf: &mut Vec<u8>, s: &str) {
     buf.extend_from_slice(s.as_bytes());
 }
 
+/// LEB128: 7 bits a byte, low first; the top bit says more follow.
+#[inline]
+fn put_varint(buf: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        buf.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    buf.push(v as u8);
+}
+
+#[inline]
+fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+#[inline]
+fn unzigzag(u: u64) -> i64 {
+    ((u >> 1) as i64) ^ -((u & 1) as i64)
+}
+
+/// A string as a varint length and its bytes.
+#[inline]
+fn put_vstr(buf: &mut Vec<u8>, s: &str) {
+    put_varint(buf, s.len() as u64);
+    buf.extend_from_slice(s.as_bytes());
+}
+
+/// A device's compact record ([`TAG_DEVICE_COMPACT`]).
+fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device) {
+    let mark = d.mark.key();
+    let mut values = d.telemetry.iter();
+    let base = match values.clone().next() {
+        Some((_, _, at)) => at,
+        None => d.connection.as_ref().map(|c| c.at).or(d.twin.as_ref().map(|t| t.at)).unwrap_or(0),
+    };
+    let mut flags = 0;
+    if d.twin.is_some() {
+        flags |= HAS_TWIN;
+    }
+    if let Some(c) = &d.connection {
+        flags |= HAS_CONNECTION | if c.connected { CONNECTED } else { 0 } | if c.sequence.is_some() { HAS_SEQUENCE } else { 0 };
+    }
+    if !mark.is_none() {
+        flags |= HAS_MARK;
+    }
+    buf.push(TAG_DEVICE_COMPACT);
+    put_vstr(buf, id);
+    buf.push(flags);
+    put_varint(buf, zigzag(base));
+    put_varint(buf, d.telemetry.len() as u64);
+    for (k, v, at) in &mut values {
+        put_vstr(buf, k);
+        put_vstr(buf, v);
+        put_varint(buf, zigzag(at.wrapping_sub(base)));
+    }
+    if let Some(t) = &d.twin {
+        put_vstr(buf, &t.doc.to_string());
+        put_varint(buf, zigzag(t.at.wrapping_sub(base)));
+    }
+    if let Some(c) = &d.connection {
+        put_varint(buf, zigzag(c.at.wrapping_sub(base)));
+        if let Some(s) = &c.sequence {
+            put_vstr(buf, s);
+        }
+    }
+    if !mark.is_none() {
+        put_varint(buf, zigzag(mark.ms.wrapping_sub(base)));
+        put_varint(buf, mark.n);
+    }
+}
+
+/// The older device record ([`TAG_DEVICE`], [`TAG_DEVICE_KEYED`]), as versions 1-4 wrote it:
+/// for the tests that read such files.
+#[cfg(test)]
+pub(crate) fn encode_device_v4(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device) {
+    let mark = d.mark.key();
+    buf.push(if mark.is_none() { TAG_DEVICE } else { TAG_DEVICE_KEYED });
+    put_str(buf, id);
+    buf.extend_from_slice(&(d.telemetry.len() as u32).to_le_bytes());
+    for (k, v, at) in d.telemetry.iter() {
+        put_str(buf, k);
+        put_str(buf, v);
+        buf.extend_from_slice(&at.to_le_bytes());
+    }
+    match &d.twin {
+        Some(t) => {
+            buf.push(1);
+            put_str(buf, &t.doc.to_string());
+            buf.extend_from_slice(&t.at.to_le_bytes());
+        }
+        None => buf.push(0),
+    }
+    match &d.connection {
+        Some(c) => {
+            buf.push(1);
+            buf.push(c.connected as u8);
+            buf.extend_from_slice(&c.at.to_le_bytes());
+            match &c.sequence {
+                Some(s) => {
+                    buf.push(1);
+                    put_str(buf, s);
+                }
+                None => buf.push(0),
+            }
+        }
+        None => buf.push(0),
+    }
+    if !mark.is_none() {
+        buf.extend_from_slice(&mark.ms.to_le_bytes());
+        buf.extend_from_slice(&mark.n.to_le_bytes());
+    }
+}
+
 fn put_keys(buf: &mut Vec<u8>, k: &KeySet) {
     buf.push(k.all as u8);
     buf.extend_from_slice(&(k.keys.len() as u32).to_le_bytes());
@@ -176,44 +308,7 @@ fn put_keys(buf: &mut Vec<u8>, k: &KeySet) {
 /// Appends one record for `change`.
 pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
     match change {
-        Change::Device { id, device: Some(d) } => {
-            let mark = d.mark.key();
-            buf.push(if mark.is_none() { TAG_DEVICE } else { TAG_DEVICE_KEYED });
-            put_str(buf, id);
-            buf.extend_from_slice(&(d.telemetry.len() as u32).to_le_bytes());
-            for (k, v, at) in d.telemetry.iter() {
-                put_str(buf, k);
-                put_str(buf, v);
-                buf.extend_from_slice(&at.to_le_bytes());
-            }
-            match &d.twin {
-                Some(t) => {
-                    buf.push(1);
-                    put_str(buf, &t.doc.to_string());
-                    buf.extend_from_slice(&t.at.to_le_bytes());
-                }
-                None => buf.push(0),
-            }
-            match &d.connection {
-                Some(c) => {
-                    buf.push(1);
-                    buf.push(c.connected as u8);
-                    buf.extend_from_slice(&c.at.to_le_bytes());
-                    match &c.sequence {
-                        Some(s) => {
-                            buf.push(1);
-                            put_str(buf, s);
-                        }
-                        None => buf.push(0),
-                    }
-                }
-                None => buf.push(0),
-            }
-            if !mark.is_none() {
-                buf.extend_from_slice(&mark.ms.to_le_bytes());
-                buf.extend_from_slice(&mark.n.to_le_bytes());
-            }
-        }
+        Change::Device { id, device: Some(d) } => encode_device(buf, id, d),
         Change::Device { id, device: None } => {
             buf.push(TAG_DEVICE_GONE);
             put_str(buf, id);
@@ -384,6 +479,20 @@ fn decode_stream(r: &mut Reader<'_>) -> Result<Record, String> {
     Ok(Record::Stream(id, Some(StoredRecovery { epoch, next_seq, first_seq, cut_by, lost_epoch, entries, pids })))
 }
 
+/// A device record's data (after its id) as read, borrowed from the payload; the same for
+/// every device record tag.
+#[derive(Default)]
+struct DeviceParts<'a> {
+    /// (key, value as JSON text, time), in the record's order.
+    values: smallvec::SmallVec<[(&'a str, &'a str, i64); 16]>,
+    /// (document as JSON text, time).
+    twin: Option<(&'a str, i64)>,
+    /// (connected, time, sequenceNumber).
+    connection: Option<(bool, i64, Option<&'a str>)>,
+    /// `MsgKey::NONE`: none.
+    mark: crate::ingest::MsgKey,
+}
+
 /// A cursor over a frame's payload; every read is bounds-checked (corrupt data is an error).
 struct Reader<'a> {
     bytes: &'a [u8],
@@ -425,6 +534,84 @@ impl<'a> Reader<'a> {
         let n = self.u32()? as usize;
         std::str::from_utf8(self.take(n)?).map_err(|_| "a string that is not UTF-8".to_string())
     }
+    fn varint(&mut self) -> R<u64> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let b = self.u8()?;
+            if shift == 63 && b > 1 {
+                return Err("a varint past 64 bits".into());
+            }
+            v |= u64::from(b & 0x7F) << shift;
+            if b < 0x80 {
+                return Ok(v);
+            }
+        }
+        Err("a varint past 64 bits".into())
+    }
+    /// A zigzag varint added to `base` (wrapping, as it was taken from it).
+    fn time(&mut self, base: i64) -> R<i64> {
+        Ok(base.wrapping_add(unzigzag(self.varint()?)))
+    }
+    fn vstr(&mut self) -> R<&'a str> {
+        let n = usize::try_from(self.varint()?).map_err(|_| "a string past the address space")?;
+        std::str::from_utf8(self.take(n)?).map_err(|_| "a string that is not UTF-8".to_string())
+    }
+    /// A device record's id (after its tag).
+    fn device_id(&mut self, tag: u8) -> R<&'a str> {
+        if tag == TAG_DEVICE_COMPACT {
+            self.vstr()
+        } else {
+            self.str()
+        }
+    }
+    /// The rest of a device record (after its id), borrowed from the payload.
+    fn device(&mut self, tag: u8) -> R<DeviceParts<'a>> {
+        let mut d = DeviceParts::default();
+        if tag == TAG_DEVICE_COMPACT {
+            let flags = self.u8()?;
+            if flags & !(HAS_TWIN | HAS_CONNECTION | CONNECTED | HAS_SEQUENCE | HAS_MARK) != 0
+                || (flags & HAS_CONNECTION == 0 && flags & (CONNECTED | HAS_SEQUENCE) != 0)
+            {
+                return Err(format!("device record flags {flags:#x}"));
+            }
+            let base = unzigzag(self.varint()?);
+            let n = self.varint()?;
+            d.values.reserve(n.min(1 << 16) as usize);
+            for _ in 0..n {
+                d.values.push((self.vstr()?, self.vstr()?, self.time(base)?));
+            }
+            if flags & HAS_TWIN != 0 {
+                d.twin = Some((self.vstr()?, self.time(base)?));
+            }
+            if flags & HAS_CONNECTION != 0 {
+                let at = self.time(base)?;
+                let sequence = if flags & HAS_SEQUENCE != 0 { Some(self.vstr()?) } else { None };
+                d.connection = Some((flags & CONNECTED != 0, at, sequence));
+            }
+            if flags & HAS_MARK != 0 {
+                d.mark = crate::ingest::MsgKey { ms: self.time(base)?, n: self.varint()? };
+            }
+            return Ok(d);
+        }
+        let n = self.u32()?;
+        d.values.reserve(n.min(1 << 16) as usize);
+        for _ in 0..n {
+            d.values.push((self.str()?, self.str()?, self.i64()?));
+        }
+        if self.bool()? {
+            d.twin = Some((self.str()?, self.i64()?));
+        }
+        if self.bool()? {
+            let connected = self.bool()?;
+            let at = self.i64()?;
+            let sequence = if self.bool()? { Some(self.str()?) } else { None };
+            d.connection = Some((connected, at, sequence));
+        }
+        if tag == TAG_DEVICE_KEYED {
+            d.mark = read_mark(self)?;
+        }
+        Ok(d)
+    }
     fn keys(&mut self) -> R<KeySet> {
         let all = self.bool()?;
         let n = self.u32()?;
@@ -450,28 +637,15 @@ pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String
 fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
     {
         let record = match tag {
-            TAG_DEVICE | TAG_DEVICE_KEYED => {
-                let id = r.str()?.into();
-                let n = r.u32()?;
-                let mut data = DeviceData::default();
-                for _ in 0..n {
-                    let k = r.str()?.into();
-                    let v = JsonText::new(r.str()?);
-                    data.telemetry.push((k, v, r.i64()?));
-                }
-                if r.bool()? {
-                    let doc = r.str()?.to_string();
-                    data.twin = Some((doc, r.i64()?));
-                }
-                if r.bool()? {
-                    let connected = r.bool()?;
-                    let at = r.i64()?;
-                    let seq = if r.bool()? { Some(r.str()?.into()) } else { None };
-                    data.connection = Some((connected, at, seq));
-                }
-                if tag == TAG_DEVICE_KEYED {
-                    data.mark = read_mark(r)?;
-                }
+            TAG_DEVICE | TAG_DEVICE_KEYED | TAG_DEVICE_COMPACT => {
+                let id = r.device_id(tag)?.into();
+                let d = r.device(tag)?;
+                let data = DeviceData {
+                    telemetry: d.values.iter().map(|(k, v, at)| (Box::from(*k), JsonText::new(v), *at)).collect(),
+                    twin: d.twin.map(|(doc, at)| (doc.to_string(), at)),
+                    connection: d.connection.map(|(c, at, seq)| (c, at, seq.map(Box::from))),
+                    mark: d.mark,
+                };
                 Record::Device(id, Some(data))
             }
             TAG_DEVICE_GONE => Record::Device(r.str()?.into(), None),
@@ -538,7 +712,7 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
             }
             continue;
         }
-        let id = r.str()?;
+        let id = r.device_id(tag)?;
         match into.as_deref_mut() {
             None => skip_device(&mut r, tag)?,
             Some(into) => fill_device(&mut r, into, id, tag)?,
@@ -551,15 +725,13 @@ fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), Stri
 /// keys, key map and entry kept, only changed values allocated.
 fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str, tag: u8) -> Result<(), String> {
     use crate::shard::devices::{ConnectionState, Twin};
-    let n = r.u32()? as usize;
+    let parts = r.device(tag)?;
+    let values = &parts.values;
+    let n = values.len();
     let device = into.devices.entry_ref(id).or_default();
     // A record holds the device's whole telemetry: other keys go. Written over the values
     // loaded before, in the buffers they had (a key written twice keeps its last value, as
     // [`Loaded::apply`] keeps it: fuzz/corpus/store/crash-duplicate-telemetry-key).
-    let mut values: smallvec::SmallVec<[(&str, &str, i64); 16]> = smallvec::SmallVec::with_capacity(n.min(1 << 16));
-    for _ in 0..n {
-        values.push((r.str()?, r.str()?, r.i64()?));
-    }
     let telemetry = &mut device.telemetry;
     let distinct = || match values.len() {
         0..=16 => values.iter().enumerate().all(|(i, (k, _, _))| values[..i].iter().all(|(o, _, _)| o != k)),
@@ -572,22 +744,9 @@ fn fill_device(r: &mut Reader<'_>, into: &mut super::Loaded, id: &str, tag: u8) 
     for (i, (k, v, at)) in values.iter().enumerate() {
         telemetry.set(i, k, v, *at);
     }
-    device.twin = if r.bool()? {
-        let doc = r.str()?;
-        let at = r.i64()?;
-        serde_json::from_str(doc).ok().map(|doc| Twin { doc, at })
-    } else {
-        None
-    };
-    device.connection = if r.bool()? {
-        let connected = r.bool()?;
-        let at = r.i64()?;
-        let sequence = if r.bool()? { Some(r.str()?.into()) } else { None };
-        Some(ConnectionState { connected, at, sequence })
-    } else {
-        None
-    };
-    device.mark = crate::ingest::ReadMark::from_key(if tag == TAG_DEVICE_KEYED { read_mark(r)? } else { crate::ingest::MsgKey::NONE });
+    device.twin = parts.twin.and_then(|(doc, at)| serde_json::from_str(doc).ok().map(|doc| Twin { doc, at }));
+    device.connection = parts.connection.map(|(connected, at, sequence)| ConnectionState { connected, at, sequence: sequence.map(Into::into) });
+    device.mark = crate::ingest::ReadMark::from_key(parts.mark);
     // Heard from at start: a connected device gets its off-line check, armed by the core
     // from this list (ids copied here, where they are in cache).
     if device.heard_at_start(*into.heard.get_or_insert_with(std::time::Instant::now)) {
@@ -604,27 +763,7 @@ fn read_mark(r: &mut Reader<'_>) -> Result<crate::ingest::MsgKey, String> {
 
 /// Skips the rest of a device record (after its id), checking that it decodes.
 fn skip_device(r: &mut Reader<'_>, tag: u8) -> Result<(), String> {
-    let n = r.u32()?;
-    for _ in 0..n {
-        r.str()?;
-        r.str()?;
-        r.i64()?;
-    }
-    if r.bool()? {
-        r.str()?;
-        r.i64()?;
-    }
-    if r.bool()? {
-        r.bool()?;
-        r.i64()?;
-        if r.bool()? {
-            r.str()?;
-        }
-    }
-    if tag == TAG_DEVICE_KEYED {
-        read_mark(r)?;
-    }
-    Ok(())
+    r.device(tag).map(|_| ())
 }
 
 /// Start-up, newest record first: the logs are read from the newest record back, then the
@@ -667,7 +806,7 @@ impl NewestFirst {
                     records.push((base + r.at, at));
                     let tag = r.u8()?;
                     if is_device(tag) {
-                        r.str()?;
+                        r.device_id(tag)?;
                         skip_device(&mut r, tag)?;
                     } else {
                         decode_one(&mut r, tag)?;
@@ -734,7 +873,7 @@ impl NewestFirst {
     fn apply_one(&mut self, r: &mut Reader<'_>, into: &mut super::Loaded) -> Result<(), String> {
         let tag = r.u8()?;
         if is_device(tag) {
-            let id = r.str()?;
+            let id = r.device_id(tag)?;
             if into.devices.contains_key(id) || self.gone.contains(id) {
                 return skip_device(r, tag);
             }
@@ -1178,5 +1317,107 @@ mod tests {
         assert!(newest.devices.contains_key("b") && !newest.devices.contains_key("c"));
         assert_eq!(newest.access.len(), 1, "a's entry is gone, b's kept");
         assert!(newest.connected.is_empty(), "no device read back is connected (c, the connected one, is gone)");
+    }
+
+    /// Files of versions 1-4 hold device records of the older layout ([`TAG_DEVICE`],
+    /// [`TAG_DEVICE_KEYED`]); a version 5 hubcast reads them on every start-up path as it
+    /// reads its own compact records, which hold the same and are smaller.
+    #[test]
+    fn version_4_device_records_read_as_before_and_compact_ones_read_the_same() {
+        use crate::ingest::{MsgKey, ReadMark};
+        let mut keyed = device(&[("sentAt", "1764300000123456", 1_764_300_000_123), ("temperature", "21.5", 1_764_300_000_123), ("seq", "1234567", 1_764_300_000_124)], None, Some(true));
+        keyed.mark = ReadMark::from_key(MsgKey::partition(3, 1_764_300_000_100, 987_654));
+        assert!(!keyed.mark.key().is_none());
+        let twin = device(&[("k\"ey", "{\"a\":[1,2]}", -5)], Some(r#"{"version":3,"x":"é"}"#), Some(false));
+        let mut bare = Device::default();
+        bare.connection = Some(ConnectionState { connected: true, at: i64::MAX, sequence: None });
+        bare.telemetry.set(0, "t", "1", i64::MIN);
+        let empty = Device::default();
+        let devices: [(&str, &Device); 4] = [("dev-000042", &keyed), ("0f8fad5b-d9cb-469f-a165-70867728950e", &twin), ("b", &bare), ("e", &empty)];
+        let write = |v4: bool| {
+            let mut bytes = header(KIND_LOG).to_vec();
+            if v4 {
+                bytes[8..12].copy_from_slice(&4u32.to_le_bytes());
+            }
+            let at = begin_frame(&mut bytes);
+            for (id, d) in devices {
+                if v4 {
+                    encode_device_v4(&mut bytes, id, d);
+                } else {
+                    encode(&mut bytes, Change::Device { id, device: Some(d) });
+                }
+            }
+            encode(&mut bytes, Change::Device { id: "gone", device: None });
+            end_frame(&mut bytes, at);
+            bytes
+        };
+        let (old, new) = (write(true), write(false));
+        assert_eq!(check_header(&old, KIND_LOG), Ok(()), "version 4 is read");
+        assert_eq!(u32::from_le_bytes(new[8..12].try_into().unwrap()), 5);
+        let view = |l: &super::super::Loaded| {
+            let mut v: Vec<_> = l.devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let expected: Vec<_> = {
+            let mut v: Vec<_> = devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        for bytes in [&old, &new] {
+            let mut whole = super::super::Loaded::default();
+            assert!(read_frames(bytes, &mut |r| whole.apply(r)).is_clean());
+            assert_eq!(view(&whole), expected);
+            let mut in_place = super::super::Loaded::default();
+            assert_eq!(read_frames_into(bytes, &mut in_place, false), (Scan::default(), false));
+            assert_eq!(view(&in_place), expected);
+            let mut newest = super::super::Loaded::default();
+            let mut nf = NewestFirst::default();
+            assert!(nf.apply_log(bytes, &mut newest).is_clean());
+            assert_eq!(view(&newest), expected);
+            assert_eq!(whole.connected.len(), 2, "the connected devices are listed for their off-line checks");
+        }
+        // The harness's device (three values of one message, connected, a read mark).
+        let size = |v4: bool| {
+            let mut b = Vec::new();
+            if v4 {
+                encode_device_v4(&mut b, "dev-000042", &keyed);
+            } else {
+                encode(&mut b, Change::Device { id: "dev-000042", device: Some(&keyed) });
+            }
+            b.len()
+        };
+        assert!(size(false) * 100 <= size(true) * 65, "compact {} vs {} bytes", size(false), size(true));
+        // Every cut of a compact record is an error, never a shorter record.
+        let mut one = Vec::new();
+        encode(&mut one, Change::Device { id: "dev-000042", device: Some(&keyed) });
+        for cut in 1..one.len() {
+            assert!(decode(&one[..cut], &mut |_| {}).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn compact_record_flags_and_varints_out_of_range_are_damage() {
+        let mut one = Vec::new();
+        encode(&mut one, Change::Device { id: "d", device: Some(&device(&[("a", "1", 7)], None, Some(true))) });
+        let flags_at = 3; // tag, id length, id
+        assert_eq!(one[flags_at], HAS_CONNECTION | CONNECTED | HAS_SEQUENCE);
+        for bad in [0x20, 0x80, CONNECTED, HAS_SEQUENCE] {
+            let mut b = one.clone();
+            b[flags_at] = bad;
+            assert!(decode(&b, &mut |_| {}).unwrap_err().contains("flags"), "{bad:#x}");
+        }
+        // An eleven-byte varint (past 64 bits) as the id's length.
+        let mut b = vec![TAG_DEVICE_COMPACT];
+        b.extend_from_slice(&[0xFF; 10]);
+        b.push(0x01);
+        assert!(decode(&b, &mut |_| {}).unwrap_err().contains("64 bits"));
+        for v in [0, 1, -1, i64::MIN, i64::MAX, 1_764_300_000_123] {
+            let mut b = Vec::new();
+            put_varint(&mut b, zigzag(v));
+            let mut r = Reader { bytes: &b, at: 0 };
+            assert_eq!(r.time(0).unwrap(), v);
+            assert_eq!(r.at, b.len());
+        }
     }
 }

@@ -1263,7 +1263,7 @@ mod tests {
         bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
         fs::write(&log, bytes).unwrap();
         let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
-        assert!(err.contains("store format version 7") && err.contains("versions [1, 2, 3, 4]"), "{err}");
+        assert!(err.contains("store format version 7") && err.contains("versions [1, 2, 3, 4, 5]"), "{err}");
         let _ = fs::remove_dir_all(&dir);
     }
 
