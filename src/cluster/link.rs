@@ -1208,6 +1208,20 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
         let channel = msg.get_channel_name();
         let payload = msg.get_payload_bytes();
         if channel.starts_with(&device_prefix) {
+            if payload.first() == Some(&super::ringask::DEVICE_ANSWER) {
+                // A cluster's rings answer, behind the device's messages published before it.
+                let Some((to, origin, seq, answer)) = super::ringask::decode_on_device(payload) else {
+                    ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let device = &channel[device_prefix.len()..];
+                if origin == &*ctx.o.instance || !state.borrow_mut().fresh(origin, device, seq) || to != &*ctx.o.instance {
+                    continue;
+                }
+                flush_messages(ctx, &mut per_core).await;
+                super::ringask::on_answer(ctx, answer).await;
+                continue;
+            }
             match wire::decode_message(payload) {
                 Some((origin, seq, m)) if origin != &*ctx.o.instance => {
                     // Published again after a slot move (cluster/resend.rs): applied once.

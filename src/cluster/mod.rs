@@ -549,7 +549,7 @@ struct CoreRelay {
     /// The last sequence number published from this core (wire v2): a device's messages
     /// all go through its one core, so each device's numbers grow.
     seq: std::cell::Cell<u64>,
-    /// On a Redis Cluster (no adoption: adopt.rs).
+    /// On a Redis Cluster (no adoption: adopt.rs; rings answers on device channels).
     cluster: bool,
     /// The largest recovery history handed over, and what this core may still send (adopt.rs).
     adopt_blob_max: usize,
@@ -580,7 +580,7 @@ impl Relay for CoreRelay {
     fn rings_ask(&self, session: SessionId, reply_core: usize, devices: &[(Arc<str>, Option<u32>)]) -> bool {
         // After this core's watch changes (same queue): refused when they could not be sent.
         self.send_pending_watch();
-        if !self.pending_watch.borrow().is_empty() || self.cluster {
+        if !self.pending_watch.borrow().is_empty() {
             return false;
         }
         let payload = ringask::encode_ask(&self.instance, session, reply_core as u32, devices);
@@ -725,6 +725,30 @@ impl Relay for CoreRelay {
 }
 
 impl CoreRelay {
+    /// A Redis Cluster's answer to instance `to`'s ask: one per device, each on the device's
+    /// own channel behind this core's earlier publications of it (design step 11 h): the
+    /// outbox goes first, then the answers, each numbered in this core's sequence of device
+    /// messages. Bounded as on one Redis (an answer past `adopt_blob_max` is a refusal; the
+    /// command queue full: not sent, the asker's deadline refuses).
+    fn answer_on_devices(&self, to: &str, session: SessionId, reply_core: u32, of: u32, parts: Vec<(Arc<str>, ringask::Part)>) {
+        self.flush();
+        let items: Vec<(Box<str>, Vec<u8>)> = parts
+            .into_iter()
+            .map(|(device, part)| {
+                let mut answer = ringask::encode_answer(&self.instance, session, reply_core, of, &Ok(vec![(device.clone(), part)]));
+                if answer.len() > self.adopt_blob_max {
+                    answer = ringask::encode_answer(&self.instance, session, reply_core, of, &Err(format!("over {} bytes", self.adopt_blob_max)));
+                }
+                let seq = self.seq.get() + 1;
+                self.seq.set(seq);
+                (Box::from(&*device), ringask::encode_on_device(to, &self.instance, seq, &answer))
+            })
+            .collect();
+        if self.commands.try_send(Command::Publish(items)).is_err() {
+            tracing::debug!(session = %session, "a rings answer was not sent: the Redis command queue is full");
+        }
+    }
+
     /// Bounded by the devices of this core: one pending entry per device at most.
     fn send_pending_watch(&self) {
         let mut pending = self.pending_watch.borrow_mut();
@@ -797,14 +821,18 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                         (device, part)
                     })
                     .collect();
-                let mut payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Ok(parts));
-                if payload.len() > relay.adopt_blob_max {
-                    payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Err(format!("over {} bytes", relay.adopt_blob_max)));
-                }
-                // What this core offered before it read its rings is published first.
-                relay.flush();
-                if relay.commands.try_send(Command::RingsAnswer { to, payload }).is_err() {
-                    tracing::debug!(session = %session, "a rings answer was not sent: the Redis command queue is full");
+                if relay.cluster {
+                    relay.answer_on_devices(&to, session, reply_core, of, parts);
+                } else {
+                    let mut payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Ok(parts));
+                    if payload.len() > relay.adopt_blob_max {
+                        payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Err(format!("over {} bytes", relay.adopt_blob_max)));
+                    }
+                    // What this core offered before it read its rings is published first.
+                    relay.flush();
+                    if relay.commands.try_send(Command::RingsAnswer { to, payload }).is_err() {
+                        tracing::debug!(session = %session, "a rings answer was not sent: the Redis command queue is full");
+                    }
                 }
             }
             Inbound::RingsAnswer { payload, charged } => {

@@ -22,6 +22,15 @@
 //! delivery the session's core holds meanwhile (`app/rebuild.rs`, `Held`) either is in an
 //! answer (dropped) or came after it (kept, after the rebuilt frames).
 //!
+//! **On a Redis Cluster** (design step 11 h) device messages arrive over sharded subscribers
+//! (one per master) and the answer on `P:answer:<id>` over the control subscriber, so the
+//! order above would not hold between them: each device is answered alone (`of` = the
+//! devices asked), on **its own channel** ([`encode_on_device`], `SPUBLISH`), behind the
+//! answering core's outbox, so it reaches the asker on the one connection that carries that
+//! device's messages, after those published before it. The ask keeps its order as it is:
+//! the asker's `SSUBSCRIBE`s are confirmed before its `+watch`, and `+watch` and the ask go
+//! on one connection through the control master.
+//!
 //! **Bounds and policy.** An answer is at most `adopt::blob_max` bytes (twice
 //! `--recovery-session-bytes` + 64 KiB, as an adopted history): past it the answering core
 //! sends a refusal instead (the asker refuses the rebuild). On the asker an answer is
@@ -50,6 +59,9 @@ pub const ASK: u8 = 0x52;
 pub const ANSWER: u8 = 0x53;
 /// Devices one ask names at most.
 pub const MAX_DEVICES: usize = 64;
+/// First byte of an answer on a Redis Cluster, sent on the device's own channel
+/// ([`encode_on_device`]; a device message's first byte is its wire version, 1 or 2).
+pub const DEVICE_ANSWER: u8 = 0x54;
 
 /// What one answering core says of one device.
 #[derive(Debug, Clone)]
@@ -227,6 +239,33 @@ pub fn encode_answer(from: &str, session: SessionId, reply_core: u32, of: u32, p
     buf
 }
 
+/// A Redis Cluster's answer for one device (docs/design/recovery.md step 11 h): `answer` (one
+/// device's [`encode_answer`]) for instance `to`, published on the device's channel by
+/// `origin` at `seq` of the answering core's device messages, so that it reaches `to` behind
+/// every message of the device published before it (one master, one subscriber) and a copy
+/// published again after a slot move is dropped as a message would be.
+pub fn encode_on_device(to: &str, origin: &str, seq: u64, answer: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(answer.len() + to.len() + origin.len() + 17);
+    buf.push(DEVICE_ANSWER);
+    put_str(&mut buf, to.as_bytes());
+    put_str(&mut buf, origin.as_bytes());
+    buf.extend_from_slice(&seq.to_le_bytes());
+    buf.extend_from_slice(answer);
+    buf
+}
+
+/// `to`, `origin`, `seq` and the answer of [`encode_on_device`]'s payload.
+pub fn decode_on_device(bytes: &[u8]) -> Option<(&str, &str, u64, &[u8])> {
+    let mut r = Reader(bytes);
+    if r.u8()? != DEVICE_ANSWER {
+        return None;
+    }
+    let to = r.str()?;
+    let origin = r.str()?;
+    let seq = u64::from_le_bytes(r.take(8)?.try_into().ok()?);
+    Some((to, origin, seq, r.0))
+}
+
 /// An answer's head: who answered, the session, the asking core.
 pub fn answer_head(bytes: &[u8]) -> Option<(&str, SessionId, u32)> {
     let mut r = Reader(bytes);
@@ -300,7 +339,9 @@ pub(super) async fn on_ask(ctx: &Ctx, payload: &[u8]) {
     for (device, cut) in devices {
         per_core.entry(core_of_device(&device, cores)).or_default().push((device, cut));
     }
-    let of = per_core.len() as u32;
+    // On a cluster each device is answered alone, on its own channel (module docs of
+    // `encode_on_device`): as many answers as devices.
+    let of = if ctx.o.names.is_cluster() { per_core.values().map(Vec::len).sum::<usize>() } else { per_core.len() } as u32;
     let to: Arc<str> = origin.into();
     for (core, devices) in per_core {
         let _ = ctx.cores[core].send(Inbound::RingsAsk { to: to.clone(), session, reply_core, of, devices }).await;
@@ -367,5 +408,10 @@ mod tests {
         // A message of another device inside a device's part is refused.
         let wrong = encode_answer("c", session, 1, 1, &Ok(vec![("d1".into(), Part::Msgs(vec![msg("d9", 1)]))]));
         assert!(decode_answer(&wrong).is_none());
+        // A cluster's answer on a device channel: addressed, sequenced, the answer inside.
+        let on = encode_on_device("b", "c", 9, &answer);
+        assert_eq!(decode_on_device(&on), Some(("b", "c", 9, &answer[..])));
+        assert_eq!(decode_on_device(&on[..10]), None);
+        assert!(decode_on_device(&encode_message("c", 1, &msg("d1", 1).msg)).is_none(), "a device message is not an answer");
     }
 }
