@@ -8,30 +8,11 @@ mod common;
 use std::time::Duration;
 
 use common::lb::Cutter;
+use common::recovery::next_of as next;
 use common::recovery::*;
 use common::sio::{socketio_at, SioClient};
 use common::*;
 use serde_json::{json, Value};
-
-/// A session granted and subscribed to each device's d2c messages.
-fn d2c_session_of(server: &Server, devices: &[&str]) -> String {
-    let session = server.new_session();
-    for device in devices {
-        server.grant(&session, kind("d2cMessages", device));
-        let (status, body) = server.subscribe(&session, kind("d2cMessages", device));
-        assert_eq!(status, 204, "{body}");
-    }
-    session
-}
-
-/// The next `data` event: its message's device, `n` and offset.
-fn next(client: &SioClient) -> (String, u64, String) {
-    let e = client.wait_for("data", WAIT).expect("a data event");
-    let n = e["data"]["message"]["n"].as_u64().unwrap_or_else(|| panic!("a d2c message: {e}"));
-    let device = e["data"]["deviceId"].as_str().unwrap_or_else(|| panic!("{e}")).to_string();
-    let offset = e["offset"].as_str().unwrap_or_else(|| panic!("a string offset: {e}")).to_string();
-    (device, n, offset)
-}
 
 /// FNV-1a of a device id in base 36: how a device part names a device (push/cut.rs).
 fn device_hash(id: &str) -> String {
@@ -303,20 +284,7 @@ fn three_with_client_on_a_and(c_extra: &[&str]) -> (common::redis::Redis, Server
     let a = instance_with(&redis, "a", &FAST_LEASE);
     let b = instance_with(&redis, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
     let c = instance_with(&redis, "c", &[&FAST_LEASE[..], c_extra].concat());
-    let session = d2c_session_of(&a, &["dev-1", "dev-2"]);
-    let cutter = Cutter::start(a.port);
-    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
-    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
-    for (id, server) in [("b", &b), ("c", &c)] {
-        server.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}"), WAIT, Want::Eq(2.0));
-        server.wait_for_metric(&format!("hubcast_redis_instances{{instance=\"{id}\"}}"), WAIT, Want::Eq(3.0));
-    }
-    c.ingest(message("dev-1", 0));
-    assert_eq!(next(&client).1, 0);
-    b.ingest(message("dev-2", 0));
-    let (_, n, offset) = next(&client);
-    assert_eq!(n, 0);
-    assert_eq!(part_of(&offset).len(), 2, "the offset names both devices: {offset}");
+    let (cutter, client) = client_on_a_of_three(&a, &b, &c);
     (redis, a, b, c, cutter, client)
 }
 
@@ -328,33 +296,7 @@ fn three_with_client_on_a_and(c_extra: &[&str]) -> (common::redis::Redis, Server
 #[test]
 fn with_a_third_live_instance_the_client_recovers_from_every_instances_rings() {
     let (_redis, mut a, b, c, cutter, client) = three_with_client_on_a();
-    cut(&cutter, &a, &client, WS_GAUGE);
-    c.ingest(json!((1..=10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    b.ingest(json!((11..=20).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
-    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(22.0));
-    kill_a(&mut a, &b);
-    c.ingest(json!((21..=25).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    b.ingest(json!((26..=30).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
-    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(16.0));
-    b.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(16.0));
-    cutter.retarget(b.port);
-    let back = come_back(&cutter, &client);
-    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
-    c.ingest(message("dev-1", 999));
-    let got: Vec<(String, u64)> = (0..31).map(|_| next(&client)).map(|(d, n, _)| (d, n)).collect();
-    let of = |device: &str| got.iter().filter(|(d, _)| d == device).map(|(_, n)| *n).collect::<Vec<_>>();
-    let mut want_1: Vec<u64> = (1..=10).chain(21..=25).collect();
-    want_1.push(999);
-    assert_eq!(of("dev-1"), want_1, "C's, once, in order, then live: {got:?}");
-    assert_eq!(of("dev-2"), (11..=20).chain(26..=30).collect::<Vec<_>>(), "B's, once, in order: {got:?}");
-    assert_eq!(got.last(), Some(&("dev-1".to_string(), 999)), "live after every replayed one");
-    assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(30.0), "all 30 rebuilt on B");
-    assert!(b.stderr_lines().iter().any(|l| l.contains("another instance is alive") && l.contains("instance=c")), "C was asked");
-    // The rebuilt stream goes on: the next offset names both devices again.
-    b.ingest(message("dev-2", 1000));
-    let (_, n, offset) = next(&client);
-    assert_eq!(n, 1000, "nothing twice");
-    assert_eq!(part_of(&offset).len(), 2, "{offset}");
+    a_third_live_instance_answers_and_the_client_recovers(&mut a, &b, &c, &cutter, &client);
 }
 
 /// C keeps taking dev-1 in while the client lands on B (a thread posting batches of 20 to C,
@@ -363,49 +305,8 @@ fn with_a_third_live_instance_the_client_recovers_from_every_instances_rings() {
 /// once, in order, no hole: exactly once across instances.
 #[test]
 fn a_rebuild_while_a_third_instance_keeps_ingesting_gives_every_message_once_in_order() {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::sync::Arc;
     let (_redis, mut a, b, c, cutter, client) = three_with_client_on_a();
-    cut(&cutter, &a, &client, WS_GAUGE);
-    kill_a(&mut a, &b);
-    let acked = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let firehose = {
-        let (acked, stop, url) = (acked.clone(), stop.clone(), c.url("/ingest"));
-        std::thread::spawn(move || {
-            let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(2)).build();
-            let mut n = 1;
-            while !stop.load(Ordering::Relaxed) {
-                let batch: Vec<Value> = (n..n + 20).map(|i| message("dev-1", i)).collect();
-                let r = agent.post(&url).set(ADMIN.0, ADMIN.1).send_json(json!(batch)).expect("ingested");
-                assert_eq!(r.status(), 200);
-                acked.store(n + 19, Ordering::SeqCst);
-                n += 20;
-                // Paced (not a wait), as in the two-instance firehose: within the session bound.
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        })
-    };
-    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(100.0));
-    cutter.retarget(b.port);
-    let back = come_back(&cutter, &client);
-    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
-    let first_live = acked.load(Ordering::SeqCst) + 100;
-    let mut got = Vec::new();
-    while got.iter().filter(|n| **n >= first_live).count() < 2 {
-        let (device, n, _) = next(&client);
-        assert_eq!(device, "dev-1");
-        got.push(n);
-    }
-    stop.store(true, Ordering::Relaxed);
-    firehose.join().unwrap();
-    let last = acked.load(Ordering::SeqCst);
-    while got.len() < last as usize {
-        got.push(next(&client).1);
-    }
-    assert_eq!(got, (1..=last).collect::<Vec<_>>(), "every message once, in order, no hole");
-    let answered = b.stderr_lines().into_iter().filter(|l| l.contains("device rings answered")).collect::<Vec<_>>();
-    eprintln!("{}", answered.join("\n"));
+    a_third_instance_ingesting_through_the_rebuild_gives_every_message_once(&mut a, &b, &c, &cutter, &client);
 }
 
 /// C answers, but its ring of dev-1 (taken in there) lost the client's cut to its core bound

@@ -157,3 +157,142 @@ impl Monitor {
         }
     }
 }
+
+// ---- design step 11, shared by tests/recovery_cross.rs (one Redis) and
+// tests/recovery_cluster.rs (a Redis Cluster): the same scenarios on either engine ----------
+
+/// The next `data` event: its message's device, `n` and offset.
+pub fn next_of(client: &SioClient) -> (String, u64, String) {
+    let (n, e) = next_n(client);
+    let device = e["data"]["deviceId"].as_str().unwrap_or_else(|| panic!("{e}")).to_string();
+    let offset = e["offset"].as_str().unwrap_or_else(|| panic!("a string offset: {e}")).to_string();
+    (device, n, offset)
+}
+
+/// How many devices an offset's device part names (`h1.<epoch>.<seq>.<device>-<key>…`).
+pub fn devices_named(offset: &str) -> usize {
+    offset.split('.').skip(3).filter(|i| i.contains('-')).count()
+}
+
+/// A session on `server` reading every one of `devices`' d2c messages.
+pub fn d2c_session_of(server: &Server, devices: &[&str]) -> String {
+    let session = d2c_session(server, devices[0]);
+    for device in &devices[1..] {
+        server.grant(&session, kind("d2cMessages", device));
+        let (status, body) = server.subscribe(&session, kind("d2cMessages", device));
+        assert_eq!(status, 204, "{body}");
+    }
+    session
+}
+
+/// Three instances: the client (reconnecting fast) behind a cutter to `a`, reading dev-1
+/// (taken in on `c`) and dev-2 (taken in on `b`); a first message of each received.
+pub fn client_on_a_of_three(a: &Server, b: &Server, c: &Server) -> (Cutter, SioClient) {
+    let session = d2c_session_of(a, &["dev-1", "dev-2"]);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    for (id, server) in [("b", b), ("c", c)] {
+        server.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{id}\"}}"), WAIT, Want::Eq(2.0));
+        server.wait_for_metric(&format!("hubcast_redis_instances{{instance=\"{id}\"}}"), WAIT, Want::Eq(3.0));
+    }
+    c.ingest(message("dev-1", 0));
+    assert_eq!(next_of(&client).1, 0);
+    b.ingest(message("dev-2", 0));
+    let (_, n, offset) = next_of(&client);
+    assert_eq!(n, 0);
+    assert_eq!(devices_named(&offset), 2, "the offset names both devices: {offset}");
+    (cutter, client)
+}
+
+/// Kills `server` (SIGKILL).
+pub fn kill(server: &mut Server) {
+    server.signal(libc::SIGKILL);
+    server.wait_exit(WAIT).expect("killed");
+}
+
+/// Design step 11 g with a third live instance (`b` at `--log-level debug`): the client is
+/// cut off `a` while C takes in dev-1 and B dev-2, A is killed, both take in more; the
+/// client lands on B, which asks C for what its ring of dev-1 holds after the client's cut
+/// and rebuilds from C's answer and its own ring: `recovered` true, every missed message
+/// once, each device's in order, then live data from C.
+pub fn a_third_live_instance_answers_and_the_client_recovers(a: &mut Server, b: &Server, c: &Server, cutter: &Cutter, client: &SioClient) {
+    cut(cutter, a, client, WS_GAUGE);
+    c.ingest(json!((1..=10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    b.ingest(json!((11..=20).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(22.0));
+    kill(a);
+    c.ingest(json!((21..=25).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    b.ingest(json!((26..=30).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
+    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(16.0));
+    b.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(16.0));
+    cutter.retarget(b.port);
+    let back = come_back(cutter, client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    c.ingest(message("dev-1", 999));
+    let got: Vec<(String, u64)> = (0..31).map(|_| next_of(client)).map(|(d, n, _)| (d, n)).collect();
+    let of = |device: &str| got.iter().filter(|(d, _)| d == device).map(|(_, n)| *n).collect::<Vec<_>>();
+    let mut want_1: Vec<u64> = (1..=10).chain(21..=25).collect();
+    want_1.push(999);
+    assert_eq!(of("dev-1"), want_1, "C's, once, in order, then live: {got:?}");
+    assert_eq!(of("dev-2"), (11..=20).chain(26..=30).collect::<Vec<_>>(), "B's, once, in order: {got:?}");
+    assert_eq!(got.last(), Some(&("dev-1".to_string(), 999)), "live after every replayed one");
+    assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(30.0), "all 30 rebuilt on B");
+    assert!(b.stderr_lines().iter().any(|l| l.contains("another instance is alive") && l.contains("instance=c")), "C was asked");
+    // The rebuilt stream goes on: the next offset names both devices again.
+    b.ingest(message("dev-2", 1000));
+    let (_, n, offset) = next_of(client);
+    assert_eq!(n, 1000, "nothing twice");
+    assert_eq!(devices_named(&offset), 2, "{offset}");
+}
+
+/// C keeps taking dev-1 in while the client lands on B (a thread posting batches of 20 to C,
+/// paced): what C applied before it read its ring is in its answer, what came after reaches
+/// B behind the answer and was held (or is live) and follows. Every acknowledged message
+/// once, in order, no hole: exactly once across instances.
+pub fn a_third_instance_ingesting_through_the_rebuild_gives_every_message_once(a: &mut Server, b: &Server, c: &Server, cutter: &Cutter, client: &SioClient) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    cut(cutter, a, client, WS_GAUGE);
+    kill(a);
+    let acked = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let firehose = {
+        let (acked, stop, url) = (acked.clone(), stop.clone(), c.url("/ingest"));
+        std::thread::spawn(move || {
+            let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(2)).build();
+            let mut n = 1;
+            while !stop.load(Ordering::Relaxed) {
+                let batch: Vec<Value> = (n..n + 20).map(|i| message("dev-1", i)).collect();
+                let r = agent.post(&url).set(super::ADMIN.0, super::ADMIN.1).send_json(json!(batch)).expect("ingested");
+                assert_eq!(r.status(), 200);
+                acked.store(n + 19, Ordering::SeqCst);
+                n += 20;
+                // Paced (not a wait): about 1,000 messages a second, so the seconds the
+                // rebuild waits for A to show dead stay within the session bound.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    c.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(100.0));
+    cutter.retarget(b.port);
+    let back = come_back(cutter, client);
+    let given_up = c.metric("hubcast_redis_republish_given_up_total{instance=\"c\"}");
+    assert_eq!(back["recovered"], true, "{back}\nC's retries given up: {given_up:?}\n{}", b.stderr_lines().join("\n"));
+    let first_live = acked.load(Ordering::SeqCst) + 100;
+    let mut got = Vec::new();
+    while got.iter().filter(|n| **n >= first_live).count() < 2 {
+        let (device, n, _) = next_of(client);
+        assert_eq!(device, "dev-1");
+        got.push(n);
+    }
+    stop.store(true, Ordering::Relaxed);
+    firehose.join().unwrap();
+    let last = acked.load(Ordering::SeqCst);
+    while got.len() < last as usize {
+        got.push(next_of(client).1);
+    }
+    assert_eq!(got, (1..=last).collect::<Vec<_>>(), "every message once, in order, no hole");
+    let answered = b.stderr_lines().into_iter().filter(|l| l.contains("device rings answered")).collect::<Vec<_>>();
+    eprintln!("{}", answered.join("\n"));
+}
