@@ -203,6 +203,44 @@ fn a_plain_since_whose_cut_the_survivor_never_held_is_not_recovered_and_live_dat
     assert_eq!(part_of(&live).len(), 1, "{live}");
 }
 
+/// A dead instance's presence kept renewed in Redis (`SET t:instance:<id> <ms> PX 2000`, as
+/// its lease task would at `--lease-ttl 2`), a few times per heartbeat, until dropped: to
+/// every other instance's probe it is alive, and it answers nothing.
+struct Renewing {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Renewing {
+    fn start(redis: &common::redis::Redis, id: &'static str) -> Renewing {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering;
+        let stop: std::sync::Arc<std::sync::atomic::AtomicBool> = Default::default();
+        let (flag, port) = (stop.clone(), redis.port);
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+                if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                    let _ = s.write_all(format!("SET t:instance:{id} {now} PX 2000\r\n").as_bytes());
+                    let _ = s.read(&mut [0u8; 64]);
+                }
+                // The renewal's period, as the lease task's heartbeat (not a wait for an event).
+                std::thread::sleep(Duration::from_millis(150));
+            }
+        });
+        Renewing { stop, thread: Some(thread) }
+    }
+}
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Design step 11 g's deadline: an instance seen alive that then does not answer. Made
 /// certain rather than timed: after A's `kill -9` its presence key keeps being renewed in
 /// Redis (a thread here writes it as A's lease task would), so B's probe sees A renewing,
@@ -213,35 +251,16 @@ fn a_plain_since_whose_cut_the_survivor_never_held_is_not_recovered_and_live_dat
 /// connection is gone while its lease connection renews: only the timing differs.)
 #[test]
 fn an_instance_seen_alive_that_does_not_answer_refuses_the_rebuild_after_the_wait_and_live_data_flows() {
-    use std::io::{Read, Write};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     let (redis, mut a, b, cutter, session, offset) = plain_on_a("b");
     cut_plain(&cutter, &a);
     b.ingest(json!((1..=5).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(6.0));
     kill(&mut a);
-    // A's presence renewed as its lease task does (`SET P:instance:<id> <ms> PX <ttl>`),
-    // a few times per heartbeat, until the test ends.
-    let stop = Arc::new(AtomicBool::new(false));
-    let renewing = {
-        let (stop, port) = (stop.clone(), redis.port);
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
-                if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-                    let _ = s.write_all(format!("SET t:instance:a {now} PX 2000\r\n").as_bytes());
-                    let _ = s.read(&mut [0u8; 64]);
-                }
-                // The renewal's period, as the lease task's heartbeat (not a wait for an event).
-                std::thread::sleep(Duration::from_millis(150));
-            }
-        })
-    };
+    // A's presence renewed as its lease task does, until the test ends.
+    let renewing = Renewing::start(&redis, "a");
     let mut ws = back_at(&cutter, b.port, &session, &offset);
     let first = frame(&mut ws);
-    stop.store(true, Ordering::Relaxed);
-    renewing.join().unwrap();
+    drop(renewing);
     let log = b.stderr_lines();
     assert_eq!(first, json!({"recovered": false, "reason": "history_lost"}), "{}", log.join("\n"));
     assert!(log.iter().any(|l| l.contains("another instance is alive") && l.contains("instance=a")), "A was seen alive:\n{}", log.join("\n"));
@@ -335,4 +354,49 @@ fn a_plain_since_before_the_adopters_verdict_is_not_resumed_from_a_history_it_ma
     assert_eq!(n, 1002, "live data, nothing of the past");
     let epoch = |o: &str| o.split('.').nth(1).map(str::to_string);
     assert_ne!(epoch(&live), epoch(&offset), "the void gave the history a new epoch: {live} after {offset}");
+}
+
+/// Whether B's watch set in Redis names `device` (`SISMEMBER t:watching:b`).
+fn b_watches(redis: &common::redis::Redis, device: &str) -> bool {
+    redis.command(&format!("SISMEMBER t:watching:b {device}")).is_some_and(|r| r.starts_with(":1"))
+}
+
+/// A client that gives up while B seeks its history lets go of what the wait made for it: B
+/// watched dev-1 for the rebuild's asks (another instance, A's presence renewed here as in
+/// the deadline test, was seen alive), the client leaves during the 2 s wait for A's answer
+/// and B closes the socket meanwhile (its pings, every 200 ms there, go unanswered), and once
+/// the rebuild is refused the socket is still attached and detached, so its session's
+/// history (`--recovery-window 2` on B) goes a window later and with it B's watch of dev-1
+/// (before, a socket closed during the wait was never attached: the session kept the watch
+/// with no socket and no history).
+#[test]
+fn a_plain_client_that_leaves_while_its_history_is_sought_leaves_nothing_watched() {
+    let redis = common::redis::Redis::start();
+    let mut a = instance_with(&redis, "a", &FAST_LEASE);
+    let b = instance_with(&redis, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug", "--recovery-window", "2", "--ping-interval", "200", "--ping-timeout", "200"]);
+    let session = d2c_session(&a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let mut ws = plain_at(&cutter, &session, None);
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    b.ingest(message("dev-1", 0));
+    let (_, _, offset) = next(&mut ws);
+    cut_plain(&cutter, &a);
+    kill(&mut a);
+    assert!(!b_watches(&redis, "dev-1"), "nobody on B watches dev-1 yet");
+    let renewing = Renewing::start(&redis, "a");
+    let ws = back_at(&cutter, b.port, &session, &offset);
+    let deadline = std::time::Instant::now() + WAIT;
+    while !b_watches(&redis, "dev-1") {
+        assert!(std::time::Instant::now() < deadline, "B watches dev-1 for the rebuild's asks");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(ws);
+    b.wait_for_stderr(WAIT, |l| l.contains("history not rebuilt") && l.contains("no answer in time")).expect("refused at the deadline");
+    drop(renewing);
+    let deadline = std::time::Instant::now() + WAIT;
+    while b_watches(&redis, "dev-1") {
+        assert!(std::time::Instant::now() < deadline, "B still watches dev-1 for a client long gone:\n{}", b.stderr_lines().join("\n"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(b.metric(PLAIN_GAUGE), Some(0.0));
 }

@@ -508,9 +508,10 @@ async fn read_loop(conn: Rc<Conn>, mut reading: Reading, leftover: Vec<u8>) {
             // (as a Socket.IO CONNECT is answered). Boxed, as that one: this task's future
             // stays small (issue 25 item 3).
             Box::pin(socketio::fetch_since(conn.core.clone(), session, since)).await;
-            if !conn.outlet.is_closing() {
-                attach_plain(&conn, Some(since));
-            }
+            // Attached even if it closed meanwhile (as a Socket.IO CONNECT is answered): the
+            // loop below then ends at once and detaches it, which lets go of what the wait
+            // made for it (the devices a rebuild watched, a stream's pid: away from now).
+            attach_plain(&conn, Some(since));
         }
     }
     'read: loop {
