@@ -288,6 +288,15 @@ enum Stop {
     Shutdown,
 }
 
+/// A leased partition resumes after the later of its position here and `checkpoint` (where
+/// the instance that held it before stopped, or the lease came with).
+fn resume_after(positions: &mut HashMap<String, map::Position>, partition: &str, checkpoint: i64) {
+    let known = positions.entry(partition.to_owned()).or_default();
+    if known.sequence.is_none_or(|s| s < checkpoint) {
+        *known = map::Position { sequence: Some(checkpoint), ..Default::default() };
+    }
+}
+
 fn retry(reason: impl Into<String>) -> Stop {
     Stop::Retry { reason: reason.into(), worked: false }
 }
@@ -388,10 +397,7 @@ impl Supervisor {
             let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
             for p in &taken {
                 if let Some(Some(seq)) = now.partitions.get(p) {
-                    let known = positions.entry(p.clone()).or_default();
-                    if known.sequence.is_none_or(|s| s < *seq) {
-                        *known = map::Position { sequence: Some(*seq), ..Default::default() };
-                    }
+                    resume_after(&mut positions, p, *seq);
                 }
                 if !positions.contains_key(p) && self.plan.start == StartPosition::Latest {
                     return Err(Stop::Rebalance);
@@ -455,10 +461,7 @@ impl Supervisor {
         let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
         for (p, checkpoint) in &owned.partitions {
             if let Some(seq) = checkpoint {
-                let known = positions.entry(p.clone()).or_default();
-                if known.sequence.is_none_or(|s| s < *seq) {
-                    *known = map::Position { sequence: Some(*seq), ..Default::default() };
-                }
+                resume_after(&mut positions, p, *seq);
             }
         }
         tracing::info!(partitions = ?owned.partitions.keys().collect::<Vec<_>>(), of = ids.len(), "reading the partitions leased to this instance");
