@@ -219,3 +219,71 @@ fn a_rebuilt_history_survives_a_restart_of_the_instance_it_was_rebuilt_on() {
     b.ingest(message("dev-1", 999));
     assert_eq!(next_message(&client), 999, "nothing twice, then live");
 }
+
+// ---- throttled telemetry in a rebuild (design step 11, d) ----------------------------------
+
+/// A session granted and subscribed to all of dev-1's telemetry.
+fn telemetry_session(server: &Server) -> String {
+    let session = server.new_session();
+    server.grant(&session, telemetry("dev-1", None));
+    let (status, body) = server.subscribe(&session, telemetry("dev-1", None));
+    assert_eq!(status, 204, "{body}");
+    session
+}
+
+/// Telemetry envelopes until one whose `n` is `last`.
+fn telemetry_until(client: &SioClient, last: u64) -> Vec<Value> {
+    let mut frames = Vec::new();
+    loop {
+        let e = client.wait_for("data", WAIT).unwrap_or_else(|| panic!("telemetry up to n={last}: {frames:?}"));
+        let done = e["data"]["telemetry"]["n"] == last;
+        frames.push(e["data"].clone());
+        if done {
+            return frames;
+        }
+    }
+}
+
+/// Telemetry of dev-1 with a time of its own and keys that come and go (the trailing merge
+/// keeps the newest of each).
+fn reading(n: u64) -> Value {
+    json!({"deviceId": "dev-1", "enqueuedTime": format!("2026-11-28T06:00:{:02}.000Z", n % 60), "body": {"n": n, format!("k{}", n % 3): n}})
+}
+
+/// Throttled telemetry in a rebuild (design step 11, d): with `--throttling-interval 300` on
+/// both, a session reading dev-1's telemetry is cut off A while B takes in 20 readings at
+/// once (one request: one batch, one clock reading, so none sits at a window's edge), A is
+/// killed, the client lands on B: `recovered` true, and the replay is exactly what a
+/// never-cut client of the same subscription on B received (sent at once and the trailing
+/// merge, as its throttle made them, run again over B's ring), then the same live frame.
+/// Before, a session subscribed to throttled telemetry was refused.
+#[test]
+fn throttled_telemetry_is_rebuilt_as_a_client_that_stayed_received_it() {
+    let redis = common::redis::Redis::start();
+    let args = ["--lease-ttl", "2", "--throttling-interval", "300"];
+    let (mut a, b) = (instance_with(&redis, "a", &args), instance_with(&redis, "b", &args));
+    let (session, staying) = (telemetry_session(&a), telemetry_session(&b));
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    let stay = socketio_at(&format!("http://127.0.0.1:{}", b.port), &[&staying], "websocket", false, &[PRINT]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    stay.wait_for("connect", WAIT).expect("connect");
+    b.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"b\"}", WAIT, Want::Eq(1.0));
+    b.ingest(reading(0));
+    assert_eq!(telemetry_until(&client, 0).len(), 1);
+    assert_eq!(telemetry_until(&stay, 0).len(), 1);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    b.ingest(json!((1..=20).map(reading).collect::<Vec<_>>()));
+    let stayed = telemetry_until(&stay, 20);
+    assert!(stayed.len() < 20, "throttled: {stayed:?}");
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT).expect("killed");
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    let replayed = telemetry_until(&client, 20);
+    assert_eq!(replayed, stayed, "the replay is what the client that stayed received");
+    b.ingest(reading(99));
+    assert_eq!(telemetry_until(&client, 99), telemetry_until(&stay, 99), "then the same live frame");
+}

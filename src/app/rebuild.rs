@@ -36,7 +36,8 @@
 //! a device's last frame without a key, two subscribed devices with one hash, a session that
 //! already has a stream or a socket here, any device no holder has the cut of, or whose
 //! taker-in lacks it, or that a ring cannot answer for (see `ring::Lost`), two holders
-//! disagreeing, a throttled telemetry subscription, a twin change held for a hub read for a
+//! disagreeing, throttled telemetry the throttle's re-run cannot make exactly
+//! (`shard/devices/replay.rs`), a twin change held for a hub read for a
 //! twin subscriber (twin changes and connection events are otherwise rebuilt as the live path
 //! decided them where they were applied: `shard/devices/replay.rs`),
 //! more held than `--recovery-session-bytes`, or no answer within [`REBUILD_WAIT`].
@@ -61,7 +62,7 @@ use crate::push::cut::{device_hash, device_part, DevicePart};
 use crate::push::stream::{parse_offset, PidEntry, SessionStream, Trimmed};
 use crate::app::relay::RingMiss;
 use crate::push::Delivery;
-use crate::shard::devices::Kept;
+use crate::shard::devices::{Kept, Lead};
 
 /// How long a CONNECT waits for the answers (device cores here and other live instances)
 /// before it is answered without.
@@ -85,6 +86,10 @@ pub type RingGot = Vec<(Arc<str>, Result<Vec<Kept>, RingMiss>)>;
 
 /// One answer (a device core here, or one of `of` from another instance), or why not.
 type Answer = Result<Vec<(Arc<str>, Part)>, String>;
+
+/// Per device, this instance's ring entries from a quiet point (or just the cut) through
+/// the cut, and whether they start at one (`Rings::lead`).
+type Leads = HashMap<Arc<str>, (Vec<Kept>, bool)>;
 
 /// Who answered: a device core here, or instance `from` for the ask of core `core` here (one
 /// of `of` answers).
@@ -112,6 +117,10 @@ pub(crate) struct Held {
     remote: HashMap<(Box<str>, usize), (u32, u32)>,
     /// An ask could not be sent (refused: no need to wait for the rest).
     unsent: bool,
+    /// Per device answered here: how many deliveries were held when its answer came (with
+    /// throttling, the session's telemetry of it held before then was made by this
+    /// instance's own throttle state, which the answer's re-run replaced).
+    answered_at: HashMap<Arc<str>, usize>,
     done: Option<futures_channel::oneshot::Sender<()>>,
 }
 
@@ -205,25 +214,41 @@ impl Core {
     fn ring_answer(&self, session: SessionId, devices: &[(Arc<str>, Option<u32>)]) -> Answer {
         let Some(relay) = self.relay.borrow().clone() else { return Err("no relay".into()) };
         let msgs = devices.iter().map(|(device, cut)| (device.clone(), relay.ring_after(device, *cut))).collect();
-        self.frames_of(session, msgs)
+        // With throttling, where each device's throttle starts from (replay.rs).
+        let quiet = self.devices.borrow().throttle().map(crate::shard::devices::quiet);
+        let leads: Leads = match quiet {
+            Some(quiet) => devices
+                .iter()
+                .filter_map(|(device, cut)| Some((device.clone(), relay.ring_lead(device, (*cut)?, quiet)?)))
+                .collect(),
+            None => HashMap::new(),
+        };
+        self.frames_of(session, msgs, Some(&leads))
     }
 
     /// On a device core here: another instance's answer to this core's ask (ringask.rs),
     /// turned into the session's frames and passed to its core behind this core's
     /// deliveries of what came before it.
     pub fn rings_remote(self: &Rc<Self>, session: SessionId, from: Box<str>, of: u32, parts: Result<RingGot, String>) {
-        let answer = parts.map_err(|why| format!("instance {from}: {why}")).and_then(|parts| self.frames_of(session, parts));
+        let answer = parts.map_err(|why| format!("instance {from}: {why}")).and_then(|parts| self.frames_of(session, parts, None));
         let reply_to = self.session_core(session);
         let core = self.index;
         self.post_answer(session, reply_to, answer, From::Peer { from, core, of });
     }
 
-    fn frames_of(&self, session: SessionId, msgs: RingGot) -> Answer {
-        let table = self.devices.borrow();
+    /// `leads`: this instance's rings' (`None`: another instance's answer).
+    fn frames_of(&self, session: SessionId, msgs: RingGot, leads: Option<&Leads>) -> Answer {
+        let mut table = self.devices.borrow_mut();
+        let now = Instant::now();
         let mut out = Vec::with_capacity(msgs.len());
         for (device, got) in msgs {
+            let lead = match leads.and_then(|l| l.get(&device)) {
+                Some((lead, quiet_point)) => Lead::Here(lead, *quiet_point),
+                None if leads.is_some() => Lead::Here(&[], false),
+                None => Lead::None,
+            };
             let part = match got {
-                Ok(msgs) => Part::Frames(table.replay_frames(session, &device, &msgs).map_err(|why| format!("{device}: {why}"))?),
+                Ok(msgs) => Part::Frames(table.replay_frames(session, &device, lead, &msgs, now).map_err(|why| format!("{device}: {why}"))?),
                 Err(RingMiss::Lost(why)) => return Err(format!("{device}: {why}")),
                 Err(miss) => Part::Miss(miss),
             };
@@ -249,7 +274,15 @@ impl Core {
         let mut rebuilding = self.recovery.rebuilding.borrow_mut();
         let Some(held) = rebuilding.get_mut(&session) else { return };
         match from {
-            From::Here => held.waiting = held.waiting.saturating_sub(1),
+            From::Here => {
+                held.waiting = held.waiting.saturating_sub(1);
+                if let Ok(parts) = &answer {
+                    let at = held.deliveries.len();
+                    for (device, _) in parts {
+                        held.answered_at.insert(device.clone(), at);
+                    }
+                }
+            }
             From::Unsent => held.unsent = true,
             From::Peer { from, core, of } => {
                 if !held.peers.contains(&from) || !held.ask_cores.contains(&core) {
@@ -437,19 +470,32 @@ impl Core {
             }
         }
         let rebuilt: HashSet<(u32, MsgKey)> =
-            per_device.iter().flatten().map(|d| (device_hash(&d.device), d.key)).collect();
+            per_device.iter().flatten().filter(|d| !d.key.is_none()).map(|d| (device_hash(&d.device), d.key)).collect();
         // Merged by key (time, then counter: one ingress thread's messages in the order it
-        // took them in), each device's frames in ring order.
+        // took them in), each device's frames in ring order; a throttle's trailing merge
+        // (keyless) right after the frame before it.
         let mut frames = Vec::with_capacity(per_device.iter().map(|v| v.len()).sum());
+        let mut last_key = vec![MsgKey::NONE; per_device.len()];
         while let Some(i) = (0..per_device.len())
             .filter(|i| !per_device[*i].is_empty())
-            .min_by_key(|i| per_device[*i].front().map(|d| d.key))
+            .min_by_key(|i| per_device[*i].front().map(|d| if d.key.is_none() { last_key[*i] } else { d.key }))
         {
-            frames.extend(per_device[i].pop_front());
+            if let Some(d) = per_device[i].pop_front() {
+                if !d.key.is_none() {
+                    last_key[i] = d.key;
+                }
+                frames.push(d);
+            }
         }
-        // What arrived meanwhile and was not in a ring follows.
+        // What arrived meanwhile and was not in a ring follows; with throttling, not the
+        // session's telemetry of a device made here before its answer re-ran the throttle.
+        let throttled = self.devices.borrow().throttle().is_some();
         let (from_rings, held_count) = (frames.len(), held.deliveries.len());
-        frames.extend(held.deliveries.into_iter().filter(|d| !rebuilt.contains(&(device_hash(&d.device), d.key))));
+        let answered_at = held.answered_at;
+        frames.extend(held.deliveries.into_iter().enumerate().filter(|(i, d)| {
+            let remade = throttled && d.kind == crate::push::FrameKind::Telemetry && answered_at.get(&d.device).is_some_and(|at| i < at);
+            !remade && !rebuilt.contains(&(device_hash(&d.device), d.key))
+        }).map(|(_, d)| d));
         tracing::debug!(session = %session, from_rings, held = held_count, held_kept = frames.len() - from_rings, peers = held.peers.len(), "device rings answered");
         Ok(frames)
     }

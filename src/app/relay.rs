@@ -29,6 +29,12 @@ pub trait Relay {
     fn ring_after(&self, _device: &str, _cut: Option<u32>) -> Result<Vec<Kept>, RingMiss> {
         Err(RingMiss::Lost("no rings".into()))
     }
+    /// Design step 11 with throttling, on a device's core: the messages of `device` its ring
+    /// holds from the latest quiet point (`quiet` or more after the one before) through the
+    /// client's cut, and whether they start at one (`cluster::ring::Rings::lead`).
+    fn ring_lead(&self, _device: &str, _cut: u32, _quiet: std::time::Duration) -> Option<(Vec<Kept>, bool)> {
+        None
+    }
     /// Design step 11 with other live instances, on a device's core of the instance
     /// rebuilding `session` (its core `reply_core`): after this core's watch changes are with
     /// the link (so every instance publishes the devices here before it reads its rings), ask

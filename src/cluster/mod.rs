@@ -577,6 +577,10 @@ impl Relay for CoreRelay {
         })
     }
 
+    fn ring_lead(&self, device: &str, cut: u32, quiet: Duration) -> Option<(Vec<Kept>, bool)> {
+        self.rings.as_ref()?.borrow().lead(device, cut, std::time::Instant::now(), quiet)
+    }
+
     fn rings_ask(&self, session: SessionId, reply_core: usize, devices: &[(Arc<str>, Option<u32>)]) -> bool {
         // After this core's watch changes (same queue): refused when they could not be sent.
         self.send_pending_watch();

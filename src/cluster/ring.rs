@@ -66,6 +66,9 @@ struct Ring {
     /// When entries last left it for a bound (a cut older than a window loses nothing a
     /// rebuild could still ask for: what it cut was past the window anyway).
     cut_at: Option<Instant>,
+    /// An entry left it, or a message of its device was applied and not kept: its first
+    /// entry is no longer the first message since it began ([`Rings::lead`]).
+    lost_any: bool,
 }
 
 impl Ring {
@@ -143,6 +146,7 @@ impl Rings {
         if keep {
             ring.until = Some(now + self.window);
         } else if ring.until.is_none_or(|u| u <= now) {
+            ring.lost_any = true;
             self.maybe_sweep(now);
             return self.bytes as isize - before;
         }
@@ -160,6 +164,7 @@ impl Rings {
             }
             let e = ring.entries.pop_front().expect("front");
             ring.bytes -= e.charged;
+            ring.lost_any = true;
             self.bytes -= e.charged;
             self.entries -= 1;
             if !old {
@@ -188,6 +193,7 @@ impl Rings {
                 ring.bytes = 0;
                 ring.entries.clear();
                 ring.cut_at = Some(now);
+                ring.lost_any = true;
             }
         }
         self.gap_until = Some(now + self.window);
@@ -206,6 +212,7 @@ impl Rings {
             while ring.entries.front().is_some_and(|e| now.saturating_duration_since(e.at) > window) {
                 let e = ring.entries.pop_front().expect("front");
                 ring.bytes -= e.charged;
+                ring.lost_any = true;
             }
             let keep = !ring.entries.is_empty() || ring.until.is_some_and(|u| u > now);
             if keep {
@@ -254,6 +261,28 @@ impl Rings {
             (Some(_), Some(_)) => Err(Lost::Ambiguous),
             (None, _) => Err(Lost::CutNotHeld),
         }
+    }
+}
+
+impl Rings {
+    /// With throttling (design step 11, "throttled telemetry"): the entries of `device` from
+    /// its latest *quiet point* through the client's cut (`cut`, inclusive), and whether
+    /// they start at one. A quiet point is an entry `quiet` or more after the one before it,
+    /// or the first entry of a ring that has held every message of its device since it
+    /// began (before it, nobody elsewhere watched the device: no session elsewhere had a
+    /// throttle window of it open). `(just the cut, false)` when there is none; `None`
+    /// without the cut (the rebuild's [`Rings::after`] says why).
+    pub fn lead(&self, device: &str, cut: u32, now: Instant, quiet: Duration) -> Option<(Vec<Kept>, bool)> {
+        let ring = self.rings.get(device)?;
+        let held: Vec<&Entry> = ring.entries.iter().filter(|e| now.saturating_duration_since(e.at) <= self.window).collect();
+        let k = held.iter().position(|e| key_hash(e.msg.key) == Some(cut))?;
+        let whole = !ring.lost_any && held.len() == ring.entries.len();
+        let start = (0..=k).rev().find(|&i| if i == 0 { whole } else { held[i].at.saturating_duration_since(held[i - 1].at) >= quiet });
+        let (from, quiet_point) = match start {
+            Some(i) => (i, true),
+            None => (k, false),
+        };
+        Some((held[from..=k].iter().map(|e| Kept { msg: e.msg.clone(), decided: e.decided.clone(), at: e.at }).collect(), quiet_point))
     }
 }
 
@@ -310,6 +339,28 @@ mod tests {
         r.note(&msg("d", 3), &tel, true, false, late);
         assert_eq!(r.entries(), 0);
         assert_eq!(r.bytes(), 0);
+    }
+
+    #[test]
+    fn a_lead_starts_at_the_latest_quiet_point_before_the_cut() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let q = ms(500);
+        let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
+        for (n, at) in [(1, 0), (2, 100), (3, 700), (4, 800), (5, 900)] {
+            r.note(&msg("d", n), &tel, true, true, t0 + ms(at));
+        }
+        let now = t0 + ms(1000);
+        let lead = |c| r.lead("d", cut(c).unwrap(), now, q).map(|(l, quiet)| (ns(l), quiet));
+        assert_eq!(lead(5), Some((vec![3, 4, 5], true)), "600 ms before 3");
+        assert_eq!(lead(2), Some((vec![1, 2], true)), "the ring's first, nothing lost");
+        assert_eq!(lead(9), None);
+        // Once an entry left (the ring's own count, age or a bound), its first is no quiet point.
+        let mut r = Rings::new(ms(250), 1 << 20);
+        for (n, at) in [(1, 0), (2, 100), (3, 200), (4, 300)] {
+            r.note(&msg("d", n), &tel, true, true, t0 + ms(at));
+        }
+        assert_eq!(r.lead("d", cut(4).unwrap(), t0 + ms(300), q).map(|(l, quiet)| (ns(l), quiet)), Some((vec![4], false)));
     }
 
     #[test]

@@ -378,6 +378,12 @@ impl Access {
         (m.throttle.get_or_insert_with(Default::default), KeyView { all, keys: m.subscribed.as_slice() })
     }
 
+    /// Whether a trailing throttle flush is scheduled (a rebuild does not run the throttle
+    /// again over an open window: `shard/devices/replay.rs`).
+    pub fn throttle_armed(&self) -> bool {
+        self.more.as_deref().and_then(|m| m.throttle.as_deref()).is_some_and(|t| t.armed)
+    }
+
     /// The throttle state if there is one, and the telemetry subscribed to.
     pub fn throttled(&mut self) -> Option<(&mut Throttle, KeyView<'_>)> {
         let all = self.has(bit::S_TELEMETRY);

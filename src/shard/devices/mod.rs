@@ -35,7 +35,7 @@ pub(crate) use durable::shrink_after;
 mod fanout;
 mod id;
 mod replay;
-pub use replay::{Decided, Kept};
+pub use replay::{quiet, Decided, Kept, Lead};
 mod ingest;
 mod telemetry;
 mod twin;

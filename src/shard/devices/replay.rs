@@ -15,7 +15,29 @@
 //! later (a change held for a hub read of the whole twin, [`Decided::Held`]) fails a rebuild
 //! for a session subscribed to twins (`history_lost`) rather than guess.
 //!
-//! With throttling on, what was sent depended on timing a re-run does not have: refused.
+//! **Throttled telemetry** (`throttlingInterval`): what was sent depended on when each
+//! message came, so the throttle is run again over the ring's times (each entry's batch
+//! clock on the instance that kept it, the clock its live throttle read), from a point where
+//! its state is known: the latest *quiet point* before the client's cut (an entry
+//! [`quiet`] or more after the one before it: by then any window was flushed and the next
+//! telemetry was sent at once; or the ring's first entry when it holds every message since
+//! it began), or, for a session that reads only telemetry of the device, the cut itself
+//! (its last frame of the device was then a telemetry frame sent at once). Frames up to the
+//! cut are dropped (the client had them); after it, telemetry sent at once and each trailing
+//! merge (keyless, timestamped by the newest merged message, as live) are made in the order
+//! the live path made them, and the state at the end is installed in the session's access
+//! here, so live telemetry goes on from it (a trailing merge due later is armed).
+//!
+//! Where it cannot be exact it refuses: a live trailing flush runs when the core's clock
+//! wakes, a little after its due time, so a message within [`EDGE`] after a due time (before
+//! or after the flush?) or within [`EDGE`] of the end of a window that a flush began
+//! (sent at once or merged?) could have gone either way; no quiet point and more than
+//! telemetry subscribed; a window of the session's here already open (live telemetry
+//! reached it before the ask); another instance's answer (its ring's times are not this
+//! clock's: refused for throttled telemetry, the rebuild asks only this instance's rings
+//! exactly). Assumed: the clock woke within [`EDGE`] of each due time; the messages' own
+//! times grow (a trailing merge is timestamped by the newest time merged since the access
+//! began, which the re-run knows only from the quiet point on).
 
 use std::sync::Arc;
 
@@ -23,6 +45,34 @@ use super::*;
 
 /// Why a rebuild's frames could not be made.
 pub type Refused = &'static str;
+
+/// How late a throttle's trailing flush may run after its due time (the core clock's wake),
+/// as the re-run assumes: a message this close after a due time or a window's end refuses.
+pub const EDGE: Duration = Duration::from_millis(50);
+
+/// The gap after which a throttle's state is known: any window open before it was flushed
+/// (at most an interval after the message before, plus [`EDGE`]) and the next telemetry is
+/// sent at once (an interval after that flush).
+pub fn quiet(interval: Duration) -> Duration {
+    interval * 2 + EDGE * 2
+}
+
+/// Where a rebuild's messages of a device start from, for the throttle (module docs).
+pub enum Lead<'a> {
+    /// No throttle to run: another instance's answer, or throttling off.
+    None,
+    /// The ring's entries from a quiet point (`true`) or just the cut (`false`) through it.
+    Here(&'a [Kept], bool),
+}
+
+/// The throttle run again: the session's state, whether its `last_sent` came from a
+/// flush (then only within an [`EDGE`] of its due time), its due time.
+struct Sim {
+    interval: Duration,
+    state: crate::shard::access::Throttle,
+    from_flush: bool,
+    due: Option<Instant>,
+}
 
 /// What the live path decided for a message that is not telemetry, where it was applied
 /// (design step 11): kept with the message in a device ring, so a rebuild sends what the
@@ -92,23 +142,91 @@ impl DeviceTable {
         }
     }
 
+    /// `throttlingInterval`, if on.
+    pub fn throttle(&self) -> Option<Duration> {
+        self.timing.throttle
+    }
+
     /// The frames `session` would have been sent for `kept` (messages of `device`, oldest
-    /// first, with what was decided for each), each with its message's key.
-    pub fn replay_frames(&self, session: SessionId, device: &Arc<str>, kept: &[Kept]) -> Result<Vec<Delivery>, Refused> {
+    /// first, with what was decided for each), each with its message's key (a trailing
+    /// throttle merge none). With throttled telemetry subscribed, `lead` says where the
+    /// throttle starts from (module docs), and its state at `now` is installed here.
+    pub fn replay_frames(&mut self, session: SessionId, device: &Arc<str>, lead: Lead<'_>, kept: &[Kept], now: Instant) -> Result<Vec<Delivery>, Refused> {
         let mut out = Vec::new();
-        if kept.is_empty() {
-            return Ok(out);
-        }
         let Some(access) = self.devices.get(&**device).and_then(|d| d.access.get(session)) else {
             return Ok(out); // not subscribed here (any more)
         };
-        if access.subs_empty() {
+        if access.subs_empty() || kept.is_empty() && matches!(lead, Lead::None | Lead::Here([], _)) {
             return Ok(out);
         }
-        if self.timing.throttle.is_some() && access.subscribed_telemetry() {
-            return Err("throttled telemetry");
+        let mut sim = match (self.timing.throttle, access.subscribed_telemetry(), lead) {
+            (Some(interval), true, Lead::Here(lead, quiet_point)) => {
+                if access.throttle_armed() {
+                    return Err("throttled telemetry: a window of the session is open here already");
+                }
+                let mut sim = Sim { interval, state: Default::default(), from_flush: false, due: None };
+                if quiet_point {
+                    let mut before = Vec::new();
+                    for k in lead {
+                        self.frames_of_one(session, device, access, k, Some(&mut sim), &mut before)?;
+                    }
+                } else {
+                    let only_telemetry = !access.subscribed_messages() && !access.subscribed_connection_state() && !access.subscribed_twin();
+                    let Some(cut) = lead.last().filter(|_| only_telemetry) else {
+                        return Err("throttled telemetry: no quiet moment of the device before the cut");
+                    };
+                    // Its last frame of the device was this message's telemetry, sent at once.
+                    sim.state.last_sent = Some(cut.at);
+                }
+                Some(sim)
+            }
+            (Some(_), true, Lead::None) if !kept.is_empty() => return Err("throttled telemetry in another instance's ring"),
+            _ => None,
+        };
+        for k in kept {
+            self.frames_of_one(session, device, access, k, sim.as_mut(), &mut out)?;
         }
-        for Kept { msg, decided, .. } in kept {
+        if let Some(mut sim) = sim {
+            if sim.due.is_some_and(|due| due <= now) {
+                Self::flush_sim(session, device, &mut sim, &mut out);
+            }
+            let Sim { state, due, .. } = sim;
+            if let Some(access) = self.devices.get_mut(&**device).and_then(|d| d.access.get_mut(session)) {
+                *access.throttle().0 = state;
+            }
+            if let Some(due) = due {
+                self.throttle_due.push(Reverse((due, (**device).into(), session)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The trailing merge of a re-run throttle, at its due time.
+    fn flush_sim(session: SessionId, device: &Arc<str>, sim: &mut Sim, out: &mut Vec<Delivery>) {
+        let Some(due) = sim.due.take() else { return };
+        sim.state.armed = false;
+        let pending = std::mem::take(&mut sim.state.pending);
+        if pending.is_empty() {
+            return;
+        }
+        sim.state.last_sent = Some(due);
+        sim.from_flush = true;
+        let frame = EnvelopeBuilder::new(device, &iso(sim.state.pending_at)).telemetry(pending.iter().map(|(k, v)| (&**k, v.as_str())));
+        out.push(Delivery { session, device: device.clone(), kind: FrameKind::Telemetry, frame, arrived: None, key: Default::default() });
+    }
+
+    /// The frames of one kept message (`sim`: the throttle run again, else none).
+    fn frames_of_one(&self, session: SessionId, device: &Arc<str>, access: &crate::shard::access::Access, k: &Kept, mut sim: Option<&mut Sim>, out: &mut Vec<Delivery>) -> Result<(), Refused> {
+        let Kept { msg, decided, at: applied } = k;
+        if let Some(sim) = sim.as_deref_mut() {
+            if let Some(due) = sim.due.filter(|due| *due <= *applied) {
+                if applied.saturating_duration_since(due) < EDGE {
+                    return Err("throttled telemetry: a message at a trailing flush's due time");
+                }
+                Self::flush_sim(session, device, sim, out);
+            }
+        }
+        {
             let mut send = |kind: FrameKind, frame: Arc<str>| {
                 out.push(Delivery { session, device: device.clone(), kind, frame, arrived: None, key: msg.key });
             };
@@ -117,58 +235,85 @@ impl DeviceTable {
                     if access.subscribed_twin() {
                         send(FrameKind::DeviceTwin, EnvelopeBuilder::new(device, &iso(*at)).device_twin(doc));
                     }
-                    continue;
+                    return Ok(());
                 }
                 Decided::Connection { at, connected } => {
                     if access.subscribed_connection_state() {
                         send(FrameKind::ConnectionState, EnvelopeBuilder::new(device, &iso(*at)).connection_state(*connected));
                     }
-                    continue;
+                    return Ok(());
                 }
-                Decided::Nothing => continue,
+                Decided::Nothing => return Ok(()),
                 Decided::Held if access.subscribed_twin() => return Err("a twin change held for a hub read"),
-                Decided::Held => continue,
+                Decided::Held => return Ok(()),
                 Decided::FromMessage if msg.source != SourceKind::Telemetry => {
                     if access.subscribed_twin() || access.subscribed_connection_state() {
                         return Err("a twin or connection event kept without its decision");
                     }
-                    continue;
+                    return Ok(());
                 }
                 Decided::FromMessage => {}
             }
-            let mut parsed = crate::ingest::ParsedTelemetry::default();
-            let ok = crate::ingest::parse_telemetry_into(&msg.body, &self.settings, &mut parsed).is_ok();
-            let property = |name: &str| msg.properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
-            let header_time = property("iothub-creation-time-utc")
-                .and_then(parse_iso)
-                .or_else(|| property("iothub-app-iothub-creation-time-utc").and_then(parse_iso))
-                .or(msg.enqueued_at)
-                .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
-            // Without a time of its own: when the instance that took it in did (its key's).
-            let at = parsed.timestamp.or(header_time).unwrap_or(if msg.key.ms > 0 { msg.key.ms } else { now_millis() });
-            let timestamp = iso(at);
-            let envelope = EnvelopeBuilder::new(device, &timestamp);
-            if ok && access.subscribed_telemetry() {
-                let subscribed = access.sub_telemetry();
-                let values = parsed.values.iter().filter(|(k, _)| subscribed.all || subscribed.contains_key(k));
-                if values.clone().next().is_some() {
-                    send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, *v))));
+        }
+        let mut parsed = crate::ingest::ParsedTelemetry::default();
+        let ok = crate::ingest::parse_telemetry_into(&msg.body, &self.settings, &mut parsed).is_ok();
+        let property = |name: &str| msg.properties.iter().find(|(k, _)| &**k == name).map(|(_, v)| &**v);
+        let header_time = property("iothub-creation-time-utc")
+            .and_then(parse_iso)
+            .or_else(|| property("iothub-app-iothub-creation-time-utc").and_then(parse_iso))
+            .or(msg.enqueued_at)
+            .or_else(|| property("iothub-enqueuedtime").and_then(parse_iso));
+        // Without a time of its own: when the instance that took it in did (its key's).
+        let at = parsed.timestamp.or(header_time).unwrap_or(if msg.key.ms > 0 { msg.key.ms } else { now_millis() });
+        let timestamp = iso(at);
+        let envelope = EnvelopeBuilder::new(device, &timestamp);
+        let mut send = |kind: FrameKind, frame: Arc<str>| {
+            out.push(Delivery { session, device: device.clone(), kind, frame, arrived: None, key: msg.key });
+        };
+        if ok && access.subscribed_telemetry() {
+            let subscribed = access.sub_telemetry();
+            let values = parsed.values.iter().filter(|(k, _)| subscribed.all || subscribed.contains_key(k));
+            match sim {
+                _ if values.clone().next().is_none() => {}
+                None => send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, *v)))),
+                Some(sim) => {
+                    let since = sim.state.last_sent.map(|t| applied.saturating_duration_since(t));
+                    if !sim.state.armed && sim.from_flush && since.is_some_and(|d| d >= sim.interval && d < sim.interval + EDGE) {
+                        return Err("throttled telemetry: a message at the end of a window a flush began");
+                    }
+                    if !sim.state.armed && since.is_none_or(|d| d >= sim.interval) {
+                        sim.state.last_sent = Some(*applied);
+                        sim.from_flush = false;
+                        send(FrameKind::Telemetry, envelope.telemetry(values.map(|(k, v)| (&**k, *v))));
+                    } else {
+                        for (k, v) in values {
+                            match sim.state.pending.iter_mut().find(|(pk, _)| **pk == **k) {
+                                Some(slot) => slot.1 = crate::ingest::JsonText::new(v),
+                                None => sim.state.pending.push((Box::from(&**k), crate::ingest::JsonText::new(v))),
+                            }
+                        }
+                        sim.state.pending_at = sim.state.pending_at.max(at);
+                        if !sim.state.armed {
+                            sim.state.armed = true;
+                            sim.due = Some(sim.state.last_sent.map_or(*applied, |t| t + sim.interval));
+                        }
+                    }
                 }
-            }
-            if ok && access.subscribed_connection_state() {
-                let connected = match parsed.connection_state {
-                    Some(state) => Some(state),
-                    None if self.settings.custom_connection_state_key.is_empty() && self.settings.connection_state_on_telemetry => Some(true),
-                    None => None,
-                };
-                if let Some(c) = connected {
-                    send(FrameKind::ConnectionState, envelope.connection_state(c));
-                }
-            }
-            if access.subscribed_messages() {
-                send(FrameKind::Message, envelope.message(&crate::ingest::message_json(&msg.body)));
             }
         }
-        Ok(out)
+        if ok && access.subscribed_connection_state() {
+            let connected = match parsed.connection_state {
+                Some(state) => Some(state),
+                None if self.settings.custom_connection_state_key.is_empty() && self.settings.connection_state_on_telemetry => Some(true),
+                None => None,
+            };
+            if let Some(c) = connected {
+                send(FrameKind::ConnectionState, envelope.connection_state(c));
+            }
+        }
+        if access.subscribed_messages() {
+            send(FrameKind::Message, envelope.message(&crate::ingest::message_json(&msg.body)));
+        }
+        Ok(())
     }
 }
