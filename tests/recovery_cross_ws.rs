@@ -143,8 +143,8 @@ fn a_plain_client_landing_on_a_third_instance_takes_its_history_from_the_adopter
     c.ingest(json!((0..20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
     sigterm(&mut a);
-    let lines = a.stderr_lines().join("\n");
-    assert!(lines.contains("recovery histories handed to other instances") && lines.contains("handed=1"), "{lines}");
+    let handed = a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances"));
+    assert!(handed.as_deref().is_some_and(|l| l.contains("handed=1")), "{handed:?}\n{}", a.stderr_lines().join("\n"));
     let confirmed = |server: &Server, id: &str| {
         server.metric(&format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"confirmed\"}}")) == Some(1.0)
     };
@@ -190,12 +190,9 @@ fn a_plain_since_whose_cut_the_survivor_never_held_is_not_recovered_and_live_dat
     b.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(1.0));
     let mut ws = back_at(&cutter, b.port, &session, &offset);
     assert_eq!(frame(&mut ws), json!({"recovered": false, "reason": "history_lost"}));
-    let log = b.stderr_lines();
-    assert!(
-        log.iter().any(|l| l.contains("history not rebuilt from device rings") && l.contains("dev-1")),
-        "the rebuild was tried and refused for dev-1:\n{}",
-        log.join("\n")
-    );
+    // Logged before the frame was written; read from the pipe by a thread of this test.
+    let refused = b.wait_for_stderr(WAIT, |l| l.contains("history not rebuilt from device rings") && l.contains("dev-1"));
+    assert!(refused.is_some(), "the rebuild was tried and refused for dev-1:\n{}", b.stderr_lines().join("\n"));
     assert_eq!(b.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
     b.ingest(message("dev-1", 999));
     let (_, n, live) = next(&mut ws);
@@ -261,14 +258,12 @@ fn an_instance_seen_alive_that_does_not_answer_refuses_the_rebuild_after_the_wai
     let mut ws = back_at(&cutter, b.port, &session, &offset);
     let first = frame(&mut ws);
     drop(renewing);
-    let log = b.stderr_lines();
-    assert_eq!(first, json!({"recovered": false, "reason": "history_lost"}), "{}", log.join("\n"));
-    assert!(log.iter().any(|l| l.contains("another instance is alive") && l.contains("instance=a")), "A was seen alive:\n{}", log.join("\n"));
-    assert!(
-        log.iter().any(|l| l.contains("history not rebuilt") && l.contains("no answer in time") && l.contains("\"a\"")),
-        "refused at the deadline, naming A:\n{}",
-        log.join("\n")
-    );
+    assert_eq!(first, json!({"recovered": false, "reason": "history_lost"}), "{}", b.stderr_lines().join("\n"));
+    // Logged before the frame was written; read from the pipe by a thread of this test.
+    let seen = b.wait_for_stderr(WAIT, |l| l.contains("another instance is alive") && l.contains("instance=a"));
+    assert!(seen.is_some(), "A was seen alive:\n{}", b.stderr_lines().join("\n"));
+    let refused = b.wait_for_stderr(WAIT, |l| l.contains("history not rebuilt") && l.contains("no answer in time") && l.contains("\"a\""));
+    assert!(refused.is_some(), "refused at the deadline, naming A:\n{}", b.stderr_lines().join("\n"));
     assert_eq!(b.metric("hubcast_recovery_failed_total{reason=\"history_lost\"}"), Some(1.0));
     b.ingest(message("dev-1", 999));
     assert_eq!(next(&mut ws).1, 999, "live data at once, nothing replayed");
@@ -339,7 +334,7 @@ fn a_plain_since_before_the_adopters_verdict_is_not_resumed_from_a_history_it_ma
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
     adopter.signal(libc::SIGSTOP);
     sigterm(&mut a);
-    assert!(a.stderr_lines().iter().any(|l| l.contains("handed over without a verdict in time")));
+    assert!(a.wait_for_stderr(WAIT, |l| l.contains("handed over without a verdict in time")).is_some());
     adopter.signal(libc::SIGCONT);
     let adoptions = |outcome: &str| format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"{outcome}\"}}");
     adopter.wait_for_metric(&adoptions("received"), WAIT, Want::Eq(1.0));
