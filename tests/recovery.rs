@@ -953,14 +953,7 @@ fn handed_over(extra: &[&str]) -> HandedOver {
     flags.extend_from_slice(extra);
     let mut a = instance_with(&redis, "a", &flags);
     let (b, c) = (instance_with(&redis, "b", &flags), instance_with(&redis, "c", &flags));
-    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
-    let session = d2c_session(&a, "dev-1");
-    let cutter = Cutter::start(a.port);
-    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
-    cut(&cutter, &a, &client, WS_GAUGE);
-    c.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"c\"}", WAIT, Want::Eq(1.0));
-    c.ingest(json!((0..20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    let (cutter, client) = cut_off_a_with_a_history_from_c(&a, &c);
     let monitor = Monitor::start(redis.port);
     // The verdict is given before A leaves Redis (Cluster::leave waits for it).
     sigterm(&mut a);

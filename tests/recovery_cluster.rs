@@ -138,3 +138,37 @@ fn on_a_cluster_a_rebuild_while_a_third_instance_keeps_ingesting_gives_every_mes
     let (_engine, mut a, b, c, cutter, client) = three_with_client_on_a();
     a_third_instance_ingesting_through_the_rebuild_gives_every_message_once(&mut a, &b, &c, &cutter, &client);
 }
+
+/// Issue 24's "a SIGTERM deploy where the client lands on another instance" on a Redis
+/// Cluster (design step 6, "On a Redis Cluster"): three instances, the client on A cut off,
+/// C takes in 20 that reach A's history through sharded pub/sub; A stops (SIGTERM) and
+/// hands the history over; its marks, each on its device's own channel, settle the verdict
+/// (`kept`); C takes in 20 more while the client is away; the client, back through the proxy
+/// now aimed at the adopter, recovers: every message once, in order, then live. (Before:
+/// not handed over on a cluster, counted `unsupported`, `recovered` false.)
+#[test]
+fn on_a_cluster_a_sigterm_hands_the_history_to_another_instance_where_the_client_recovers() {
+    let engine = Engine::cluster();
+    let flags = ["--recovery-handoff", "true"];
+    let mut a = instance_on(&engine, "a", &flags);
+    let (b, c) = (instance_on(&engine, "b", &flags), instance_on(&engine, "c", &flags));
+    let (cutter, client) = cut_off_a_with_a_history_from_c(&a, &c);
+    sigterm(&mut a);
+    let lines = a.stderr_lines().join("\n");
+    assert!(lines.contains("recovery histories of this instance by outcome") && lines.contains("kept=1") && lines.contains("unsupported=0"), "{lines}");
+    let confirmed = |id: &str| format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"confirmed\"}}");
+    let adopter = if b.metric(&confirmed("b")) == Some(1.0) { &b } else { &c };
+    let other = if std::ptr::eq(adopter, &b) { &c } else { &b };
+    assert_eq!(adopter.metric(&confirmed(if std::ptr::eq(adopter, &b) { "b" } else { "c" })), Some(1.0), "the adopter confirmed before A left");
+    other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    cutter.retarget(adopter.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", adopter.stderr_lines().join("\n"));
+    other.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..41).map(|_| next(&client).1).collect();
+    let mut want: Vec<u64> = (0..40).collect();
+    want.push(999);
+    assert_eq!(got, want, "before and after A stopped, once, in order, then live");
+    assert_eq!(adopter.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
+}

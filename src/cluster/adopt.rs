@@ -29,9 +29,18 @@
 //! has nothing to give, the CONNECT goes on at once). A CONNECT on B while its adoption waits
 //! for the verdict waits for it the same way.
 //!
-//! A Redis Cluster is not supported: device channels are on sharded subscriber connections,
-//! not the control connection, so step 2's order does not hold; histories are kept (counted
-//! `unsupported`). Bounds and back-pressure, each counted in `hubcast_redis_adoptions_total`:
+//! **On a Redis Cluster** device channels arrive over sharded subscribers (one per master),
+//! not the control connection, so step 2's order does not hold as such. There the stopping
+//! instance, on `watching`, publishes one mark per device of the session **to itself on the
+//! device's own channel** (`SPUBLISH`, [`DEVICE_MARK`]): the device's master runs the
+//! adopter's `SSUBSCRIBE` (confirmed before `watching` was sent) before the mark, so every
+//! message published there before that subscription reaches this instance's subscriber of
+//! that master before the mark; the link hands the mark to the device's core after them and
+//! the session's core counts one mark per device. This instance learnt the adopter watches
+//! the devices before `watching` (its `+watch`es went first on the one control connection),
+//! so what it takes in itself after a mark is published to the adopter. The adopter does
+//! nothing differently. (`unsupported` is no longer counted: it stays in the metric, 0.)
+//! Bounds and back-pressure, each counted in `hubcast_redis_adoptions_total`:
 //! one history at most [`blob_max`] bytes (`too_large`, kept); what one stopping instance sends
 //! at most [`SEND_BYTES`] in all, split over its cores (`over_bound`, kept): Redis buffers
 //! each subscriber's pub/sub output up to its `client-output-buffer-limit` (32 MiB hard by
@@ -139,6 +148,71 @@ fn decode(bytes: &[u8]) -> Option<(u8, &str, SessionId, &[u8])> {
     Some((kind, origin, session, &rest[16..]))
 }
 
+/// First byte of a Redis Cluster's step 2 mark, sent on a device's own channel (module docs,
+/// "On a Redis Cluster"; a device message's first byte is its wire version, 1 or 2).
+pub(super) const DEVICE_MARK: u8 = 0x55;
+
+/// `DEVICE_MARK, to (u32 length + bytes), session u128, marks expected u32`.
+fn encode_mark(to: &str, session: SessionId, n: u32) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(1 + 4 + to.len() + 16 + 4);
+    buf.push(DEVICE_MARK);
+    buf.extend_from_slice(&(to.len() as u32).to_le_bytes());
+    buf.extend_from_slice(to.as_bytes());
+    buf.extend_from_slice(&session.0.to_le_bytes());
+    buf.extend_from_slice(&n.to_le_bytes());
+    buf
+}
+
+fn decode_mark(bytes: &[u8]) -> Option<(&str, SessionId, u32)> {
+    let (&kind, rest) = bytes.split_first()?;
+    if kind != DEVICE_MARK {
+        return None;
+    }
+    let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let to = std::str::from_utf8(rest.get(4..4 + len)?).ok()?;
+    let rest = rest.get(4 + len..)?;
+    let session = SessionId(u128::from_le_bytes(rest.get(..16)?.try_into().ok()?));
+    let n = u32::from_le_bytes(rest.get(16..20)?.try_into().ok()?);
+    (rest.len() == 20).then_some((to, session, n))
+}
+
+/// On a Redis Cluster, stopping, `watching` in: one mark per device of the session, each
+/// `SPUBLISH`ed by this instance to itself on the device's own channel, so it comes back on
+/// the shard subscriber of that device's master after every message published there before
+/// the adopter's `SSUBSCRIBE` (confirmed before its `watching` was sent). By a task of its
+/// own (the pub/sub task never waits on Redis); a mark that does not come back (a failed
+/// command, the slot moving) leaves the verdict undecided: the adopter voids after
+/// [`VERDICT_WAIT`], honestly.
+fn mark_on_devices(ctx: &Ctx, conn: &Conn, session: SessionId, devices: &[Box<str>]) {
+    let payload = encode_mark(&ctx.o.instance, session, devices.len() as u32);
+    let channels: Vec<String> = devices.iter().map(|d| ctx.key("device", d)).collect();
+    let mut conn = conn.clone();
+    tokio::task::spawn_local(async move {
+        for channel in channels {
+            let publish = redis::cmd("SPUBLISH").arg(&channel).arg(&payload).to_owned();
+            match within("SPUBLISH adoption mark", publish.query_async::<i64>(&mut conn)).await {
+                Ok(0) => tracing::debug!(session = %session, channel, "an adoption mark reached no subscriber here: the adopter voids the history"),
+                Ok(_) => {}
+                Err(reason) => tracing::debug!(session = %session, reason = %reason, "an adoption mark was not published: the adopter voids the history"),
+            }
+        }
+    });
+}
+
+/// A Redis Cluster's mark on `device`'s channel (from the shard task, after the device's
+/// messages before it were handed to their core): to the device's core, as `watching` hands
+/// one to each core on one Redis; the session's core counts one per device.
+pub(super) async fn on_device_mark(ctx: &Ctx, device: &str, payload: &[u8]) {
+    let Some((to, session, n)) = decode_mark(payload) else {
+        ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    if to != &*ctx.o.instance {
+        return;
+    }
+    let _ = ctx.cores[core_of_device(device, ctx.cores.len())].send(Inbound::AdoptMark { session, cores: n as usize }).await;
+}
+
 /// The adopter of `session` among the other live instances: by the session id over them in
 /// order, so every instance would pick the same one.
 fn adopter(instances: &HashSet<Arc<str>>, session: SessionId) -> Option<Arc<str>> {
@@ -186,7 +260,10 @@ pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: Ses
             return Err(reason);
         }
     };
-    if receivers == 0 {
+    // On a cluster a classic `PUBLISH` counts the subscribers of the node that ran it only
+    // (the bus carries it to the others uncounted): 0 says nothing there, and an adopter
+    // that is gone gives no verdict (`Cluster::leave` waits at most 2 s).
+    if receivers == 0 && !ctx.o.names.is_cluster() {
         forget(ctx, state, session);
         count(ctx, NO_PEER);
         tracing::warn!(session = %session, to = %to, "the instance chosen to adopt a recovery history is gone: its client will not recover");
@@ -206,7 +283,8 @@ pub(super) async fn take(ctx: &Ctx, conn: &mut Conn, session: SessionId) -> Resu
         Some(holder) => {
             let publish = redis::cmd("PUBLISH").arg(ctx.key("adopt", &holder)).arg(encode(KIND_TAKE, &ctx.o.instance, session, &[])).to_owned();
             let receivers: i64 = within("PUBLISH take", publish.query_async(conn)).await?;
-            if receivers == 0 {
+            // On a cluster 0 says nothing (see `send`): the CONNECT waits its 2 s at most.
+            if receivers == 0 && !ctx.o.names.is_cluster() {
                 let _ = ctx.cores[core_of_session(session, ctx.cores.len())].send(Inbound::TakeDone { session }).await;
             }
         }
@@ -277,7 +355,7 @@ pub(super) async fn watching(ctx: &Ctx, state: &State, conn: &mut Conn, session:
 
 /// A message on this instance's `adopt` channel (from the pub/sub task, in Redis's order,
 /// after the device messages before it were handed to their cores).
-pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
+pub(super) async fn on_message(ctx: &Ctx, state: &State, conn: &Conn, payload: &[u8]) {
     let Some((kind, origin, session, rest)) = decode(payload) else {
         ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
         return;
@@ -315,6 +393,10 @@ pub(super) async fn on_message(ctx: &Ctx, state: &State, payload: &[u8]) {
         }
         KIND_WATCHING => {
             let Some(devices) = state.borrow().adopt.handing.get(&session).map(|(_, d)| d.clone()) else { return };
+            if ctx.o.names.is_cluster() && !devices.is_empty() {
+                mark_on_devices(ctx, conn, session, &devices);
+                return;
+            }
             let mut marked: Vec<usize> = devices.iter().map(|d| core_of_device(d, cores)).collect();
             marked.sort_unstable();
             marked.dedup();
@@ -515,6 +597,10 @@ mod tests {
             assert!(decode(&bytes[..cut]).is_none(), "{cut}");
         }
         assert!(decode(&[2, KIND_ADOPT]).is_none());
+        let mark = encode_mark("inst-a", id, 3);
+        assert_eq!(decode_mark(&mark), Some(("inst-a", id, 3)));
+        assert!(decode_mark(&mark[..mark.len() - 1]).is_none());
+        assert!(decode_mark(&bytes).is_none(), "an adoption payload is not a mark");
     }
 
     #[test]

@@ -1208,6 +1208,12 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
         let channel = msg.get_channel_name();
         let payload = msg.get_payload_bytes();
         if channel.starts_with(&device_prefix) {
+            if payload.first() == Some(&super::adopt::DEVICE_MARK) {
+                // A cluster's adoption mark, behind the device's messages published before it.
+                flush_messages(ctx, &mut per_core).await;
+                super::adopt::on_device_mark(ctx, &channel[device_prefix.len()..], payload).await;
+                continue;
+            }
             if payload.first() == Some(&super::ringask::DEVICE_ANSWER) {
                 // A cluster's rings answer, behind the device's messages published before it.
                 let Some((to, origin, seq, answer)) = super::ringask::decode_on_device(payload) else {
@@ -1281,7 +1287,7 @@ pub(super) async fn on_messages(ctx: &Rc<Ctx>, state: &State, conn: &Conn, batch
         } else if channel == adopt {
             // After the device messages before it are with their cores (adopt.rs, step 2).
             flush_messages(ctx, &mut per_core).await;
-            super::adopt::on_message(ctx, state, payload).await;
+            super::adopt::on_message(ctx, state, conn, payload).await;
         }
     }
     flush_messages(ctx, &mut per_core).await;

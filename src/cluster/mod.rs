@@ -454,7 +454,7 @@ impl Cluster {
         ])
         .chain(adopt::OUTCOMES.iter().enumerate().map(|(i, outcome)| {
             let labels = format!("{{instance=\"{}\",outcome=\"{outcome}\"}}", self.instance);
-            ("hubcast_redis_adoptions_total".to_string(), "Recovery histories at SIGTERM (docs/design/recovery.md step 6), by outcome: handed over (sent, kept, voided, refused_by_peer) or not (no_peer, too_large, over_bound, unsupported), and taken in from a stopping instance (received, confirmed, lost, refused).".to_string(), labels, get(&s.adoptions[i]))
+            ("hubcast_redis_adoptions_total".to_string(), "Recovery histories at SIGTERM (docs/design/recovery.md step 6), by outcome: handed over (sent, kept, voided, refused_by_peer) or not (no_peer, too_large, over_bound; unsupported: no longer counted), and taken in from a stopping instance (received, confirmed, lost, refused).".to_string(), labels, get(&s.adoptions[i]))
         }))
         .chain(self.cluster_series(&label))
         .collect()
@@ -549,7 +549,7 @@ struct CoreRelay {
     /// The last sequence number published from this core (wire v2): a device's messages
     /// all go through its one core, so each device's numbers grow.
     seq: std::cell::Cell<u64>,
-    /// On a Redis Cluster (no adoption: adopt.rs; rings answers on device channels).
+    /// On a Redis Cluster (rings answers on device channels: ringask.rs).
     cluster: bool,
     /// The largest recovery history handed over, and what this core may still send (adopt.rs).
     adopt_blob_max: usize,
@@ -667,9 +667,7 @@ impl Relay for CoreRelay {
         // A stop's hand-over is charged to its budget; an instance asked by name (step 6b)
         // gives one history per CONNECT asking (bounded by the connections).
         let charged = if to.is_some() { 0 } else { blob.len() };
-        let outcome = if self.cluster {
-            Some(adopt::UNSUPPORTED)
-        } else if self.stats.instances.load(Ordering::Relaxed) <= 1 {
+        let outcome = if self.stats.instances.load(Ordering::Relaxed) <= 1 {
             Some(adopt::NO_PEER)
         } else if blob.len() > self.adopt_blob_max {
             Some(adopt::TOO_LARGE)

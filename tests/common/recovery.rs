@@ -296,3 +296,17 @@ pub fn a_third_instance_ingesting_through_the_rebuild_gives_every_message_once(a
     let answered = b.stderr_lines().into_iter().filter(|l| l.contains("device rings answered")).collect::<Vec<_>>();
     eprintln!("{}", answered.join("\n"));
 }
+
+/// Design step 6's start, on either engine: three instances (`a` to stop), the client on A
+/// behind a cutter, cut off; C takes in 20 messages (0..20) that reach A's history.
+pub fn cut_off_a_with_a_history_from_c(a: &Server, c: &Server) -> (Cutter, SioClient) {
+    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
+    let session = d2c_session(a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, a, &session, "websocket", 1000);
+    cut(&cutter, a, &client, WS_GAUGE);
+    c.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"c\"}", WAIT, Want::Eq(1.0));
+    c.ingest(json!((0..20).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
+    (cutter, client)
+}
