@@ -519,7 +519,7 @@ impl Core {
         d: &crate::push::Delivery,
         clock: &mut Option<PushClock>,
         trimmed: &mut Trimmed,
-    ) -> (u64, Option<Rc<str>>) {
+    ) -> (u64, Option<crate::push::cut::Cuts>) {
         let Some(stream) = record
             .recovery
             .as_deref_mut()

@@ -21,12 +21,9 @@
 //!
 //! Cost: only with `--redis-url` and a recovery window (a single instance has no one to
 //! rebuild on): per delivery to a streamed session, a hash of the device id, a look-up in at
-//! most 8 pairs and the part's text (built as a `String`, then copied once into the `Rc<str>`
-//! the socket's queue shares: two allocations, `.x` included; not yet measured).
-
-use std::rc::Rc;
-
-use smallvec::SmallVec;
+//! most 8 pairs and, per socket, a copy of the 68-byte [`Cuts`] into its queue's parts; the
+//! writer writes the text into the frame from the stack ([`Cuts::encode`]): no allocation
+//! (docs/benchmarks/2026-11-28-recovery-fanout-cost.md).
 
 use crate::ingest::MsgKey;
 
@@ -55,33 +52,66 @@ pub fn key_hash(k: MsgKey) -> Option<u32> {
     Some(((x >> 32) as u32 ^ x as u32).max(1))
 }
 
-/// The cut of one stream epoch: per device, its last frame's key hash (0: no key).
-#[derive(Default, Debug)]
+/// The cut of one stream epoch: per device, its last frame's key hash (0: no key). `Copy`
+/// and 68 bytes: what a delivery hands to its socket's queue is a copy of it (no
+/// allocation), and the writer writes its text straight into the frame ([`Cuts::encode`]).
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cuts {
-    devices: SmallVec<[(u32, u32); 4]>,
+    devices: [(u32, u32); MAX_DEVICES],
+    len: u8,
     overflow: bool,
 }
 
-impl Cuts {
-    /// Notes a frame of `device` with `key`; returns the part its offset carries (starting
-    /// with `.`).
-    pub fn note(&mut self, device: &str, key: MsgKey) -> Rc<str> {
-        self.note_only(device, key);
-        self.text().into()
+/// The longest part: [`MAX_DEVICES`] times `.` + 7 digits + `-` + 7 digits.
+pub const PART_BYTES: usize = MAX_DEVICES * 16;
+
+/// A part's text on the stack ([`Cuts::encode`]).
+pub struct PartText {
+    buf: [u8; PART_BYTES],
+    len: u8,
+}
+
+impl PartText {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..usize::from(self.len)]
     }
 
-    /// [`Cuts::note`] without making the part's text (a session with no socket connected).
+    /// A part's text as given (at most [`PART_BYTES`], cut there).
+    pub fn from_bytes(text: &[u8]) -> PartText {
+        let mut t = PartText { buf: [0; PART_BYTES], len: 0 };
+        t.push(&text[..text.len().min(PART_BYTES)]);
+        t
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        let at = usize::from(self.len);
+        self.buf[at..at + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len() as u8;
+    }
+}
+
+impl Cuts {
+    /// Notes a frame of `device` with `key`; returns the part its offset carries (a copy:
+    /// the writer makes its text, [`Cuts::encode`]).
+    #[inline]
+    pub fn note(&mut self, device: &str, key: MsgKey) -> Cuts {
+        self.note_only(device, key);
+        *self
+    }
+
+    /// [`Cuts::note`] without the copy (a session with no socket connected).
     pub fn note_only(&mut self, device: &str, key: MsgKey) {
         if !self.overflow {
             let dh = device_hash(device);
             let kh = key_hash(key).unwrap_or(0);
-            match self.devices.iter().position(|(d, _)| *d == dh) {
+            let len = usize::from(self.len);
+            match self.devices[..len].iter().position(|(d, _)| *d == dh) {
                 Some(i) => self.devices[i].1 = kh,
-                None if self.devices.len() < MAX_DEVICES => self.devices.push((dh, kh)),
-                None => {
-                    self.overflow = true;
-                    self.devices = SmallVec::new();
+                None if len < MAX_DEVICES => {
+                    self.devices[len] = (dh, kh);
+                    self.len += 1;
                 }
+                None => *self = Cuts { overflow: true, ..Cuts::default() },
             }
         }
     }
@@ -90,27 +120,39 @@ impl Cuts {
     /// them: step 11).
     pub fn from_part(part: &DevicePart) -> Cuts {
         match part {
-            DevicePart::Overflow => Cuts { devices: SmallVec::new(), overflow: true },
+            DevicePart::Overflow => Cuts { overflow: true, ..Cuts::default() },
             DevicePart::Absent => Cuts::default(),
-            DevicePart::Cuts(c) => Cuts { devices: c.iter().map(|(d, k)| (*d, k.unwrap_or(0))).collect(), overflow: false },
+            DevicePart::Cuts(c) => {
+                let mut cuts = Cuts::default();
+                for (d, k) in c.iter().take(MAX_DEVICES) {
+                    cuts.devices[usize::from(cuts.len)] = (*d, k.unwrap_or(0));
+                    cuts.len += 1;
+                }
+                cuts
+            }
         }
+    }
+
+    /// The part's text (starting with `.`), on the stack.
+    pub fn encode(&self) -> PartText {
+        let mut t = PartText { buf: [0; PART_BYTES], len: 0 };
+        if self.overflow {
+            t.push(b".x");
+            return t;
+        }
+        for (dh, kh) in &self.devices[..usize::from(self.len)] {
+            t.push(b".");
+            t.push(super::stream::Base36::with_suffix(u64::from(*dh), b"-").as_bytes());
+            if *kh != 0 {
+                t.push(super::stream::Base36::new(u64::from(*kh)).as_bytes());
+            }
+        }
+        t
     }
 
     /// The part's text.
     pub fn text(&self) -> String {
-        if self.overflow {
-            return ".x".into();
-        }
-        let mut s = String::with_capacity(self.devices.len() * 15);
-        for (dh, kh) in &self.devices {
-            s.push('.');
-            super::stream::push_base36(&mut s, u64::from(*dh));
-            s.push('-');
-            if *kh != 0 {
-                super::stream::push_base36(&mut s, u64::from(*kh));
-            }
-        }
-        s
+        String::from_utf8(self.encode().as_bytes().to_vec()).expect("ASCII")
     }
 }
 
@@ -164,11 +206,10 @@ pub fn parse_part<'a>(rest: impl Iterator<Item = &'a str>) -> Option<DevicePart>
     })
 }
 
-/// The device part of a whole offset (`None`: not an offset hubcast gave). Reads the part
-/// twice (`parse_offset` checks it whole first); only a restore calls it.
+/// The device part of a whole offset (`None`: not an offset hubcast gave), read once
+/// ([`super::stream::parse_offset_with_part`]); only a restore calls it.
 pub fn device_part(offset: &str) -> Option<DevicePart> {
-    super::stream::parse_offset(offset)?;
-    parse_part(offset.split('.').skip(3))
+    super::stream::parse_offset_with_part(offset).map(|(_, _, part)| part)
 }
 
 #[cfg(test)]
@@ -184,7 +225,7 @@ mod tests {
         let mut c = Cuts::default();
         c.note("d1", key(1, 1));
         c.note("d2", key(2, 2));
-        let text = c.note("d1", key(3, 3));
+        let text = c.note("d1", key(3, 3)).text();
         let offset = format!("h1.ab.7{text}");
         assert_eq!(crate::push::stream::parse_offset(&offset), Some((36 * 10 + 11, 7)));
         let part = device_part(&offset).unwrap();
@@ -197,10 +238,10 @@ mod tests {
     fn a_frame_without_a_key_voids_its_device_until_its_next_keyed_frame() {
         let mut c = Cuts::default();
         c.note("d1", key(1, 1));
-        let text = c.note("d1", MsgKey::NONE);
+        let text = c.note("d1", MsgKey::NONE).text();
         let part = device_part(&format!("h1.1.2{text}")).unwrap();
         assert_eq!(part.cut_of("d1"), Some(&None));
-        let text = c.note("d1", key(5, 5));
+        let text = c.note("d1", key(5, 5)).text();
         assert_eq!(device_part(&format!("h1.1.3{text}")).unwrap().cut_of("d1"), Some(&key_hash(key(5, 5))));
     }
 
@@ -211,8 +252,8 @@ mod tests {
             c.note(&format!("d{i}"), key(1, i as u64));
         }
         assert_ne!(c.text(), ".x");
-        assert_eq!(&*c.note("d-last", key(1, 99)), ".x");
-        assert_eq!(&*c.note("d0", key(2, 1)), ".x");
+        assert_eq!(c.note("d-last", key(1, 99)).text(), ".x");
+        assert_eq!(c.note("d0", key(2, 1)).text(), ".x");
         assert_eq!(device_part("h1.1.9.x"), Some(DevicePart::Overflow));
     }
 
@@ -220,12 +261,12 @@ mod tests {
     fn a_stream_rebuilt_from_an_offset_goes_on_from_its_cuts() {
         let mut c = Cuts::default();
         c.note("d1", key(1, 1));
-        let text = c.note("d2", MsgKey::NONE);
+        let text = c.note("d2", MsgKey::NONE).text();
         let offset = format!("h1.1.2{text}");
         let mut rebuilt = Cuts::from_part(&device_part(&offset).unwrap());
-        assert_eq!(rebuilt.text(), &*text);
+        assert_eq!(rebuilt.text(), text);
         let next = rebuilt.note("d2", key(3, 3));
-        assert_eq!(&*next, &*c.note("d2", key(3, 3)));
+        assert_eq!(next, c.note("d2", key(3, 3)));
         let s = crate::push::stream::SessionStream::continuing(1, 2, Default::default(), std::time::Instant::now());
         assert_eq!((s.epoch(), s.head(), s.first_seq()), (1, 2, 3));
     }
@@ -239,5 +280,19 @@ mod tests {
         assert_eq!(crate::push::stream::parse_offset("h1.1.9.zz"), None);
         assert!(key_hash(MsgKey::NONE).is_none());
         assert!(key_hash(key(0, 0)).is_some_and(|k| k != 0));
+    }
+    #[test]
+    fn the_longest_part_fits_its_stack_text_and_reads_back() {
+        // Eight devices whose hashes are the largest u32s (7 base-36 digits each): 128 bytes.
+        let mut c = Cuts::default();
+        for i in 0..MAX_DEVICES as u32 {
+            c.devices[i as usize] = (u32::MAX - i, u32::MAX - i);
+            c.len += 1;
+        }
+        let text = c.encode();
+        assert_eq!(text.as_bytes().len(), PART_BYTES);
+        let Some(DevicePart::Cuts(read)) = device_part(&format!("h1.1.9{}", c.text())) else { panic!("reads back") };
+        assert_eq!(read, (0..MAX_DEVICES as u32).map(|i| (u32::MAX - i, Some(u32::MAX - i))).collect::<Vec<_>>());
+        assert_eq!(Cuts::from_part(&DevicePart::Cuts(read)), c);
     }
 }

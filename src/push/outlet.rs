@@ -263,8 +263,10 @@ pub struct Outlet {
     /// The device parts of queued envelopes' offsets, by seq, oldest first (with
     /// `--redis-url`: [`super::cut`]). Bounded: at most [`MAX_PARTS`], the oldest dropped
     /// first (its frame's offset then has no part: a rebuild from it fails, honestly); an
-    /// entry leaves when the writer passes its seq.
-    parts: RefCell<std::collections::VecDeque<(u64, Rc<str>)>>,
+    /// entry leaves when the writer passes its seq. Each is a copy of the stream's cuts
+    /// (80 bytes with its seq, no allocation: at most 320 KiB a socket); the writer makes the
+    /// text ([`super::cut::Cuts::encode`]).
+    parts: RefCell<std::collections::VecDeque<(u64, super::cut::Cuts)>>,
     /// Whether its offsets carry device parts (a Socket.IO socket with `--redis-url`; a
     /// plain `offsets=1` socket's writer has no place for them, so none are kept for it).
     parts_on: Cell<bool>,
@@ -438,7 +440,7 @@ impl Outlet {
     }
 
     /// The device part of the offset of the envelope queued with `seq` ([`super::cut`]).
-    pub fn set_part(&self, seq: u64, part: &Rc<str>) {
+    pub fn set_part(&self, seq: u64, part: &super::cut::Cuts) {
         if seq == 0 || !self.parts_on.get() {
             return;
         }
@@ -446,12 +448,12 @@ impl Outlet {
         if parts.len() >= MAX_PARTS {
             parts.pop_front();
         }
-        parts.push_back((seq, part.clone()));
+        parts.push_back((seq, *part));
     }
 
     /// The device part for the envelope with `seq` the writer is about to write (parts of
     /// lower seqs are dropped: their frames were conflated away or written).
-    pub fn take_part(&self, seq: u64) -> Option<Rc<str>> {
+    pub fn take_part(&self, seq: u64) -> Option<super::cut::Cuts> {
         let mut parts = self.parts.borrow_mut();
         if parts.is_empty() {
             return None;
@@ -637,18 +639,19 @@ mod tests {
     #[test]
     fn device_parts_are_kept_by_seq_only_for_sockets_that_write_them_and_bounded() {
         let o = Outlet::new(1, limits(2, 100));
-        let part: Rc<str> = ".a-b".into();
+        let cuts = |n: u64| super::super::cut::Cuts::default().note("d", crate::ingest::MsgKey { ms: 1, n });
+        let part = cuts(0);
         o.set_part(1, &part);
         assert!(!o.has_parts(), "a socket without parts keeps none");
         o.set_parts_on(true);
         for seq in 1..=3 {
-            o.set_part(seq, &format!(".d-{seq}").into());
+            o.set_part(seq, &cuts(seq));
         }
         o.set_part(0, &part);
         // The writer passes seq 2 (seq 1 was conflated away), then 3.
-        assert_eq!(o.take_part(2).as_deref(), Some(".d-2"));
+        assert_eq!(o.take_part(2), Some(cuts(2)));
         assert_eq!(o.take_part(2), None);
-        assert_eq!(o.take_part(3).as_deref(), Some(".d-3"));
+        assert_eq!(o.take_part(3), Some(cuts(3)));
         assert!(!o.has_parts());
         for seq in 1..=(MAX_PARTS as u64 + 10) {
             o.set_part(seq, &part);

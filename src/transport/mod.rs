@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 use monoio::io::{AsyncReadRent, AsyncWriteRentExt};
 use monoio::net::TcpStream;
 use crate::http::{Framed, Request, RequestHead, Response};
+use crate::push::cut::PartText;
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Out, Outlet, QueueLimits};
 use crate::app::mesh::{CoreMsg, CoreTask};
@@ -667,13 +668,14 @@ async fn write_all_queued(conn: &Rc<Conn>, mut write: WriteHalf, handshake: Vec<
         // (An offset adds at most 28 bytes: within the 32 as well.)
         buf.reserve(drained.items.iter().map(Out::charged_bytes).sum::<usize>() + 160);
         let offsets = conn.outlet.offsets();
-        // Each envelope's device part (with `--redis-url`: push/cut.rs).
-        let parts: Vec<Option<Rc<str>>> = if conn.outlet.has_parts() {
+        // Each envelope's device part (with `--redis-url`: push/cut.rs), its text made here
+        // on the write's one vector (the queue holds copies of the cuts, no allocation each).
+        let parts: Vec<Option<PartText>> = if conn.outlet.has_parts() {
             drained
                 .items
                 .iter()
                 .map(|i| match i {
-                    Out::Envelope(_, seq) if *seq > 0 => conn.outlet.take_part(*seq),
+                    Out::Envelope(_, seq) if *seq > 0 => conn.outlet.take_part(*seq).map(|c| c.encode()),
                     _ => None,
                 })
                 .collect()
@@ -785,16 +787,17 @@ mod write_pool {
 ///
 /// `parts`: each item's device part (`.<dh>-<kh>…`, push/cut.rs), index for index, or empty
 /// when none has one; written after the seq's digits.
-fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Option<Rc<str>>], buf: &mut Vec<u8>) -> u64 {
+fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Option<PartText>], buf: &mut Vec<u8>) -> u64 {
     use crate::push::stream::Base36;
     let batch = matches!(kind, SocketKind::Plain { batch: true, .. });
     let plain_offsets = offsets.filter(|_| matches!(kind, SocketKind::Plain { .. }));
     // What precedes the seq's digits in every offset of this socket.
-    let lead: smallvec::SmallVec<[u8; 32]> = match (kind, offsets) {
-        (SocketKind::Plain { .. }, Some(prefix)) => [b"{\"offset\":\"".as_slice(), prefix.as_bytes()].concat().into(),
-        (_, Some(prefix)) => [b",\"".as_slice(), prefix.as_bytes()].concat().into(),
-        (_, None) => smallvec::SmallVec::new(),
-    };
+    // Built in place (`h1.` + at most 7 digits + `.`: within the inline 32 bytes, no allocation).
+    let mut lead: smallvec::SmallVec<[u8; 32]> = smallvec::SmallVec::new();
+    if let Some(prefix) = offsets {
+        lead.extend_from_slice(if matches!(kind, SocketKind::Plain { .. }) { b"{\"offset\":\"" } else { b",\"" });
+        lead.extend_from_slice(prefix.as_bytes());
+    }
     // Each item's seq in base 36 and `",` (only the digits when a device part follows them),
     // for a plain socket with offsets (referenced by the parts).
     let digits: Vec<Base36> = match plain_offsets {
@@ -839,10 +842,10 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
                 frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i), part_of(parts, i)))
             }
             (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
-                Some(_) if parts.get(i).is_some_and(Option::is_some) => {
-                    let part = parts[i].as_deref().unwrap_or_default();
+                Some(_) if part_of(parts, i).is_some() => {
+                    let part = part_of(parts, i).unwrap_or_default();
                     let digits = Base36::new(*seq);
-                    frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, digits.as_bytes(), part.as_bytes(), b"\"]"])
+                    frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, digits.as_bytes(), part, b"\"]"])
                 }
                 Some(_) => {
                     let seq = Base36::with_suffix(*seq, b"\"]");
@@ -862,8 +865,8 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
 }
 
 /// The device part of item `i`, if it has one (`parts` is empty when none has).
-fn part_of(parts: &[Option<Rc<str>>], i: usize) -> Option<&str> {
-    parts.get(i).and_then(|p| p.as_deref())
+fn part_of(parts: &[Option<PartText>], i: usize) -> Option<&[u8]> {
+    parts.get(i).and_then(|p| p.as_ref()).map(PartText::as_bytes)
 }
 
 /// A plain envelope's text as parts: with an offset, `{"offset":"<prefix>` (`lead`), the
@@ -874,11 +877,11 @@ fn plain_parts<'a>(
     seq: u64,
     lead: Option<&'a [u8]>,
     digits: Option<&'a crate::push::stream::Base36>,
-    part: Option<&'a str>,
+    part: Option<&'a [u8]>,
 ) -> [&'a [u8]; 5] {
     match (lead, digits) {
         (Some(lead), Some(digits)) if seq > 0 && e.first() == Some(&b'{') && e.len() > 2 => match part {
-            Some(part) => [lead, digits.as_bytes(), part.as_bytes(), b"\",", &e[1..]],
+            Some(part) => [lead, digits.as_bytes(), part, b"\",", &e[1..]],
             None => [lead, digits.as_bytes(), &e[1..], b"", b""],
         },
         _ => [e, b"", b"", b"", b""],
@@ -984,7 +987,7 @@ mod tests {
             Out::Envelope(Arc::from("{\"v\":2}"), 36 * 36 + 2),
             Out::Envelope(Arc::from("{\"v\":3}"), 0),
         ];
-        let parts: Vec<Option<Rc<str>>> = vec![Some(Rc::from(".abc-12")), None, None];
+        let parts: Vec<Option<PartText>> = vec![Some(PartText::from_bytes(b".abc-12")), None, None];
         let text = |kind: SocketKind| {
             let mut buf = Vec::new();
             encode(&kind, &items, Some("h1.k3f."), &parts, &mut buf);

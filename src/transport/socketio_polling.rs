@@ -290,7 +290,7 @@ async fn poll(core: &Rc<Core>, socket: &Rc<PollingSocket>) -> Response {
                     body.extend_from_slice(crate::push::stream::Base36::new(*seq).as_bytes());
                     // Its device part, with `--redis-url` (push/cut.rs).
                     if let Some(part) = socket.outlet.take_part(*seq) {
-                        body.extend_from_slice(part.as_bytes());
+                        body.extend_from_slice(part.encode().as_bytes());
                     }
                     body.push(b'"');
                 }
