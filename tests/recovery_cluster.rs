@@ -148,6 +148,35 @@ fn on_a_cluster_a_rebuild_while_a_third_instance_keeps_ingesting_gives_every_mes
 /// not handed over on a cluster, counted `unsupported`, `recovered` false.)
 #[test]
 fn on_a_cluster_a_sigterm_hands_the_history_to_another_instance_where_the_client_recovers() {
+    let h = handed_over_on_a_cluster();
+    let (adopter, other, cutter, client) = (&h.adopter, &h.other, &h.cutter, &h.client);
+    other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    cutter.retarget(adopter.port);
+    let back = come_back(cutter, client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", adopter.stderr_lines().join("\n"));
+    other.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..41).map(|_| next(client).1).collect();
+    let mut want: Vec<u64> = (0..40).collect();
+    want.push(999);
+    assert_eq!(got, want, "before and after A stopped, once, in order, then live");
+    assert_eq!(adopter.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
+}
+
+/// What [`handed_over_on_a_cluster`] leaves: the cluster, the adopter and the other instance,
+/// the proxy (still aimed at the stopped A) and the client, cut off.
+struct HandedOver {
+    _engine: Engine,
+    adopter: Server,
+    other: Server,
+    cutter: Cutter,
+    client: SioClient,
+}
+
+/// Three instances on a fresh cluster, the client on A cut off with 20 of C's messages in
+/// its history; A stops (SIGTERM) and hands it over: its log says `kept=1` (the marks on
+/// the device's channel settled it) and the adopter (B or C, by the session id) confirmed.
+fn handed_over_on_a_cluster() -> HandedOver {
     let engine = Engine::cluster();
     let flags = ["--recovery-handoff", "true"];
     let mut a = instance_on(&engine, "a", &flags);
@@ -157,18 +186,28 @@ fn on_a_cluster_a_sigterm_hands_the_history_to_another_instance_where_the_client
     let lines = a.stderr_lines().join("\n");
     assert!(lines.contains("recovery histories of this instance by outcome") && lines.contains("kept=1") && lines.contains("unsupported=0"), "{lines}");
     let confirmed = |id: &str| format!("hubcast_redis_adoptions_total{{instance=\"{id}\",outcome=\"confirmed\"}}");
-    let adopter = if b.metric(&confirmed("b")) == Some(1.0) { &b } else { &c };
-    let other = if std::ptr::eq(adopter, &b) { &c } else { &b };
-    assert_eq!(adopter.metric(&confirmed(if std::ptr::eq(adopter, &b) { "b" } else { "c" })), Some(1.0), "the adopter confirmed before A left");
-    other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
-    cutter.retarget(adopter.port);
-    let back = come_back(&cutter, &client);
-    assert_eq!(back["recovered"], true, "{back}\n{}", adopter.stderr_lines().join("\n"));
-    other.ingest(message("dev-1", 999));
-    let got: Vec<u64> = (0..41).map(|_| next(&client).1).collect();
+    let id = if b.metric(&confirmed("b")) == Some(1.0) { "b" } else { "c" };
+    let (adopter, other) = if id == "b" { (b, c) } else { (c, b) };
+    assert_eq!(adopter.metric(&confirmed(id)), Some(1.0), "the adopter confirmed before A left");
+    HandedOver { _engine: engine, adopter, other, cutter, client }
+}
+
+/// Design step 6b on a Redis Cluster: the client lands on the instance that is not the
+/// adopter; it finds the adopter in `P:stream:<session>`, asks it (`take`) and is handed
+/// the history with the same handshake (marks on the device's channel) before it answers
+/// the CONNECT: `recovered` true, all 40 once, in order, then live data taken in there.
+#[test]
+fn on_a_cluster_a_client_landing_on_a_third_instance_takes_its_history_from_the_adopter() {
+    let h = handed_over_on_a_cluster();
+    h.other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    h.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    h.cutter.retarget(h.other.port);
+    let back = come_back(&h.cutter, &h.client);
+    assert_eq!(back["recovered"], true, "{back}\n{}\n{}", h.other.stderr_lines().join("\n"), h.adopter.stderr_lines().join("\n"));
+    h.other.ingest(message("dev-1", 999));
+    let got: Vec<u64> = (0..41).map(|_| next(&h.client).1).collect();
     let mut want: Vec<u64> = (0..40).collect();
     want.push(999);
-    assert_eq!(got, want, "before and after A stopped, once, in order, then live");
-    assert_eq!(adopter.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
+    assert_eq!(got, want, "taken from the adopter: once, in order, then live");
+    assert_eq!(h.other.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
 }
