@@ -433,6 +433,9 @@ fn a_plain_websocket_resumes_after_since_with_every_missed_message_once_in_order
     drop(ws);
     server.wait_for_metric(PLAIN_GAUGE, WAIT, Want::Eq(0.0));
     server.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    // The ingest is answered once the device's core took the messages; they reach the
+    // session's history a moment later (another core): wait until all 11 are written there.
+    server.wait_for_metric("hubcast_recovery_appended_frames_total", WAIT, Want::AtLeast(11.0));
     let mut ws = plain(&server, &session, &format!("&offsets=1&since={offset}"));
     assert_eq!(plain_next(&mut ws).0, json!({"recovered": true, "replayed": 10}));
     let mut last = seq_of(&offset).1;
