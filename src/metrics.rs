@@ -33,6 +33,17 @@ pub const TRANSPORTS: [&str; 3] = ["websocket", "socketio_websocket", "socketio_
 pub const RECOVERY_FAILURES: [&str; 6] = ["window", "bound", "unknown_pid", "unknown_offset", "history_lost", "off"];
 /// Why recovery history was trimmed (`push::stream::TrimCause`, same order).
 pub const RECOVERY_TRIMS: [&str; 3] = ["window", "session_bound", "core_bound"];
+/// How a rebuild of a killed instance's client's history ended (design step 11).
+pub const REBUILD_OUTCOMES: [&str; 2] = ["rebuilt", "refused"];
+/// This instance's asks of the other instances' device rings (step 11 g), by outcome: asks
+/// published (one per asking core), asks that could not be sent, answers got, answers that
+/// refused (over their bound there, over `--redis-inbound-bytes` here), instances that did
+/// not answer in time.
+pub const RING_ASKS: [&str; 5] = ["sent", "unsent", "answered", "refused", "timed_out"];
+/// Answers to another instance's ask, by outcome (one per answering core).
+pub const RING_ANSWERS: [&str; 3] = ["sent", "over_bound", "unsent"];
+/// Reads of one device's ring for a rebuild, here or for another instance's ask.
+pub const RING_READS: [&str; 3] = ["held", "not_held", "lost"];
 /// Index of `socketio_polling` in [`TRANSPORTS`]: no WebSocket writer of its own.
 const POLLING: usize = 2;
 
@@ -137,11 +148,23 @@ pub struct CoreMetrics {
     /// start dropped by the crash rule.
     pub recovery_appended: Cell<u64>,
     pub recovery_trimmed: [Cell<u64>; RECOVERY_TRIMS.len()],
+    /// Rebuilds from device rings (design step 11), by [`REBUILD_OUTCOMES`]; asks of other
+    /// instances' rings by [`RING_ASKS`]; answers to theirs by [`RING_ANSWERS`]; device ring
+    /// reads by [`RING_READS`].
+    pub rebuilds: [Cell<u64>; REBUILD_OUTCOMES.len()],
+    pub ring_asks: [Cell<u64>; RING_ASKS.len()],
+    pub ring_answers: [Cell<u64>; RING_ANSWERS.len()],
+    pub ring_reads: [Cell<u64>; RING_READS.len()],
 }
 
 impl CoreMetrics {
     pub fn message_in(&self, source: usize) {
         bump(&self.messages_in[source], 1);
+    }
+
+    /// One more of a labelled counter (`counters[i]`).
+    pub fn count(counters: &[Cell<u64>], i: usize) {
+        bump(&counters[i], 1);
     }
     pub fn messages_out(&self, transport: usize, n: u64) {
         bump(&self.messages_out[transport], n);
@@ -207,6 +230,10 @@ impl CoreMetrics {
             recovery_replayed: self.recovery_replayed.get(),
             recovery_appended: self.recovery_appended.get(),
             recovery_trimmed: self.recovery_trimmed.iter().map(get).collect(),
+            rebuilds: self.rebuilds.iter().map(get).collect(),
+            ring_asks: self.ring_asks.iter().map(get).collect(),
+            ring_answers: self.ring_answers.iter().map(get).collect(),
+            ring_reads: self.ring_reads.iter().map(get).collect(),
         }
     }
 }
@@ -262,6 +289,10 @@ pub struct Snapshot {
     pub recovery_replayed: u64,
     pub recovery_appended: u64,
     pub recovery_trimmed: Vec<u64>,
+    pub rebuilds: Vec<u64>,
+    pub ring_asks: Vec<u64>,
+    pub ring_answers: Vec<u64>,
+    pub ring_reads: Vec<u64>,
 }
 
 /// Connection state recovery (push/stream.rs).
@@ -294,6 +325,16 @@ fn render_recovery(out: &mut String, cores: &[Snapshot]) {
     for (i, cause) in RECOVERY_TRIMS.iter().enumerate() {
         let _ = writeln!(out, "hubcast_recovery_trimmed_bytes_total{{cause=\"{cause}\"}} {}", sum(&|c| c.recovery_trimmed[i]));
     }
+    let labelled = |out: &mut String, name: &str, help: &str, label: &str, values: &[&str], pick: &dyn Fn(&Snapshot, usize) -> u64| {
+        family(out, name, "counter", help);
+        for (i, v) in values.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{{label}=\"{v}\"}} {}", cores.iter().map(|c| pick(c, i)).sum::<u64>());
+        }
+    };
+    labelled(out, "hubcast_recovery_rebuilds_total", "Histories of a killed instance's clients rebuilt here from device rings, or refused (history_lost), by outcome.", "outcome", &REBUILD_OUTCOMES, &|c, i| c.rebuilds.get(i).copied().unwrap_or(0));
+    labelled(out, "hubcast_recovery_ring_asks_total", "Asks of the other instances' device rings for a rebuild here, by outcome.", "outcome", &RING_ASKS, &|c, i| c.ring_asks.get(i).copied().unwrap_or(0));
+    labelled(out, "hubcast_recovery_ring_answers_total", "Answers to another instance's ask of this instance's device rings, by outcome.", "outcome", &RING_ANSWERS, &|c, i| c.ring_answers.get(i).copied().unwrap_or(0));
+    labelled(out, "hubcast_recovery_ring_reads_total", "Reads of one device's ring after a client's cut, here or for another instance, by result.", "result", &RING_READS, &|c, i| c.ring_reads.get(i).copied().unwrap_or(0));
 }
 
 /// Counters kept outside the cores (sources on their own threads), as `(name, help, labels, value)`.

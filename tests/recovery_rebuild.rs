@@ -287,3 +287,63 @@ fn throttled_telemetry_is_rebuilt_as_a_client_that_stayed_received_it() {
     b.ingest(reading(99));
     assert_eq!(telemetry_until(&client, 99), telemetry_until(&stay, 99), "then the same live frame");
 }
+
+// ---- the rebuild's metrics (docs/OPERATIONS.md) ---------------------------------------------
+
+/// With a third live instance C taking dev-1 in: B, where the client lands, counts one
+/// rebuild `rebuilt`, asks of the others' rings `sent` and `answered`, and its own ring read
+/// `not_held` (B never had dev-1); C counts its read `held` and its answer `sent`.
+#[test]
+fn a_rebuild_from_another_live_instances_rings_is_counted_on_both() {
+    let redis = common::redis::Redis::start();
+    let lease = &ARGS[..2];
+    let (mut a, b, c) = (instance_with(&redis, "a", lease), instance_with(&redis, "b", lease), instance_with(&redis, "c", lease));
+    let session = session_of(&a, "dev-1", &["d2cMessages"]);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    c.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"c\"}", WAIT, Want::Eq(1.0));
+    c.ingest(message("dev-1", 0));
+    assert_eq!(next_message(&client), 0);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    c.ingest(json!((1..=5).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(6.0));
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT).expect("killed");
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}\n{}", b.stderr_lines().join("\n"));
+    assert_eq!((0..5).map(|_| next_message(&client)).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+    let m = |s: &Server, name: &str| s.metric(name).unwrap_or_else(|| panic!("{name} not exported"));
+    assert_eq!(m(&b, "hubcast_recovery_rebuilds_total{outcome=\"rebuilt\"}"), 1.0);
+    assert_eq!(m(&b, "hubcast_recovery_rebuilds_total{outcome=\"refused\"}"), 0.0);
+    assert!(m(&b, "hubcast_recovery_ring_asks_total{outcome=\"sent\"}") >= 1.0);
+    assert!(m(&b, "hubcast_recovery_ring_asks_total{outcome=\"answered\"}") >= 1.0);
+    assert_eq!(m(&b, "hubcast_recovery_ring_asks_total{outcome=\"timed_out\"}"), 0.0);
+    assert_eq!(m(&b, "hubcast_recovery_ring_reads_total{result=\"not_held\"}"), 1.0, "B never had dev-1");
+    assert_eq!(m(&c, "hubcast_recovery_ring_reads_total{result=\"held\"}"), 1.0);
+    assert_eq!(m(&c, "hubcast_recovery_ring_answers_total{outcome=\"sent\"}"), 1.0);
+}
+
+/// The client's last frame was taken in on A itself: B's ring read of dev-1 is `not_held`
+/// where nobody else holds it, and the rebuild is counted `refused`.
+#[test]
+fn a_refused_rebuild_is_counted() {
+    let redis = common::redis::Redis::start();
+    let (mut a, b) = (instance_with(&redis, "a", &ARGS[..2]), instance_with(&redis, "b", &ARGS[..2]));
+    let session = session_of(&a, "dev-1", &["d2cMessages"]);
+    let cutter = Cutter::start(a.port);
+    let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
+    assert_eq!(client.wait_for("connect", WAIT).expect("connect")["pid"], true);
+    a.ingest(message("dev-1", 0));
+    assert_eq!(next_message(&client), 0);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    a.signal(libc::SIGKILL);
+    a.wait_exit(WAIT).expect("killed");
+    cutter.retarget(b.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], false, "{back}");
+    assert_eq!(b.metric("hubcast_recovery_rebuilds_total{outcome=\"refused\"}"), Some(1.0));
+    assert_eq!(b.metric("hubcast_recovery_rebuilds_total{outcome=\"rebuilt\"}"), Some(0.0));
+    assert_eq!(b.metric("hubcast_recovery_ring_reads_total{result=\"not_held\"}"), Some(1.0));
+}

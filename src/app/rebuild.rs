@@ -61,8 +61,16 @@ use crate::ingest::MsgKey;
 use crate::push::cut::{device_hash, device_part, DevicePart};
 use crate::push::stream::{parse_offset, PidEntry, SessionStream, Trimmed};
 use crate::app::relay::RingMiss;
+use crate::metrics::CoreMetrics;
 use crate::push::Delivery;
 use crate::shard::devices::{Kept, Lead};
+
+/// Indices in `metrics::RING_ASKS`.
+const ASK_SENT: usize = 0;
+const ASK_UNSENT: usize = 1;
+const ASK_ANSWERED: usize = 2;
+const ASK_REFUSED: usize = 3;
+const ASK_TIMED_OUT: usize = 4;
 
 /// How long a CONNECT waits for the answers (device cores here and other live instances)
 /// before it is answered without.
@@ -74,8 +82,14 @@ enum Part {
     Miss(RingMiss),
 }
 
-/// Devices and the client's cut of each (`None`: it had no frame of the device).
-type DeviceCuts = Vec<(Arc<str>, Option<u32>)>;
+/// A device and the client's cut of it (`None`: it had no frame of the device).
+type DeviceCut = (Arc<str>, Option<u32>);
+
+/// Devices and the client's cut of each.
+type DeviceCuts = Vec<DeviceCut>;
+
+/// Per (instance, asking core here): answers got, out of how many.
+type RemoteAnswers = HashMap<(Box<str>, usize), (u32, u32)>;
 
 /// The asks per device core here.
 type Asks = Vec<(usize, DeviceCuts)>;
@@ -114,7 +128,7 @@ pub(crate) struct Held {
     peers: Vec<Box<str>>,
     ask_cores: Vec<usize>,
     /// Per (instance, asking core): answers got, out of how many.
-    remote: HashMap<(Box<str>, usize), (u32, u32)>,
+    remote: RemoteAnswers,
     /// An ask could not be sent (refused: no need to wait for the rest).
     unsent: bool,
     /// Per device answered here: how many deliveries were held when its answer came (with
@@ -188,12 +202,13 @@ impl CoreTask for RingAnswer {
 impl Core {
     /// On a device core here: the answer of this core's rings, then (`remote`) the ask of
     /// the other instances for the same devices, after this core's watch changes.
-    fn ring_ask_here(self: &Rc<Self>, session: SessionId, reply_to: usize, devices: &[(Arc<str>, Option<u32>)], remote: bool) {
+    fn ring_ask_here(self: &Rc<Self>, session: SessionId, reply_to: usize, devices: &[DeviceCut], remote: bool) {
         let answer = self.ring_answer(session, devices);
         self.post_answer(session, reply_to, answer, From::Here);
         if remote {
             // The answers come back to this core (it asked), then go on to the session's.
             let sent = self.relay.borrow().as_ref().is_some_and(|relay| relay.rings_ask(session, self.index, devices));
+            CoreMetrics::count(&self.metrics.ring_asks, if sent { ASK_SENT } else { ASK_UNSENT });
             if !sent {
                 // Not sent: an answer that refuses.
                 self.post_answer(session, reply_to, Err("the ask of the other instances could not be sent".into()), From::Unsent);
@@ -211,9 +226,9 @@ impl Core {
 
     /// On a device core: what `session` is owed for each of `devices` (this core's) after
     /// its cut, from the rings here.
-    fn ring_answer(&self, session: SessionId, devices: &[(Arc<str>, Option<u32>)]) -> Answer {
+    fn ring_answer(&self, session: SessionId, devices: &[DeviceCut]) -> Answer {
         let Some(relay) = self.relay.borrow().clone() else { return Err("no relay".into()) };
-        let msgs = devices.iter().map(|(device, cut)| (device.clone(), relay.ring_after(device, *cut))).collect();
+        let msgs = devices.iter().map(|(device, cut)| (device.clone(), self.ring_read(relay.ring_after(device, *cut)))).collect();
         // With throttling, where each device's throttle starts from (replay.rs).
         let quiet = self.devices.borrow().throttle().map(crate::shard::devices::quiet);
         let leads: Leads = match quiet {
@@ -224,6 +239,17 @@ impl Core {
             None => HashMap::new(),
         };
         self.frames_of(session, msgs, Some(&leads))
+    }
+
+    /// A read of one device's ring (here, or for another instance's ask), counted.
+    pub fn ring_read(&self, got: Result<Vec<Kept>, RingMiss>) -> Result<Vec<Kept>, RingMiss> {
+        let result = match &got {
+            Ok(_) => 0,
+            Err(RingMiss::NotHeld { .. }) => 1,
+            Err(RingMiss::Lost(_)) => 2,
+        };
+        CoreMetrics::count(&self.metrics.ring_reads, result);
+        got
     }
 
     /// On a device core here: another instance's answer to this core's ask (ringask.rs),
@@ -291,6 +317,7 @@ impl Core {
                 let entry = held.remote.entry((from, core)).or_insert((0, of));
                 entry.0 += 1;
                 entry.1 = of;
+                CoreMetrics::count(&self.metrics.ring_asks, if answer.is_ok() { ASK_ANSWERED } else { ASK_REFUSED });
             }
         }
         held.answers.push(answer);
@@ -323,6 +350,7 @@ impl Core {
             Err(why) => Err(why),
         };
         let outcome = outcome.and_then(|frames| self.rebuild_install(session, pid, offset, frames));
+        CoreMetrics::count(&self.metrics.rebuilds, outcome.is_err() as usize);
         if let Err(why) = outcome {
             tracing::debug!(session = %session, reason = %why, "history not rebuilt from device rings");
             self.rebuild_refused(session, pid);
@@ -448,6 +476,9 @@ impl Core {
         let held = self.recovery.rebuilding.borrow_mut().remove(&session).ok_or("the rebuild was dropped")?;
         if timed_out {
             let missing: Vec<&str> = held.peers.iter().filter(|p| !held.ask_cores.iter().all(|c| held.remote.get(&((*p).clone(), *c)).is_some_and(|(g, o)| g >= o))).map(|p| &**p).collect();
+            for _ in &missing {
+                CoreMetrics::count(&self.metrics.ring_asks, ASK_TIMED_OUT);
+            }
             return Err(format!("no answer in time (device cores here waiting: {}, instances: {missing:?})", held.waiting));
         }
         if held.over {

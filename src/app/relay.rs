@@ -45,8 +45,7 @@ pub trait Relay {
     }
     /// Design step 11: for each other instance, how long ago (ms) it last renewed its
     /// presence (`None`: its presence went); `None` when it cannot be asked.
-    #[allow(clippy::type_complexity)]
-    fn peers_staleness(&self) -> Option<futures_channel::oneshot::Receiver<Result<Vec<(Box<str>, Option<i64>)>, String>>> {
+    fn peers_staleness(&self) -> Option<futures_channel::oneshot::Receiver<Staleness>> {
         None
     }
     /// How often every instance renews its presence.
@@ -81,6 +80,10 @@ pub trait Relay {
     /// the link (one of `cores` such reports; 0: the history was not taken).
     fn adopt_watching(&self, _session: SessionId, _cores: usize) {}
 }
+
+/// For each other instance, how long ago (ms) it last renewed its presence (`None`: its
+/// presence went), or why the probe failed ([`Relay::peers_staleness`]).
+pub type Staleness = Result<Vec<(Box<str>, Option<i64>)>, String>;
 
 /// Why a ring cannot give what followed a client's cut of a device (design step 11).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -591,7 +591,7 @@ impl Relay for CoreRelay {
         self.commands.try_send(Command::RingsAsk(payload)).is_ok()
     }
 
-    fn peers_staleness(&self) -> Option<oneshot::Receiver<Result<Vec<(Box<str>, Option<i64>)>, String>>> {
+    fn peers_staleness(&self) -> Option<oneshot::Receiver<crate::app::relay::Staleness>> {
         let (tx, rx) = oneshot::channel();
         self.commands.try_send(Command::Staleness(tx)).ok()?;
         Some(rx)
@@ -816,7 +816,7 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 let parts: Vec<(Arc<str>, ringask::Part)> = devices
                     .into_iter()
                     .map(|(device, cut)| {
-                        let part = match relay.ring_after(&device, cut) {
+                        let part = match core.ring_read(relay.ring_after(&device, cut)) {
                             Ok(msgs) => ringask::Part::Msgs(msgs),
                             Err(miss) => ringask::Part::Miss(miss),
                         };
@@ -826,15 +826,20 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                 if relay.cluster {
                     relay.answer_on_devices(&to, session, reply_core, of, parts);
                 } else {
+                    // By `metrics::RING_ANSWERS`: sent, over_bound (a refusal sent instead), unsent.
+                    let mut outcome = 0;
                     let mut payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Ok(parts));
                     if payload.len() > relay.adopt_blob_max {
                         payload = ringask::encode_answer(&relay.instance, session, reply_core, of, &Err(format!("over {} bytes", relay.adopt_blob_max)));
+                        outcome = 1;
                     }
                     // What this core offered before it read its rings is published first.
                     relay.flush();
                     if relay.commands.try_send(Command::RingsAnswer { to, payload }).is_err() {
                         tracing::debug!(session = %session, "a rings answer was not sent: the Redis command queue is full");
+                        outcome = 2;
                     }
+                    crate::metrics::CoreMetrics::count(&core.metrics.ring_answers, outcome);
                 }
             }
             Inbound::RingsAnswer { payload, charged } => {
