@@ -13,20 +13,11 @@
 
 mod common;
 
-use base64::Engine as _;
 use common::lb::Cutter;
 use common::recovery::*;
 use common::sio::SioClient;
 use common::*;
 use serde_json::json;
-
-/// The instance the stopping one picks for `session` among `live` (sorted ids): the session
-/// id modulo their number, as `cluster::adopt::adopter` does.
-fn adopter_of(session: &str, live: &[&'static str]) -> usize {
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(session).expect("a session id");
-    let id = u128::from_le_bytes(bytes.try_into().expect("16 bytes"));
-    (id % live.len() as u128) as usize
-}
 
 /// `hubcast_redis_adoptions_total` of `server` (instance `id`) for `outcome`.
 fn adoptions(server: &Server, id: &str, outcome: &str) -> Option<f64> {
@@ -74,27 +65,8 @@ fn away_over(transports: &str, flags_a: &[&str], flags_bc: &[&str]) -> Away {
     let redis = common::redis::Redis::start();
     let a = instance_with(&redis, "a", flags_a);
     let (b, c) = (instance_with(&redis, "b", flags_bc), instance_with(&redis, "c", flags_bc));
-    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
-    let session = d2c_session(&a, "dev-1");
-    let cutter = Cutter::start(a.port);
-    let client = connected_behind(&cutter, &a, &session, transports, 1000);
-    if transports == "polling" {
-        // A long poll cut by the proxy is not a closed socket for the server (no TCP of its
-        // own): A lets it go at its SIGTERM's goodbye, before the hand-over.
-        cutter.cut();
-        let gone = client.wait_for("disconnect", WAIT).expect("the client sees the cut");
-        assert!(gone["reason"].as_str().unwrap().starts_with("transport "), "{gone}");
-    } else {
-        cut(&cutter, &a, &client, WS_GAUGE);
-    }
-    let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
-        0 => (b, "b", c, "c"),
-        _ => (c, "c", b, "b"),
-    };
-    other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(1.0));
-    other.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
-    Away { redis, a, adopter, adopter_id, other, other_id, cutter, client }
+    let w = away_from_a(&a, b, c, transports);
+    Away { redis, a, adopter: w.adopter, adopter_id: w.adopter_id, other: w.other, other_id: w.other_id, cutter: w.cutter, client: w.client }
 }
 
 /// A client on an instance that never held its history failed once: `unknown_pid`, or

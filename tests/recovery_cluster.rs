@@ -211,3 +211,49 @@ fn on_a_cluster_a_client_landing_on_a_third_instance_takes_its_history_from_the_
     assert_eq!(got, want, "taken from the adopter: once, in order, then live");
     assert_eq!(h.other.metric("hubcast_recovery_replayed_frames_total"), Some(40.0));
 }
+
+/// Design step 6's stitch on a Redis Cluster: A's history grew after it was handed over (a
+/// message of the other instance reached A before the adopter had subscribed), so A's marks,
+/// each behind that device's messages on its own channel, find the history grown: A's
+/// verdict carries what it took in since (`tail_sent`) and the adopter stitches it in
+/// (`stitched`): the client recovers every message once, in order. Made certain as on one
+/// Redis (tests/recovery_adopt.rs): the adopter is stopped before A's SIGTERM, the message
+/// is `SPUBLISH`ed (`MONITOR` on the device's master) after A handed the history over (on
+/// the control master), and only then does the adopter go on and subscribe.
+#[test]
+fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_every_message() {
+    let engine = Engine::cluster();
+    let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
+    let flags = ["--recovery-handoff", "true"];
+    let mut a = instance_on(&engine, "a", &flags);
+    let (b, c) = (instance_on(&engine, "b", &flags), instance_on(&engine, "c", &flags));
+    let AwayFromA { adopter, adopter_id, other, cutter, client, .. } = away_from_a(&a, b, c, "websocket");
+    let master_of = |key: &str| nodes.port(nodes.owner_of(nodes.slot_of(key)));
+    let control = Monitor::start(master_of("{t}"));
+    let device = Monitor::start(master_of("t:device:dev-1"));
+    adopter.signal(libc::SIGSTOP);
+    a.signal(libc::SIGTERM);
+    a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances")).expect("A hands the history over");
+    control.wait_past(&format!("\"PUBLISH\" \"{{t}}:adopt:{adopter_id}\""), 0);
+    let publish = "\"SPUBLISH\" \"t:device:dev-1\"";
+    let published = device.count(publish);
+    other.ingest(message("dev-1", 10));
+    device.wait_past(publish, published);
+    adopter.signal(libc::SIGCONT);
+    let exit = a.wait_exit(WAIT).expect("A exits");
+    assert!(exit.success(), "{exit:?}");
+    let lines = a.stderr_lines().join("\n");
+    assert!(lines.contains("deliveries reached the history after it was handed over"), "{lines}");
+    assert!(lines.contains("tail_sent=1") && lines.contains("unsupported=0"), "{lines}");
+    let stitched = format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"stitched\"}}");
+    adopter.wait_for_metric(&stitched, WAIT, Want::Eq(1.0));
+    cutter.retarget(adopter.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    other.ingest(message("dev-1", 1002));
+    let got: Vec<u64> = (0..12).map(|_| next(&client).1).collect();
+    let mut want: Vec<u64> = (0..=10).collect();
+    want.push(1002);
+    assert_eq!(got, want, "every message once, in order, the stitched one last, then live");
+    assert_eq!(adopter.metric("hubcast_recovery_replayed_frames_total"), Some(11.0));
+}

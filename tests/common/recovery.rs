@@ -310,3 +310,51 @@ pub fn cut_off_a_with_a_history_from_c(a: &Server, c: &Server) -> (Cutter, SioCl
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(21.0));
     (cutter, client)
 }
+
+/// The instance the stopping one picks for `session` among `live` (sorted ids): the session
+/// id modulo their number, as `cluster::adopt::adopter` does.
+pub fn adopter_of(session: &str, live: &[&'static str]) -> usize {
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(session).expect("a session id");
+    let id = u128::from_le_bytes(bytes.try_into().expect("16 bytes"));
+    (id % live.len() as u128) as usize
+}
+
+/// What [`away_from_a`] leaves: the adopter A will pick and the other instance (with their
+/// ids), the proxy (aimed at A) and the client, cut off.
+pub struct AwayFromA {
+    pub adopter: Server,
+    pub adopter_id: &'static str,
+    pub other: Server,
+    pub other_id: &'static str,
+    pub cutter: Cutter,
+    pub client: SioClient,
+}
+
+/// Design step 6's failure paths' start, on either engine: three instances (`a` to stop),
+/// the client on A behind the cutter over `transports`, past one message and cut off; the
+/// instance that is not the adopter ingests 0..10, which reach A's history (its session
+/// still watches the device).
+pub fn away_from_a(a: &Server, b: Server, c: Server, transports: &str) -> AwayFromA {
+    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
+    let session = d2c_session(a, "dev-1");
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, a, &session, transports, 1000);
+    if transports == "polling" {
+        // A long poll cut by the proxy is not a closed socket for the server (no TCP of its
+        // own): A lets it go at its SIGTERM's goodbye, before the hand-over.
+        cutter.cut();
+        let gone = client.wait_for("disconnect", WAIT).expect("the client sees the cut");
+        assert!(gone["reason"].as_str().unwrap().starts_with("transport "), "{gone}");
+    } else {
+        cut(&cutter, a, &client, WS_GAUGE);
+    }
+    let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
+        0 => (b, "b", c, "c"),
+        _ => (c, "c", b, "b"),
+    };
+    other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(1.0));
+    other.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
+    AwayFromA { adopter, adopter_id, other, other_id, cutter, client }
+}
