@@ -317,3 +317,96 @@ impl DeviceTable {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::MsgKey;
+    use crate::model::{DataKind, GrantKind, Subscription};
+
+    const INTERVAL: Duration = Duration::from_millis(300);
+
+    fn table_with(session: SessionId) -> DeviceTable {
+        let settings = IngestSettings {
+            custom_timestamp_key: "_ts".into(),
+            custom_device_id_key: "deviceId".into(),
+            custom_connection_state_key: String::new(),
+            connection_state_on_telemetry: true,
+        };
+        let mut t = DeviceTable::new(settings, PushTiming { throttle: Some(INTERVAL), connection_ttl: None });
+        let grant = Grant { kind: GrantKind::Data(DataKind::Telemetry), key: None };
+        let (op, _done) = crate::shard::ask(|done| DeviceOp::Grant { device: "d".into(), session, grant, done });
+        t.apply(op);
+        let sub = Subscription { kind: DataKind::Telemetry, key: None };
+        let (op, _permitted) = crate::shard::ask(|permitted| DeviceOp::Subscribe { device: "d".into(), session, sub, permitted });
+        t.apply(op);
+        t
+    }
+
+    /// Reading `n` (keys that come and go) of device `d`, its own time `1000 + n`.
+    fn reading(n: u64) -> IngestMessage {
+        IngestMessage {
+            device_id: "d".into(),
+            source: SourceKind::Telemetry,
+            properties: Default::default(),
+            body: format!(r#"{{"n":{n},"k{}":{n},"_ts":{}}}"#, n % 3, 1_000 + n).into_bytes(),
+            enqueued_at: None,
+            arrived: None,
+            key: MsgKey::partition(0, 5_000, n as i64),
+        }
+    }
+
+    fn texts(frames: &[Delivery]) -> Vec<(String, bool)> {
+        frames.iter().map(|d| (d.frame.to_string(), d.key.is_none())).collect()
+    }
+
+    /// The re-run equals the live throttle (its flushes run at their due time) over the same
+    /// messages at the same instants, from the ring's first entry or, for a telemetry-only
+    /// session, from the cut; a message at a due time's edge refuses.
+    #[test]
+    fn the_throttle_run_again_gives_what_the_live_one_sent() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        // (n, applied at ms): 0 sent at once, 1-2 merged (flush at 300), 3 at once, 4-5
+        // merged (flush at 1000), 6 at once.
+        let plan = [(0, 0), (1, 100), (2, 200), (3, 700), (4, 750), (5, 900), (6, 1500)];
+        let live_session = SessionId(1);
+        let mut live = table_with(live_session);
+        let mut sent = Vec::new();
+        // The clock wakes at each due time (300, 1000) exactly.
+        for (n, at) in plan {
+            for due in [300, 1_000].into_iter().filter(|due| *due <= at) {
+                live.flush_throttled(t0 + ms(due), &mut sent);
+            }
+            live.ingest_and_publish(reading(n), t0 + ms(at), &mut sent);
+        }
+        live.flush_throttled(t0 + ms(2_000), &mut sent);
+        assert_eq!(sent.len(), 5, "{:?}", texts(&sent));
+        let kept: Vec<Kept> = plan.iter().map(|(n, at)| Kept { msg: reading(*n), decided: Decided::FromMessage, at: t0 + ms(*at) }).collect();
+        let session = SessionId(2);
+        let replayed = |lead: Lead<'_>, after: &[Kept]| {
+            let mut t = table_with(session);
+            t.replay_frames(session, &Arc::from("d"), lead, after, t0 + ms(2_000)).map(|f| texts(&f))
+        };
+        // From the ring's first entry (a quiet point), the cut at 0: everything after it.
+        assert_eq!(replayed(Lead::Here(&kept[..1], true), &kept[1..]).unwrap(), texts(&sent[1..]));
+        // A telemetry-only session from the cut itself (its last frame: 3, sent at once).
+        assert_eq!(replayed(Lead::Here(&kept[3..4], false), &kept[4..]).unwrap(), texts(&sent[3..]));
+        // From a quiet point before the cut at 3: what followed 3.
+        assert_eq!(replayed(Lead::Here(&kept[..4], true), &kept[4..]).unwrap(), texts(&sent[3..]));
+        // Another instance's ring: refused.
+        assert!(replayed(Lead::None, &kept[1..]).is_err());
+        // A message 10 ms after a due time (merged, or after the flush?): refused.
+        let mut edge = kept.clone();
+        edge[3].at = t0 + ms(310);
+        assert!(replayed(Lead::Here(&edge[..1], true), &edge[1..]).is_err());
+        // The state at the end is installed: a later reading merges behind the open window.
+        let mut t = table_with(session);
+        t.replay_frames(session, &Arc::from("d"), Lead::Here(&kept[..1], true), &kept[1..6], t0 + ms(950)).unwrap();
+        let mut out = Vec::new();
+        t.ingest_and_publish(reading(7), t0 + ms(960), &mut out);
+        assert!(out.is_empty(), "merged into the window the re-run left open");
+        t.flush_throttled(t0 + ms(1_000), &mut out);
+        assert_eq!(out.len(), 1, "the window's merge, due at 1000");
+    }
+}
