@@ -169,7 +169,7 @@ fn a_history_whose_growth_after_the_hand_over_was_trimmed_is_voided_and_the_clie
     assert_eq!(w.adopter.metric("hubcast_recovery_replayed_frames_total"), Some(0.0));
 }
 
-/// No answer from the adopter while A stops (it is stopped): A waits its 2 s for the verdict
+/// No answer from the adopter while A stops (it is stopped): A waits its 4 s for the verdict
 /// and leaves; the adopter, resumed, takes the history in and voids it when no verdict comes
 /// within its 5 s. The client is back on the adopter meanwhile (as a fast reconnect would
 /// be): its CONNECT waits, is not recovered (`unknown_pid`: the adopted pids are held aside),

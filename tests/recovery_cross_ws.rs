@@ -305,7 +305,7 @@ fn adopter_of(session: &str, live: &[&'static str]) -> usize {
 }
 
 /// A `since=` on the adopter while its adopted history still awaits the verdict (the adopter,
-/// at `--log-level debug`, was stopped through A's 2 s wait, so none will come, and it voids
+/// at `--log-level debug`, was stopped through A's 4 s wait, so none will come, and it voids
 /// the history 5 s after taking it in; the socket arrives once it is taken in, by its log
 /// line): the socket's wait for the verdict ends at 2 s, and nothing is resumed from
 /// a history that may yet be voided (a Socket.IO client's pids are held aside then): the first

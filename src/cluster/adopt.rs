@@ -69,6 +69,12 @@ pub(super) const SEND_BYTES: usize = 16 << 20;
 pub(super) const PENDING: usize = 65_536;
 /// How long an adopter waits for the verdict before voiding the history.
 pub(super) const VERDICT_WAIT: Duration = Duration::from_secs(5);
+/// How long a stopping instance waits for its verdicts before it leaves Redis: a second
+/// below [`VERDICT_WAIT`], so a verdict given at its end still reaches an adopter in time
+/// (2 s before: a loaded adopter could need longer to subscribe and answer, and the
+/// history was voided for nothing). Within `--shutdown-timeout` (10 s by default) with the
+/// goodbyes and the leases' 3 s.
+pub(super) const SETTLE_WAIT: Duration = Duration::from_secs(4);
 
 /// The largest history sent: twice `--recovery-session-bytes` (a stream is trimmed to it,
 /// charged 40 bytes an entry; encoded, an entry costs 24 + its frame) and room for its pids.

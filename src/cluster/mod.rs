@@ -356,10 +356,11 @@ impl Cluster {
     /// at most 3 s (and never past `deadline`).
     pub fn leave(&self, deadline: std::time::Instant) {
         // Recovery histories handed over (adopt.rs) get their verdicts first: they need this
-        // instance's cores and link, both still up. At most 2 s; the adopters void the rest.
+        // instance's cores and link, both still up. At most `adopt::SETTLE_WAIT`; the adopters
+        // void the rest.
         let (settled, wait) = std::sync::mpsc::channel();
         if self.commands.try_send(Command::Settle(settled)).is_ok() {
-            let left = deadline.saturating_duration_since(std::time::Instant::now()).min(Duration::from_secs(2));
+            let left = deadline.saturating_duration_since(std::time::Instant::now()).min(adopt::SETTLE_WAIT);
             if wait.recv_timeout(left).is_err() {
                 tracing::warn!("recovery histories handed over without a verdict in time: their adopters drop them");
             }
