@@ -187,7 +187,7 @@ fn put_str(buf: &mut Vec<u8>, s: &str) {
 }
 
 /// LEB128: 7 bits a byte, low first; the top bit says more follow.
-#[cfg(test)]
+#[inline]
 fn put_varint(buf: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         buf.push(v as u8 | 0x80);
@@ -206,49 +206,23 @@ fn unzigzag(u: u64) -> i64 {
     ((u >> 1) as i64) ^ -((u & 1) as i64)
 }
 
-/// Writes into room made beforehand (one resize of the buffer per record instead of a
-/// capacity check per byte: the varints are written a byte at a time).
-struct Room<'a> {
-    b: &'a mut [u8],
-    at: usize,
+/// A string as a varint length and its bytes.
+#[inline]
+fn put_vstr(buf: &mut Vec<u8>, s: &str) {
+    put_varint(buf, s.len() as u64);
+    buf.extend_from_slice(s.as_bytes());
 }
-
-impl Room<'_> {
-    #[inline]
-    fn byte(&mut self, v: u8) {
-        self.b[self.at] = v;
-        self.at += 1;
-    }
-    #[inline]
-    fn varint(&mut self, mut v: u64) {
-        while v >= 0x80 {
-            self.byte(v as u8 | 0x80);
-            v >>= 7;
-        }
-        self.byte(v as u8);
-    }
-    #[inline]
-    fn vstr(&mut self, s: &str) {
-        self.varint(s.len() as u64);
-        self.b[self.at..self.at + s.len()].copy_from_slice(s.as_bytes());
-        self.at += s.len();
-    }
-}
-
-/// The most bytes a varint takes.
-const VARINT_MAX: usize = 10;
 
 /// A device's compact record ([`TAG_DEVICE_COMPACT`]).
 fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device) {
     let mark = d.mark.key();
-    let values = d.telemetry.iter();
+    let mut values = d.telemetry.iter();
     let base = match values.clone().next() {
         Some((_, _, at)) => at,
         None => d.connection.as_ref().map(|c| c.at).or(d.twin.as_ref().map(|t| t.at)).unwrap_or(0),
     };
-    let twin = d.twin.as_ref().map(|t| (t.doc.to_string(), t.at));
     let mut flags = 0;
-    if twin.is_some() {
+    if d.twin.is_some() {
         flags |= HAS_TWIN;
     }
     if let Some(c) = &d.connection {
@@ -257,44 +231,30 @@ fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device)
     if !mark.is_none() {
         flags |= HAS_MARK;
     }
-    // At most: tag, id, flags, base, count; per value two lengths and a time besides its
-    // bytes (the text holds every key and value); twin; connection; mark.
-    let most = 2 + 3 * VARINT_MAX
-        + id.len()
-        + d.telemetry.text_bytes()
-        + 3 * VARINT_MAX * d.telemetry.len()
-        + twin.as_ref().map_or(0, |(doc, _)| doc.len() + 2 * VARINT_MAX)
-        + d.connection.as_ref().map_or(0, |c| 2 * VARINT_MAX + c.sequence.as_ref().map_or(0, |s| s.len()))
-        + 2 * VARINT_MAX;
-    let start = buf.len();
-    buf.resize(start + most, 0);
-    let mut w = Room { b: &mut buf[start..], at: 0 };
-    w.byte(TAG_DEVICE_COMPACT);
-    w.vstr(id);
-    w.byte(flags);
-    w.varint(zigzag(base));
-    w.varint(d.telemetry.len() as u64);
-    for (k, v, at) in values {
-        w.vstr(k);
-        w.vstr(v);
-        w.varint(zigzag(at.wrapping_sub(base)));
+    buf.push(TAG_DEVICE_COMPACT);
+    put_vstr(buf, id);
+    buf.push(flags);
+    put_varint(buf, zigzag(base));
+    put_varint(buf, d.telemetry.len() as u64);
+    for (k, v, at) in &mut values {
+        put_vstr(buf, k);
+        put_vstr(buf, v);
+        put_varint(buf, zigzag(at.wrapping_sub(base)));
     }
-    if let Some((doc, at)) = &twin {
-        w.vstr(doc);
-        w.varint(zigzag(at.wrapping_sub(base)));
+    if let Some(t) = &d.twin {
+        put_vstr(buf, &t.doc.to_string());
+        put_varint(buf, zigzag(t.at.wrapping_sub(base)));
     }
     if let Some(c) = &d.connection {
-        w.varint(zigzag(c.at.wrapping_sub(base)));
+        put_varint(buf, zigzag(c.at.wrapping_sub(base)));
         if let Some(s) = &c.sequence {
-            w.vstr(s);
+            put_vstr(buf, s);
         }
     }
     if !mark.is_none() {
-        w.varint(zigzag(mark.ms.wrapping_sub(base)));
-        w.varint(mark.n);
+        put_varint(buf, zigzag(mark.ms.wrapping_sub(base)));
+        put_varint(buf, mark.n);
     }
-    let len = w.at;
-    buf.truncate(start + len);
 }
 
 /// The older device record ([`TAG_DEVICE`], [`TAG_DEVICE_KEYED`]), as versions 1-4 wrote it:

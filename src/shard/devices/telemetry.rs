@@ -64,12 +64,6 @@ impl Telemetry {
         self.len() == 0
     }
 
-    /// Bytes of the text (keys, values and their slots' spare room): at least the bytes of
-    /// every key and value.
-    pub fn text_bytes(&self) -> usize {
-        self.text_len()
-    }
-
     fn text_len(&self) -> usize {
         self.words.first().map_or(0, |w| (*w >> 32) as usize)
     }
