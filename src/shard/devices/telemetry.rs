@@ -1,15 +1,15 @@
-//! [`Telemetry`]: a device's last telemetry values in one small buffer, rewritten in place.
+//! [`Telemetry`]: a device's last telemetry values in two small buffers, rewritten in place.
 //!
 //! The hot part of a device entry on the ingest path (issue 25 item 4). Before, each device
 //! held a hash map of boxed keys to shared value texts: every message hashed each key, read
 //! each key from its own allocation to compare it, allocated one buffer for the message's
 //! values and freed the one it replaced, the reference count of which was read from yet
-//! another line. Here the keys and value texts of a device sit back to back, after a small
-//! array of entries (where each key and value is, and its time), in one allocation:
+//! another line. Here the keys and value texts of a device sit back to back in one byte
+//! buffer, with a small array of entries (where each key and value is, and its time):
 //!
 //! - a message with the keys it had before (the usual case) finds each at the position it
 //!   had, compares it in place, and copies its value over the old one: no hashing, no
-//!   allocation, two or three adjacent cache lines touched per device;
+//!   allocation, three or four cache lines touched per device;
 //! - a value longer than its slot rebuilds the buffer once, giving the grown slot some room
 //!   (a number that gains a digit moves once, not at every message);
 //! - a new key is appended.
@@ -22,26 +22,22 @@ use crate::timefmt::Millis;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
-    /// Where the key starts in the text; its value slot follows it.
+    /// Where the key starts in `text`; its value slot follows it.
     key: u32,
     key_len: u32,
-    /// The value's length; its slot reaches the next entry's key (or the end of the text).
+    /// The value's length; its slot reaches the next entry's key (or the end of `text`).
     len: u32,
     at: Millis,
 }
 
-/// Words an entry takes in [`Telemetry::words`].
-const ENTRY_WORDS: usize = 3;
-
 /// A device's last telemetry values: key → (value as the JSON text the device sent, time).
-///
-/// One allocation (issue 25 item 4: the entries and the text were two, two more cache misses
-/// per message): `words[0]` holds the entry count (low 32 bits) and the text's length (high),
-/// then each entry in three words (key offset | key length << 32, value length, time), then
-/// the text, keys and value slots back to back, as bytes (the last word zero-padded).
 #[derive(Default, Clone)]
 pub struct Telemetry {
-    words: Vec<u64>,
+    /// In the order of their place in `text`.
+    entries: Vec<Entry>,
+    /// Keys and value slots, back to back; every byte range an entry names was copied from a
+    /// `&str` (bytes after a value, up to the end of its slot, are spare room).
+    text: Vec<u8>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -50,118 +46,61 @@ impl std::fmt::Debug for Telemetry {
     }
 }
 
-/// Words holding `n` entries and `text` bytes.
-fn words_for(n: usize, text: usize) -> usize {
-    1 + n * ENTRY_WORDS + text.div_ceil(8)
-}
-
 impl Telemetry {
     pub fn len(&self) -> usize {
-        self.words.first().map_or(0, |w| *w as u32 as usize)
+        self.entries.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.entries.is_empty()
     }
 
-    fn text_len(&self) -> usize {
-        self.words.first().map_or(0, |w| (*w >> 32) as usize)
-    }
-
-    /// Drops every value and the buffer.
+    /// Drops every value and the buffers.
     pub fn clear(&mut self) {
         *self = Self::default();
     }
 
-    #[inline]
-    fn entry(&self, i: usize) -> Entry {
-        let w = &self.words[1 + i * ENTRY_WORDS..1 + (i + 1) * ENTRY_WORDS];
-        Entry { key: w[0] as u32, key_len: (w[0] >> 32) as u32, len: w[1] as u32, at: w[2] as i64 }
-    }
-
-    #[inline]
-    fn put_entry(words: &mut [u64], i: usize, e: Entry) {
-        let w = &mut words[1 + i * ENTRY_WORDS..1 + (i + 1) * ENTRY_WORDS];
-        w[0] = u64::from(e.key) | u64::from(e.key_len) << 32;
-        w[1] = u64::from(e.len);
-        w[2] = e.at as u64;
-    }
-
-    /// The text: keys and value slots.
-    #[inline]
-    fn text(&self) -> &[u8] {
-        let (n, len) = (self.len(), self.text_len());
-        if self.words.is_empty() {
-            return &[];
-        }
-        let words = &self.words[1 + n * ENTRY_WORDS..];
-        assert!(words.len() * 8 >= len, "the text fits its words");
-        // SAFETY: `words` is initialised memory of at least `len` bytes (checked above), and
-        // any bytes are valid `u8`s; the slice borrows `self`.
-        unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), len) }
-    }
-
-    #[inline]
-    fn text_mut(&mut self) -> &mut [u8] {
-        let (n, len) = (self.len(), self.text_len());
-        if self.words.is_empty() {
-            return &mut [];
-        }
-        let words = &mut self.words[1 + n * ENTRY_WORDS..];
-        assert!(words.len() * 8 >= len, "the text fits its words");
-        // SAFETY: as in `text`, borrowed mutably from `self`.
-        unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) }
-    }
-
     fn str_at(&self, start: u32, len: u32) -> &str {
-        let bytes = &self.text()[start as usize..(start + len) as usize];
+        let bytes = &self.text[start as usize..(start + len) as usize];
         // SAFETY: every range an entry names (a key, or a value's first `len` bytes) was
         // copied whole from a `&str` by `set`/`rebuild` and not written since but by another
         // whole `&str` of that length; the spare bytes of a slot are never read as text.
         unsafe { std::str::from_utf8_unchecked(bytes) }
     }
 
-    /// Where entry `i`'s value slot ends.
-    fn slot_end(&self, i: usize) -> usize {
-        if i + 1 < self.len() {
-            self.entry(i + 1).key as usize
-        } else {
-            self.text_len()
-        }
+    fn key_of(&self, e: &Entry) -> &[u8] {
+        &self.text[e.key as usize..(e.key + e.key_len) as usize]
     }
 
-    #[inline]
+    /// Where entry `i`'s value slot ends.
+    fn slot_end(&self, i: usize) -> usize {
+        self.entries.get(i + 1).map_or(self.text.len(), |next| next.key as usize)
+    }
+
     fn find(&self, key: &str, hint: usize) -> Option<usize> {
         let key = key.as_bytes();
-        let n = self.len();
-        let text = self.text();
-        let matches = |i: usize| {
-            let e = self.entry(i);
-            e.key_len as usize == key.len() && same_bytes(&text[e.key as usize..(e.key + e.key_len) as usize], key)
-        };
-        if hint < n && matches(hint) {
-            return Some(hint);
+        if let Some(e) = self.entries.get(hint) {
+            if e.key_len as usize == key.len() && same_bytes(self.key_of(e), key) {
+                return Some(hint);
+            }
         }
-        (0..n).find(|&i| matches(i))
+        self.entries.iter().position(|e| e.key_len as usize == key.len() && same_bytes(self.key_of(e), key))
     }
 
     /// The value of `key` and its time.
     pub fn get(&self, key: &str) -> Option<(&str, Millis)> {
-        let e = self.entry(self.find(key, 0)?);
+        let e = &self.entries[self.find(key, 0)?];
         Some((self.str_at(e.key + e.key_len, e.len), e.at))
     }
 
     /// Every key with its value and time, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str, Millis)> + Clone + '_ {
-        (0..self.len()).map(|i| {
-            let e = self.entry(i);
-            (self.str_at(e.key, e.key_len), self.str_at(e.key + e.key_len, e.len), e.at)
-        })
+        self.entries.iter().map(|e| (self.str_at(e.key, e.key_len), self.str_at(e.key + e.key_len, e.len), e.at))
     }
 
     /// The newest time of any value.
     pub fn newest(&self) -> Option<Millis> {
-        (0..self.len()).map(|i| self.entry(i).at).max()
+        self.entries.iter().map(|e| e.at).max()
     }
 
     /// Sets `key` to `value` at `at`. `hint`: where the key probably is (its index in the
@@ -169,68 +108,48 @@ impl Telemetry {
     pub fn set(&mut self, hint: usize, key: &str, value: &str, at: Millis) {
         match self.find(key, hint) {
             Some(i) => {
-                let mut e = self.entry(i);
-                let start = (e.key + e.key_len) as usize;
+                let start = (self.entries[i].key + self.entries[i].key_len) as usize;
                 if start + value.len() <= self.slot_end(i) {
-                    copy_bytes(&mut self.text_mut()[start..start + value.len()], value.as_bytes());
+                    copy_bytes(&mut self.text[start..start + value.len()], value.as_bytes());
+                    let e = &mut self.entries[i];
                     e.len = value.len() as u32;
                     e.at = at;
-                    Self::put_entry(&mut self.words, i, e);
                 } else {
-                    self.rebuild(Some(i), value, at, None);
+                    self.rebuild(i, value, at);
                 }
             }
-            None => self.rebuild(None, value, at, Some(key)),
+            None => {
+                let key_at = self.text.len();
+                self.text.extend_from_slice(key.as_bytes());
+                self.text.extend_from_slice(value.as_bytes());
+                self.entries.push(Entry { key: key_at as u32, key_len: key.len() as u32, len: value.len() as u32, at });
+                assert!(self.text.len() <= u32::MAX as usize, "a device's telemetry text is below 4 GiB");
+            }
         }
     }
 
-    /// Writes the buffer again: with entry `grown`'s new `value`, whose slot gets a quarter of
-    /// its length (at least 2 bytes) to spare, or with `added` appended with `value`; the
-    /// other slots are shrunk to their values.
-    fn rebuild(&mut self, grown: Option<usize>, value: &str, at: Millis, added: Option<&str>) {
-        let n = self.len();
+    /// Writes the buffer again with entry `grown`'s new `value`, whose slot gets a quarter of
+    /// its length (at least 2 bytes) to spare; the other slots are shrunk to their values.
+    fn rebuild(&mut self, grown: usize, value: &str, at: Millis) {
         let room = value.len() / 4 + 2;
-        let kept = |i: usize| if grown == Some(i) { 0 } else { self.entry(i).len as usize };
-        let mut size: usize = (0..n).map(|i| self.entry(i).key_len as usize + kept(i)).sum();
-        match added {
-            Some(key) => size += key.len() + value.len(),
-            None => size += value.len() + room,
-        }
-        assert!(size <= u32::MAX as usize, "a device's telemetry text is below 4 GiB");
-        let count = n + added.is_some() as usize;
-        let mut words = vec![0u64; words_for(count, size)];
-        words[0] = count as u64 | (size as u64) << 32;
-        let mut text: Vec<u8> = Vec::with_capacity(size);
-        let old = self.text();
-        for i in 0..n {
-            let mut e = self.entry(i);
+        let size: usize = self.entries.iter().map(|e| (e.key_len + e.len) as usize).sum::<usize>() + value.len() + room;
+        let mut text = Vec::with_capacity(size);
+        for (i, e) in self.entries.iter_mut().enumerate() {
             let key_at = text.len() as u32;
-            text.extend_from_slice(&old[e.key as usize..(e.key + e.key_len) as usize]);
-            if grown == Some(i) {
+            text.extend_from_slice(&self.text[e.key as usize..(e.key + e.key_len) as usize]);
+            if i == grown {
                 text.extend_from_slice(value.as_bytes());
                 text.resize(text.len() + room, b' ');
                 e.len = value.len() as u32;
                 e.at = at;
             } else {
                 let v = (e.key + e.key_len) as usize;
-                text.extend_from_slice(&old[v..v + e.len as usize]);
+                text.extend_from_slice(&self.text[v..v + e.len as usize]);
             }
             e.key = key_at;
-            Self::put_entry(&mut words, i, e);
         }
-        if let Some(key) = added {
-            let key_at = text.len() as u32;
-            text.extend_from_slice(key.as_bytes());
-            text.extend_from_slice(value.as_bytes());
-            Self::put_entry(&mut words, n, Entry { key: key_at, key_len: key.len() as u32, len: value.len() as u32, at });
-        }
-        debug_assert_eq!(text.len(), size);
-        for (w, chunk) in words[1 + count * ENTRY_WORDS..].iter_mut().zip(text.chunks(8)) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            *w = u64::from_ne_bytes(b);
-        }
-        self.words = words;
+        assert!(text.len() <= u32::MAX as usize, "a device's telemetry text is below 4 GiB");
+        self.text = text;
     }
 
     /// Keeps only the keys `keep` says yes to.
@@ -311,27 +230,25 @@ mod tests {
 
     #[test]
     fn values_are_rewritten_in_place_grow_once_and_keys_are_added() {
-        // One allocation, one pointer in the device entry (was two `Vec`s: 48 bytes).
-        assert_eq!(std::mem::size_of::<Telemetry>(), 24);
         let mut t = Telemetry::default();
         t.set(0, "temperature", "21.5", 1);
         t.set(1, "seq", "9", 1);
         assert_eq!(t.get("temperature"), Some(("21.5", 1)));
-        let (ptr, cap) = (t.words.as_ptr(), t.words.capacity());
+        let (ptr, cap) = (t.text.as_ptr(), t.text.capacity());
         // Same length and shorter: in place, no reallocation.
         t.set(0, "temperature", "22.0", 2);
         t.set(1, "seq", "8", 2);
         t.set(0, "temperature", "3", 3);
-        assert_eq!((t.words.as_ptr(), t.words.capacity()), (ptr, cap));
+        assert_eq!((t.text.as_ptr(), t.text.capacity()), (ptr, cap));
         assert_eq!(t.get("temperature"), Some(("3", 3)));
         assert_eq!(t.get("seq"), Some(("8", 2)));
         // Longer than its slot: rebuilt once with room, the next digits fit.
         t.set(1, "seq", "10", 4);
         assert_eq!(t.get("seq"), Some(("10", 4)));
-        let len = t.text_len();
+        let len = t.text.len();
         t.set(1, "seq", "11", 5);
         t.set(1, "seq", "100", 6);
-        assert_eq!(t.text_len(), len, "the grown slot kept room");
+        assert_eq!(t.text.len(), len, "the grown slot kept room");
         // A wrong hint still finds the key; a new key is appended; multi-byte text survives.
         t.set(5, "temperature", "\"é\u{1F600}\"", 7);
         t.set(0, "k\"ey", "{\"a\":[1,2]}", 8);
