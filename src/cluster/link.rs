@@ -142,6 +142,10 @@ pub(super) struct Ctx {
     pub stats: Arc<Stats>,
     /// Room for [`CHANGES_RUNNING`] changes at once.
     pub changes: Arc<tokio::sync::Semaphore>,
+    /// One change of a session at a time from this instance, in the order they came
+    /// ([`change_in_turn`]); an entry per session with a change running or waiting, so at
+    /// most [`CHANGES_RUNNING`] (the permits above are taken first).
+    pub changing: RefCell<HashMap<SessionId, Rc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Ctx {
@@ -277,7 +281,7 @@ pub fn start(
             }
         };
         let lease = Leases::new(cores.len(), owned);
-        let ctx = Rc::new(Ctx { o: options, cores, stats, changes: Arc::new(tokio::sync::Semaphore::new(CHANGES_RUNNING)) });
+        let ctx = Rc::new(Ctx { o: options, cores, stats, changes: Arc::new(tokio::sync::Semaphore::new(CHANGES_RUNNING)), changing: RefCell::default() });
         let state = Rc::new(RefCell::new(Shared {
             local: HashSet::new(),
             remote: HashMap::new(),
@@ -903,7 +907,7 @@ async fn on_command(
             let Ok(running) = ctx.changes.clone().acquire_owned().await else { return Ok(()) };
             let (ctx, mut conn) = (ctx.clone(), conn.clone());
             tokio::task::spawn_local(async move {
-                let _ = reply.send(change(&ctx, session, changes, &mut conn).await);
+                let _ = reply.send(change_in_turn(&ctx, session, changes, &mut conn).await);
                 drop(running);
             });
         }
@@ -1065,6 +1069,25 @@ pub(super) fn parse_session(session: SessionId, fields: &std::collections::HashM
         .map(|(device, session, access)| SharedOp::Access { session, device, access })
         .collect();
     Some((v, ops))
+}
+
+/// [`change`], one of a session at a time from this instance, in the order they came
+/// (`tokio::sync::Mutex` is fair). Why: changes of one session race on its version, and the
+/// loser reads again; N requests at once for one session (a backend granting a session its
+/// devices in parallel) made the last need N tries, past [`CHANGE_TRIES`]: a 503 with no other
+/// instance involved. In turn, only changes from other instances can cost a retry.
+async fn change_in_turn(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, super::AccessChange)>, conn: &mut Conn) -> Result<super::Changed, Failed> {
+    let turn = ctx.changing.borrow_mut().entry(session).or_default().clone();
+    let result = {
+        let _mine = turn.lock().await;
+        change(ctx, session, changes, conn).await
+    };
+    drop(turn);
+    let mut changing = ctx.changing.borrow_mut();
+    if changing.get(&session).is_some_and(|t| Rc::strong_count(t) == 1) {
+        changing.remove(&session);
+    }
+    result
 }
 
 /// One request's changes to a session (see [`Command::Change`]): read its version and the
