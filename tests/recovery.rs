@@ -980,8 +980,7 @@ fn a_sigterm_hands_the_history_to_another_instance_where_the_client_recovers() {
     let series = |outcome: &str| format!("hubcast_redis_adoptions_total{{instance=\"{}\",outcome=\"{outcome}\"}}", h.adopter_id);
     assert_eq!(h.adopter.metric(&series("received")), Some(1.0));
     // The other instance ingests while the client is away: the adopter watches the device.
-    h.other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    h.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    ingest_seen_by(&h.other, &h.adopter, json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()), 20.0);
     h.cutter.retarget(h.adopter.port);
     let back = come_back(&h.cutter, &h.client);
     assert_eq!(back["recovered"], true, "{back}\n{}", h.adopter.stderr_lines().join("\n"));
@@ -1032,8 +1031,7 @@ fn an_adopted_history_past_the_window_is_not_recovered_and_live_data_flows() {
 #[test]
 fn a_client_landing_on_a_third_instance_takes_its_history_from_the_adopter() {
     let h = handed_over(&[]);
-    h.other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    h.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    ingest_seen_by(&h.other, &h.adopter, json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()), 20.0);
     h.cutter.retarget(h.other.port);
     let back = come_back(&h.cutter, &h.client);
     assert_eq!(back["recovered"], true, "{back}\n{}\n{}", h.other.stderr_lines().join("\n"), h.adopter.stderr_lines().join("\n"));

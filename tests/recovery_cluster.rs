@@ -150,8 +150,7 @@ fn on_a_cluster_a_rebuild_while_a_third_instance_keeps_ingesting_gives_every_mes
 fn on_a_cluster_a_sigterm_hands_the_history_to_another_instance_where_the_client_recovers() {
     let h = handed_over_on_a_cluster();
     let (adopter, other, cutter, client) = (&h.adopter, &h.other, &h.cutter, &h.client);
-    other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    ingest_seen_by(other, adopter, json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()), 20.0);
     cutter.retarget(adopter.port);
     let back = come_back(cutter, client);
     assert_eq!(back["recovered"], true, "{back}\n{}", adopter.stderr_lines().join("\n"));
@@ -199,8 +198,7 @@ fn handed_over_on_a_cluster() -> HandedOver {
 #[test]
 fn on_a_cluster_a_client_landing_on_a_third_instance_takes_its_history_from_the_adopter() {
     let h = handed_over_on_a_cluster();
-    h.other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    h.adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    ingest_seen_by(&h.other, &h.adopter, json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()), 20.0);
     h.cutter.retarget(h.other.port);
     let back = come_back(&h.cutter, &h.client);
     assert_eq!(back["recovered"], true, "{back}\n{}\n{}", h.other.stderr_lines().join("\n"), h.adopter.stderr_lines().join("\n"));

@@ -159,8 +159,7 @@ fn a_plain_client_landing_on_a_third_instance_takes_its_history_from_the_adopter
         assert!(std::time::Instant::now() < deadline, "no instance confirmed the adoption");
         std::thread::sleep(Duration::from_millis(20));
     };
-    other.ingest(json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    adopter.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(20.0));
+    ingest_seen_by(other, adopter, json!((20..40).map(|n| message("dev-1", n)).collect::<Vec<_>>()), 20.0);
     let mut ws = back_at(&cutter, other.port, &session, &offset);
     let first = frame(&mut ws);
     assert_eq!(first, json!({"recovered": true, "replayed": 40}), "{}\n{}", other.stderr_lines().join("\n"), adopter.stderr_lines().join("\n"));

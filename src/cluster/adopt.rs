@@ -268,7 +268,7 @@ pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: Ses
     };
     // On a cluster a classic `PUBLISH` counts the subscribers of the node that ran it only
     // (the bus carries it to the others uncounted): 0 says nothing there, and an adopter
-    // that is gone gives no verdict (`Cluster::leave` waits at most 2 s).
+    // that is gone gives no verdict (`Cluster::leave` waits at most [`SETTLE_WAIT`]).
     if receivers == 0 && !ctx.o.names.is_cluster() {
         forget(ctx, state, session);
         count(ctx, NO_PEER);

@@ -473,7 +473,7 @@ mod tests {
             inbound_bytes: 1 << 20,
             refresh: Duration::from_secs(1),
         };
-        Ctx { o, cores, stats: Arc::default(), changes: Arc::new(tokio::sync::Semaphore::new(1)), changing: Default::default() }
+        Ctx { o, cores, stats: Arc::default(), changes: Arc::new(tokio::sync::Semaphore::new(1)), running: Arc::new(tokio::sync::Semaphore::new(1)), changing: Default::default() }
     }
 
     /// A core that answers keeps its marks fresh; one that stays silent keeps its last ones,

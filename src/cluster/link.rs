@@ -86,6 +86,9 @@ const CHANGE_TRIES: usize = 8;
 /// Changes running at once (each its own task); beyond, the command task waits for one to
 /// end (back-pressure to the bounded command queue).
 const CHANGES_RUNNING: usize = 64;
+/// Session changes taken from the command queue at most, running or waiting for their
+/// session's turn or a running slot (past it the link waits: the queue's own bound holds).
+const CHANGES_TAKEN: usize = 1024;
 /// Writes every field of a change if the session is still at version `ARGV[1]`, bumps the
 /// version, keeps the key alive and publishes the change, in one step: the new version; 0
 /// when the session changed meanwhile (read it again); -1 when it is gone.
@@ -140,11 +143,14 @@ pub(super) struct Ctx {
     pub o: Options,
     pub cores: Vec<async_channel::Sender<Inbound>>,
     pub stats: Arc<Stats>,
-    /// Room for [`CHANGES_RUNNING`] changes at once.
+    /// Room for [`CHANGES_TAKEN`] changes taken in (the link waits for one past it).
     pub changes: Arc<tokio::sync::Semaphore>,
+    /// Room for [`CHANGES_RUNNING`] changes at Redis at once, taken once a change has its
+    /// session's turn (so a queue of one session's changes holds one, not all of them).
+    pub running: Arc<tokio::sync::Semaphore>,
     /// One change of a session at a time from this instance, in the order they came
-    /// ([`change_in_turn`]); an entry per session with a change running or waiting, so at
-    /// most [`CHANGES_RUNNING`] (the permits above are taken first).
+    /// ([`change_in_turn`]); an entry per session with a change taken in, so at most
+    /// [`CHANGES_TAKEN`].
     pub changing: RefCell<HashMap<SessionId, Rc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -281,7 +287,7 @@ pub fn start(
             }
         };
         let lease = Leases::new(cores.len(), owned);
-        let ctx = Rc::new(Ctx { o: options, cores, stats, changes: Arc::new(tokio::sync::Semaphore::new(CHANGES_RUNNING)), changing: RefCell::default() });
+        let ctx = Rc::new(Ctx { o: options, cores, stats, changes: Arc::new(tokio::sync::Semaphore::new(CHANGES_TAKEN)), running: Arc::new(tokio::sync::Semaphore::new(CHANGES_RUNNING)), changing: RefCell::default() });
         let state = Rc::new(RefCell::new(Shared {
             local: HashSet::new(),
             remote: HashMap::new(),
@@ -904,11 +910,11 @@ async fn on_command(
         Command::Change { session, changes, reply } => {
             // A task of its own: a session changed by many instances at once (retries) holds
             // no other command; a failed change answers 503 and leaves the link up.
-            let Ok(running) = ctx.changes.clone().acquire_owned().await else { return Ok(()) };
+            let Ok(taken) = ctx.changes.clone().acquire_owned().await else { return Ok(()) };
             let (ctx, mut conn) = (ctx.clone(), conn.clone());
             tokio::task::spawn_local(async move {
                 let _ = reply.send(change_in_turn(&ctx, session, changes, &mut conn).await);
-                drop(running);
+                drop(taken);
             });
         }
         Command::Load { session, reply } => {
@@ -1080,7 +1086,10 @@ async fn change_in_turn(ctx: &Ctx, session: SessionId, changes: Vec<(Box<str>, s
     let turn = ctx.changing.borrow_mut().entry(session).or_default().clone();
     let result = {
         let _mine = turn.lock().await;
-        change(ctx, session, changes, conn).await
+        match ctx.running.acquire().await {
+            Ok(_running) => change(ctx, session, changes, conn).await,
+            Err(_) => Err("the Redis link is closing".to_string()),
+        }
     };
     drop(turn);
     let mut changing = ctx.changing.borrow_mut();

@@ -455,7 +455,7 @@ impl Cluster {
         ])
         .chain(adopt::OUTCOMES.iter().enumerate().map(|(i, outcome)| {
             let labels = format!("{{instance=\"{}\",outcome=\"{outcome}\"}}", self.instance);
-            ("hubcast_redis_adoptions_total".to_string(), "Recovery histories at SIGTERM (docs/design/recovery.md step 6), by outcome: handed over (sent, kept, voided, refused_by_peer) or not (no_peer, too_large, over_bound; unsupported: no longer counted), and taken in from a stopping instance (received, confirmed, lost, refused).".to_string(), labels, get(&s.adoptions[i]))
+            ("hubcast_redis_adoptions_total".to_string(), "Recovery histories at SIGTERM (docs/design/recovery.md step 6), by outcome: handed over (sent, kept, voided, tail_sent, refused_by_peer) or not (no_peer, too_large, over_bound; unsupported: no longer counted), and taken in from a stopping instance (received, confirmed, stitched, lost, refused).".to_string(), labels, get(&s.adoptions[i]))
         }))
         .chain(self.cluster_series(&label))
         .collect()
@@ -701,9 +701,30 @@ impl Relay for CoreRelay {
     }
 
     fn adopt_verdict(&self, session: SessionId, kept: bool, tail: Option<Vec<u8>>) {
+        // A stop's tails are charged to its hand-over budget with its histories (Redis would
+        // drop the adopter's subscriber past its pub/sub output buffer); one past it is not
+        // sent, the verdict is `voided`. An instance asked by name (step 6b) is bounded by
+        // the CONNECTs asking, as its histories are.
+        let tail = tail.filter(|t| {
+            if !crate::shutdown::STOPPING.is_stopping() {
+                return true;
+            }
+            let fits = t.len() <= self.adopt_budget.get();
+            if fits {
+                self.adopt_budget.set(self.adopt_budget.get() - t.len());
+            } else {
+                tracing::info!(session = %session, bytes = t.len(), "a hand-over's tail past the stop's budget is not sent: voided (its client gets recovered false)");
+            }
+            fits
+        });
         let verdict = Command::AdoptVerdict { session, kept, tail };
         if let Err(e) = self.commands.try_send(verdict) {
-            // Never dropped: the adopter would wait its full time and void the history.
+            // Never dropped: the adopter would wait its full time and void the history. A
+            // tail is not kept waiting for room (the verdict goes as `voided`).
+            let e = match e {
+                Command::AdoptVerdict { session, kept, .. } => Command::AdoptVerdict { session, kept, tail: None },
+                other => other,
+            };
             let commands = self.commands.clone();
             monoio::spawn(async move {
                 let _ = commands.send(e).await;

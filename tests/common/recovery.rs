@@ -358,3 +358,13 @@ pub fn away_from_a(a: &Server, b: Server, c: Server, transports: &str) -> AwayFr
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
     AwayFromA { adopter, adopter_id, other, other_id, cutter, client }
 }
+
+/// `from` ingests `batch` (`n` telemetry messages) and `to` (another instance watching the
+/// device) has counted them all in: its counter is read before, so what it counted already
+/// (its own earlier ingest) does not satisfy the wait.
+pub fn ingest_seen_by(from: &Server, to: &Server, batch: Value, n: f64) {
+    let series = "hubcast_messages_in_total{source=\"Telemetry\"}";
+    let before = to.metric(series).unwrap_or(0.0);
+    from.ingest(batch);
+    to.wait_for_metric(series, WAIT, Want::AtLeast(before + n));
+}
