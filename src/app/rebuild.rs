@@ -78,7 +78,8 @@ const REBUILD_WAIT: Duration = Duration::from_secs(2);
 
 /// One device's part of an answer: its frames in ring order, or why its ring lacks them.
 enum Part {
-    Frames(Vec<Delivery>),
+    /// The frames, and whether the session's throttle of the device was run again here.
+    Frames(Vec<Delivery>, bool),
     Miss(RingMiss),
 }
 
@@ -180,7 +181,7 @@ fn answer_bytes(answer: &Answer) -> usize {
             64 + parts
                 .iter()
                 .map(|(d, p)| match p {
-                    Part::Frames(f) => d.len() + f.iter().map(|d| d.frame.len() + 64).sum::<usize>(),
+                    Part::Frames(f, _) => d.len() + f.iter().map(|d| d.frame.len() + 64).sum::<usize>(),
                     Part::Miss(_) => d.len() + 32,
                 })
                 .sum::<usize>()
@@ -274,7 +275,10 @@ impl Core {
                 None => Lead::None,
             };
             let part = match got {
-                Ok(msgs) => Part::Frames(table.replay_frames(session, &device, lead, &msgs, now).map_err(|why| format!("{device}: {why}"))?),
+                Ok(msgs) => {
+                    let (frames, rerun) = table.replay_frames_rerun(session, &device, lead, &msgs, now).map_err(|why| format!("{device}: {why}"))?;
+                    Part::Frames(frames, rerun)
+                }
                 Err(RingMiss::Lost(why)) => return Err(format!("{device}: {why}")),
                 Err(miss) => Part::Miss(miss),
             };
@@ -303,8 +307,11 @@ impl Core {
             From::Here => {
                 held.waiting = held.waiting.saturating_sub(1);
                 if let Ok(parts) = &answer {
+                    // Only where the throttle was run again does it stand for the held
+                    // telemetry frames before this point (review: a device with nothing to
+                    // re-run would have lost a held live frame nothing replaced).
                     let at = held.deliveries.len();
-                    for (device, _) in parts {
+                    for (device, _) in parts.iter().filter(|(_, p)| matches!(p, Part::Frames(_, true))) {
                         held.answered_at.insert(device.clone(), at);
                     }
                 }
@@ -604,7 +611,7 @@ fn merge_holders(device: &str, cut: Option<u32>, parts: Vec<Part>) -> Result<Opt
     let mut lists: Vec<Vec<Delivery>> = Vec::new();
     for part in parts {
         match part {
-            Part::Frames(f) => lists.push(f),
+            Part::Frames(f, _) => lists.push(f),
             Part::Miss(RingMiss::NotHeld { origin: true }) => {
                 return Err(format!("{device}: its cut is not held where it is taken in"));
             }
@@ -636,7 +643,7 @@ mod tests {
     use crate::ids::SessionId;
 
     fn frames(device: &str, ns: &[u64]) -> Part {
-        Part::Frames(ns.iter().map(|n| delivery(device, *n)).collect())
+        Part::Frames(ns.iter().map(|n| delivery(device, *n)).collect(), false)
     }
 
     fn delivery(device: &str, n: u64) -> Delivery {

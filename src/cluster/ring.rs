@@ -276,7 +276,9 @@ impl Rings {
         let ring = self.rings.get(device)?;
         let held: Vec<&Entry> = ring.entries.iter().filter(|e| now.saturating_duration_since(e.at) <= self.window).collect();
         let k = held.iter().position(|e| key_hash(e.msg.key) == Some(cut))?;
-        let whole = !ring.lost_any && held.len() == ring.entries.len();
+        // The reasoning "nobody elsewhere watched before its first entry" holds only for a
+        // device taken in here: a replica's ring begins when this instance began to watch.
+        let whole = !ring.lost_any && held.len() == ring.entries.len() && held.first().is_some_and(|e| e.here);
         let start = (0..=k).rev().find(|&i| if i == 0 { whole } else { held[i].at.saturating_duration_since(held[i - 1].at) >= quiet });
         let (from, quiet_point) = match start {
             Some(i) => (i, true),
@@ -361,6 +363,13 @@ mod tests {
             r.note(&msg("d", n), &tel, true, true, t0 + ms(at));
         }
         assert_eq!(r.lead("d", cut(4).unwrap(), t0 + ms(300), q).map(|(l, quiet)| (ns(l), quiet)), Some((vec![4], false)));
+        // A replica's ring (the device taken in elsewhere) began when this instance began to
+        // watch: a session elsewhere may have had a window open, so its first is no quiet point.
+        let mut r = Rings::new(Duration::from_secs(60), 1 << 20);
+        for (n, at) in [(1, 0), (2, 100)] {
+            r.note(&msg("d", n), &tel, false, true, t0 + ms(at));
+        }
+        assert_eq!(r.lead("d", cut(2).unwrap(), t0 + ms(200), q).map(|(l, quiet)| (ns(l), quiet)), Some((vec![2], false)));
     }
 
     #[test]

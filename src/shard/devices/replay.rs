@@ -152,12 +152,19 @@ impl DeviceTable {
     /// throttle merge none). With throttled telemetry subscribed, `lead` says where the
     /// throttle starts from (module docs), and its state at `now` is installed here.
     pub fn replay_frames(&mut self, session: SessionId, device: &Arc<str>, lead: Lead<'_>, kept: &[Kept], now: Instant) -> Result<Vec<Delivery>, Refused> {
+        self.replay_frames_rerun(session, device, lead, kept, now).map(|(frames, _)| frames)
+    }
+
+    /// [`DeviceTable::replay_frames`], and whether the session's throttle of the device was
+    /// run again and installed here (only then does it stand for the session's throttled
+    /// telemetry made here meanwhile: the rebuild drops those held frames).
+    pub fn replay_frames_rerun(&mut self, session: SessionId, device: &Arc<str>, lead: Lead<'_>, kept: &[Kept], now: Instant) -> Result<(Vec<Delivery>, bool), Refused> {
         let mut out = Vec::new();
         let Some(access) = self.devices.get(&**device).and_then(|d| d.access.get(session)) else {
-            return Ok(out); // not subscribed here (any more)
+            return Ok((out, false)); // not subscribed here (any more)
         };
         if access.subs_empty() || kept.is_empty() && matches!(lead, Lead::None | Lead::Here([], _)) {
-            return Ok(out);
+            return Ok((out, false));
         }
         let mut sim = match (self.timing.throttle, access.subscribed_telemetry(), lead) {
             (Some(interval), true, Lead::Here(lead, quiet_point)) => {
@@ -165,18 +172,30 @@ impl DeviceTable {
                     return Err("throttled telemetry: a window of the session is open here already");
                 }
                 let mut sim = Sim { interval, state: Default::default(), from_flush: false, due: None };
-                if quiet_point {
+                let only_telemetry = !access.subscribed_messages() && !access.subscribed_connection_state() && !access.subscribed_twin();
+                if only_telemetry {
+                    // Exact whatever came before: the client's last frame of the device was
+                    // this message's telemetry (a trailing merge has no key, so no cut), sent
+                    // at once. A re-run of the lead could decide the cut otherwise (this
+                    // instance saw the gaps one hop apart from the dead one): a duplicate.
+                    let Some(cut) = lead.last() else {
+                        return Err("throttled telemetry: no cut");
+                    };
+                    sim.state.last_sent = Some(cut.at);
+                } else if quiet_point {
                     let mut before = Vec::new();
                     for k in lead {
                         self.frames_of_one(session, device, access, k, Some(&mut sim), &mut before)?;
                     }
+                    // The cut was a frame of the message itself: had the dead instance held
+                    // its telemetry in a merge the re-run sends at once (or the reverse), the
+                    // values would be lost or sent twice. Only a re-run that ends the lead
+                    // with nothing held is taken.
+                    if sim.state.armed || !sim.state.pending.is_empty() {
+                        return Err("throttled telemetry: a merge open at the cut");
+                    }
                 } else {
-                    let only_telemetry = !access.subscribed_messages() && !access.subscribed_connection_state() && !access.subscribed_twin();
-                    let Some(cut) = lead.last().filter(|_| only_telemetry) else {
-                        return Err("throttled telemetry: no quiet moment of the device before the cut");
-                    };
-                    // Its last frame of the device was this message's telemetry, sent at once.
-                    sim.state.last_sent = Some(cut.at);
+                    return Err("throttled telemetry: no quiet moment of the device before the cut");
                 }
                 Some(sim)
             }
@@ -186,6 +205,7 @@ impl DeviceTable {
         for k in kept {
             self.frames_of_one(session, device, access, k, sim.as_mut(), &mut out)?;
         }
+        let rerun = sim.is_some();
         if let Some(mut sim) = sim {
             if sim.due.is_some_and(|due| due <= now) {
                 Self::flush_sim(session, device, &mut sim, &mut out);
@@ -198,7 +218,7 @@ impl DeviceTable {
                 self.throttle_due.push(Reverse((due, (**device).into(), session)));
             }
         }
-        Ok(out)
+        Ok((out, rerun))
     }
 
     /// The trailing merge of a re-run throttle, at its due time.
