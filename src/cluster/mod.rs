@@ -754,14 +754,18 @@ impl CoreRelay {
     /// outbox goes first, then the answers, each numbered in this core's sequence of device
     /// messages. Bounded as on one Redis (an answer past `adopt_blob_max` is a refusal; the
     /// command queue full: not sent, the asker's deadline refuses).
-    fn answer_on_devices(&self, to: &str, session: SessionId, reply_core: u32, of: u32, parts: Vec<(Arc<str>, ringask::Part)>) {
+    /// Returns its outcome by `metrics::RING_ANSWERS` (over_bound when a device's answer was
+    /// replaced by a refusal).
+    fn answer_on_devices(&self, to: &str, session: SessionId, reply_core: u32, of: u32, parts: Vec<(Arc<str>, ringask::Part)>) -> usize {
         self.flush();
+        let mut outcome = 0;
         let items: Vec<(Box<str>, Vec<u8>)> = parts
             .into_iter()
             .map(|(device, part)| {
                 let mut answer = ringask::encode_answer(&self.instance, session, reply_core, of, &Ok(vec![(device.clone(), part)]));
                 if answer.len() > self.adopt_blob_max {
                     answer = ringask::encode_answer(&self.instance, session, reply_core, of, &Err(format!("over {} bytes", self.adopt_blob_max)));
+                    outcome = 1;
                 }
                 let seq = self.seq.get() + 1;
                 self.seq.set(seq);
@@ -770,7 +774,9 @@ impl CoreRelay {
             .collect();
         if self.commands.try_send(Command::Publish(items)).is_err() {
             tracing::debug!(session = %session, "a rings answer was not sent: the Redis command queue is full");
+            outcome = 2;
         }
+        outcome
     }
 
     /// Bounded by the devices of this core: one pending entry per device at most.
@@ -846,7 +852,8 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
                     })
                     .collect();
                 if relay.cluster {
-                    relay.answer_on_devices(&to, session, reply_core, of, parts);
+                    let outcome = relay.answer_on_devices(&to, session, reply_core, of, parts);
+                    crate::metrics::CoreMetrics::count(&core.metrics.ring_answers, outcome);
                 } else {
                     // By `metrics::RING_ANSWERS`: sent, over_bound (a refusal sent instead), unsent.
                     let mut outcome = 0;

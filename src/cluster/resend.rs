@@ -92,7 +92,10 @@ impl Resend {
             if self.devices.is_empty() {
                 self.due = None;
             }
-            ctx.stats.republish_given_up.fetch_add(queue.items.len() as u64 + 1, Ordering::Relaxed);
+            // Given up: what was published and still waited for its watchers (this one too if
+            // it was); what never was is published now, not given up.
+            let given_up = queue.items.iter().filter(|w| w.sent).count() + usize::from(sent);
+            ctx.stats.republish_given_up.fetch_add(given_up as u64, Ordering::Relaxed);
             let mut now: Vec<Vec<u8>> = queue.items.into_iter().filter(|w| !w.sent).map(|w| w.payload).collect();
             if !sent {
                 now.push(payload);

@@ -239,6 +239,8 @@ pub fn a_third_live_instance_answers_and_the_client_recovers(a: &mut Server, b: 
     assert_eq!(got.last(), Some(&("dev-1".to_string(), 999)), "live after every replayed one");
     assert_eq!(b.metric("hubcast_recovery_replayed_frames_total"), Some(30.0), "all 30 rebuilt on B");
     assert!(b.stderr_lines().iter().any(|l| l.contains("another instance is alive") && l.contains("instance=c")), "C was asked");
+    // C counts its answer, on one Redis and on a cluster alike.
+    assert!(c.metric("hubcast_recovery_ring_answers_total{outcome=\"sent\"}").unwrap_or(0.0) >= 1.0, "C's answer counted");
     // The rebuilt stream goes on: the next offset names both devices again.
     b.ingest(message("dev-2", 1000));
     let (_, n, offset) = next_of(client);
