@@ -294,15 +294,6 @@ fn without_offsets_a_plain_socket_gets_todays_frames_exactly_with_redis_and_a_wi
     assert_eq!(parse_json(&text)["message"]["n"], 1);
 }
 
-/// The instance a stopping one picks for `session` among `live` (sorted ids): the session id
-/// modulo their number, as `cluster::adopt::adopter` does.
-fn adopter_of(session: &str, live: &[&'static str]) -> usize {
-    use base64::Engine as _;
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(session).expect("a session id");
-    let id = u128::from_le_bytes(bytes.try_into().expect("16 bytes"));
-    (id % live.len() as u128) as usize
-}
-
 /// A `since=` on the adopter while its adopted history still awaits the verdict (the adopter,
 /// at `--log-level debug`, was stopped through A's 4 s wait, so none will come, and it voids
 /// the history 5 s after taking it in; the socket arrives once it is taken in, by its log
@@ -324,13 +315,7 @@ fn a_plain_since_before_the_adopters_verdict_is_not_resumed_from_a_history_it_ma
     a.ingest(message("dev-1", 1000));
     let (_, _, offset) = next(&mut ws);
     cut_plain(&cutter, &a);
-    let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
-        0 => (b, "b", c, "c"),
-        _ => (c, "c", b, "b"),
-    };
-    other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(1.0));
-    other.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
-    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
+    let (adopter, adopter_id, other, _) = fill_a_from_the_other(&a, b, c, &session);
     adopter.signal(libc::SIGSTOP);
     sigterm(&mut a);
     assert!(a.wait_for_stderr(WAIT, |l| l.contains("handed over without a verdict in time")).is_some());

@@ -351,14 +351,21 @@ pub fn away_from_a(a: &Server, b: Server, c: Server, transports: &str) -> AwayFr
     } else {
         cut(&cutter, a, &client, WS_GAUGE);
     }
-    let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
+    let (adopter, adopter_id, other, other_id) = fill_a_from_the_other(a, b, c, &session);
+    AwayFromA { adopter, adopter_id, other, other_id, cutter, client }
+}
+
+/// B and C as (adopter of `session`, its id, the other, its id); the other ingests 0..10 of
+/// dev-1, which reach A's history (A had 1 message before: 11 in all).
+pub fn fill_a_from_the_other(a: &Server, b: Server, c: Server, session: &str) -> (Server, &'static str, Server, &'static str) {
+    let (adopter, adopter_id, other, other_id) = match adopter_of(session, &["b", "c"]) {
         0 => (b, "b", c, "c"),
         _ => (c, "c", b, "b"),
     };
     other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(1.0));
     other.ingest(json!((0..10).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(11.0));
-    AwayFromA { adopter, adopter_id, other, other_id, cutter, client }
+    (adopter, adopter_id, other, other_id)
 }
 
 /// `from` ingests `batch` (`n` telemetry messages) and `to` (another instance watching the
