@@ -100,6 +100,11 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
     let b = instance(&redis, &hub, "b");
     let c = instance(&redis, &hub, "c");
     let held = wait_balanced(&[(&a, "a"), (&b, "b"), (&c, "c")]);
+    // The count of live instances is read at each heartbeat, apart from the leases' balance:
+    // wait until every instance has counted the three (CI once read 1 right after balancing).
+    for (server, id) in [(&a, "a"), (&b, "b"), (&c, "c")] {
+        server.wait_for_metric(&format!("hubcast_redis_instances{{instance=\"{id}\"}}"), Duration::from_secs(15), Want::Eq(3.0));
+    }
     // GET /status/details (admin key) names the instance and the partitions it reads: each
     // partition is read by exactly one instance.
     let mut all: Vec<String> = Vec::new();
