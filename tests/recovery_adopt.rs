@@ -154,8 +154,8 @@ fn a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_e
 /// false and live data at once, never a replay with a hole. Made certain as above.
 #[test]
 fn a_history_whose_growth_after_the_hand_over_was_trimmed_is_voided_and_the_client_is_not_recovered() {
-    let mut w = away(&["--recovery-handoff", "true", "--recovery-session-bytes", "2048"], &["--recovery-handoff", "true"]);
-    let big = json!({"deviceId": "dev-1", "body": {"n": 10, "pad": "x".repeat(3000)}});
+    let mut w = away(&["--recovery-handoff", "true", "--recovery-session-bytes", "4096"], &["--recovery-handoff", "true"]);
+    let big = json!({"deviceId": "dev-1", "body": {"n": 10, "pad": "x".repeat(6000)}});
     grows_during_the_hand_over(&mut w, big, "a delivery reached the history after it was handed over and cannot be stitched");
     assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=1", "tail_sent=0"]);
     let id = w.adopter_id;
