@@ -24,6 +24,13 @@ if ! command -v curl >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq curl ca-certificates >/dev/null
 fi
 
+# The peer brokers of issue 25's comparison (loadtest/tests/peers.rs starts its own instances
+# of each on free ports from the Debian packages' /usr/sbin binaries; their system services
+# are not used).
+if [ ! -x /usr/sbin/nats-server ] || [ ! -x /usr/sbin/mosquitto ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server mosquitto >/dev/null
+fi
+
 # Operator-side checkers (issue 14): promtool, chromium (Debian), openapi-spec-validator and
 # schemathesis (PyPI, in a venv under target/tools/venv); skipped quickly when already present.
 bash scripts/operator-tools.sh

@@ -112,6 +112,44 @@ pub enum Mode {
     /// 1 or N instances on a private Redis: memory per device and socket, store bytes, fan-out,
     /// kill -9 and restart (needs --spawn). docs/benchmarks/fleet.sh.
     Fleet(crate::scale::ScaleArgs),
+    /// `fanout`'s shapes against a peer broker over its WebSocket listener (NATS or Mosquitto,
+    /// started here on free ports, pinned like hubcast with --pin): issue 25's side-by-side
+    /// table. docs/benchmarks/peers.sh.
+    Peer(PeerArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PeerArgs {
+    /// Which broker.
+    #[arg(long, value_enum)]
+    pub peer: crate::peers::Peer,
+    /// Its binary (default: /usr/sbin/nats-server, /usr/sbin/mosquitto).
+    #[arg(long, value_name = "PATH")]
+    pub peer_bin: Option<String>,
+    /// Subscriber connections (`fanout`'s clients).
+    #[arg(long, default_value_t = 100)]
+    pub clients: usize,
+    /// Devices (subjects / topics) each subscriber subscribes to.
+    #[arg(long, default_value_t = 1)]
+    pub subs: usize,
+    /// Devices the publishers send for (round-robin).
+    #[arg(long, default_value_t = 1000)]
+    pub devices: usize,
+    /// Messages per second in total; 0 = as fast as the broker answers. A comma list runs one step per rate.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub rate: Vec<f64>,
+    /// Messages per publisher write (one send time each batch), as `fanout --batch`.
+    #[arg(long, default_value_t = 500)]
+    pub batch: usize,
+    /// Publisher connections, as `fanout --fleet-conns`.
+    #[arg(long, default_value_t = 4)]
+    pub fleet_conns: usize,
+    /// Batches a publisher may have unanswered (a PING / PINGREQ after each), as `fanout --pipeline`.
+    #[arg(long, default_value_t = 1)]
+    pub pipeline: usize,
+    /// Subscriber handshakes in flight at once.
+    #[arg(long, default_value_t = 256)]
+    pub connect_concurrency: usize,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -10,6 +10,7 @@
 //! - [`http`], [`ws`]: the small HTTP/1.1 and WebSocket / Engine.IO clients;
 //! - [`hist`]: latency histograms;
 //! - [`modes`]: `ingest`, `fanout`, `idle`, `rest`, `all`;
+//! - [`peers`]: `peer`, the fan-out shapes against NATS or Mosquitto (issue 25's comparison);
 //! - [`scale`]: `fleet`, the fleet-scale run (1 or N instances, kill -9 and restart);
 //! - [`report`]: tables, JSON, the machine's description;
 //! - [`pin`]: `--pin`, hubcast and the harness on separate CPUs;
@@ -22,6 +23,7 @@ pub mod hist;
 pub mod hook;
 pub mod http;
 pub mod modes;
+pub mod peers;
 pub mod pin;
 pub mod report;
 pub mod scale;
@@ -51,6 +53,7 @@ pub fn run(cli: Cli) -> io::Result<Vec<Results>> {
             Mode::Rest(a) => modes::rest(&global, a).await.map(|r| vec![r]),
             Mode::All(a) => modes::all(&global, a).await,
             Mode::Fleet(a) => scale::fleet_scale(&global, a).await,
+            Mode::Peer(a) => peers::fanout(&global, a).await.map(|r| vec![r]),
         }
     });
     // Socket tasks may still be parked: do not wait for them.

@@ -9,7 +9,8 @@ use std::io;
 use std::net::SocketAddr;
 
 use base64::Engine as _;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
 pub const OP_TEXT: u8 = 0x1;
@@ -59,9 +60,9 @@ impl Transport {
     }
 }
 
-/// One client WebSocket.
-pub struct WsClient {
-    stream: TcpStream,
+/// One client WebSocket (`S`: the whole stream, or its read half after [`WsClient::split`]).
+pub struct WsClient<S = TcpStream> {
+    stream: S,
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -101,6 +102,13 @@ pub fn parse_header(bytes: &[u8]) -> Option<(bool, u8, usize, usize)> {
 /// A masked client frame.
 pub fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(payload.len() + 14);
+    push_client_frame(&mut out, opcode, payload);
+    out
+}
+
+/// Appends a masked client frame of `payload` to `out` (the mask applied four bytes at a time:
+/// a publisher masks every byte it sends).
+pub fn push_client_frame(out: &mut Vec<u8>, opcode: u8, payload: &[u8]) {
     out.push(0x80 | opcode);
     match payload.len() {
         n if n < 126 => out.push(0x80 | n as u8),
@@ -115,20 +123,31 @@ pub fn client_frame(opcode: u8, payload: &[u8]) -> Vec<u8> {
     }
     let mask = fastrand::u32(..).to_be_bytes();
     out.extend_from_slice(&mask);
-    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-    out
+    let word = u32::from_ne_bytes(mask);
+    let mut chunks = payload.chunks_exact(4);
+    for c in &mut chunks {
+        let v = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]) ^ word;
+        out.extend_from_slice(&v.to_ne_bytes());
+    }
+    out.extend(chunks.remainder().iter().enumerate().map(|(i, b)| b ^ mask[i]));
 }
 
 impl WsClient {
     /// Connects and upgrades `path`; `buf` is the initial read buffer size (it grows for a
     /// frame that does not fit).
     pub async fn connect(addr: SocketAddr, path: &str, buf: usize) -> io::Result<Self> {
+        Self::connect_with(addr, path, buf, None).await
+    }
+
+    /// [`WsClient::connect`] asking for a subprotocol (`Sec-WebSocket-Protocol`, e.g. `mqtt`).
+    pub async fn connect_with(addr: SocketAddr, path: &str, buf: usize, protocol: Option<&str>) -> io::Result<Self> {
         let mut stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
         let key = base64::engine::general_purpose::STANDARD.encode(fastrand::u128(..).to_be_bytes());
+        let protocol = protocol.map_or_else(String::new, |p| format!("sec-websocket-protocol: {p}\r\n"));
         let request = format!(
             "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
-             sec-websocket-key: {key}\r\nsec-websocket-version: 13\r\n\r\n"
+             sec-websocket-key: {key}\r\nsec-websocket-version: 13\r\n{protocol}\r\n"
         );
         stream.write_all(request.as_bytes()).await?;
         let mut head = vec![0u8; 1024];
@@ -166,6 +185,15 @@ impl WsClient {
         }
     }
 
+    /// The read side (frames already buffered kept) and the write half, for a client that
+    /// reads and writes at the same time (a publisher reading its flow-control answers).
+    pub fn split(self) -> (WsClient<OwnedReadHalf>, OwnedWriteHalf) {
+        let (read, write) = self.stream.into_split();
+        (WsClient { stream: read, buf: self.buf, start: self.start, end: self.end }, write)
+    }
+}
+
+impl<S: AsyncRead + Unpin> WsClient<S> {
     /// Hands every complete buffered frame to `f(opcode, payload)`; reads once more when none
     /// is buffered. Returns false when the server closed the connection.
     pub async fn read_frames(&mut self, mut f: impl FnMut(u8, &[u8])) -> io::Result<bool> {
@@ -210,7 +238,9 @@ impl WsClient {
             self.end += n;
         }
     }
+}
 
+impl<S: AsyncRead + AsyncWrite + Unpin> WsClient<S> {
     /// Reads until one text frame arrives (answering pings meanwhile) and returns it.
     pub async fn next_text(&mut self) -> io::Result<String> {
         loop {
