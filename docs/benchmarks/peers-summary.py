@@ -29,8 +29,9 @@ def main(out):
         with open(path) as f:
             r = json.load(f)["results"][0]["rows"][0]
         cpu = r.get("server_cpu", r.get("hubcast_cpu"))
+        runq = r.get("server_runq_ms_s", r.get("hubcast_runq_ms_s"))
         runs.setdefault((row, server), []).append(
-            (r["delivered_msg_s"], r["p99_ms"], r["p50_ms"], cpu, r.get("delivered_pct", 100.0 * r["delivered_msg_s"] / max(r["expected_msg_s"], 1e-9)))
+            (r["delivered_msg_s"], r["p99_ms"], r["p50_ms"], cpu, r.get("delivered_pct", 100.0 * r["delivered_msg_s"] / max(r["expected_msg_s"], 1e-9)), runq)
         )
 
     def med(row, server, i):
@@ -44,8 +45,8 @@ def main(out):
             continue
         cells = []
         for s in SERVERS:
-            d, p99, p50, cpu, pct = (med(row, s, i) for i in range(5))
-            cell = f"{d / 1000:,.0f} k/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, CPU {cpu:.2f}"
+            d, p99, p50, cpu, pct, runq = (med(row, s, i) for i in range(6))
+            cell = f"{d / 1000:,.0f} k/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, CPU {cpu:.2f}, {d / max(cpu, 1e-9) / 1000:,.0f} k per CPU-s, waited {runq:.0f} ms/s"
             if pct < 99.0:
                 cell += f", {pct:.0f} % delivered"
             cells.append(cell)

@@ -120,6 +120,7 @@ fn window(row: &mut Row, a: &Snapshot, b: &Snapshot) -> f64 {
     if let (Some(x), Some(y)) = (a.hubcast, b.hubcast) {
         let cores = x.cores_used(&y);
         row.put("hubcast_cpu", cores);
+        row.put("hubcast_runq_ms_s", x.run_queue_ms_per_s(&y));
         row.put("hubcast_rss_mb", y.rss_kb as f64 / 1024.0);
         // How often the cores slept and were woken, per message taken in; and how often the
         // AMQP thread was preempted (each hand-off may wake a core).
@@ -141,6 +142,7 @@ fn window(row: &mut Row, a: &Snapshot, b: &Snapshot) -> f64 {
     }
     if let (Some(x), Some(y)) = (a.harness, b.harness) {
         row.put("harness_cpu", x.cores_used(&y));
+        row.put("harness_runq_ms_s", x.run_queue_ms_per_s(&y));
     }
     secs
 }

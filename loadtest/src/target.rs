@@ -327,6 +327,8 @@ pub struct ProcSample {
     /// Involuntary context switches of hubcast's AMQP consumer thread (`hubcast-amqp`): how
     /// often it was preempted (on a shared CPU, by a core it woke).
     pub amqp_nvcsw: u64,
+    /// Time its threads spent runnable but waiting for a CPU, ns (`task/*/schedstat`).
+    pub run_delay_ns: u64,
 }
 
 fn clock_ticks() -> f64 {
@@ -339,12 +341,17 @@ fn clock_ticks() -> f64 {
     }
 }
 
+/// Per-thread figures of the process in `dir`, from `task/*/status` and `task/*/schedstat`:
 /// (voluntary switches summed over the `hubcast-core-*` threads, involuntary switches of the
-/// `hubcast-amqp` thread) of the process in `dir`, from `task/*/status`.
-fn thread_switches(dir: &str) -> (u64, u64) {
-    let (mut core_vcsw, mut amqp_nvcsw) = (0, 0);
-    let Ok(tasks) = std::fs::read_dir(format!("{dir}/task")) else { return (0, 0) };
+/// `hubcast-amqp` thread, time every thread spent runnable but waiting for a CPU, ns).
+fn thread_stats(dir: &str) -> (u64, u64, u64) {
+    let (mut core_vcsw, mut amqp_nvcsw, mut run_delay) = (0, 0, 0);
+    let Ok(tasks) = std::fs::read_dir(format!("{dir}/task")) else { return (0, 0, 0) };
     for task in tasks.flatten() {
+        // schedstat: time on a CPU, time waiting on a run queue (ns), timeslices.
+        if let Ok(sched) = std::fs::read_to_string(task.path().join("schedstat")) {
+            run_delay += sched.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        }
         let Ok(status) = std::fs::read_to_string(task.path().join("status")) else { continue };
         let field = |key: &str| -> u64 {
             status.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
@@ -356,7 +363,7 @@ fn thread_switches(dir: &str) -> (u64, u64) {
             amqp_nvcsw += field("nonvoluntary_ctxt_switches:");
         }
     }
-    (core_vcsw, amqp_nvcsw)
+    (core_vcsw, amqp_nvcsw, run_delay)
 }
 
 impl ProcSample {
@@ -384,7 +391,7 @@ impl ProcSample {
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
                 .unwrap_or(0)
         };
-        let (core_vcsw, amqp_nvcsw) = thread_switches(dir);
+        let (core_vcsw, amqp_nvcsw, run_delay_ns) = thread_stats(dir);
         Some(Self {
             at,
             cpu_secs: (utime + stime) as f64 / clock_ticks(),
@@ -393,7 +400,20 @@ impl ProcSample {
             peak_rss_kb: kb("VmHWM:"),
             core_vcsw,
             amqp_nvcsw,
+            run_delay_ns,
         })
+    }
+
+    /// Milliseconds per second (of wall time) the process's threads spent runnable but
+    /// waiting for a CPU between two samples, summed over threads: on a machine shared with
+    /// other work, what the latency of a pinned server owes to its CPU being taken.
+    pub fn run_queue_ms_per_s(&self, later: &ProcSample) -> f64 {
+        let wall = later.at.duration_since(self.at).as_secs_f64();
+        if wall <= 0.0 {
+            0.0
+        } else {
+            later.run_delay_ns.saturating_sub(self.run_delay_ns) as f64 / 1e6 / wall
+        }
     }
 
     /// Per-thread context switches between two samples: (core threads' voluntary, the AMQP
@@ -441,5 +461,34 @@ mod tests {
         let s = ProcSample::this_process().expect("/proc is readable");
         assert!(s.rss_kb > 0);
         assert!(s.cpu_secs >= 0.0);
+    }
+
+    #[test]
+    fn threads_sharing_one_cpu_count_their_wait_for_it() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        // Two threads busy on CPU 0: each waits while the other runs. Sampled while they
+        // live (a thread's figures leave /proc/self/task with it).
+        let stop = Arc::new(AtomicBool::new(false));
+        let spin = |stop: Arc<AtomicBool>| {
+            std::thread::spawn(move || {
+                crate::pin::set_affinity(0, &[0]).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        let threads = [spin(stop.clone()), spin(stop.clone())];
+        std::thread::sleep(Duration::from_millis(50));
+        let before = ProcSample::this_process().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let after = ProcSample::this_process().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        for t in threads {
+            t.join().unwrap();
+        }
+        // About 500 ms per second between the two (more on a busy machine).
+        let waited = before.run_queue_ms_per_s(&after);
+        assert!(waited > 200.0, "{waited} ms/s");
     }
 }

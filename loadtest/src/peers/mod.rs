@@ -542,9 +542,11 @@ async fn step(global: &Global, args: &PeerArgs, broker: &Broker, topics: &Arc<Ve
     if let (Some(x), Some(y)) = (a.1, b.1) {
         row.put("server_cpu", x.cores_used(&y));
         row.put("server_rss_mb", y.rss_kb as f64 / 1024.0);
+        row.put("server_runq_ms_s", x.run_queue_ms_per_s(&y));
     }
     if let (Some(x), Some(y)) = (a.2, b.2) {
         row.put("harness_cpu", x.cores_used(&y));
+        row.put("harness_runq_ms_s", x.run_queue_ms_per_s(&y));
     }
     let delivered = per_s(a.5, b.5);
     row.put("expected_msg_s", ingested * fanout_factor);
