@@ -190,6 +190,11 @@ async fn heartbeat(ctx: &Ctx, state: &State, lease: &mut Leases, conn: &mut Conn
                 true
             }
         });
+        {
+            let mut s = state.borrow_mut();
+            s.dead.retain(|i| !gone.contains(i));
+            ctx.stats.dead_watchers.store(s.dead.len() as u64, Ordering::Relaxed);
+        }
         for g in &gone {
             tracing::info!(instance = %g, "instance gone from Redis");
             let _ = within("DEL watching", redis::cmd("DEL").arg(ctx.key("watching", g)).query_async::<()>(conn)).await;

@@ -228,6 +228,9 @@ pub(super) struct Shared {
     pub remote: HashMap<Box<str>, HashSet<Arc<str>>>,
     /// Other live instances.
     pub instances: HashSet<Arc<str>>,
+    /// Those of them known dead at the publisher's last probe (cluster/resend.rs,
+    /// `probe_dead`): not counted as watchers; dropped here when their presence goes.
+    pub dead: HashSet<Arc<str>>,
     reads: HashMap<u64, PendingRead>,
     next_read: u64,
     /// Other instances' reads being answered here by spawned tasks.
@@ -292,6 +295,7 @@ pub fn start(
             local: HashSet::new(),
             remote: HashMap::new(),
             instances: HashSet::new(),
+            dead: HashSet::new(),
             reads: HashMap::new(),
             next_read: 0,
             answering: 0,
@@ -544,6 +548,28 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
     s.instances = live;
     ctx.stats.instances.store(s.instances.len() as u64 + 1, Ordering::Relaxed);
     Ok(Conns { conn, lease_conn, sink, stream, changes, initial })
+}
+
+/// How long ago each other instance with a presence renewed it (ms, Redis's clock), `None`
+/// for one whose presence is gone: what the probe of who is dead reads (design step 11 c,
+/// recovery.md; `Command::Staleness`) and the publisher's (cluster/resend.rs). One Redis:
+/// the instance keys' `PTTL`; a cluster: the `instances` sorted set's scores, one script.
+pub(super) async fn staleness(ctx: &Ctx, conn: &mut Conn) -> Result<Vec<(Box<str>, Option<i64>)>, Failed> {
+    let ttl = ctx.o.lease_ttl.as_millis() as i64;
+    if ctx.is_cluster() {
+        // Presence is a member of the `instances` sorted set scored with when it expires
+        // (Redis's clock): what is left of it, as `PTTL` answers on one Redis.
+        let left: Vec<(String, i64)> = within("presence left", redis::cmd("EVAL").arg(PRESENCE_LEFT).arg(1).arg(ctx.o.names.instances()).query_async(conn)).await?;
+        let me = &*ctx.o.instance;
+        return Ok(left.into_iter().filter(|(id, _)| id != me).map(|(id, p)| (id.into_boxed_str(), (p >= 0).then(|| ttl - p))).collect());
+    }
+    let others: Vec<Arc<str>> = live_instances(ctx, conn).await?.into_iter().collect();
+    let mut pipe = redis::pipe();
+    for id in &others {
+        pipe.cmd("PTTL").arg(ctx.key("instance", id));
+    }
+    let left: Vec<i64> = if others.is_empty() { Vec::new() } else { within("PTTL instances", pipe.query_async(conn)).await? };
+    Ok(others.iter().zip(left).map(|(id, p)| (Box::from(&**id), (p >= 0).then(|| ttl - p))).collect())
 }
 
 /// Tells the others this instance watches `devices` (its `watching` set and the `watch`
@@ -996,22 +1022,7 @@ async fn on_command(
         Command::Stream(_) | Command::Leave(_) => {}
         Command::Adopt { .. } | Command::AdoptWatching { .. } | Command::AdoptVerdict { .. } | Command::Settle(_) | Command::Take { .. } | Command::GiveNone { .. } => {}
         Command::Staleness(reply) => {
-            let ttl = ctx.o.lease_ttl.as_millis() as i64;
-            if ctx.is_cluster() {
-                // Presence is a member of the `instances` sorted set scored with when it
-                // expires (Redis's clock): what is left of it, as `PTTL` answers on one Redis.
-                let left: Vec<(String, i64)> = within("presence left", redis::cmd("EVAL").arg(PRESENCE_LEFT).arg(1).arg(ctx.o.names.instances()).query_async(conn)).await?;
-                let me = &*ctx.o.instance;
-                let _ = reply.send(Ok(left.into_iter().filter(|(id, _)| id != me).map(|(id, p)| (id.into_boxed_str(), (p >= 0).then(|| ttl - p))).collect()));
-                return Ok(());
-            }
-            let others: Vec<Arc<str>> = live_instances(ctx, conn).await?.into_iter().collect();
-            let mut pipe = redis::pipe();
-            for id in &others {
-                pipe.cmd("PTTL").arg(ctx.key("instance", id));
-            }
-            let left: Vec<i64> = if others.is_empty() { Vec::new() } else { within("PTTL instances", pipe.query_async(conn)).await? };
-            let _ = reply.send(Ok(others.iter().zip(left).map(|(id, p)| (Box::from(&**id), (p >= 0).then(|| ttl - p))).collect()));
+            let _ = reply.send(Ok(staleness(ctx, conn).await?));
         }
         Command::RingsAsk(payload) => {
             let publish = redis::cmd("PUBLISH").arg(ctx.channel("read")).arg(payload).to_owned();

@@ -241,6 +241,9 @@ pub struct Stats {
     /// watch their device (a slot moving), and those given up after 2 s or past the bounds.
     pub republished: AtomicU64,
     pub republish_given_up: AtomicU64,
+    /// A Redis Cluster: other instances the publisher no longer counts as watchers, their
+    /// presence not renewed for a heartbeat and a second (resend.rs, `probe_dead`).
+    pub dead_watchers: AtomicU64,
     pub instances: AtomicU64,
     /// Charged bytes of the device rings of every core (ring.rs; wrapping adds of signed
     /// changes).
@@ -475,8 +478,9 @@ impl Cluster {
             ("hubcast_redis_pubsub_connections".into(), "Pub/sub connections open: one for control channels, at most one sharded subscriber per master.".into(), label.to_string(), get(&s.shard_connections) + get(&s.connected)),
             ("hubcast_redis_slot_moves_total".into(), "Device channels a master unsubscribed unasked (their slot moved): subscribed again on the new master.".into(), label.to_string(), get(&s.slot_moves)),
             ("hubcast_redis_topology_refreshes_total".into(), "Times the slot map was read (CLUSTER SLOTS).".into(), label.to_string(), get(&s.topology_refreshes)),
-            ("hubcast_redis_republished_total".into(), "Device messages published again: fewer instances received them than watch their device (its slot was moving).".into(), label.to_string(), get(&s.republished)),
+            ("hubcast_redis_republished_total".into(), "Device messages published again: fewer instances received them than watch their device (its slot was moving, or a watcher was killed and not yet known dead).".into(), label.to_string(), get(&s.republished)),
             ("hubcast_redis_republish_given_up_total".into(), "Device messages no longer published again: still short of their watchers after 2 s, or past the bounds of what waits (64 messages or 256 KiB a device, 16 MiB in all).".into(), label.to_string(), get(&s.republish_given_up)),
+            ("hubcast_redis_dead_watchers".into(), "Other instances not counted as watchers of device messages at the last probe (made while messages wait for their watchers): their presence was not renewed for a heartbeat and a second (killed, its presence not yet expired).".into(), label.to_string(), get(&s.dead_watchers)),
         ];
         for (i, reason) in shards::REASONS.iter().enumerate() {
             let labels = format!("{{instance=\"{}\",reason=\"{reason}\"}}", self.instance);

@@ -17,8 +17,17 @@
 //! so the watchers that are there lose nothing (before, a message past the bound was never
 //! published at all: a watcher killed, counted until its presence expired, cost every other
 //! watcher of its devices all but 64 messages of each; found by tests/recovery_cluster.rs's
-//! firehose, 1,797 given up). A watcher that died or left without its `-` arriving yet
-//! costs its devices' messages up to 2 s of delay (or until the bound, then none).
+//! firehose, 1,797 given up).
+//!
+//! A watcher that died (`kill -9`) holds nobody up: Redis drops its subscribers at once but
+//! its presence stands until `--lease-ttl` passes, so every message of its devices falls
+//! short of it. Before, each such message waited for the next retry (up to [`EVERY`] late
+//! to the watchers that are there, for the whole TTL). Now a new message of a waiting device
+//! goes at once behind fresh copies of its device's waiting ones (bounded:
+//! [`AT_ONCE_MESSAGES`], [`AT_ONCE_BYTES`]), and while anything waits the task asks who is
+//! dead ([`probe_dead`]: presence not renewed for a heartbeat and a second): a dead
+//! instance no longer counts, so its devices' messages stop waiting for it within about a
+//! heartbeat and a second (3 s by default) of its death.
 //!
 //! Not covered: a watcher that subscribes again between two `SPUBLISH`es of one device in
 //! one pipeline gets the later and misses the earlier (published again, it is older than
@@ -27,9 +36,10 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use tokio::time::Instant;
 
 use super::conn::Conn;
@@ -45,6 +55,15 @@ const DEVICE_MESSAGES: usize = 64;
 const DEVICE_BYTES: usize = 256 << 10;
 /// Bytes waiting at most, all devices.
 const TOTAL_BYTES: usize = 16 << 20;
+/// A new message of a device that waits goes at once, behind fresh copies of its device's
+/// waiting messages, while the device's queue (the new message in it) holds at most this
+/// many messages and bytes: what one new message costs in copies is bounded by them. Past
+/// them it waits for the next retry (at most [`EVERY`]), as every message did before
+/// (a device sending faster than 8 a second while a watcher of it is dead or moving).
+const AT_ONCE_MESSAGES: usize = 16;
+const AT_ONCE_BYTES: usize = 64 << 10;
+/// How often, at most, who is dead is asked while messages wait ([`probe_dead`]).
+const PROBE_EVERY: Duration = Duration::from_millis(250);
 
 struct Waiting {
     payload: Vec<u8>,
@@ -70,6 +89,8 @@ pub(super) struct Resend {
     pub due: Option<Instant>,
     /// One pipeline per master per batch (cluster/shards.rs).
     publisher: shards::Publisher,
+    /// When who is dead was last asked.
+    probed: Option<Instant>,
 }
 
 impl Resend {
@@ -120,51 +141,136 @@ impl Resend {
     }
 }
 
-/// Instances other than this one that watch `device`, as the `watch` channel said.
+/// Instances other than this one that watch `device`, as the `watch` channel said, less
+/// those known dead ([`probe_dead`]).
 fn watchers(state: &State, device: &str) -> i64 {
-    state.borrow().remote.get(device).map_or(0, |w| w.len() as i64)
+    let s = state.borrow();
+    s.remote.get(device).map_or(0, |w| w.iter().filter(|i| !s.dead.contains(*i)).count() as i64)
+}
+
+/// A message of a batch as it goes out: its own publication, or the whole queue of a device
+/// that waits (the batch's new messages of it included), in the batch's order.
+enum Out {
+    Direct(Box<str>, Vec<u8>),
+    Waiting(Box<str>),
 }
 
 /// `SPUBLISH`es a batch of device messages, each counted against its device's watchers: a
 /// message short of them, and every later one of its device, waits in `resend`; so does a
-/// message of a device already waiting (order).
+/// message of a device already waiting (order). Such a message does not wait for the next
+/// retry while its device's queue is small ([`AT_ONCE_MESSAGES`], [`AT_ONCE_BYTES`]): it goes
+/// at once behind fresh copies of its device's waiting messages, in the same pipeline as the
+/// rest of the batch and in its order, so the watchers that are there get it at once (a
+/// watcher that died is not waited for) and one between two masters still gets the
+/// device's messages in order.
 pub(super) async fn publish(ctx: &Ctx, state: &State, conn: &Conn, items: Vec<(Box<str>, Vec<u8>)>, resend: &mut Resend) -> Result<(), Failed> {
     let now = Instant::now();
-    let mut direct = Vec::with_capacity(items.len());
+    let mut out: Vec<Out> = Vec::with_capacity(items.len());
+    let mut queued: HashSet<Box<str>> = HashSet::new();
     for (device, payload) in items {
         if resend.waits(&device) {
             let overflow = resend.push(ctx, &device, payload, now, false);
-            direct.extend(overflow.into_iter().map(|p| (device.clone(), p)));
+            if !overflow.is_empty() {
+                out.extend(overflow.into_iter().map(|p| Out::Direct(device.clone(), p)));
+            } else if queued.insert(device.clone()) {
+                out.push(Out::Waiting(device));
+            }
         } else {
-            direct.push((device, payload));
+            out.push(Out::Direct(device, payload));
         }
     }
-    if direct.is_empty() {
+    // A device past the bounds of at once waits for the next retry; one whose queue was
+    // given up further on in the batch has its messages among the direct ones.
+    out.retain(|o| match o {
+        Out::Direct(..) => true,
+        Out::Waiting(d) => resend.devices.get(d).is_some_and(|q| q.items.len() <= AT_ONCE_MESSAGES && q.bytes <= AT_ONCE_BYTES),
+    });
+    if out.is_empty() {
         return Ok(());
     }
-    let counts = {
-        let refs: Vec<(&str, &[u8])> = direct.iter().map(|(d, p)| (&**d, p.as_slice())).collect();
+    let (counts, sizes) = {
+        let mut refs: Vec<(&str, &[u8])> = Vec::with_capacity(out.len());
+        let mut sizes: Vec<usize> = Vec::with_capacity(out.len());
+        let (mut first, mut again) = (0u64, 0u64);
+        for o in &out {
+            match o {
+                Out::Direct(d, p) => {
+                    refs.push((&**d, p.as_slice()));
+                    sizes.push(1);
+                    first += 1;
+                }
+                Out::Waiting(d) => {
+                    let q = resend.devices.get(d).map(|q| &q.items);
+                    let q = q.into_iter().flatten();
+                    let before = refs.len();
+                    for w in q {
+                        refs.push((&**d, w.payload.as_slice()));
+                        if w.sent {
+                            again += 1;
+                        } else {
+                            first += 1;
+                        }
+                    }
+                    sizes.push(refs.len() - before);
+                }
+            }
+        }
         match resend.publisher.publish(ctx, conn, &refs, |d| ctx.key("device", d)).await {
-            Ok(counts) => counts,
+            Ok(counts) => {
+                ctx.stats.published.fetch_add(first, Ordering::Relaxed);
+                ctx.stats.republished.fetch_add(again, Ordering::Relaxed);
+                (counts, sizes)
+            }
             Err(reason) => {
-                ctx.stats.dropped.fetch_add(direct.len() as u64, Ordering::Relaxed);
+                ctx.stats.dropped.fetch_add(first, Ordering::Relaxed);
                 return Err(reason);
             }
         }
     };
-    ctx.stats.published.fetch_add(direct.len() as u64, Ordering::Relaxed);
-    for ((device, payload), got) in direct.into_iter().zip(counts) {
-        if resend.waits(&device) || got < watchers(state, &device) {
-            // Published: past the bounds its retries are given up, nothing else to send.
-            let _ = resend.push(ctx, &device, payload, now, true);
+    let mut at = 0;
+    for (o, n) in out.into_iter().zip(sizes) {
+        let got = &counts[at..at + n];
+        at += n;
+        match o {
+            Out::Direct(device, payload) => {
+                if resend.waits(&device) || got[0] < watchers(state, &device) {
+                    // Published: past the bounds its retries are given up, nothing else to send.
+                    let _ = resend.push(ctx, &device, payload, now, true);
+                }
+            }
+            Out::Waiting(device) => reached(state, resend, &device, got),
         }
     }
     Ok(())
 }
 
+/// `device`'s waiting messages were all published, their counts `got` in order: each is
+/// sent; those that reached the device's watchers stop waiting, up to the first that did not.
+fn reached(state: &State, resend: &mut Resend, device: &str, got: &[i64]) {
+    let want = watchers(state, device);
+    let reached = got.iter().take_while(|got| **got >= want).count();
+    let Some(q) = resend.devices.get_mut(device) else { return };
+    for w in q.items.iter_mut() {
+        w.sent = true;
+    }
+    for _ in 0..reached {
+        if let Some(w) = q.items.pop_front() {
+            q.bytes -= w.payload.len();
+            resend.bytes -= w.payload.len();
+        }
+    }
+    if q.items.is_empty() {
+        resend.devices.remove(device);
+        if resend.devices.is_empty() {
+            resend.due = None;
+        }
+    }
+}
+
 /// Publishes every waiting message again, each device's in order: those that reached their
 /// device's watchers now stop waiting, up to the first that did not; those waiting longer
-/// than [`FOR`] are given up.
+/// than [`FOR`] are given up. While something waits, who is dead is asked now and then
+/// ([`probe_dead`]): a dead watcher stops counting.
 pub(super) async fn again(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Result<(), Failed> {
     let now = Instant::now();
     let mut given_up = 0u64;
@@ -188,39 +294,64 @@ pub(super) async fn again(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Re
         resend.due = None;
         return Ok(());
     }
+    probe_dead(ctx, state, conn, resend).await?;
+    send(ctx, state, conn, resend).await?;
+    resend.due = (!resend.devices.is_empty()).then(|| Instant::now() + EVERY);
+    Ok(())
+}
+
+/// Publishes every waiting message, each device's in order, one pipeline per master.
+async fn send(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Result<(), Failed> {
     let (order, counts) = {
         let mut order: Vec<(Box<str>, usize)> = Vec::with_capacity(resend.devices.len());
         let mut refs: Vec<(&str, &[u8])> = Vec::new();
+        let (mut first, mut again) = (0u64, 0u64);
         for (device, q) in &resend.devices {
             order.push((device.clone(), q.items.len()));
-            refs.extend(q.items.iter().map(|w| (&**device, w.payload.as_slice())));
-        }
-        let counts = resend.publisher.publish(ctx, conn, &refs, |d| ctx.key("device", d)).await?;
-        ctx.stats.republished.fetch_add(refs.len() as u64, Ordering::Relaxed);
-        (order, counts)
-    };
-    for q in resend.devices.values_mut() {
-        for w in q.items.iter_mut() {
-            w.sent = true;
-        }
-    }
-    let mut at = 0;
-    for (device, n) in order {
-        let want = watchers(state, &device);
-        let reached = counts[at..at + n].iter().take_while(|got| **got >= want).count();
-        at += n;
-        if let Some(q) = resend.devices.get_mut(&device) {
-            for _ in 0..reached {
-                if let Some(w) = q.items.pop_front() {
-                    q.bytes -= w.payload.len();
-                    resend.bytes -= w.payload.len();
+            for w in &q.items {
+                refs.push((&**device, w.payload.as_slice()));
+                if w.sent {
+                    again += 1;
+                } else {
+                    first += 1;
                 }
             }
-            if q.items.is_empty() {
-                resend.devices.remove(&device);
-            }
         }
+        let counts = resend.publisher.publish(ctx, conn, &refs, |d| ctx.key("device", d)).await?;
+        ctx.stats.published.fetch_add(first, Ordering::Relaxed);
+        ctx.stats.republished.fetch_add(again, Ordering::Relaxed);
+        (order, counts)
+    };
+    let mut at = 0;
+    for (device, n) in order {
+        reached(state, resend, &device, &counts[at..at + n]);
+        at += n;
     }
-    resend.due = (!resend.devices.is_empty()).then(|| Instant::now() + EVERY);
+    Ok(())
+}
+
+/// Who is dead, asked of Redis at most every [`PROBE_EVERY`] while messages wait: another
+/// instance whose presence was not renewed for a heartbeat and a second (or is gone) is
+/// dead, by the rule and Redis's clock the rebuild's probe uses (docs/design/recovery.md
+/// step 11 c); a live instance renews it every heartbeat. A dead instance no longer counts
+/// as a watcher here, so its devices' messages stop waiting for it within about a heartbeat
+/// and a second of its death instead of until its presence expires (`--lease-ttl`); one
+/// seen renewing again counts again from the next probe.
+async fn probe_dead(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Result<(), Failed> {
+    let now = Instant::now();
+    if resend.probed.is_some_and(|at| now.duration_since(at) < PROBE_EVERY) {
+        return Ok(());
+    }
+    resend.probed = Some(now);
+    let dead_after = (ctx.o.heartbeat() + Duration::from_secs(1)).as_millis() as i64;
+    let stale = super::link::staleness(ctx, &mut conn.clone()).await?;
+    let alive: HashSet<&str> = stale.iter().filter(|(_, ms)| ms.is_some_and(|ms| ms <= dead_after)).map(|(id, _)| &**id).collect();
+    let mut s = state.borrow_mut();
+    let dead: HashSet<Arc<str>> = s.instances.iter().filter(|i| !alive.contains(&***i)).cloned().collect();
+    for i in dead.difference(&s.dead) {
+        tracing::info!(instance = %i, "another instance has not renewed its presence for a heartbeat and a second: no longer waited for as a watcher of its devices' messages");
+    }
+    s.dead = dead;
+    ctx.stats.dead_watchers.store(s.dead.len() as u64, Ordering::Relaxed);
     Ok(())
 }
