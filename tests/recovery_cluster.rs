@@ -255,3 +255,76 @@ fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_clie
     assert_eq!(got, want, "every message once, in order, the stitched one last, then live");
     assert_eq!(adopter.metric("hubcast_recovery_replayed_frames_total"), Some(11.0));
 }
+
+/// Design step 6 on a Redis Cluster: the verdict waits for a mark from every **distinct**
+/// device of the session, so a mark that comes twice (a command the redis crate sends again
+/// after a lost reply, a `watching` answered twice) cannot stand for another device's mark
+/// still on its way behind messages the adopter lacks. The session reads dev-1 and dev-2;
+/// the adopter is stopped before A's SIGTERM; once A has handed the history over, dev-1's
+/// mark comes twice on dev-1's channel (crafted as A publishes it), then the other
+/// instance's dev-2 message reaches A (not the stopped adopter). Counting marks, those two
+/// decided the verdict at once (`kept`): the adopter kept a history without that message,
+/// a hole. Counted per device, the verdict waits for dev-2's own mark, behind the message:
+/// `tail_sent`, stitched, the client recovers every message once, in order.
+#[test]
+fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every_device_is_marked() {
+    let engine = Engine::cluster();
+    let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
+    let flags = ["--recovery-handoff", "true"];
+    let mut a = instance_on(&engine, "a", &flags);
+    let (b, c) = (instance_on(&engine, "b", &flags), instance_on(&engine, "c", &flags));
+    a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
+    let session = d2c_session_of(&a, &["dev-1", "dev-2"]);
+    let cutter = Cutter::start(a.port);
+    let client = connected_behind(&cutter, &a, &session, "websocket", 1000);
+    cut(&cutter, &a, &client, WS_GAUGE);
+    let (adopter, adopter_id, other, other_id) = match adopter_of(&session, &["b", "c"]) {
+        0 => (b, "b", c, "c"),
+        _ => (c, "c", b, "b"),
+    };
+    other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(2.0));
+    other.ingest(json!((0..5).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(6.0));
+    let master_of = |key: &str| nodes.port(nodes.owner_of(nodes.slot_of(key)));
+    let control = Monitor::start(master_of("{t}"));
+    let dev2 = Monitor::start(master_of("t:device:dev-2"));
+    adopter.signal(libc::SIGSTOP);
+    a.signal(libc::SIGTERM);
+    a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances")).expect("A hands the history over");
+    control.wait_past(&format!("\"PUBLISH\" \"{{t}}:adopt:{adopter_id}\""), 0);
+    // dev-1's mark, twice: `0x55`, to "a", the session, 2 marks expected (adopt.rs).
+    let id = {
+        use base64::Engine as _;
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(&session).expect("a session id");
+        u128::from_le_bytes(bytes.try_into().expect("16 bytes"))
+    };
+    let mut mark = vec![0x55u8];
+    mark.extend_from_slice(&1u32.to_le_bytes());
+    mark.extend_from_slice(b"a");
+    mark.extend_from_slice(&id.to_le_bytes());
+    mark.extend_from_slice(&2u32.to_le_bytes());
+    for _ in 0..2 {
+        let got = engine.command_bytes("t:device:dev-1", &[b"SPUBLISH", b"t:device:dev-1", &mark]).expect("SPUBLISH");
+        assert_eq!(got, b":1\r\n", "A's subscriber got dev-1's mark");
+    }
+    let publish = "\"SPUBLISH\" \"t:device:dev-2\"";
+    let published = dev2.count(publish);
+    other.ingest(message("dev-2", 10));
+    dev2.wait_past(publish, published);
+    adopter.signal(libc::SIGCONT);
+    let exit = a.wait_exit(WAIT).expect("A exits");
+    assert!(exit.success(), "{exit:?}");
+    let lines = a.stderr_lines().join("\n");
+    assert!(lines.contains("tail_sent=1") && lines.contains("unsupported=0"), "the verdict waited for dev-2's mark, behind its message:\n{lines}");
+    let stitched = format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"stitched\"}}");
+    adopter.wait_for_metric(&stitched, WAIT, Want::Eq(1.0));
+    cutter.retarget(adopter.port);
+    let back = come_back(&cutter, &client);
+    assert_eq!(back["recovered"], true, "{back}");
+    other.ingest(message("dev-1", 1002));
+    let got: Vec<(String, u64)> = (0..7).map(|_| next(&client)).map(|(d, n, _)| (d, n)).collect();
+    let mut want: Vec<(String, u64)> = (0..5).map(|n| ("dev-1".to_string(), n)).collect();
+    want.push(("dev-2".to_string(), 10));
+    want.push(("dev-1".to_string(), 1002));
+    assert_eq!(got, want, "every message once, in order, dev-2's stitched in, then live");
+}

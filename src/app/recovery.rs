@@ -105,8 +105,33 @@ const TAKE_WAIT: Duration = Duration::from_secs(2);
 /// A history handed over at SIGTERM: its head when written, marks counted, verdict given.
 struct Handed {
     head: u64,
-    marks: usize,
+    marks: Marks,
     decided: bool,
+}
+
+/// What a mark of a handed session stands for (design step 6, step 2 of the handshake): on
+/// one Redis a device core of the session (the link hands one to each, behind the device
+/// messages before the adopter's `watching`); on a Redis Cluster a device of the session
+/// (one `SPUBLISH`ed on each device's own channel, cluster/adopt.rs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum MarkOf {
+    Core(usize),
+    Device(Box<str>),
+}
+
+/// The marks of one handed session, each counted once: the verdict waits for one from every
+/// core or device, so a mark that comes twice (a `watching` answered twice, a command the
+/// redis crate sent again after a lost reply) must not stand for one still on its way behind
+/// device messages the adopter lacks. At most as many as expected are kept (then decided).
+#[derive(Debug, Default)]
+struct Marks(hashbrown::HashSet<MarkOf>);
+
+impl Marks {
+    /// Counts `mark` (once, however often it comes); whether all `of` are in.
+    fn mark(&mut self, mark: MarkOf, of: usize) -> bool {
+        self.0.insert(mark);
+        self.0.len() >= of
+    }
 }
 
 impl CoreRecovery {
@@ -893,7 +918,7 @@ impl Core {
         if !relay.adopt(id, devices, blob, left, to) {
             return Some(false);
         }
-        self.recovery.handed.borrow_mut().insert(id, Handed { head, marks: 0, decided: false });
+        self.recovery.handed.borrow_mut().insert(id, Handed { head, marks: Marks::default(), decided: false });
         self.note_from(id, head);
         // Its pids are the adopter's now: a client back here must not restore from this copy.
         if let Some(recovery) = self.sessions.borrow_mut().get_mut(id).and_then(|r| r.recovery.as_deref_mut()) {
@@ -983,15 +1008,15 @@ impl Core {
         }
     }
 
-    /// On the instance that stops: one of the `cores` marks of a handed session came (each
-    /// device core of the session posts one once it has delivered every message the adopter
-    /// did not receive itself). With all of them, the verdict: kept when the history here did
-    /// not grow after it was written (the adopter has everything), else voided.
-    pub fn adoption_marked(self: &Rc<Self>, session: SessionId, cores: usize) {
+    /// On the instance that stops: one of the `of` marks of a handed session came (each
+    /// device core of the session posts one, on a cluster one per device, once it has
+    /// delivered every message the adopter did not receive itself). With all of them, each
+    /// counted once ([`MarkOf`]), the verdict: kept when the history here did not grow after
+    /// it was written (the adopter has everything), else voided.
+    pub fn adoption_marked(self: &Rc<Self>, session: SessionId, mark: MarkOf, of: usize) {
         let mut handed = self.recovery.handed.borrow_mut();
         let Some(h) = handed.get_mut(&session).filter(|h| !h.decided) else { return };
-        h.marks += 1;
-        if h.marks < cores {
+        if !h.marks.mark(mark, of) {
             return;
         }
         h.decided = true;
@@ -1227,4 +1252,24 @@ fn stitch_in(recovery: &mut SessionRecovery, noted: Option<Noted>, tail: &[u8], 
         }
     }
     Ok(insert.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mark that comes twice counts once: with two devices handed, the first device's mark
+    /// seen twice must not decide the verdict before the second device's arrives (it comes
+    /// behind that device's messages the adopter may lack).
+    #[test]
+    fn a_mark_that_comes_twice_counts_once() {
+        let mut marks = Marks::default();
+        assert!(!marks.mark(MarkOf::Device("dev-1".into()), 2));
+        assert!(!marks.mark(MarkOf::Device("dev-1".into()), 2), "dev-1 again: still waiting for dev-2");
+        assert!(marks.mark(MarkOf::Device("dev-2".into()), 2));
+        let mut cores = Marks::default();
+        assert!(!cores.mark(MarkOf::Core(1), 2));
+        assert!(!cores.mark(MarkOf::Core(1), 2), "core 1 again: still waiting for core 0");
+        assert!(cores.mark(MarkOf::Core(0), 2));
+    }
 }

@@ -36,7 +36,8 @@
 //! adopter's `SSUBSCRIBE` (confirmed before `watching` was sent) before the mark, so every
 //! message published there before that subscription reaches this instance's subscriber of
 //! that master before the mark; the link hands the mark to the device's core after them and
-//! the session's core counts one mark per device. This instance learnt the adopter watches
+//! the session's core counts each device's mark once (`app::recovery::MarkOf`; on one
+//! Redis each core's): a mark that comes twice never stands for another still on its way. This instance learnt the adopter watches
 //! the devices before `watching` (its `+watch`es went first on the one control connection),
 //! so what it takes in itself after a mark is published to the adopter. The adopter does
 //! nothing differently. (`unsupported` is no longer counted: it stays in the metric, 0.)
@@ -60,6 +61,7 @@ use hashbrown::{HashMap, HashSet};
 use super::conn::Conn;
 use super::link::{within, Ctx, Failed, State};
 use super::{Command, Inbound};
+use crate::app::recovery::MarkOf;
 use crate::ids::SessionId;
 use crate::runtime::routing::{core_of_device, core_of_session};
 
@@ -207,7 +209,7 @@ fn mark_on_devices(ctx: &Ctx, conn: &Conn, session: SessionId, devices: &[Box<st
 
 /// A Redis Cluster's mark on `device`'s channel (from the shard task, after the device's
 /// messages before it were handed to their core): to the device's core, as `watching` hands
-/// one to each core on one Redis; the session's core counts one per device.
+/// one to each core on one Redis; the session's core counts each device's once.
 pub(super) async fn on_device_mark(ctx: &Ctx, device: &str, payload: &[u8]) {
     let Some((to, session, n)) = decode_mark(payload) else {
         ctx.stats.undecodable.fetch_add(1, Ordering::Relaxed);
@@ -216,7 +218,7 @@ pub(super) async fn on_device_mark(ctx: &Ctx, device: &str, payload: &[u8]) {
     if to != &*ctx.o.instance {
         return;
     }
-    let _ = ctx.cores[core_of_device(device, ctx.cores.len())].send(Inbound::AdoptMark { session, cores: n as usize }).await;
+    let _ = ctx.cores[core_of_device(device, ctx.cores.len())].send(Inbound::AdoptMark { session, cores: n as usize, device: Some(device.into()) }).await;
 }
 
 /// The adopter of `session` among the other live instances: by the session id over them in
@@ -411,7 +413,7 @@ pub(super) async fn on_message(ctx: &Ctx, state: &State, conn: &Conn, payload: &
             }
             let n = marked.len();
             for core in marked {
-                let _ = ctx.cores[core].send(Inbound::AdoptMark { session, cores: n }).await;
+                let _ = ctx.cores[core].send(Inbound::AdoptMark { session, cores: n, device: None }).await;
             }
         }
         KIND_REFUSED => {
@@ -485,6 +487,7 @@ pub(super) async fn on_command(ctx: &Ctx, state: &State, conn: &mut Conn, comman
 /// Posted to a session's core by one of its device cores: a mark (see the module's step 2).
 pub(super) struct Mark {
     pub session: SessionId,
+    pub mark: MarkOf,
     pub cores: usize,
 }
 
@@ -493,7 +496,7 @@ impl crate::app::mesh::CoreTask for Mark {
         32
     }
     fn run(self: Box<Self>, core: &std::rc::Rc<crate::app::Core>) {
-        core.adoption_marked(self.session, self.cores);
+        core.adoption_marked(self.session, self.mark, self.cores);
     }
 }
 
@@ -579,13 +582,14 @@ pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: Ses
 }
 
 /// On a device core of a handed session: the mark goes to the session's core after this
-/// core's deliveries.
-pub(super) fn mark(core: &std::rc::Rc<crate::app::Core>, session: SessionId, cores: usize) {
+/// core's deliveries, named for this core (one Redis) or for its device (a cluster: `device`).
+pub(super) fn mark(core: &std::rc::Rc<crate::app::Core>, session: SessionId, cores: usize, device: Option<Box<str>>) {
+    let mark = device.map_or(MarkOf::Core(core.index), MarkOf::Device);
     let to = core_of_session(session, core.cores());
     if to == core.index {
-        core.adoption_marked(session, cores);
+        core.adoption_marked(session, mark, cores);
     } else {
-        core.mesh.post(to, crate::app::mesh::CoreMsg::Task(Box::new(Mark { session, cores })));
+        core.mesh.post(to, crate::app::mesh::CoreMsg::Task(Box::new(Mark { session, mark, cores })));
     }
 }
 

@@ -172,7 +172,9 @@ pub(crate) enum Inbound {
     Adopt { session: SessionId, blob: Option<Vec<u8>>, charged: u64 },
     /// A handed session's adopter watches its devices: a mark to its session's core after
     /// this core's earlier deliveries (adopt.rs).
-    AdoptMark { session: SessionId, cores: usize },
+    /// `device`: on a cluster, the device whose channel brought it (marks are counted per
+    /// device there, per core on one Redis).
+    AdoptMark { session: SessionId, cores: usize, device: Option<Box<str>> },
     /// The verdict on a history adopted here (a `tail` charged to `--redis-inbound-bytes`
     /// by `charged` until the core has read it).
     AdoptVerdict { session: SessionId, kept: bool, tail: Option<Vec<u8>>, charged: u64 },
@@ -841,7 +843,7 @@ async fn serve(core: Rc<Core>, relay: Rc<CoreRelay>, inbound: async_channel::Rec
             Inbound::Adopt { session, blob, charged } => {
                 monoio::spawn(adopt::adopt_here(core.clone(), session, blob, charged, relay.stats.clone()));
             }
-            Inbound::AdoptMark { session, cores } => adopt::mark(&core, session, cores),
+            Inbound::AdoptMark { session, cores, device } => adopt::mark(&core, session, cores, device),
             Inbound::Give { session, to } => core.give_stream(session, &to),
             Inbound::TakeDone { session } => core.recovery_take_done(session),
             Inbound::RingsAsk { to, session, reply_core, of, devices } => {
