@@ -19,15 +19,6 @@ const STALL_MS: u64 = 5_000;
 
 both_engines!(cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes);
 
-fn instance(engine: &Engine, id: &str, extra: &[&str]) -> Server {
-    let mut args: Vec<String> = engine.flags();
-    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
-    server
-}
-
 /// Reads frames until one carries telemetry `n == want` (others are kept), or `within` ends.
 fn read_until(ws: &mut common::ws::Live, want: i64, within: Duration, seen: &mut Vec<i64>) -> bool {
     let end = Instant::now() + within;
@@ -47,8 +38,8 @@ fn read_until(ws: &mut common::ws::Live, want: i64, within: Duration, seen: &mut
 /// a message ingested on A (`n` = 0) reaches it: the positive message every bound test below
 /// starts from.
 fn crossing(redis: &Engine, a_flags: &[&str], b_flags: &[&str]) -> (Server, Server, common::ws::Live, Vec<i64>) {
-    let a = instance(redis, "a", a_flags);
-    let b = instance(redis, "b", b_flags);
+    let a = redis.instance("a", a_flags);
+    let b = redis.instance("b", b_flags);
     let session = b.telemetry_session(&["big"]);
     let mut ws = b.live(&session);
     a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(1.0));
@@ -105,8 +96,8 @@ fn cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resu
 fn thousands_of_device_channels_subscribed_at_once_on_a_cluster_stay_in_step() {
     const DEVICES: usize = 2000;
     let redis = Engine::cluster();
-    let a = instance(&redis, "a", &[]);
-    let b = instance(&redis, "b", &[]);
+    let a = redis.instance("a", &[]);
+    let b = redis.instance("b", &[]);
     let session = b.new_session();
     let devices: Vec<String> = (0..DEVICES).map(|i| format!("many-{i}")).collect();
     for device in &devices {

@@ -21,15 +21,6 @@ const WAIT: Duration = Duration::from_secs(10);
 
 both_engines!(a_killed_watcher_holds_up_no_other_watchers_messages);
 
-fn instance(engine: &Engine, id: &str, extra: &[&str]) -> Server {
-    let mut args: Vec<String> = engine.flags();
-    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
-    server
-}
-
 fn metric(server: &Server, name: &str, id: &str) -> f64 {
     server.metric(&format!("{name}{{instance=\"{id}\"}}")).unwrap_or(0.0)
 }
@@ -59,9 +50,9 @@ fn next(ws: &mut common::ws::Live, what: &str) -> (String, i64) {
 fn a_killed_watcher_holds_up_no_other_watchers_messages(engine: Engine) {
     let cluster = engine.is_cluster();
     // One core on A: its publications leave in the order it took the messages in.
-    let a = instance(&engine, "a", &["--cores", "1"]);
-    let b = instance(&engine, "b", &["--cores", "1"]);
-    let mut c = instance(&engine, "c", &[]);
+    let a = engine.instance("a", &["--cores", "1"]);
+    let b = engine.instance("b", &["--cores", "1"]);
+    let mut c = engine.instance("c", &[]);
     let other = beside_pump(&engine);
     let on_b = a.telemetry_session(&["pump", other.as_str()]);
     let on_c = a.telemetry_session(&["pump"]);

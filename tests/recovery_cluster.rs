@@ -17,23 +17,13 @@ use serde_json::json;
 /// A lease TTL of 2 s: a killed instance is known dead within about 2 s.
 const FAST_LEASE: [&str; 2] = ["--lease-ttl", "2"];
 
-/// Instance `id` on the cluster (prefix `t`), once its link is up.
-fn instance_on(engine: &Engine, id: &str, extra: &[&str]) -> Server {
-    let mut args: Vec<String> = engine.flags();
-    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
-    server
-}
-
 /// Two instances on a fresh cluster (B logging at debug: why a rebuild was refused); the
 /// client (reconnecting fast) behind a cutter to A, its session reading dev-1's d2c
 /// messages; a first message (`n` 0), ingested on `first_on`, received.
 fn two_with_client_on_a(first_on: &str) -> (Engine, Server, Server, Cutter, SioClient) {
     let engine = Engine::cluster();
-    let a = instance_on(&engine, "a", &FAST_LEASE);
-    let b = instance_on(&engine, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
+    let a = engine.instance("a", &FAST_LEASE);
+    let b = engine.instance("b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
     let session = d2c_session(&a, "dev-1");
     let cutter = Cutter::start(a.port);
     let client = socketio_at(&cutter.base(), &[&session], "websocket", true, &[PRINT, FAST]);
@@ -106,9 +96,9 @@ fn on_a_cluster_a_cut_the_survivor_never_held_is_not_rebuilt_and_live_data_flows
 /// (taken in on C) and dev-2 (taken in on B); a first message of each received.
 fn three_with_client_on_a() -> (Engine, Server, Server, Server, Cutter, SioClient) {
     let engine = Engine::cluster();
-    let a = instance_on(&engine, "a", &FAST_LEASE);
-    let b = instance_on(&engine, "b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
-    let c = instance_on(&engine, "c", &FAST_LEASE);
+    let a = engine.instance("a", &FAST_LEASE);
+    let b = engine.instance("b", &[FAST_LEASE[0], FAST_LEASE[1], "--log-level", "debug"]);
+    let c = engine.instance("c", &FAST_LEASE);
     let (cutter, client) = client_on_a_of_three(&a, &b, &c);
     (engine, a, b, c, cutter, client)
 }
@@ -178,8 +168,8 @@ struct HandedOver {
 fn handed_over_on_a_cluster() -> HandedOver {
     let engine = Engine::cluster();
     let flags = ["--recovery-handoff", "true"];
-    let mut a = instance_on(&engine, "a", &flags);
-    let (b, c) = (instance_on(&engine, "b", &flags), instance_on(&engine, "c", &flags));
+    let mut a = engine.instance("a", &flags);
+    let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
     let (cutter, client) = cut_off_a_with_a_history_from_c(&a, &c);
     sigterm(&mut a);
     let lines = a.stderr_lines().join("\n");
@@ -223,8 +213,8 @@ fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_clie
     let engine = Engine::cluster();
     let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
     let flags = ["--recovery-handoff", "true"];
-    let mut a = instance_on(&engine, "a", &flags);
-    let (b, c) = (instance_on(&engine, "b", &flags), instance_on(&engine, "c", &flags));
+    let mut a = engine.instance("a", &flags);
+    let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
     let AwayFromA { adopter, adopter_id, other, cutter, client, .. } = away_from_a(&a, b, c, "websocket");
     let master_of = |key: &str| nodes.port(nodes.owner_of(nodes.slot_of(key)));
     let control = Monitor::start(master_of("{t}"));
@@ -233,22 +223,10 @@ fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_clie
     a.signal(libc::SIGTERM);
     a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances")).expect("A hands the history over");
     control.wait_past(&format!("\"PUBLISH\" \"{{t}}:adopt:{adopter_id}\""), 0);
-    let publish = "\"SPUBLISH\" \"t:device:dev-1\"";
-    let published = device.count(publish);
-    other.ingest(message("dev-1", 10));
-    device.wait_past(publish, published);
-    adopter.signal(libc::SIGCONT);
-    let exit = a.wait_exit(WAIT).expect("A exits");
-    assert!(exit.success(), "{exit:?}");
-    let lines = a.stderr_lines().join("\n");
+    ingested_past(&device, &other, "dev-1", 10);
+    let lines = stitched_after_a_exits(&mut a, &adopter, adopter_id);
     assert!(lines.contains("deliveries reached the history after it was handed over"), "{lines}");
-    assert!(lines.contains("tail_sent=1") && lines.contains("unsupported=0"), "{lines}");
-    let stitched = format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"stitched\"}}");
-    adopter.wait_for_metric(&stitched, WAIT, Want::Eq(1.0));
-    cutter.retarget(adopter.port);
-    let back = come_back(&cutter, &client);
-    assert_eq!(back["recovered"], true, "{back}");
-    other.ingest(message("dev-1", 1002));
+    recovered_on_the_adopter(&adopter, &other, &cutter, &client);
     let got: Vec<u64> = (0..12).map(|_| next(&client).1).collect();
     let mut want: Vec<u64> = (0..=10).collect();
     want.push(1002);
@@ -271,8 +249,8 @@ fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every
     let engine = Engine::cluster();
     let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
     let flags = ["--recovery-handoff", "true"];
-    let mut a = instance_on(&engine, "a", &flags);
-    let (b, c) = (instance_on(&engine, "b", &flags), instance_on(&engine, "c", &flags));
+    let mut a = engine.instance("a", &flags);
+    let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
     a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
     let session = d2c_session_of(&a, &["dev-1", "dev-2"]);
     let cutter = Cutter::start(a.port);
@@ -307,24 +285,44 @@ fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every
         let got = engine.command_bytes("t:device:dev-1", &[b"SPUBLISH", b"t:device:dev-1", &mark]).expect("SPUBLISH");
         assert_eq!(got, b":1\r\n", "A's subscriber got dev-1's mark");
     }
-    let publish = "\"SPUBLISH\" \"t:device:dev-2\"";
-    let published = dev2.count(publish);
-    other.ingest(message("dev-2", 10));
-    dev2.wait_past(publish, published);
-    adopter.signal(libc::SIGCONT);
-    let exit = a.wait_exit(WAIT).expect("A exits");
-    assert!(exit.success(), "{exit:?}");
-    let lines = a.stderr_lines().join("\n");
-    assert!(lines.contains("tail_sent=1") && lines.contains("unsupported=0"), "the verdict waited for dev-2's mark, behind its message:\n{lines}");
-    let stitched = format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"stitched\"}}");
-    adopter.wait_for_metric(&stitched, WAIT, Want::Eq(1.0));
-    cutter.retarget(adopter.port);
-    let back = come_back(&cutter, &client);
-    assert_eq!(back["recovered"], true, "{back}");
-    other.ingest(message("dev-1", 1002));
+    ingested_past(&dev2, &other, "dev-2", 10);
+    // The verdict waited for dev-2's own mark, behind its message: `tail_sent=1`.
+    stitched_after_a_exits(&mut a, &adopter, adopter_id);
+    recovered_on_the_adopter(&adopter, &other, &cutter, &client);
     let got: Vec<(String, u64)> = (0..7).map(|_| next(&client)).map(|(d, n, _)| (d, n)).collect();
     let mut want: Vec<(String, u64)> = (0..5).map(|n| ("dev-1".to_string(), n)).collect();
     want.push(("dev-2".to_string(), 10));
     want.push(("dev-1".to_string(), 1002));
     assert_eq!(got, want, "every message once, in order, dev-2's stitched in, then live");
+}
+
+/// `other` takes in `device`'s message `n`, once `monitor` (on the device's master) has seen
+/// it `SPUBLISH`ed.
+fn ingested_past(monitor: &Monitor, other: &Server, device: &str, n: u64) {
+    let publish = format!("\"SPUBLISH\" \"t:device:{device}\"");
+    let published = monitor.count(&publish);
+    other.ingest(message(device, n));
+    monitor.wait_past(&publish, published);
+}
+
+/// The stopped adopter goes on; A exits having sent the history's tail with its verdict
+/// (`tail_sent=1`), and the adopter stitches it in. A's log.
+fn stitched_after_a_exits(a: &mut Server, adopter: &Server, adopter_id: &str) -> String {
+    adopter.signal(libc::SIGCONT);
+    let exit = a.wait_exit(WAIT).expect("A exits");
+    assert!(exit.success(), "{exit:?}");
+    let lines = a.stderr_lines().join("\n");
+    assert!(lines.contains("tail_sent=1") && lines.contains("unsupported=0"), "{lines}");
+    let stitched = format!("hubcast_redis_adoptions_total{{instance=\"{adopter_id}\",outcome=\"stitched\"}}");
+    adopter.wait_for_metric(&stitched, WAIT, Want::Eq(1.0));
+    lines
+}
+
+/// The client, back through the proxy now aimed at the adopter, recovers; `other` then takes
+/// in dev-1's live message 1002.
+fn recovered_on_the_adopter(adopter: &Server, other: &Server, cutter: &Cutter, client: &SioClient) {
+    cutter.retarget(adopter.port);
+    let back = come_back(cutter, client);
+    assert_eq!(back["recovered"], true, "{back}");
+    other.ingest(message("dev-1", 1002));
 }

@@ -661,6 +661,16 @@ impl Engine {
         matches!(self, Engine::Cluster(_))
     }
 
+    /// A hubcast instance `id` on it (prefix `t`) with `extra` flags, once its link is up.
+    pub fn instance(&self, id: &str, extra: &[&str]) -> super::Server {
+        let mut args: Vec<String> = self.flags();
+        args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let server = super::Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), Duration::from_secs(10), super::Want::Eq(1.0));
+        server
+    }
+
     /// The hubcast flags that reach it.
     pub fn flags(&self) -> Vec<String> {
         match self {
