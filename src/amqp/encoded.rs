@@ -16,7 +16,7 @@
 
 use fe2o3_amqp::types::primitives::Value;
 
-use super::map::{slot, Field, Fields};
+use super::map::{slot, Fields};
 use super::reader::Reader;
 
 /// Section descriptors (§3.2): the ones read, the ones skipped; any other is left to fe2o3.
@@ -60,7 +60,7 @@ impl<'a> DataSections<'a> {
 /// for anything the scanner does not read (then the message is decoded whole).
 pub(super) fn scan(bytes: &[u8]) -> Option<(Fields<'_>, DataSections<'_>)> {
     let mut r = Reader::new(bytes);
-    let mut fields = Fields::empty();
+    let mut fields = Fields::scanned(bytes);
     let mut body = DataSections::default();
     while r.pos < r.buf.len() {
         if r.u8()? != 0x00 {
@@ -77,12 +77,12 @@ pub(super) fn scan(bytes: &[u8]) -> Option<(Fields<'_>, DataSections<'_>)> {
             }
             MESSAGE_ANNOTATIONS => r.map(|name, value| {
                 if let Some(i) = slot(name) {
-                    fields.annotations[i] = Some(Field::Encoded(value));
+                    fields.set_scanned(true, i, value);
                 }
             })?,
             APPLICATION_PROPERTIES => r.map(|name, value| {
                 if let Some(i) = slot(name) {
-                    fields.properties[i] = Some(Field::Encoded(value));
+                    fields.set_scanned(false, i, value);
                 }
             })?,
             DATA => body.push(match r.u8()? {
