@@ -55,6 +55,12 @@ impl Telemetry {
         self.entries.is_empty()
     }
 
+    /// Bytes of the text (keys, values and their slots' spare room): at least the bytes of
+    /// every key and value.
+    pub fn text_bytes(&self) -> usize {
+        self.text.len()
+    }
+
     /// Drops every value and the buffers.
     pub fn clear(&mut self) {
         *self = Self::default();
