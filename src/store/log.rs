@@ -50,6 +50,15 @@ pub const SLOW_SLICE: Duration = Duration::from_millis(10);
 
 /// Logs smaller than this are never compacted.
 pub const SNAPSHOT_MIN_LOG: u64 = 64 << 20;
+
+/// Disk space a log reserves ahead of its end (`fallocate` with `FALLOC_FL_KEEP_SIZE`), a step
+/// at a time. A commit appended into reserved blocks costs the kernel about a third less than
+/// one that makes ext4 reserve and later allocate its blocks (delayed allocation), per write
+/// and again at the sync (issue 25 item 4, docs/benchmarks/2026-11-28-ingest-store.md). The
+/// file's size is still its last whole commit (what a start reads); the reserved blocks past it
+/// are given back when the log is deleted after a snapshot, or cut off by a failed write's
+/// truncation. At most this much disk per core beyond the logs' bytes.
+pub const LOG_RESERVE: u64 = 8 << 20;
 const MANIFEST: &str = "MANIFEST";
 const MANIFEST_HEAD: &str = "hubcast-store 1";
 
@@ -815,6 +824,9 @@ pub struct LogStore {
     /// Length of the current log up to its last whole frame: a write that fails part-way is
     /// cut back to it, so the torn frame does not hide the commits written after it.
     file_len: u64,
+    /// The file's blocks are reserved up to here ([`LOG_RESERVE`]); `u64::MAX` when the file
+    /// system cannot reserve (then ext4's delayed allocation, or the file system's own, is used).
+    reserved_to: u64,
     /// Test hook: the next commit writes only this many bytes, then fails.
     #[cfg(test)]
     tear_next: Option<usize>,
@@ -853,6 +865,7 @@ impl LogStore {
             frame_at: None,
             log_bytes: 0,
             file_len: 0,
+            reserved_to: 0,
             #[cfg(test)]
             tear_next: None,
             snapshot_size,
@@ -876,10 +889,36 @@ impl LogStore {
             f.write_all(&format::header(KIND_LOG))?;
         }
         self.file_len = f.metadata()?.len();
+        // A new log reserves its first step at its first commit.
+        if self.reserved_to != u64::MAX {
+            self.reserved_to = self.file_len;
+        }
         sync_dir(&self.dir);
         *self.slot.file.lock().unwrap_or_else(|e| e.into_inner()) = Some(f.try_clone()?);
         self.file = Some(f);
         Ok(())
+    }
+
+    /// Reserves the log's blocks past `end` (the end of the commit about to be written) a
+    /// [`LOG_RESERVE`] step ahead, when not done yet. A failure is not an error: the write
+    /// then takes its blocks the usual way (and reports a full disk itself).
+    fn reserve(&mut self, end: u64) {
+        if end <= self.reserved_to {
+            return;
+        }
+        let Some(f) = self.file.as_ref() else { return };
+        let to = end.saturating_add(LOG_RESERVE);
+        // Safety: fallocate on a descriptor this store owns; KEEP_SIZE leaves the file's size
+        // (what a start reads) as it is.
+        let r = unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, self.file_len as libc::off_t, (to - self.file_len) as libc::off_t) };
+        self.reserved_to = if r == 0 {
+            to
+        } else if matches!(io::Error::last_os_error().raw_os_error(), Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)) {
+            u64::MAX
+        } else {
+            // ENOSPC and the like: tried again a step later.
+            to
+        };
     }
 
     fn write_error(&self, what: &str, e: &io::Error) {
@@ -906,6 +945,7 @@ impl StateStore for LogStore {
         #[cfg(not(test))]
         let tear: Option<usize> = None;
         let mut torn = false;
+        self.reserve(self.file_len + self.pending.len() as u64);
         if let Some(f) = self.file.as_mut() {
             let written = match tear {
                 Some(n) => f.write_all(&self.pending[..n]).and(Err(io::Error::other("torn write (test)"))),
@@ -934,6 +974,8 @@ impl StateStore for LogStore {
                     // reading a log at its first bad frame, so cut it off, or later commits
                     // would be written behind it and lost at the next start.
                     torn = f.set_len(self.file_len).is_err();
+                    // The cut gives back the blocks reserved past it too.
+                    self.reserved_to = self.reserved_to.min(self.file_len);
                     self.write_error("cannot write the log", &e);
                 }
             }
@@ -1145,6 +1187,34 @@ mod tests {
         let (grants, subs) = o.loaded[0].access.get(&(Box::from("dev-0-0"), SessionId(7))).unwrap();
         assert!(grants.device_twin && subs.device_twin);
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_log_reserves_its_blocks_ahead_of_its_end_and_reads_back_as_written() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = temp_dir("reserve");
+        let mut opened = open(&dir, 1, Options::new(Duration::from_secs(60))).unwrap();
+        let d = device(1.0, "01");
+        opened.stores[0].put(Change::Device { id: "dev", device: Some(&d) });
+        opened.stores[0].commit();
+        let log = log_files(&dir).pop().expect("a log with a commit");
+        let meta = fs::metadata(&log).unwrap();
+        // The size is the commit's end (what a start reads); the blocks reach a step past it.
+        assert!(meta.len() < 4096, "{}", meta.len());
+        assert!(meta.blocks() * 512 >= LOG_RESERVE, "{} bytes of blocks for a {}-byte log", meta.blocks() * 512, meta.len());
+        let d2 = device(2.0, "02");
+        opened.stores[0].put(Change::Device { id: "dev2", device: Some(&d2) });
+        opened.stores[0].commit();
+        // Not closed: what a kill -9 leaves (the reserved blocks past the size are not read).
+        let written = fs::metadata(&log).unwrap().len();
+        drop(opened);
+        assert_eq!(fs::metadata(&log).unwrap().len(), written);
+        let o = open(&dir, 1, Options::new(Duration::from_secs(60))).unwrap();
+        let devices = all_devices(&o);
+        assert_eq!(devices.len(), 2, "{devices:?}");
+        assert_eq!(&*devices[1].1.telemetry[0].1, "2");
         drop(o);
         let _ = fs::remove_dir_all(&dir);
     }
