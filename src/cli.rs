@@ -72,6 +72,7 @@ pub const GROUPS: &[(&str, &[&str])] = &[
             "recovery_core_bytes",
             "recovery_durable",
             "recovery_handoff",
+            "recovery_handoff_wait",
         ],
     ),
     (

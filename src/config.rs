@@ -290,6 +290,14 @@ pub struct Config {
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     pub recovery_handoff: Option<bool>,
 
+    /// With `--recovery-handoff`: seconds a SIGTERM waits for the adopters' verdicts on the
+    /// histories it handed over (within `--shutdown-timeout`); an adopter waits a second more
+    /// for its verdict before voiding the history. Raise it where adopters are slow to
+    /// subscribe (a loaded or paused instance).
+    #[arg(long = "recovery-handoff-wait", env = "RECOVERY_HANDOFF_WAIT", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub recovery_handoff_wait: u64,
+
     /// Items (deliveries, device messages, operations) one core's cross-core inbox holds; beyond,
     /// senders keep a backlog, conflate telemetry and slow their sources down.
     #[arg(long = "mesh-inbox-messages", env = "MESH_INBOX_MESSAGES", default_value_t = 65_536,
@@ -608,6 +616,17 @@ impl Settings {
     /// unset: only when there is no data dir to keep them for a restart).
     pub fn recovery_handoff(&self) -> bool {
         self.config.recovery_handoff.unwrap_or(matches!(self.config.data_dir, DataDir::Memory))
+    }
+
+    /// How long a stopping instance waits for its adopters' verdicts (`--recovery-handoff-wait`).
+    pub fn recovery_settle_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.config.recovery_handoff_wait)
+    }
+
+    /// How long an adopter waits for the verdict: a second past the stopping side's wait, so
+    /// a verdict given at its end still arrives in time.
+    pub fn recovery_verdict_wait(&self) -> std::time::Duration {
+        self.recovery_settle_wait() + std::time::Duration::from_secs(1)
     }
 
     /// How long a session without activity is kept (`sessionGracePeriod`).

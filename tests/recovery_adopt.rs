@@ -98,6 +98,12 @@ fn not_recovered_and_live(cutter: &Cutter, client: &SioClient, to: &Server, from
     back
 }
 
+/// Hand-over flags for the tests that keep the adopter stopped while A waits for its verdict:
+/// the wait (`--recovery-handoff-wait`, 4 s by default) and the stop's deadline long enough
+/// that the steps in between (a `MONITOR` line, a POST) fit on a loaded machine (a CI run
+/// under load passed A's 4 s, and the other instance, with no watcher left, published nothing).
+const HANDOFF_PAUSED: [&str; 6] = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
+
 /// A's SIGTERM with the adopter stopped (SIGSTOP): A hands the history over, `msg` from the
 /// other instance is in Redis (`MONITOR`) before the adopter goes on (SIGCONT) and
 /// subscribes, so A's copy takes it and the adopter does not; A exits having logged `line`.
@@ -130,7 +136,7 @@ fn grows_during_the_hand_over(w: &mut Away, msg: serde_json::Value, line: &str) 
 /// subscribe.
 #[test]
 fn a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_every_message() {
-    let mut w = away(&["--recovery-handoff", "true"], &["--recovery-handoff", "true"]);
+    let mut w = away(&HANDOFF_PAUSED, &HANDOFF_PAUSED);
     grows_during_the_hand_over(&mut w, message("dev-1", 10), "deliveries reached the history after it was handed over");
     assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=0", "tail_sent=1"]);
     let id = w.adopter_id;
@@ -154,7 +160,7 @@ fn a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_e
 /// false and live data at once, never a replay with a hole. Made certain as above.
 #[test]
 fn a_history_whose_growth_after_the_hand_over_was_trimmed_is_voided_and_the_client_is_not_recovered() {
-    let mut w = away(&["--recovery-handoff", "true", "--recovery-session-bytes", "4096"], &["--recovery-handoff", "true"]);
+    let mut w = away(&[&HANDOFF_PAUSED[..], &["--recovery-session-bytes", "4096"]].concat(), &HANDOFF_PAUSED);
     let big = json!({"deviceId": "dev-1", "body": {"n": 10, "pad": "x".repeat(6000)}});
     grows_during_the_hand_over(&mut w, big, "a delivery reached the history after it was handed over and cannot be stitched");
     assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=1", "tail_sent=0"]);
@@ -171,7 +177,7 @@ fn a_history_whose_growth_after_the_hand_over_was_trimmed_is_voided_and_the_clie
 
 /// No answer from the adopter while A stops (it is stopped): A waits its 4 s for the verdict
 /// and leaves; the adopter, resumed, takes the history in and voids it when no verdict comes
-/// within its 5 s. The client is back on the adopter meanwhile (as a fast reconnect would
+/// within its 5 s (`--recovery-handoff-wait`'s default and a second more). The client is back on the adopter meanwhile (as a fast reconnect would
 /// be): its CONNECT waits, is not recovered (`unknown_pid`: the adopted pids are held aside),
 /// and live data flows; the void under its connected socket keeps that socket's own offsets
 /// good, so its next blip recovers every message once.

@@ -212,7 +212,9 @@ fn on_a_cluster_a_client_landing_on_a_third_instance_takes_its_history_from_the_
 fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_every_message() {
     let engine = Engine::cluster();
     let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
-    let flags = ["--recovery-handoff", "true"];
+    // The wait for the verdict long enough for the steps while the adopter is stopped on a
+    // loaded machine (tests/recovery_adopt.rs's HANDOFF_PAUSED).
+    let flags = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
     let mut a = engine.instance("a", &flags);
     let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
     let AwayFromA { adopter, adopter_id, other, cutter, client, .. } = away_from_a(&a, b, c, "websocket");

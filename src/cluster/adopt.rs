@@ -18,7 +18,7 @@
 //! 3. **A → B `kept`/`voided`**: with every mark in, the history here either did not grow
 //!    since it was written (B has everything: kept, the pids become valid on B) or did (a
 //!    frame B lacks may exist: voided, B's history of the session takes a new epoch, so the
-//!    client's offset fails `history_lost`). No verdict within [`VERDICT_WAIT`] is voided.
+//!    client's offset fails `history_lost`). No verdict within `--recovery-handoff-wait` + 1 s is voided.
 //!
 //!
 //! **Step 6b**, the client back on a third instance X: its CONNECT names a pid X does not
@@ -69,14 +69,12 @@ use crate::runtime::routing::{core_of_device, core_of_session};
 pub(super) const SEND_BYTES: usize = 16 << 20;
 /// Adoptions in flight per instance, on either side.
 pub(super) const PENDING: usize = 65_536;
-/// How long an adopter waits for the verdict before voiding the history.
-pub(super) const VERDICT_WAIT: Duration = Duration::from_secs(5);
-/// How long a stopping instance waits for its verdicts before it leaves Redis: a second
-/// below [`VERDICT_WAIT`], so a verdict given at its end still reaches an adopter in time
-/// (2 s before: a loaded adopter could need longer to subscribe and answer, and the
-/// history was voided for nothing). Within `--shutdown-timeout` (10 s by default) with the
-/// goodbyes and the leases' 3 s.
-pub(super) const SETTLE_WAIT: Duration = Duration::from_secs(4);
+// How long each side waits: `Settings::recovery_settle_wait` (the stopping instance, for its
+// verdicts before it leaves Redis; `--recovery-handoff-wait`, 4 s by default, within
+// `--shutdown-timeout` with the goodbyes and the leases' 3 s) and
+// `Settings::recovery_verdict_wait` (the adopter, a second more, so a verdict given at the
+// stopping side's end still arrives in time; 2 s before was too short for a loaded adopter
+// to subscribe and answer, and histories were voided for nothing).
 
 /// The largest history sent: twice `--recovery-session-bytes` (a stream is trimmed to it,
 /// charged 40 bytes an entry; encoded, an entry costs 24 + its frame) and room for its pids.
@@ -190,7 +188,7 @@ fn decode_mark(bytes: &[u8]) -> Option<(&str, SessionId, u32)> {
 /// the adopter's `SSUBSCRIBE` (confirmed before its `watching` was sent). By a task of its
 /// own (the pub/sub task never waits on Redis); a mark that does not come back (a failed
 /// command, the slot moving) leaves the verdict undecided: the adopter voids after
-/// [`VERDICT_WAIT`], honestly.
+/// `Settings::recovery_verdict_wait`, honestly.
 fn mark_on_devices(ctx: &Ctx, conn: &Conn, session: SessionId, devices: &[Box<str>]) {
     let payload = encode_mark(&ctx.o.instance, session, devices.len() as u32);
     let channels: Vec<String> = devices.iter().map(|d| ctx.key("device", d)).collect();
@@ -270,7 +268,7 @@ pub(super) async fn send(ctx: &Ctx, state: &State, conn: &mut Conn, session: Ses
     };
     // On a cluster a classic `PUBLISH` counts the subscribers of the node that ran it only
     // (the bus carries it to the others uncounted): 0 says nothing there, and an adopter
-    // that is gone gives no verdict (`Cluster::leave` waits at most [`SETTLE_WAIT`]).
+    // that is gone gives no verdict (`Cluster::leave` waits at most `--recovery-handoff-wait`).
     if receivers == 0 && !ctx.o.names.is_cluster() {
         forget(ctx, state, session);
         count(ctx, NO_PEER);
@@ -574,7 +572,7 @@ pub(super) async fn adopt_here(core: std::rc::Rc<crate::app::Core>, session: Ses
         core.mesh.post(k, crate::app::mesh::CoreMsg::Task(Box::new(WatchBarrier { session, cores: n })));
     }
     tracing::debug!(session = %session, "recovery history adopted; waiting for the verdict");
-    monoio::time::sleep(VERDICT_WAIT).await;
+    monoio::time::sleep(core.settings.recovery_verdict_wait()).await;
     if core.adoption_verdict(session, false, None).is_some() {
         stats.adoptions[LOST].fetch_add(1, Ordering::Relaxed);
         tracing::info!(session = %session, "no verdict on an adopted recovery history in time: voided (its client gets recovered false)");

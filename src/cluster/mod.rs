@@ -283,6 +283,8 @@ pub struct Cluster {
     /// Each core takes its queue once, at start (never touched on the message path).
     inbound: Mutex<Vec<Option<async_channel::Receiver<Inbound>>>>,
     refresh: Duration,
+    /// How long [`Cluster::leave`] waits for the verdicts on histories handed over.
+    settle_wait: Duration,
     /// What the Redis thread takes when it starts.
     link: Mutex<Option<LinkParts>>,
     owned: tokio::sync::watch::Receiver<Owned>,
@@ -334,6 +336,7 @@ impl Cluster {
             commands,
             inbound: Mutex::new(receivers.into_iter().map(Some).collect()),
             refresh,
+            settle_wait: settings.recovery_settle_wait(),
             cluster: options.engine.is_cluster(),
             link: Mutex::new(Some((options, command_rx, senders, owned_tx))),
             owned,
@@ -361,11 +364,11 @@ impl Cluster {
     /// at most 3 s (and never past `deadline`).
     pub fn leave(&self, deadline: std::time::Instant) {
         // Recovery histories handed over (adopt.rs) get their verdicts first: they need this
-        // instance's cores and link, both still up. At most `adopt::SETTLE_WAIT`; the adopters
+        // instance's cores and link, both still up. At most `--recovery-handoff-wait`; the adopters
         // void the rest.
         let (settled, wait) = std::sync::mpsc::channel();
         if self.commands.try_send(Command::Settle(settled)).is_ok() {
-            let left = deadline.saturating_duration_since(std::time::Instant::now()).min(adopt::SETTLE_WAIT);
+            let left = deadline.saturating_duration_since(std::time::Instant::now()).min(self.settle_wait);
             if wait.recv_timeout(left).is_err() {
                 tracing::warn!("recovery histories handed over without a verdict in time: their adopters drop them");
             }
