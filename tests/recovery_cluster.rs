@@ -250,7 +250,8 @@ fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_clie
 fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every_device_is_marked() {
     let engine = Engine::cluster();
     let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
-    let flags = ["--recovery-handoff", "true"];
+    // The adopter is stopped through several steps: a verdict wait that fits them under load.
+    let flags = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
     let mut a = engine.instance("a", &flags);
     let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
     a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
