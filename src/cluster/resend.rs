@@ -62,8 +62,10 @@ const TOTAL_BYTES: usize = 16 << 20;
 /// (a device sending faster than 8 a second while a watcher of it is dead or moving).
 const AT_ONCE_MESSAGES: usize = 16;
 const AT_ONCE_BYTES: usize = 64 << 10;
-/// How often, at most, who is dead is asked while messages wait ([`probe_dead`]).
+/// How often, at most, who is dead is asked while messages wait ([`probe_dead`]), and how
+/// long its answer is waited for.
 const PROBE_EVERY: Duration = Duration::from_millis(250);
+const PROBE_DEADLINE: Duration = Duration::from_millis(200);
 
 struct Waiting {
     payload: Vec<u8>,
@@ -101,7 +103,7 @@ impl Resend {
     /// Keeps `payload` waiting behind its device's earlier messages. Past the bounds the
     /// device's retries are given up (counted): what of it was never published is answered,
     /// in order, with `payload` if it was not either, to be published once now, so the
-    /// watchers that are there (a watcher that died is counted until its presence expires)
+    /// watchers that are there (a watcher that died is counted until it is known dead)
     /// lose nothing to a bound meant for one between two masters.
     fn push(&mut self, ctx: &Ctx, device: &str, payload: Vec<u8>, since: Instant, sent: bool) -> Vec<Vec<u8>> {
         let n = payload.len();
@@ -294,7 +296,7 @@ pub(super) async fn again(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Re
         resend.due = None;
         return Ok(());
     }
-    probe_dead(ctx, state, conn, resend).await?;
+    probe_dead(ctx, state, conn, resend).await;
     send(ctx, state, conn, resend).await?;
     resend.due = (!resend.devices.is_empty()).then(|| Instant::now() + EVERY);
     Ok(())
@@ -337,14 +339,23 @@ async fn send(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Res
 /// as a watcher here, so its devices' messages stop waiting for it within about a heartbeat
 /// and a second of its death instead of until its presence expires (`--lease-ttl`); one
 /// seen renewing again counts again from the next probe.
-async fn probe_dead(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Result<(), Failed> {
+async fn probe_dead(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) {
     let now = Instant::now();
     if resend.probed.is_some_and(|at| now.duration_since(at) < PROBE_EVERY) {
-        return Ok(());
+        return;
     }
     resend.probed = Some(now);
     let dead_after = (ctx.o.heartbeat() + Duration::from_secs(1)).as_millis() as i64;
-    let stale = super::link::staleness(ctx, &mut conn.clone()).await?;
+    // Never holds the publications long: no answer within [`PROBE_DEADLINE`] (or a failed
+    // one) keeps what was known, and the next probe asks again.
+    let stale = match tokio::time::timeout(PROBE_DEADLINE, super::link::staleness(ctx, &mut conn.clone())).await {
+        Ok(Ok(stale)) => stale,
+        Ok(Err(reason)) => {
+            tracing::debug!(%reason, "who is dead could not be asked: the watchers known stay as they were");
+            return;
+        }
+        Err(_) => return,
+    };
     let alive: HashSet<&str> = stale.iter().filter(|(_, ms)| ms.is_some_and(|ms| ms <= dead_after)).map(|(id, _)| &**id).collect();
     let mut s = state.borrow_mut();
     let dead: HashSet<Arc<str>> = s.instances.iter().filter(|i| !alive.contains(&***i)).cloned().collect();
@@ -353,5 +364,4 @@ async fn probe_dead(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) 
     }
     s.dead = dead;
     ctx.stats.dead_watchers.store(s.dead.len() as u64, Ordering::Relaxed);
-    Ok(())
 }
