@@ -105,3 +105,85 @@ fn a_killed_watcher_holds_up_no_other_watchers_messages(engine: Engine) {
     let log = a.stderr_lines().join("\n");
     assert!(log.contains("no longer waited for as a watcher"), "{log}");
 }
+
+/// The measurement behind docs/benchmarks/2026-11-28-dead-watcher.md (not a check: run by
+/// hand, `--ignored`): on a fresh 3-master cluster, A takes in `pump`, B and C watch it, C is
+/// killed; for 12 s A takes in one message every `PACES` ms (50 and 200; plus 0-49), each timed from
+/// its `POST /ingest` to its frame on B's WebSocket. `HUBCAST_OLD` names a binary of the
+/// version before (run through a `sh` wrapper in place of this build's), alternating with
+/// this build, `ROUNDS` times.
+#[test]
+#[ignore]
+fn measure_the_delay_a_killed_watcher_costs_another() {
+    let old = std::env::var("HUBCAST_OLD").expect("HUBCAST_OLD: the binary before");
+    let rounds: usize = std::env::var("ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(3);
+    for round in 0..rounds {
+        let paces: Vec<u64> = std::env::var("PACES").ok().map_or(vec![50, 200], |p| p.split(',').filter_map(|p| p.parse().ok()).collect());
+        for &pace in &paces {
+            for variant in ["old", "new"] {
+                let engine = Engine::cluster();
+                let start = |id: &str| {
+                    let mut args: Vec<String> = engine.flags();
+                    args.extend(["--instance-id", id, "--redis-prefix", "t"].map(String::from));
+                    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                    let server = if variant == "old" {
+                        // `sh -c 'shift; exec OLD "$@"' sh BIN args…`: BIN dropped, OLD run.
+                        Server::start_wrapped(&["sh", "-c", &format!("shift; exec {old} \"$@\""), "sh"], &args)
+                    } else {
+                        Server::start(&args)
+                    };
+                    server.wait_for_metric(&format!("hubcast_redis_connected{{instance=\"{id}\"}}"), WAIT, Want::Eq(1.0));
+                    server
+                };
+                let (a, b, mut c) = (start("a"), start("b"), start("c"));
+                let session = a.telemetry_session(&["pump"]);
+                let mut wb = b.live(&session);
+                let _wc = c.live(&session);
+                a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(1.0));
+                let mut n = 0;
+                let mut timed = |wb: &mut common::ws::Live| {
+                    n += 1;
+                    let t = Instant::now();
+                    a.ingest(json!({"deviceId": "pump", "body": {"n": n}}));
+                    assert_eq!(next(wb, "pump").1, n);
+                    let ms = t.elapsed().as_secs_f64() * 1000.0;
+                    // Paced with a spread of 0-49 ms, so the messages do not lock onto A's
+                    // 50 ms retry ticks (at a whole multiple of them every message came at
+                    // the same point of a tick).
+                    std::thread::sleep(Duration::from_millis(pace + (n as u64 * 37) % 50));
+                    ms
+                };
+                let mut before: Vec<f64> = (0..20).map(|_| timed(&mut wb)).collect();
+                c.signal(libc::SIGKILL);
+                c.wait_exit(WAIT).expect("C killed");
+                let killed = Instant::now();
+                let mut after: Vec<(f64, f64)> = Vec::new();
+                let mut dead_at = None;
+                while killed.elapsed() < Duration::from_secs(12) {
+                    let at = killed.elapsed().as_secs_f64();
+                    after.push((at, timed(&mut wb)));
+                    if dead_at.is_none() && metric(&a, "hubcast_redis_dead_watchers", "a") == 1.0 {
+                        dead_at = Some(killed.elapsed().as_secs_f64());
+                    }
+                }
+                let median = |v: &mut Vec<f64>| {
+                    v.sort_by(|x, y| x.total_cmp(y));
+                    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
+                };
+                let window = |from: f64, to: f64| {
+                    let mut v: Vec<f64> = after.iter().filter(|(at, _)| *at >= from && *at < to).map(|(_, ms)| *ms).collect();
+                    (median(&mut v), v.len())
+                };
+                let (w0, w1, w2) = (window(0.0, 3.0), window(3.0, 8.0), window(8.0, 12.0));
+                println!(
+                    "round={round} pace_ms={pace} variant={variant} before_median_ms={:.1} median_ms(n)_0-3s={:.1}({}) 3-8s={:.1}({}) 8-12s={:.1}({}) counted_dead_at_s={} republished={} given_up={}",
+                    median(&mut before),
+                    w0.0, w0.1, w1.0, w1.1, w2.0, w2.1,
+                    dead_at.map_or("-".to_string(), |s| format!("{s:.2}")),
+                    metric(&a, "hubcast_redis_republished_total", "a"),
+                    metric(&a, "hubcast_redis_republish_given_up_total", "a"),
+                );
+            }
+        }
+    }
+}
