@@ -14,6 +14,11 @@
 # pinned to CPU 0 as taskset would. Servers alternate within a round, and the order rotates
 # from one round to the next.
 #
+# PRIO='chrt -f 10': the harness and the server it starts run SCHED_FIFO (inherited), so that
+# other work on a shared machine does not take their CPUs (each server's run-queue wait is in
+# its row: server_runq_ms_s / hubcast_runq_ms_s). Meant for the fixed-rate rows, which use a
+# fraction of a CPU; at max rate the two would hold both CPUs (the kernel leaves others 5 %).
+#
 # Shapes (C clients x S of D=1000 devices, P publisher connections, batches of 64 with one
 # send time each, at most 16 batches unanswered per publisher):
 #   max16   C=1000 S=10, max rate, P=16       max4   the same, P=4
@@ -48,8 +53,8 @@ run() { # SERVER ROW ROUND
   echo "=== round $3 $1 $2"
   uptime
   case $1 in
-    hubcast) $L --spawn "$H" --cores 1 --pin --warmup 1 --duration 4 --json "$json" fanout $(shape "$2") --transport ws 2>&1 | tail -n 2 ;;
-    *) $L --cores 1 --pin --warmup 1 --duration 4 --json "$json" peer --peer "$1" $(shape "$2") 2>&1 | tail -n 2 ;;
+    hubcast) ${PRIO:-} $L --spawn "$H" --cores 1 --pin --warmup 1 --duration 4 --json "$json" fanout $(shape "$2") --transport ws 2>&1 | tail -n 2 ;;
+    *) ${PRIO:-} $L --cores 1 --pin --warmup 1 --duration 4 --json "$json" peer --peer "$1" $(shape "$2") 2>&1 | tail -n 2 ;;
   esac
 }
 

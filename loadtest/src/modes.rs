@@ -304,6 +304,9 @@ async fn fanout_step(global: &Global, setup: &Setup, plan: &FleetPlan, live: &Ar
     let (writes, frames) = (delta("hubcast_socket_writes_total"), delta("hubcast_socket_frames_written_total"));
     row.put("frames_per_write", if writes > 0.0 { frames / writes } else { 0.0 });
     row.put("msgs_per_frame", if frames > 0.0 { (out(&b) - out(&a)) / frames } else { 0.0 });
+    // Writes the flush policy held back (`--socket-linger-us`): only while the core looked
+    // saturated.
+    row.put("writes_held", delta("hubcast_socket_writes_held_total"));
     // The client side's cost: harness CPU time per message it received.
     if let Some(cpu) = row.get("harness_cpu").and_then(|v| v.as_f64()) {
         row.put("harness_us_per_msg", if delivered > 0.0 { cpu * 1e6 / delivered } else { 0.0 });
