@@ -782,21 +782,37 @@ mod write_pool {
 /// envelope's text without copying it.
 ///
 /// Per offset, what is the same for every frame of the socket is written once per call (the
-/// Socket.IO `,"h1.<epoch>.` and the plain `{"offset":"h1.<epoch>.`), and the seq's digits
-/// with what follows them are one slice ([`Base36::with_suffix`]): 4 and 3 parts per frame.
+/// Socket.IO `,"h1.<epoch>.` and the plain `{"offset":"h1.<epoch>.`). A Socket.IO event's
+/// whole offset and its closing `"]` are one slice (the lead, then the seq's digits written
+/// after it in place: [`OffsetText`]), 3 parts per frame as without offsets; a plain one's
+/// digits and `",` are one slice ([`Base36::with_suffix`]): 3 parts.
 ///
 /// `parts`: each item's device part (`.<dh>-<kh>…`, push/cut.rs), index for index, or empty
 /// when none has one; written after the seq's digits.
 fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Option<PartText>], buf: &mut Vec<u8>) -> u64 {
-    use crate::push::stream::Base36;
+    use crate::push::stream::{Base36, OffsetText};
     let batch = matches!(kind, SocketKind::Plain { batch: true, .. });
     let plain_offsets = offsets.filter(|_| matches!(kind, SocketKind::Plain { .. }));
     // What precedes the seq's digits in every offset of this socket.
     // Built in place (`h1.` + at most 7 digits + `.`: within the inline 32 bytes, no allocation).
     let mut lead: smallvec::SmallVec<[u8; 32]> = smallvec::SmallVec::new();
+    // Socket.IO: the lead and each event's digits and `"]` as one slice.
+    let mut socketio_offset = None;
     if let Some(prefix) = offsets {
-        lead.extend_from_slice(if matches!(kind, SocketKind::Plain { .. }) { b"{\"offset\":\"" } else { b",\"" });
-        lead.extend_from_slice(prefix.as_bytes());
+        match kind {
+            SocketKind::Plain { .. } => {
+                lead.extend_from_slice(b"{\"offset\":\"");
+                lead.extend_from_slice(prefix.as_bytes());
+            }
+            _ => {
+                socketio_offset = OffsetText::new(&[b",\"", prefix.as_bytes()]);
+                // A lead too long for it (never one hubcast makes): lead and digits apart.
+                if socketio_offset.is_none() {
+                    lead.extend_from_slice(b",\"");
+                    lead.extend_from_slice(prefix.as_bytes());
+                }
+            }
+        }
     }
     // Each item's seq in base 36 and `",` (only the digits when a device part follows them),
     // for a plain socket with offsets (referenced by the parts).
@@ -841,17 +857,17 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
             (SocketKind::Plain { .. }, Out::Envelope(e, seq)) => {
                 frame::write_text(buf, &plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i), part_of(parts, i)))
             }
-            (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match offsets.filter(|_| *seq > 0) {
-                Some(_) if part_of(parts, i).is_some() => {
+            (SocketKind::SocketIo { .. }, Out::Envelope(e, seq)) => match (offsets.filter(|_| *seq > 0), socketio_offset.as_mut()) {
+                (Some(_), Some(offset)) => match part_of(parts, i) {
+                    Some(part) => frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), offset.with_seq(*seq, b""), part, b"\"]"]),
+                    None => frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), offset.with_seq(*seq, b"\"]")]),
+                },
+                (Some(_), None) => {
                     let part = part_of(parts, i).unwrap_or_default();
                     let digits = Base36::new(*seq);
                     frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, digits.as_bytes(), part, b"\"]"])
                 }
-                Some(_) => {
-                    let seq = Base36::with_suffix(*seq, b"\"]");
-                    frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), &lead, seq.as_bytes()])
-                }
-                None => frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), b"]"]),
+                (None, _) => frame::write_text(buf, &[socketio::EVENT_PREFIX, e.as_bytes(), b"]"]),
             },
             (_, Out::Packet(p)) => frame::write_text(buf, &[p.as_bytes()]),
             (_, Out::Ping) => frame::write_ping(buf),
@@ -965,6 +981,10 @@ mod tests {
         encode(&kind, &items, Some("h1.k3f."), &[], &mut buf);
         let got: Vec<String> = frames(&buf).into_iter().map(|(_, p)| p).collect();
         assert_eq!(got, [r#"42["data",{"v":1},"h1.k3f.101"]"#, r#"42["data",{"v":2}]"#]);
+        let long = format!("h1.{}.", "k".repeat(40));
+        let mut buf = Vec::new();
+        encode(&kind, &items, Some(&long), &[], &mut buf);
+        assert_eq!(frames(&buf)[0].1, format!(r#"42["data",{{"v":1}},"{long}101"]"#), "a lead of any length");
         let mut buf = Vec::new();
         encode(&kind, &items, None, &[], &mut buf);
         assert_eq!(frames(&buf)[0].1, r#"42["data",{"v":1}]"#, "no offsets: today's bytes");
