@@ -59,6 +59,9 @@ impl<'a> DataSections<'a> {
 /// The fields hubcast reads and the body, borrowed from `bytes` (one encoded message); `None`
 /// for anything the scanner does not read (then the message is decoded whole).
 pub(super) fn scan(bytes: &[u8]) -> Option<(Fields<'_>, DataSections<'_>)> {
+    // A field is held as a 32-bit span into the message: one of 4 GiB or more (possible only
+    // with a `--max-message-bytes` that large) is decoded whole instead, never read short.
+    u32::try_from(bytes.len()).ok()?;
     let mut r = Reader::new(bytes);
     let mut fields = Fields::scanned(bytes);
     let mut body = DataSections::default();
