@@ -291,7 +291,8 @@ pub struct Config {
     pub recovery_handoff: Option<bool>,
 
     /// With `--recovery-handoff`: seconds a SIGTERM waits for the adopters' verdicts on the
-    /// histories it handed over (within `--shutdown-timeout`); an adopter waits a second more
+    /// histories it handed over (within `--shutdown-timeout`, less the leases'
+    /// 3 s); an adopter waits a second more (by its own setting: the same on every instance)
     /// for its verdict before voiding the history. Raise it where adopters are slow to
     /// subscribe (a loaded or paused instance).
     #[arg(long = "recovery-handoff-wait", env = "RECOVERY_HANDOFF_WAIT", default_value_t = 4,

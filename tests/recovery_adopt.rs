@@ -175,6 +175,23 @@ fn a_history_whose_growth_after_the_hand_over_was_trimmed_is_voided_and_the_clie
     assert_eq!(w.adopter.metric("hubcast_recovery_replayed_frames_total"), Some(0.0));
 }
 
+/// A verdict wait longer than the whole stop (`--recovery-handoff-wait 30`,
+/// `--shutdown-timeout 5`) with an adopter that never answers still leaves the partition
+/// leases their 3 s: A gives up on the verdict, then hands its leases over and leaves Redis
+/// (before, the wait took the whole deadline and the leases were left to expire: a lease TTL
+/// of stalled partitions).
+#[test]
+fn a_verdict_wait_longer_than_the_stop_still_leaves_time_to_hand_the_leases_over() {
+    let flags = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "5"];
+    let mut w = away(&flags, &["--recovery-handoff", "true"]);
+    w.adopter.signal(libc::SIGSTOP);
+    sigterm(&mut w.a);
+    w.adopter.signal(libc::SIGCONT);
+    let lines = w.a.stderr_lines().join("\n");
+    assert!(lines.contains("handed over without a verdict in time"), "{lines}");
+    assert!(!lines.contains("could not hand the partition leases over in time"), "{lines}");
+}
+
 /// No answer from the adopter while A stops (it is stopped): A waits its 4 s for the verdict
 /// and leaves; the adopter, resumed, takes the history in and voids it when no verdict comes
 /// within its 5 s (`--recovery-handoff-wait`'s default and a second more). The client is back on the adopter meanwhile (as a fast reconnect would

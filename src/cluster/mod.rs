@@ -276,6 +276,9 @@ pub struct Stats {
     pub commands_refused: AtomicU64,
 }
 
+/// How long a graceful stop waits for its partition leases to be handed over.
+const LEAVE_WAIT: Duration = Duration::from_secs(3);
+
 pub struct Cluster {
     pub instance: Arc<str>,
     pub stats: Arc<Stats>,
@@ -368,7 +371,9 @@ impl Cluster {
         // void the rest.
         let (settled, wait) = std::sync::mpsc::channel();
         if self.commands.try_send(Command::Settle(settled)).is_ok() {
-            let left = deadline.saturating_duration_since(std::time::Instant::now()).min(self.settle_wait);
+            // The leases' hand-over below keeps its 3 s of the deadline whatever the wait is set
+            // to: partitions left to expire would stall for a lease TTL.
+            let left = deadline.saturating_duration_since(std::time::Instant::now()).saturating_sub(LEAVE_WAIT).min(self.settle_wait);
             if wait.recv_timeout(left).is_err() {
                 tracing::warn!("recovery histories handed over without a verdict in time: their adopters drop them");
             }
@@ -393,7 +398,7 @@ impl Cluster {
         }
         let (done, left) = std::sync::mpsc::channel();
         if self.commands.try_send(Command::Leave(done)).is_ok() {
-            let wait = deadline.saturating_duration_since(std::time::Instant::now()).min(Duration::from_secs(3));
+            let wait = deadline.saturating_duration_since(std::time::Instant::now()).min(LEAVE_WAIT);
             if left.recv_timeout(wait).is_err() {
                 tracing::warn!("could not hand the partition leases over in time; the others take them when they expire");
             }
