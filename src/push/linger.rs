@@ -12,11 +12,17 @@
 //! these hold:
 //! - the linger is on (`--socket-linger-us` > 0);
 //! - **the core is saturated**: its thread has not once waited for I/O (no voluntary context
-//!   switch, `getrusage(RUSAGE_THREAD)`) for [`SATURATION_WINDOW`]. A core that keeps up with
-//!   its load runs out of work between inbound batches and sleeps in the driver, many times a
-//!   window; one that is behind always finds completions ready and never does. Preemption by
-//!   other processes is an involuntary switch and does not count. Sampled at most once per
-//!   [`SAMPLE_EVERY`] (one cheap syscall), so the signal is up to that stale;
+//!   switch, `getrusage(RUSAGE_THREAD)`) while it ran for [`SATURATION_WINDOW`] of **CPU
+//!   time** (the same call's user + system time). A core that keeps up with its load runs out
+//!   of work between inbound batches and sleeps in the driver, many times a window; one that
+//!   is behind always finds completions ready and never does. Preemption by other processes is
+//!   an involuntary switch and does not count, and it stops the thread's CPU clock: a core
+//!   kept from its CPU by other work (a machine shared with builds) has not slept either, but
+//!   it has not run, and holding its writes would only add to its wait (a window in wall time
+//!   held thousands of writes per 4 s at 5,000 msgs/s, a load that takes a tenth of the core:
+//!   docs/benchmarks/2026-11-28-peers.md). A core that is behind on a shared CPU still reaches
+//!   the window, later. Sampled at most once per [`SAMPLE_EVERY`] (one cheap syscall), so
+//!   the signal is up to that stale;
 //! - the socket's previous write was a data write (its first frames after opening go at once);
 //! - the queue is small: fewer than [`super::outlet::LINGER_FRAMES`] frames and
 //!   [`super::outlet::LINGER_BYTES`] bytes, and it holds no protocol packet or control frame
@@ -67,13 +73,21 @@ use std::time::{Duration, Instant};
 
 use super::outlet::Outlet;
 
-/// A core whose thread has not waited for I/O once for this long is saturated (module docs).
+/// A core whose thread has run this long (CPU time) without once waiting for I/O is saturated
+/// (module docs).
 /// Longer than the bursts of a core that keeps up (a batch of inbound messages fanned out to
 /// thousands of sockets takes a few milliseconds), so such a core never holds a write.
 pub const SATURATION_WINDOW: Duration = Duration::from_millis(20);
 
 /// The thread's voluntary context switches are read at most this often.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(1);
+
+/// What is read of the core thread: voluntary context switches and CPU time (user + system).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Usage {
+    switches: i64,
+    cpu: Duration,
+}
 
 /// A held socket: the turn and the inbound batch count when it was held, and when.
 struct Held {
@@ -95,10 +109,10 @@ pub struct Linger {
     applied: Cell<u64>,
     /// A backstop timer is armed.
     timer: Cell<bool>,
-    /// The core thread's voluntary context switches when last read, and when that was.
-    sampled: Cell<Option<(Instant, i64)>>,
-    /// When the core was last seen to have waited for I/O.
-    waited: Cell<Option<Instant>>,
+    /// The core thread's usage when last read, and when that was.
+    sampled: Cell<Option<(Instant, Usage)>>,
+    /// The core thread's CPU time when it was last seen to have waited for I/O.
+    waited: Cell<Option<Duration>>,
     /// Writes held (for `/metrics`).
     pub holds: Cell<u64>,
 }
@@ -124,21 +138,24 @@ impl Linger {
     /// Whether a socket may hold what is queued now: the linger is on and the core saturated.
     /// Call it on the core's thread.
     pub fn may_hold(&self, now: Instant) -> bool {
-        self.enabled() && self.saturated(now, voluntary_switches)
+        self.enabled() && self.saturated(now, thread_usage)
     }
 
-    /// Whether the core has not waited for I/O for [`SATURATION_WINDOW`], reading the
-    /// thread's voluntary context switches (`switches`) at most every [`SAMPLE_EVERY`].
-    fn saturated(&self, now: Instant, switches: impl Fn() -> i64) -> bool {
+    /// Whether the core has run for [`SATURATION_WINDOW`] of CPU time without waiting for
+    /// I/O, reading the thread's usage (`usage`) at most every [`SAMPLE_EVERY`].
+    fn saturated(&self, now: Instant, usage: impl Fn() -> Usage) -> bool {
         let due = self.sampled.get().is_none_or(|(at, _)| now.saturating_duration_since(at) >= SAMPLE_EVERY);
         if due {
-            let count = switches();
-            if self.sampled.get().is_none_or(|(_, before)| before != count) {
-                self.waited.set(Some(now));
+            let u = usage();
+            if self.sampled.get().is_none_or(|(_, before)| before.switches != u.switches) {
+                self.waited.set(Some(u.cpu));
             }
-            self.sampled.set(Some((now, count)));
+            self.sampled.set(Some((now, u)));
         }
-        self.waited.get().is_some_and(|at| now.saturating_duration_since(at) >= SATURATION_WINDOW)
+        match (self.waited.get(), self.sampled.get().map(|(_, u)| u.cpu)) {
+            (Some(cpu_then), Some(cpu_now)) => cpu_now.saturating_sub(cpu_then) >= SATURATION_WINDOW,
+            _ => false,
+        }
     }
 
     /// The core's current turn, for a write that begins now.
@@ -217,14 +234,16 @@ impl Linger {
     }
 }
 
-/// Voluntary context switches of the calling thread: each time it slept waiting (for I/O).
-fn voluntary_switches() -> i64 {
+/// The calling thread's voluntary context switches (each time it slept waiting, for I/O) and
+/// CPU time, in one `getrusage`.
+fn thread_usage() -> Usage {
     // SAFETY: getrusage only writes the struct it is given.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) } != 0 {
-        return -1;
+        return Usage { switches: -1, cpu: Duration::ZERO };
     }
-    usage.ru_nvcsw as i64
+    let time = |t: libc::timeval| Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64);
+    Usage { switches: usage.ru_nvcsw as i64, cpu: time(usage.ru_utime) + time(usage.ru_stime) }
 }
 
 #[cfg(test)]
@@ -236,16 +255,39 @@ mod tests {
         let linger = Linger::new(Duration::from_micros(500));
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let switches = Cell::new(7);
-        let read = || switches.get();
-        assert!(!linger.saturated(at(0), read), "nothing known yet");
-        assert!(!linger.saturated(at(10), read), "10 ms without a wait is not enough");
-        assert!(linger.saturated(at(20), read), "{SATURATION_WINDOW:?} without a wait: saturated");
+        // A core busy all the time: its CPU time follows the clock.
+        let (switches, clock) = (Cell::new(7), Cell::new(0u64));
+        let read = || Usage { switches: switches.get(), cpu: Duration::from_millis(clock.get()) };
+        let busy = |ms: u64| {
+            clock.set(ms);
+            linger.saturated(at(ms), read)
+        };
+        assert!(!busy(0), "nothing known yet");
+        assert!(!busy(10), "10 ms without a wait is not enough");
+        assert!(busy(20), "{SATURATION_WINDOW:?} without a wait: saturated");
         switches.set(8);
         assert!(linger.saturated(at(20) + Duration::from_micros(500), read), "not read again within {SAMPLE_EVERY:?}");
-        assert!(!linger.saturated(at(21), read), "the core waited: not saturated");
-        assert!(!linger.saturated(at(40), read));
-        assert!(linger.saturated(at(41), read));
+        assert!(!busy(21), "the core waited: not saturated");
+        assert!(!busy(40));
+        assert!(busy(41));
         assert!(!Linger::new(Duration::ZERO).may_hold(at(41)), "0: off");
+    }
+
+    #[test]
+    fn a_core_kept_from_its_cpu_by_other_work_is_not_saturated_until_it_has_run_a_window() {
+        let linger = Linger::new(Duration::from_micros(500));
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let cpu = Cell::new(0u64);
+        let read = || Usage { switches: 3, cpu: Duration::from_millis(cpu.get()) };
+        assert!(!linger.saturated(at(0), read));
+        // 30 ms without a wait, but only 5 of them on the CPU: others held it.
+        cpu.set(5);
+        assert!(!linger.saturated(at(30), read), "runnable, not running: not behind on its own work");
+        cpu.set(19);
+        assert!(!linger.saturated(at(55), read), "19 ms of CPU since its last wait");
+        // Behind on a shared CPU: a whole window of CPU time without a wait.
+        cpu.set(20);
+        assert!(linger.saturated(at(60), read), "20 ms of CPU without a wait: saturated");
     }
 }
