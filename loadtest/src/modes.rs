@@ -307,7 +307,15 @@ async fn fanout_step(global: &Global, setup: &Setup, plan: &FleetPlan, live: &Ar
     // Writes the flush policy held back (`--socket-linger-us`): only while the core looked
     // saturated.
     row.put("writes_held", delta("hubcast_socket_writes_held_total"));
-    // The client side's cost: harness CPU time per message it received.
+    put_client_side(&mut row, &latency, delivered, live.closed.load(Ordering::Relaxed) - closed_before);
+    // Let queued deliveries drain before the next step.
+    sleep(Duration::from_millis(300)).await;
+    Ok(row)
+}
+
+/// The client side of a fan-out row (`fanout`'s and `peer`'s): the harness's CPU time per
+/// message received (after `harness_cpu`), the latency quantiles in ms, the sockets closed.
+pub fn put_client_side(row: &mut Row, latency: &Histogram, delivered: f64, socket_closes: u64) {
     if let Some(cpu) = row.get("harness_cpu").and_then(|v| v.as_f64()) {
         row.put("harness_us_per_msg", if delivered > 0.0 { cpu * 1e6 / delivered } else { 0.0 });
     }
@@ -316,10 +324,7 @@ async fn fanout_step(global: &Global, setup: &Setup, plan: &FleetPlan, live: &Ar
     row.put("p99_ms", ms(latency.quantile(0.99)));
     row.put("p999_ms", ms(latency.quantile(0.999)));
     row.put("max_ms", ms(latency.max()));
-    row.put("socket_closes", live.closed.load(Ordering::Relaxed) - closed_before);
-    // Let queued deliveries drain before the next step.
-    sleep(Duration::from_millis(300)).await;
-    Ok(row)
+    row.put("socket_closes", socket_closes);
 }
 
 // ---- idle sockets ------------------------------------------------------------------------------

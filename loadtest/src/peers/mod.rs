@@ -554,15 +554,7 @@ async fn step(global: &Global, args: &PeerArgs, broker: &Broker, topics: &Arc<Ve
     row.put("delivered_pct", if ingested > 0.0 { 100.0 * delivered / (ingested * fanout_factor) } else { 0.0 });
     row.put("sent_total", stats.sent.load(Ordering::Relaxed));
     row.put("delivered_total", live.delivered.load(Ordering::Relaxed) - delivered_before);
-    if let Some(cpu) = row.get("harness_cpu").and_then(|v| v.as_f64()) {
-        row.put("harness_us_per_msg", if delivered > 0.0 { cpu * 1e6 / delivered } else { 0.0 });
-    }
-    let ms = |us: u64| us as f64 / 1000.0;
-    row.put("p50_ms", ms(latency.quantile(0.50)));
-    row.put("p99_ms", ms(latency.quantile(0.99)));
-    row.put("p999_ms", ms(latency.quantile(0.999)));
-    row.put("max_ms", ms(latency.max()));
-    row.put("socket_closes", live.closed.load(Ordering::Relaxed) - closed_before);
+    crate::modes::put_client_side(&mut row, &latency, delivered, live.closed.load(Ordering::Relaxed) - closed_before);
     sleep(Duration::from_millis(300)).await;
     Ok(row)
 }
