@@ -14,12 +14,9 @@
 //! **Snapshots** replace the logs when they have grown past `--snapshot-log-bytes`
 //! ([`SNAPSHOT_MIN_LOG`]) and twice the last snapshot. The core starts a new log, encodes its
 //! state into memory a slice per turn (src/app/durable.rs), then a helper thread syncs the
-//! finished log (unless the sync thread did already: the core never waits on it, see
-//! [`SyncSlot::retired`]) and the new log (it holds what changed while the slices were written),
-//! writes `…snap.tmp`, syncs it, renames it, names it in the manifest and deletes the older
-//! files (their unlink, ~10 ms for a 64 MiB log, is that thread's too). A crash at any step
-//! leaves either the old snapshot and logs or the new ones; logs older than the snapshot the
-//! manifest names (a crash before their unlink) are not read, and go at the next snapshot.
+//! new log (it holds what changed while the slices were written), writes `…snap.tmp`, syncs it,
+//! renames it and deletes the older files. A crash at any step leaves either the old snapshot
+//! and logs or the new ones.
 //!
 //! **Recovery.** Damage at rest is never silently survived. The one damage a start expects is a
 //! log whose last commit a crash cut off (a bad frame with no valid frame after it, see
@@ -736,7 +733,7 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
         stores.push(Box::new(store));
     }
     if !fsync_interval.is_zero() {
-        start_syncer(dir.to_path_buf(), slots, fsync_interval);
+        start_syncer(slots, fsync_interval);
     }
     Ok(Opened { stores, loaded })
 }
@@ -788,60 +785,12 @@ struct SyncSlot {
     /// Commits written when `dirty` was last set (counted as synced once the sync is done).
     written: AtomicU64,
     synced: AtomicU64,
-    /// The log a snapshot point finished, until it is synced (and with it the directory: the
-    /// name of the log begun there). The core hands it over instead of syncing both itself
-    /// (a 10–45 ms `fdatasync` and a 10–40 ms directory `fsync` at each snapshot point under
-    /// load, issue 25).
-    /// Bound and policy: one file per core. The next snapshot point of the core comes only
-    /// after the snapshot thread of this one synced it; if the slot is still taken (or its lock
-    /// held by a thread syncing it), the core syncs its finished log inline, as before.
-    /// Order: whoever syncs a core's current log first syncs this one (the sync thread each
-    /// round, the snapshot thread before the new log and the snapshot, [`LogStore::flush`]),
-    /// holding the lock until it is on disk, so a log never reaches the disk ahead of the
-    /// finished one before it, and a power loss still costs at most `--fsync-interval`.
-    retired: Mutex<Option<File>>,
 }
 
-/// Test hook: the data dir of each finished log synced and the name of the thread that did it.
-#[cfg(test)]
-static FINISHED_LOG_SYNCS: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
-
-/// Syncs `file`, a finished log of `dir` (a snapshot point's), then `dir` (the name of the log
-/// begun there), logging the thread that does it.
-fn sync_finished_log(dir: &Path, core: usize, file: &File) -> io::Result<()> {
-    let started = std::time::Instant::now();
-    file.sync_data()?;
-    sync_dir(dir);
-    let thread = std::thread::current();
-    tracing::trace!(core, thread = thread.name().unwrap_or("-"), us = started.elapsed().as_micros() as u64, "store finished log synced");
-    #[cfg(test)]
-    FINISHED_LOG_SYNCS.lock().unwrap_or_else(|e| e.into_inner()).push((dir.to_path_buf(), thread.name().unwrap_or("-").to_string()));
-    #[cfg(not(test))]
-    let _ = dir;
-    Ok(())
-}
-
-impl SyncSlot {
-    /// Syncs the finished log handed over by the core, if any. A failure keeps it (tried again).
-    fn sync_retired(&self, dir: &Path, core: usize) -> io::Result<()> {
-        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = retired.as_ref() {
-            sync_finished_log(dir, core, f)?;
-            *retired = None;
-        }
-        Ok(())
-    }
-}
-
-fn start_syncer(dir: PathBuf, slots: Vec<Arc<SyncSlot>>, every: Duration) {
+fn start_syncer(slots: Vec<Arc<SyncSlot>>, every: Duration) {
     let spawned = std::thread::Builder::new().name("hubcast-store-sync".into()).spawn(move || loop {
         std::thread::sleep(every);
-        for (core, slot) in slots.iter().enumerate() {
-            // The finished log first: the current one must not reach the disk ahead of it.
-            if let Err(e) = slot.sync_retired(&dir, core) {
-                tracing::error!(core, error = %e, "cannot sync a finished store log to disk");
-                continue;
-            }
+        for slot in &slots {
             if slot.dirty.swap(false, Ordering::AcqRel) {
                 let written = slot.written.load(Ordering::Acquire);
                 let file = slot.file.lock().unwrap_or_else(|e| e.into_inner());
@@ -929,13 +878,11 @@ impl LogStore {
             fsync_each: fsync_interval.is_zero(),
             _lock: lock,
         };
-        s.open_log(true)?;
+        s.open_log()?;
         Ok(s)
     }
 
-    /// Starts log `gen`; `sync_dir`: syncs the directory (its name) here, else the caller
-    /// has it synced before the log's commits are (a snapshot point: [`SyncSlot::retired`]).
-    fn open_log(&mut self, sync_dir_now: bool) -> io::Result<()> {
+    fn open_log(&mut self) -> io::Result<()> {
         let path = self.dir.join(file_name(self.epoch, self.core, self.gen, "log"));
         let mut f = OpenOptions::new().create(true).append(true).open(&path)?;
         if f.metadata()?.len() == 0 {
@@ -946,9 +893,7 @@ impl LogStore {
         if self.reserved_to != u64::MAX {
             self.reserved_to = self.file_len;
         }
-        if sync_dir_now {
-            sync_dir(&self.dir);
-        }
+        sync_dir(&self.dir);
         *self.slot.file.lock().unwrap_or_else(|e| e.into_inner()) = Some(f.try_clone()?);
         self.file = Some(f);
         Ok(())
@@ -974,21 +919,6 @@ impl LogStore {
             // ENOSPC and the like: tried again a step later.
             to
         };
-    }
-
-    /// Hands a log finished at a snapshot point to the thread that syncs it; when the one slot
-    /// is taken (see [`SyncSlot::retired`] for the bound), syncs it here.
-    fn retire(&self, old: File) {
-        let old = match self.slot.retired.try_lock() {
-            Ok(mut slot) if slot.is_none() => {
-                *slot = Some(old);
-                return;
-            }
-            _ => old,
-        };
-        if let Err(e) = sync_finished_log(&self.dir, self.core, &old) {
-            self.write_error("cannot sync the finished log", &e);
-        }
     }
 
     fn write_error(&self, what: &str, e: &io::Error) {
@@ -1053,7 +983,7 @@ impl StateStore for LogStore {
         if torn {
             // Cannot cut it off: go on in a new log (a start reads every log in order).
             self.gen += 1;
-            if let Err(e) = self.open_log(true) {
+            if let Err(e) = self.open_log() {
                 self.file = None;
                 self.write_error("cannot start a new log after a failed write", &e);
             }
@@ -1074,23 +1004,17 @@ impl StateStore for LogStore {
         self.commit();
         let old = self.file.take();
         self.gen += 1;
-        // The new log's name is synced with the finished log, by whoever syncs that.
-        if let Err(e) = self.open_log(old.is_none() || self.fsync_each) {
+        if let Err(e) = self.open_log() {
             self.write_error("cannot start a new log", &e);
             self.file = old;
             self.gen -= 1;
             return;
         }
-        // The old log must be on disk before anything that replaces it is: the sync thread or
-        // the snapshot thread syncs it, whichever comes first ([`SyncSlot::retired`]). With a
-        // sync per commit it is on disk already.
+        // The old log must be on disk before anything that replaces it is.
         if let Some(old) = old {
-            if !self.fsync_each {
-                self.retire(old);
-            }
+            let _ = old.sync_data();
         }
         self.log_bytes = 0;
-        tracing::debug!(core = self.core, log = self.gen, "store snapshot point: a new log begun");
         let mut buf = Vec::from(format::header(KIND_SNAPSHOT));
         let frame = format::begin_frame(&mut buf);
         self.snapshot = Some((buf, frame, self.gen));
@@ -1127,14 +1051,12 @@ impl StateStore for LogStore {
         let (dir, epoch, core, manifest) = (self.dir.clone(), self.epoch, self.core, self.manifest.clone());
         // The log since the snapshot point holds what changed while the snapshot was built:
         // it must be on disk before the snapshot replaces anything (see `end_snapshot`'s docs).
-        // And before it, the log the snapshot point finished (unless the sync thread synced it).
         let log = self.file.as_ref().and_then(|f| f.try_clone().ok());
-        let slot = self.slot.clone();
         let spawned = std::thread::Builder::new().name(format!("hubcast-snapshot-{core}")).spawn(move || {
             let path = dir.join(file_name(epoch, core, gen, "snap"));
-            let written = match slot.sync_retired(&dir, core).and_then(|()| log.as_ref().map_or(Ok(()), File::sync_data)) {
-                Err(e) => Err(e),
-                Ok(()) => write_file_synced(&path, &buf),
+            let written = match log.as_ref().map(File::sync_data) {
+                Some(Err(e)) => Err(e),
+                _ => write_file_synced(&path, &buf),
             };
             match written {
                 Ok(()) => {
@@ -1181,7 +1103,6 @@ impl StateStore for LogStore {
 
     fn flush(&mut self) -> io::Result<()> {
         self.commit();
-        self.slot.sync_retired(&self.dir, self.core)?;
         if let Some(f) = self.file.as_ref() {
             f.sync_data()?;
             let before = self.slot.synced.swap(self.commits, Ordering::AcqRel);
@@ -1693,52 +1614,8 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
     }
 
-    fn finished_log_syncs(dir: &Path) -> Vec<String> {
-        FINISHED_LOG_SYNCS.lock().unwrap().iter().filter(|(d, _)| d == dir).map(|(_, t)| t.clone()).collect()
-    }
-
-    /// The core hands the log a snapshot point finished to another thread to sync (issue 25:
-    /// a 10–30 ms `fdatasync` on the core); the snapshot thread syncs it before the snapshot
-    /// replaces it, and a shutdown during the snapshot syncs it too.
-    #[test]
-    fn a_snapshot_point_leaves_the_finished_logs_sync_to_another_thread() {
-        let dir = temp_dir("finished-sync");
-        write_some(&dir, 1);
-        // The sync thread sleeps through the test: the snapshot thread is the one.
-        let mut o = open(&dir, 1, Options::new(Duration::from_secs(3600))).unwrap();
-        let state = o.loaded.pop().unwrap();
-        let store = &mut o.stores[0];
-        store.put(Change::Device { id: "before", device: Some(&device(1.0, "03")) });
-        store.commit();
-        store.begin_snapshot();
-        assert_eq!(finished_log_syncs(&dir), Vec::<String>::new(), "the core did not sync the finished log");
-        store.put(Change::Device { id: "during", device: Some(&device(2.0, "04")) });
-        store.commit();
-        for (id, device) in &state.devices {
-            store.put_snapshot(Change::Device { id, device: Some(device) });
-        }
-        store.put_snapshot(Change::Device { id: "before", device: Some(&device(1.0, "03")) });
-        store.end_snapshot();
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while log_files(&dir).len() > 1 {
-            assert!(std::time::Instant::now() < deadline, "old logs removed");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert_eq!(finished_log_syncs(&dir), vec!["hubcast-snapshot-0".to_string()], "synced once, by the snapshot thread, before the unlink");
-        // A shutdown at a snapshot point: the finished log is synced by the flush.
-        o.stores[0].begin_snapshot();
-        o.stores[0].close().unwrap();
-        assert_eq!(finished_log_syncs(&dir).len(), 2);
-        drop(o);
-        let again = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
-        let names: Vec<_> = all_devices(&again).into_iter().map(|(k, _)| k).collect();
-        assert!(names.iter().any(|k| &**k == "before") && names.iter().any(|k| &**k == "during"), "{names:?}");
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    /// A crash after a snapshot is named and before the logs it replaces are unlinked leaves
-    /// them: a start reads the snapshot and the logs after it, the same state, no damage, and
-    /// the next snapshot removes them.
+    /// A crash after a snapshot was named in the manifest, before its replaced logs were
+    /// unlinked: a start reads the snapshot, not the logs it replaced (no damage, no older value).
     #[test]
     fn logs_a_snapshot_replaced_but_a_crash_left_are_not_read() {
         let dir = temp_dir("left-logs");
