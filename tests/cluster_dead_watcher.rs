@@ -21,6 +21,16 @@ const WAIT: Duration = Duration::from_secs(10);
 
 both_engines!(a_killed_watcher_holds_up_no_other_watchers_messages);
 
+#[test]
+fn cluster_a_paused_instances_master_holds_no_publication() {
+    a_paused_instances_master_holds_no_publication(Engine::cluster());
+}
+
+#[test]
+fn cluster_a_watcher_known_dead_counts_again_once_it_renews() {
+    a_watcher_known_dead_counts_again_once_it_renews(Engine::cluster());
+}
+
 fn metric(server: &Server, name: &str, id: &str) -> f64 {
     server.metric(&format!("{name}{{instance=\"{id}\"}}")).unwrap_or(0.0)
 }
@@ -84,10 +94,15 @@ fn a_killed_watcher_holds_up_no_other_watchers_messages(engine: Engine) {
     while k <= 20 || (cluster && dead_after.is_none()) {
         round(&mut wb, k);
         k += 1;
-        if cluster && dead_after.is_none() && metric(&a, "hubcast_redis_dead_watchers", "a") == 1.0 {
-            dead_after = Some(killed.elapsed());
+        if cluster && dead_after.is_none() {
+            if metric(&a, "hubcast_redis_dead_watchers", "a") == 1.0 {
+                dead_after = Some(killed.elapsed());
+            } else {
+                // Only while C is not yet known dead, on a cluster (one Redis counts nothing):
+                // the rounds' own pace is not what is timed.
+                assert!(killed.elapsed() < Duration::from_secs(8), "A still counts C as a watcher 8 s after its kill (its presence stands 10 s)");
+            }
         }
-        assert!(killed.elapsed() < Duration::from_secs(8), "A still counts C as a watcher 8 s after its kill (its presence stands 10 s)");
     }
     if !cluster {
         return;
@@ -186,4 +201,109 @@ fn measure_the_delay_a_killed_watcher_costs_another() {
             }
         }
     }
+}
+
+/// A watcher counted dead that comes back counts again, whether messages wait or not
+/// (cluster/resend.rs, `Probe`; a cluster only: one Redis counts nothing). C watches the
+/// pump, D the valve. C is frozen (SIGSTOP: its connections stay, so the pump's messages
+/// still reach it and none waits), then D killed while A takes the valve's messages in:
+/// they fall short of D and wait, so A asks who is dead and finds C (frozen first, so stale
+/// first), then D. Once D is known dead nothing waits; C resumes and renews its presence.
+/// Before, only a probe made while messages waited could see C renewing: C stayed counted
+/// out (`hubcast_redis_dead_watchers` stuck at 1 after D's presence expired), so a pump
+/// message that missed C later (a slot move) would have looked delivered. Now A asks every
+/// second while any is known dead: the gauge reaches 0 (D gone with its presence, 10 s),
+/// and C gets the pump's later messages.
+fn a_watcher_known_dead_counts_again_once_it_renews(engine: Engine) {
+    let a = engine.instance("a", &["--cores", "1"]);
+    let c = engine.instance("c", &[]);
+    let mut d = engine.instance("d", &[]);
+    let on_c = a.telemetry_session(&["pump"]);
+    let on_d = a.telemetry_session(&["valve"]);
+    let mut wc = c.live(&on_c);
+    let _wd = d.live(&on_d);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(2.0));
+    a.ingest(json!({"deviceId": "pump", "body": {"n": 0}}));
+    assert_eq!(wc.next_json(WAIT).expect("C gets the pump's first message")["telemetry"]["n"], json!(0));
+    c.signal(libc::SIGSTOP);
+    // D's last renewal comes after C's: C (a heartbeat, 2 s, between renewals) is stale first.
+    std::thread::sleep(Duration::from_millis(2500));
+    d.signal(libc::SIGKILL);
+    d.wait_exit(WAIT).expect("D killed");
+    let killed = Instant::now();
+    let mut n = 0;
+    let mut c_dead = false;
+    loop {
+        n += 1;
+        a.ingest(json!({"deviceId": "valve", "body": {"n": n}}));
+        let dead = metric(&a, "hubcast_redis_dead_watchers", "a");
+        c_dead |= dead >= 1.0;
+        if dead == 2.0 {
+            break;
+        }
+        assert!(killed.elapsed() < Duration::from_secs(8), "A does not count C and D dead 8 s after D's kill (D's presence stands 10 s)");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(c_dead, "C was known dead first");
+    c.signal(libc::SIGCONT);
+    // C renews at its next heartbeat; D's presence goes 10 s after its last renewal.
+    a.wait_for_metric("hubcast_redis_dead_watchers{instance=\"a\"}", Duration::from_secs(20), Want::Eq(0.0));
+    let log = a.stderr_lines().join("\n");
+    assert!(log.contains("renews its presence again"), "{log}");
+    for k in 1..=5 {
+        a.ingest(json!({"deviceId": "pump", "body": {"n": k}}));
+        assert_eq!(wc.next_json(WAIT).unwrap_or_else(|| panic!("C gets the pump's message {k}"))["telemetry"]["n"], json!(k));
+    }
+}
+
+/// Who is dead is asked by a task of its own (cluster/resend.rs, `Probe`): a slow master
+/// holding the instances key holds no publication. D watches the pump, B the valve, both
+/// on masters other than the instances key's; D is killed, so the pump's messages fall short
+/// of it and wait, and A keeps asking who is dead; the instances key's master is paused
+/// (`CLIENT PAUSE`, 2.5 s), so no answer comes (D stays counted, the pump's messages keep
+/// waiting, A keeps asking). Meanwhile the valve's messages reach B as fast as ever: at most
+/// a fifth of them take over 120 ms from `POST /ingest` to B's frame (measured under load:
+/// none, the slowest 44 ms). Before, the command task waited for each answer up to 200 ms
+/// of every 250 ms, every publication behind it: 7 of 15 took 152-198 ms (the rest 3-6 ms).
+fn a_paused_instances_master_holds_no_publication(engine: Engine) {
+    let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
+    let control = nodes.owner_of(nodes.slot_of("{t}:instances"));
+    let elsewhere = |name: &str| {
+        (0..1000).map(|i| format!("{name}-{i}")).find(|d| nodes.owner_of(nodes.slot_of(&format!("t:device:{d}"))) != control).expect("a device off the control master")
+    };
+    let (pump, valve) = (elsewhere("pump"), elsewhere("valve"));
+    let a = engine.instance("a", &["--cores", "1"]);
+    let b = engine.instance("b", &["--cores", "1"]);
+    let mut d = engine.instance("d", &[]);
+    let on_b = a.telemetry_session(&[valve.as_str()]);
+    let on_d = a.telemetry_session(&[pump.as_str()]);
+    let mut wb = b.live(&on_b);
+    let _wd = d.live(&on_d);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(2.0));
+    let mut n = 0;
+    let mut timed = |wb: &mut common::ws::Live| {
+        n += 1;
+        a.ingest(json!({"deviceId": pump, "body": {"n": n}}));
+        let t = Instant::now();
+        a.ingest(json!({"deviceId": valve, "body": {"n": n}}));
+        assert_eq!(next(wb, "the valve's message"), (valve.clone(), n));
+        let ms = t.elapsed().as_secs_f64() * 1000.0;
+        std::thread::sleep(Duration::from_millis(20 + (n as u64 * 37) % 50));
+        ms
+    };
+    d.signal(libc::SIGKILL);
+    d.wait_exit(WAIT).expect("D killed");
+    // The pump's messages wait for D from here on (A asks who is dead).
+    let _ = timed(&mut wb);
+    let paused = Instant::now();
+    assert_eq!(nodes.command_on(control, "CLIENT PAUSE 2500 ALL").as_deref().map(str::trim), Some("+OK"));
+    let mut during = Vec::new();
+    while paused.elapsed() < Duration::from_millis(2000) {
+        during.push(timed(&mut wb));
+    }
+    assert_eq!(metric(&a, "hubcast_redis_dead_watchers", "a"), 0.0, "D is not known dead while the instances key's master is paused");
+    during.sort_by(|x, y| x.total_cmp(y));
+    let slow = during.iter().filter(|ms| **ms > 120.0).count();
+    eprintln!("the valve's messages while paused (ms, sorted): {during:.1?}");
+    assert!(slow * 5 <= during.len(), "the valve's messages reach B at once while the instances key's master is paused: {slow} of {} over 120 ms, {during:.1?}", during.len());
 }

@@ -229,7 +229,8 @@ pub(super) struct Shared {
     /// Other live instances.
     pub instances: HashSet<Arc<str>>,
     /// Those of them known dead at the publisher's last probe (cluster/resend.rs,
-    /// `probe_dead`): not counted as watchers; dropped here when their presence goes.
+    /// `Probe`, asked again every second while any is): not counted as watchers; dropped when
+    /// seen renewing again or when their presence goes.
     pub dead: HashSet<Arc<str>>,
     reads: HashMap<u64, PendingRead>,
     next_read: u64,
@@ -840,9 +841,20 @@ async fn command_loop(
 ) -> Failed {
     // A cluster's device messages short of their watchers (a slot moving), published again.
     let mut resend = resend::Resend::default();
+    // Who is dead, asked by a task of its own (resend.rs): its answer applied when it comes.
+    let mut probe = resend::Probe::default();
     loop {
         let next_read = state.borrow().reads.values().map(|r| r.deadline).min();
+        let probe_due = probe.due(state, &resend);
         let result = tokio::select! {
+            answer = probe.answer() => {
+                probe.apply(ctx, state, answer);
+                Ok(())
+            }
+            _ = tokio::time::sleep_until(probe_due.unwrap_or_else(tokio::time::Instant::now)), if probe_due.is_some() => {
+                probe.ask(ctx, &conn);
+                Ok(())
+            }
             _ = tokio::time::sleep_until(next_read.unwrap_or_else(tokio::time::Instant::now)), if next_read.is_some() => {
                 expire_reads(state);
                 Ok(())

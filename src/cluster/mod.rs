@@ -244,7 +244,7 @@ pub struct Stats {
     pub republished: AtomicU64,
     pub republish_given_up: AtomicU64,
     /// A Redis Cluster: other instances the publisher no longer counts as watchers, their
-    /// presence not renewed for a heartbeat and a second (resend.rs, `probe_dead`).
+    /// presence not renewed for a heartbeat and a second (resend.rs, `Probe`).
     pub dead_watchers: AtomicU64,
     pub instances: AtomicU64,
     /// Charged bytes of the device rings of every core (ring.rs; wrapping adds of signed
@@ -490,7 +490,7 @@ impl Cluster {
             ("hubcast_redis_topology_refreshes_total".into(), "Times the slot map was read (CLUSTER SLOTS).".into(), label.to_string(), get(&s.topology_refreshes)),
             ("hubcast_redis_republished_total".into(), "Device messages published again: fewer instances received them than watch their device (its slot was moving, or a watcher was killed and not yet known dead).".into(), label.to_string(), get(&s.republished)),
             ("hubcast_redis_republish_given_up_total".into(), "Device messages no longer published again: still short of their watchers after 2 s, or past the bounds of what waits (64 messages or 256 KiB a device, 16 MiB in all).".into(), label.to_string(), get(&s.republish_given_up)),
-            ("hubcast_redis_dead_watchers".into(), "Other instances not counted as watchers of device messages at the last probe (made while messages wait for their watchers): their presence was not renewed for a heartbeat and a second (killed, its presence not yet expired).".into(), label.to_string(), get(&s.dead_watchers)),
+            ("hubcast_redis_dead_watchers".into(), "Other instances not counted as watchers of device messages at the last probe (made while messages wait for their watchers, and every second while any is counted here): their presence was not renewed for a heartbeat and a second (killed or frozen, its presence not yet expired).".into(), label.to_string(), get(&s.dead_watchers)),
         ];
         for (i, reason) in shards::REASONS.iter().enumerate() {
             let labels = format!("{{instance=\"{}\",reason=\"{reason}\"}}", self.instance);

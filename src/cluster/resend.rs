@@ -24,10 +24,11 @@
 //! short of it. Before, each such message waited for the next retry (up to [`EVERY`] late
 //! to the watchers that are there, for the whole TTL). Now a new message of a waiting device
 //! goes at once behind fresh copies of its device's waiting ones (bounded:
-//! [`AT_ONCE_MESSAGES`], [`AT_ONCE_BYTES`]), and while anything waits the task asks who is
-//! dead ([`probe_dead`]: presence not renewed for a heartbeat and a second): a dead
-//! instance no longer counts, so its devices' messages stop waiting for it within about a
-//! heartbeat and a second (3 s by default) of its death.
+//! [`AT_ONCE_MESSAGES`], [`AT_ONCE_BYTES`]), and while anything waits who is dead is asked
+//! ([`Probe`], a task of its own: presence not renewed for a heartbeat and a second): a
+//! dead instance no longer counts, so its devices' messages stop waiting for it within
+//! about a heartbeat and a second (3 s by default) of its death; while one is known dead
+//! it is asked every second, waiting or not, and one seen renewing again counts again.
 //!
 //! Not covered: a watcher that subscribes again between two `SPUBLISH`es of one device in
 //! one pipeline gets the later and misses the earlier (published again, it is older than
@@ -35,6 +36,7 @@
 //! serving another client in between, so this needs a pipeline split across two reads.
 
 use std::collections::VecDeque;
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,10 +64,15 @@ const TOTAL_BYTES: usize = 16 << 20;
 /// (a device sending faster than 8 a second while a watcher of it is dead or moving).
 const AT_ONCE_MESSAGES: usize = 16;
 const AT_ONCE_BYTES: usize = 64 << 10;
-/// How often, at most, who is dead is asked while messages wait ([`probe_dead`]), and how
-/// long its answer is waited for.
+/// How often, at most, who is dead is asked while messages wait ([`Probe`]); how often while
+/// nothing waits but some instance is known dead (so one seen renewing again counts again
+/// within about a second, whether messages wait or not); how long an answer is waited for
+/// (by the probe's own task: the command task never waits for it); and the longest pause
+/// after failed or late answers (the pause doubles from [`PROBE_EVERY`] with each in a row).
 const PROBE_EVERY: Duration = Duration::from_millis(250);
-const PROBE_DEADLINE: Duration = Duration::from_millis(200);
+const RECHECK_EVERY: Duration = Duration::from_secs(1);
+const PROBE_DEADLINE: Duration = Duration::from_secs(1);
+const PROBE_BACKOFF_MAX: Duration = Duration::from_secs(4);
 
 struct Waiting {
     payload: Vec<u8>,
@@ -91,8 +98,6 @@ pub(super) struct Resend {
     pub due: Option<Instant>,
     /// One pipeline per master per batch (cluster/shards.rs).
     publisher: shards::Publisher,
-    /// When who is dead was last asked.
-    probed: Option<Instant>,
 }
 
 impl Resend {
@@ -144,7 +149,7 @@ impl Resend {
 }
 
 /// Instances other than this one that watch `device`, as the `watch` channel said, less
-/// those known dead ([`probe_dead`]).
+/// those known dead ([`Probe`]).
 fn watchers(state: &State, device: &str) -> i64 {
     let s = state.borrow();
     s.remote.get(device).map_or(0, |w| w.iter().filter(|i| !s.dead.contains(*i)).count() as i64)
@@ -193,13 +198,14 @@ pub(super) async fn publish(ctx: &Ctx, state: &State, conn: &Conn, items: Vec<(B
     let (counts, sizes) = {
         let mut refs: Vec<(&str, &[u8])> = Vec::with_capacity(out.len());
         let mut sizes: Vec<usize> = Vec::with_capacity(out.len());
-        let (mut first, mut again) = (0u64, 0u64);
+        let (mut first, mut again, mut direct) = (0u64, 0u64, 0u64);
         for o in &out {
             match o {
                 Out::Direct(d, p) => {
                     refs.push((&**d, p.as_slice()));
                     sizes.push(1);
                     first += 1;
+                    direct += 1;
                 }
                 Out::Waiting(d) => {
                     let q = resend.devices.get(d).map(|q| &q.items);
@@ -224,7 +230,9 @@ pub(super) async fn publish(ctx: &Ctx, state: &State, conn: &Conn, items: Vec<(B
                 (counts, sizes)
             }
             Err(reason) => {
-                ctx.stats.dropped.fetch_add(first, Ordering::Relaxed);
+                // Each counted once: the direct ones dropped here; what waits (its new
+                // messages too) is given up by the caller (`Resend::abandon`).
+                ctx.stats.dropped.fetch_add(direct, Ordering::Relaxed);
                 return Err(reason);
             }
         }
@@ -272,7 +280,7 @@ fn reached(state: &State, resend: &mut Resend, device: &str, got: &[i64]) {
 /// Publishes every waiting message again, each device's in order: those that reached their
 /// device's watchers now stop waiting, up to the first that did not; those waiting longer
 /// than [`FOR`] are given up. While something waits, who is dead is asked now and then
-/// ([`probe_dead`]): a dead watcher stops counting.
+/// ([`Probe`]): a dead watcher stops counting.
 pub(super) async fn again(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Result<(), Failed> {
     let now = Instant::now();
     let mut given_up = 0u64;
@@ -296,7 +304,6 @@ pub(super) async fn again(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Re
         resend.due = None;
         return Ok(());
     }
-    probe_dead(ctx, state, conn, resend).await;
     send(ctx, state, conn, resend).await?;
     resend.due = (!resend.devices.is_empty()).then(|| Instant::now() + EVERY);
     Ok(())
@@ -332,36 +339,105 @@ async fn send(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) -> Res
     Ok(())
 }
 
-/// Who is dead, asked of Redis at most every [`PROBE_EVERY`] while messages wait: another
-/// instance whose presence was not renewed for a heartbeat and a second (or is gone) is
-/// dead, by the rule and Redis's clock the rebuild's probe uses (docs/design/recovery.md
-/// step 11 c); a live instance renews it every heartbeat. A dead instance no longer counts
-/// as a watcher here, so its devices' messages stop waiting for it within about a heartbeat
-/// and a second of its death instead of until its presence expires (`--lease-ttl`); one
-/// seen renewing again counts again from the next probe.
-async fn probe_dead(ctx: &Ctx, state: &State, conn: &Conn, resend: &mut Resend) {
-    let now = Instant::now();
-    if resend.probed.is_some_and(|at| now.duration_since(at) < PROBE_EVERY) {
-        return;
-    }
-    resend.probed = Some(now);
-    let dead_after = (ctx.o.heartbeat() + Duration::from_secs(1)).as_millis() as i64;
-    // Never holds the publications long: no answer within [`PROBE_DEADLINE`] (or a failed
-    // one) keeps what was known, and the next probe asks again.
-    let stale = match tokio::time::timeout(PROBE_DEADLINE, super::link::staleness(ctx, &mut conn.clone())).await {
-        Ok(Ok(stale)) => stale,
-        Ok(Err(reason)) => {
-            tracing::debug!(%reason, "who is dead could not be asked: the watchers known stay as they were");
-            return;
+/// Who is dead, asked of Redis by a task of its own (one query in flight at most; the
+/// command task starts it and applies its answer when it comes, never waiting for it, so a
+/// slow or failing-over master holding the instances key holds no publication): every
+/// [`PROBE_EVERY`] while messages wait, every [`RECHECK_EVERY`] while nothing waits but some
+/// instance is known dead, never otherwise. Another instance whose presence was not renewed
+/// for a heartbeat and a second (or is gone) is dead, by the rule and Redis's clock the
+/// rebuild's probe uses (docs/design/recovery.md step 11 c); a live instance renews it every
+/// heartbeat. A dead instance no longer counts as a watcher here, so its devices' messages
+/// stop waiting for it within about a heartbeat and a second of its death instead of until
+/// its presence expires (`--lease-ttl`). One seen renewing again (a frozen one, SIGSTOP, or
+/// a late heartbeat) counts again from the answer that sees it, within about a second,
+/// whether messages wait or not: before, only a probe made while messages waited could see
+/// it, and a message that missed it later (a slot move) looked delivered and was lost to it.
+/// A failed or late answer (past [`PROBE_DEADLINE`]) keeps what was known, and the next
+/// query waits twice as long as the last (up to [`PROBE_BACKOFF_MAX`]).
+/// How long ago each other instance renewed its presence (`link::staleness`).
+type Staleness = Vec<(Box<str>, Option<i64>)>;
+
+#[derive(Default)]
+pub(super) struct Probe {
+    /// The query in flight: its answer, `None` if it failed or was late.
+    asked: Option<tokio::task::JoinHandle<Option<Staleness>>>,
+    /// When the last query was started.
+    at: Option<Instant>,
+    /// Failed or late answers in a row.
+    failures: u32,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        if let Some(asked) = &self.asked {
+            asked.abort();
         }
-        Err(_) => return,
-    };
-    let alive: HashSet<&str> = stale.iter().filter(|(_, ms)| ms.is_some_and(|ms| ms <= dead_after)).map(|(id, _)| &**id).collect();
-    let mut s = state.borrow_mut();
-    let dead: HashSet<Arc<str>> = s.instances.iter().filter(|i| !alive.contains(&***i)).cloned().collect();
-    for i in dead.difference(&s.dead) {
-        tracing::info!(instance = %i, "another instance has not renewed its presence for a heartbeat and a second: no longer waited for as a watcher of its devices' messages");
     }
-    s.dead = dead;
-    ctx.stats.dead_watchers.store(s.dead.len() as u64, Ordering::Relaxed);
+}
+
+impl Probe {
+    /// When to ask next (`None`: not now; one in flight, or nothing to ask for).
+    pub fn due(&self, state: &State, resend: &Resend) -> Option<Instant> {
+        if self.asked.is_some() {
+            return None;
+        }
+        let every = if resend.due.is_some() {
+            PROBE_EVERY
+        } else if !state.borrow().dead.is_empty() {
+            RECHECK_EVERY
+        } else {
+            return None;
+        };
+        let backoff = PROBE_EVERY.saturating_mul(1 << self.failures.min(4)).min(PROBE_BACKOFF_MAX);
+        Some(self.at.map_or_else(Instant::now, |at| at + every.max(backoff)))
+    }
+
+    /// Starts a query.
+    pub fn ask(&mut self, ctx: &Rc<Ctx>, conn: &Conn) {
+        self.at = Some(Instant::now());
+        let (ctx, mut conn) = (ctx.clone(), conn.clone());
+        self.asked = Some(tokio::task::spawn_local(async move {
+            match tokio::time::timeout(PROBE_DEADLINE, super::link::staleness(&ctx, &mut conn)).await {
+                Ok(Ok(stale)) => Some(stale),
+                Ok(Err(reason)) => {
+                    tracing::debug!(%reason, "who is dead could not be asked: the watchers known stay as they were");
+                    None
+                }
+                Err(_) => {
+                    tracing::debug!("who is dead was not answered in time: the watchers known stay as they were");
+                    None
+                }
+            }
+        }));
+    }
+
+    /// The answer of the query in flight, when it comes (never while none is).
+    pub async fn answer(&mut self) -> Option<Staleness> {
+        let Some(asked) = self.asked.as_mut() else { return std::future::pending().await };
+        let answer = asked.await.ok().flatten();
+        self.asked = None;
+        answer
+    }
+
+    /// Applies an answer: those seen dead stop counting as watchers, those seen renewing
+    /// count again.
+    pub fn apply(&mut self, ctx: &Ctx, state: &State, answer: Option<Staleness>) {
+        let Some(stale) = answer else {
+            self.failures = self.failures.saturating_add(1);
+            return;
+        };
+        self.failures = 0;
+        let dead_after = (ctx.o.heartbeat() + Duration::from_secs(1)).as_millis() as i64;
+        let alive: HashSet<&str> = stale.iter().filter(|(_, ms)| ms.is_some_and(|ms| ms <= dead_after)).map(|(id, _)| &**id).collect();
+        let mut s = state.borrow_mut();
+        let dead: HashSet<Arc<str>> = s.instances.iter().filter(|i| !alive.contains(&***i)).cloned().collect();
+        for i in dead.difference(&s.dead) {
+            tracing::info!(instance = %i, "another instance has not renewed its presence for a heartbeat and a second: no longer waited for as a watcher of its devices' messages");
+        }
+        for i in s.dead.difference(&dead) {
+            tracing::info!(instance = %i, "another instance known dead renews its presence again: waited for as a watcher of its devices' messages again");
+        }
+        s.dead = dead;
+        ctx.stats.dead_watchers.store(s.dead.len() as u64, Ordering::Relaxed);
+    }
 }
