@@ -226,8 +226,19 @@ fn a_watcher_known_dead_counts_again_once_it_renews(engine: Engine) {
     a.ingest(json!({"deviceId": "pump", "body": {"n": 0}}));
     assert_eq!(wc.next_json(WAIT).expect("C gets the pump's first message")["telemetry"]["n"], json!(0));
     c.signal(libc::SIGSTOP);
-    // D's last renewal comes after C's: C (a heartbeat, 2 s, between renewals) is stale first.
-    std::thread::sleep(Duration::from_millis(2500));
+    // D's last renewal comes after C's, so C is stale first: D's presence (scored with when it
+    // expires) renewed after C froze, past C's (an event in Redis, within a heartbeat).
+    let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
+    let expires = |id: &str| -> i64 {
+        let reply = nodes.command(&format!("ZSCORE {{t}}:instances {id}")).unwrap_or_default();
+        reply.lines().nth(1).and_then(|s| s.trim().parse::<f64>().ok()).map_or(0, |s| s as i64)
+    };
+    let d_frozen_at = expires("d");
+    let deadline = Instant::now() + WAIT;
+    while !(expires("d") > d_frozen_at && expires("d") > expires("c")) {
+        assert!(Instant::now() < deadline, "D renews its presence after C froze");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     d.signal(libc::SIGKILL);
     d.wait_exit(WAIT).expect("D killed");
     let killed = Instant::now();
@@ -260,11 +271,14 @@ fn a_watcher_known_dead_counts_again_once_it_renews(engine: Engine) {
 /// holding the instances key holds no publication. D watches the pump, B the valve, both
 /// on masters other than the instances key's; D is killed, so the pump's messages fall short
 /// of it and wait, and A keeps asking who is dead; the instances key's master is paused
-/// (`CLIENT PAUSE`, 2.5 s), so no answer comes (D stays counted, the pump's messages keep
-/// waiting, A keeps asking). Meanwhile the valve's messages reach B as fast as ever: at most
-/// a fifth of them take over 120 ms from `POST /ingest` to B's frame (measured under load:
-/// none, the slowest 44 ms). Before, the command task waited for each answer up to 200 ms
-/// of every 250 ms, every publication behind it: 7 of 15 took 152-198 ms (the rest 3-6 ms).
+/// (`CLIENT PAUSE`, 2.5 s), so a query gets no answer while it lasts. Asserted by events, not
+/// times: A's `hubcast_redis_dead_probe_pending` is 1 and `hubcast_redis_dead_probes_total`
+/// reads N before the valve's message is taken in, and both read the same once B has the
+/// message: it was published while that one query waited for its answer. Before (the query
+/// awaited by the command task, up to 200 ms of every 250 ms, every publication behind it)
+/// that cannot happen: the message left only after the query ended (then 7 of 15 took
+/// 152-198 ms). A query ends within 1 s (its deadline) and the pause after 2.5 s, so a round
+/// can straddle one's end; rounds go on until one shows it, over up to 4 pauses.
 fn a_paused_instances_master_holds_no_publication(engine: Engine) {
     let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
     let control = nodes.owner_of(nodes.slot_of("{t}:instances"));
@@ -280,30 +294,53 @@ fn a_paused_instances_master_holds_no_publication(engine: Engine) {
     let mut wb = b.live(&on_b);
     let _wd = d.live(&on_d);
     a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(2.0));
+    let pending = "hubcast_redis_dead_probe_pending{instance=\"a\"}";
     let mut n = 0;
-    let mut timed = |wb: &mut common::ws::Live| {
+    // One round: the pump's message (it waits for D: A keeps asking who is dead); then, if a
+    // query is pending, the valve's, which B must get: `Some(true)` if that one query was
+    // still pending once B had it, `None` if none was pending (nothing else sent).
+    let mut round = |wb: &mut common::ws::Live| {
         n += 1;
         a.ingest(json!({"deviceId": pump, "body": {"n": n}}));
-        let t = Instant::now();
+        let before = (metric(&a, "hubcast_redis_dead_probes_total", "a"), a.metric(pending));
+        if before.1 != Some(1.0) {
+            return None;
+        }
         a.ingest(json!({"deviceId": valve, "body": {"n": n}}));
         assert_eq!(next(wb, "the valve's message"), (valve.clone(), n));
-        let ms = t.elapsed().as_secs_f64() * 1000.0;
-        std::thread::sleep(Duration::from_millis(20 + (n as u64 * 37) % 50));
-        ms
+        let after = (metric(&a, "hubcast_redis_dead_probes_total", "a"), a.metric(pending));
+        Some(before == after)
     };
     d.signal(libc::SIGKILL);
     d.wait_exit(WAIT).expect("D killed");
     // The pump's messages wait for D from here on (A asks who is dead).
-    let _ = timed(&mut wb);
-    let paused = Instant::now();
-    assert_eq!(nodes.command_on(control, "CLIENT PAUSE 2500 ALL").as_deref().map(str::trim), Some("+OK"));
-    let mut during = Vec::new();
-    while paused.elapsed() < Duration::from_millis(2000) {
-        during.push(timed(&mut wb));
+    let _ = round(&mut wb);
+    const PAUSE: Duration = Duration::from_millis(2500);
+    let (mut rounds, mut shown) = (0, 0);
+    for _ in 0..4 {
+        let paused = Instant::now();
+        assert_eq!(nodes.command_on(control, &format!("CLIENT PAUSE {} ALL", PAUSE.as_millis())).as_deref().map(str::trim), Some("+OK"));
+        // A's next query (at most 250 ms on while the pump's messages wait, a second once D is
+        // known dead) gets no answer while the pause lasts.
+        while paused.elapsed() < PAUSE && shown == 0 {
+            match round(&mut wb) {
+                Some(at_once) => {
+                    rounds += 1;
+                    shown += usize::from(at_once);
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        // The pause's end, an event: the paused master answers again.
+        let deadline = Instant::now() + WAIT;
+        while nodes.command_on(control, "PING").as_deref().map(str::trim) != Some("+PONG") {
+            assert!(Instant::now() < deadline, "the instances key's master answers again after its pause");
+        }
+        if shown > 0 {
+            break;
+        }
     }
-    assert_eq!(metric(&a, "hubcast_redis_dead_watchers", "a"), 0.0, "D is not known dead while the instances key's master is paused");
-    during.sort_by(|x, y| x.total_cmp(y));
-    let slow = during.iter().filter(|ms| **ms > 120.0).count();
-    eprintln!("the valve's messages while paused (ms, sorted): {during:.1?}");
-    assert!(slow * 5 <= during.len(), "the valve's messages reach B at once while the instances key's master is paused: {slow} of {} over 120 ms, {during:.1?}", during.len());
+    eprintln!("rounds with a query of who is dead pending: {rounds}, the valve's message at B while it still was: {shown}");
+    assert!(rounds > 0, "A asked who is dead while the instances key's master was paused");
+    assert!(shown > 0, "none of {rounds} valve messages taken in while a query of who is dead was pending reached B before the query ended: the publications waited for its answer");
 }

@@ -246,6 +246,10 @@ pub struct Stats {
     /// A Redis Cluster: other instances the publisher no longer counts as watchers, their
     /// presence not renewed for a heartbeat and a second (resend.rs, `Probe`).
     pub dead_watchers: AtomicU64,
+    /// Queries of who is dead started (resend.rs, `Probe`), and 1 while one waits for its
+    /// answer: the publications never wait for it, so a test sees one go out meanwhile.
+    pub dead_probes: AtomicU64,
+    pub dead_probe_pending: AtomicU64,
     pub instances: AtomicU64,
     /// Charged bytes of the device rings of every core (ring.rs; wrapping adds of signed
     /// changes).
@@ -491,6 +495,8 @@ impl Cluster {
             ("hubcast_redis_republished_total".into(), "Device messages published again: fewer instances received them than watch their device (its slot was moving, or a watcher was killed and not yet known dead).".into(), label.to_string(), get(&s.republished)),
             ("hubcast_redis_republish_given_up_total".into(), "Device messages no longer published again: still short of their watchers after 2 s, or past the bounds of what waits (64 messages or 256 KiB a device, 16 MiB in all).".into(), label.to_string(), get(&s.republish_given_up)),
             ("hubcast_redis_dead_watchers".into(), "Other instances not counted as watchers of device messages at the last probe (made while messages wait for their watchers, and every second while any is counted here): their presence was not renewed for a heartbeat and a second (killed or frozen, its presence not yet expired).".into(), label.to_string(), get(&s.dead_watchers)),
+            ("hubcast_redis_dead_probes_total".into(), "Queries of who is dead started (while device messages wait for their watchers, and every second while an instance is counted dead).".into(), label.to_string(), get(&s.dead_probes)),
+            ("hubcast_redis_dead_probe_pending".into(), "1 while a query of who is dead waits for its answer (at most 1 s; publications go on meanwhile): long stretches of 1 mean the master holding the instances key is slow.".into(), label.to_string(), get(&s.dead_probe_pending)),
         ];
         for (i, reason) in shards::REASONS.iter().enumerate() {
             let labels = format!("{{instance=\"{}\",reason=\"{reason}\"}}", self.instance);

@@ -375,6 +375,15 @@ impl Drop for Probe {
     }
 }
 
+/// `hubcast_redis_dead_probe_pending` while a query's task lives.
+struct Pending(Arc<super::Stats>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.dead_probe_pending.store(0, Ordering::Relaxed);
+    }
+}
+
 impl Probe {
     /// When to ask next (`None`: not now; one in flight, or nothing to ask for).
     pub fn due(&self, state: &State, resend: &Resend) -> Option<Instant> {
@@ -396,7 +405,11 @@ impl Probe {
     pub fn ask(&mut self, ctx: &Rc<Ctx>, conn: &Conn) {
         self.at = Some(Instant::now());
         let (ctx, mut conn) = (ctx.clone(), conn.clone());
+        ctx.stats.dead_probes.fetch_add(1, Ordering::Relaxed);
         self.asked = Some(tokio::task::spawn_local(async move {
+            // 1 until the query ends, answered or not, or is aborted with its connection.
+            ctx.stats.dead_probe_pending.store(1, Ordering::Relaxed);
+            let _pending = Pending(ctx.stats.clone());
             match tokio::time::timeout(PROBE_DEADLINE, super::link::staleness(&ctx, &mut conn)).await {
                 Ok(Ok(stale)) => Some(stale),
                 Ok(Err(reason)) => {
