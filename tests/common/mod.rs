@@ -134,6 +134,8 @@ pub struct Server {
     agent: ureq::Agent,
     /// A data dir the harness made for this server (removed on drop).
     own_data_dir: Option<std::path::PathBuf>,
+    /// The threads reading its stdout and stderr (done at the pipes' end).
+    drains: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Server {
@@ -182,8 +184,7 @@ impl Server {
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel::<String>();
-        drain(child.stdout.take().unwrap(), stdout.clone(), Some(tx));
-        drain(child.stderr.take().unwrap(), stderr.clone(), None);
+        let drains = vec![drain(child.stdout.take().unwrap(), stdout.clone(), Some(tx)), drain(child.stderr.take().unwrap(), stderr.clone(), None)];
 
         let deadline = Instant::now() + START_TIMEOUT;
         let base = loop {
@@ -215,7 +216,7 @@ impl Server {
             }
         };
         let port = port_of(&base).unwrap_or_else(|| panic!("no port in listening URL {base:?}"));
-        Server { child, base, port, stdout, stderr, agent: new_agent(), own_data_dir }
+        Server { child, base, port, stdout, stderr, agent: new_agent(), own_data_dir, drains }
     }
 
     /// Absolute URL of `path` (which starts with `/`).
@@ -440,8 +441,17 @@ impl Server {
     }
 
     /// Waits up to `timeout` for the process to exit; its status, or `None` while it runs.
+    /// Once it has exited, every line it wrote is in [`Server::stdout_lines`] and
+    /// [`Server::stderr_lines`]: the reading threads are waited for too (the pipes end with
+    /// the process; at most 5 s more), so a line logged just before the exit is never missed
+    /// (a loaded machine could schedule the reader after the test read the lines).
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
-        process::wait_exit(&mut self.child, timeout)
+        let status = process::wait_exit(&mut self.child, timeout)?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.drains.iter().any(|d| !d.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Some(status)
     }
 
     // ---- raw TCP ---------------------------------------------------------------------------

@@ -107,10 +107,15 @@ pub fn instance_with(redis: &super::redis::Redis, id: &str, extra: &[&str]) -> S
     server
 }
 
+/// How long a stop is waited for: past `--shutdown-timeout`'s default 10 s, the most a stop
+/// may take by its own deadline (a hand-over's verdict wait and the leases' hand-over within
+/// it), so a loaded machine's slow stop is not taken for a hung one.
+pub const STOP_WAIT: Duration = Duration::from_secs(30);
+
 /// A graceful stop: SIGTERM, and a clean exit.
 pub fn sigterm(server: &mut Server) {
     server.signal(libc::SIGTERM);
-    let exit = server.wait_exit(WAIT).expect("exits after SIGTERM");
+    let exit = server.wait_exit(STOP_WAIT).expect("exits after SIGTERM");
     assert!(
         exit.success(),
         "{exit:?}\n{}",
@@ -124,14 +129,21 @@ pub struct Monitor {
 }
 
 impl Monitor {
+    /// Returns once Redis has answered `+OK`: every command it runs from then on is seen
+    /// (before, a command run between the `MONITOR` written and Redis reading it, e.g. a
+    /// stopping instance's hand-over on a loaded machine, was never seen).
     pub fn start(port: u16) -> Monitor {
         use std::io::BufRead;
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("redis");
         stream.write_all(b"MONITOR\r\n").unwrap();
+        let mut reader = std::io::BufReader::new(stream);
+        let mut ok = String::new();
+        reader.read_line(&mut ok).expect("MONITOR's answer");
+        assert_eq!(ok.trim_end(), "+OK", "MONITOR");
         let lines: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
         let into = lines.clone();
         std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stream).lines() {
+            for line in reader.lines() {
                 let Ok(line) = line else { break };
                 into.lock().unwrap().push(line);
             }
