@@ -26,9 +26,33 @@ fi
 
 # The peer brokers of issue 25's comparison (loadtest/tests/peers.rs starts its own instances
 # of each on free ports from the Debian packages' /usr/sbin binaries; their system services
-# are not used).
-if [ ! -x /usr/sbin/nats-server ] || [ ! -x /usr/sbin/mosquitto ]; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server mosquitto >/dev/null
+# are not used). Only the missing ones are installed, and their services are neither started
+# (a policy-rc.d answering 101 while apt runs, unless the machine has one of its own, as
+# Docker images do: dpkg's scripts ask it before starting anything) nor left enabled, so a
+# developer's machine does not end up running a broker on 1883 / 4222 it never asked for.
+missing=()
+[ -x /usr/sbin/nats-server ] || missing+=(nats-server)
+[ -x /usr/sbin/mosquitto ] || missing+=(mosquitto)
+if [ ${#missing[@]} -gt 0 ]; then
+  policy=/usr/sbin/policy-rc.d
+  own_policy=
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# scripts/test.sh: no service starts while it installs its packages\nexit 101\n' >"$policy"
+    chmod 755 "$policy"
+    own_policy=1
+  fi
+  installed=0
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } || installed=$?
+  [ -z "$own_policy" ] || rm -f "$policy"
+  [ "$installed" -eq 0 ] || exit "$installed"
+  for service in "${missing[@]}"; do
+    if [ -d /run/systemd/system ]; then
+      systemctl disable --now "$service" >/dev/null 2>&1 || true
+    elif command -v update-rc.d >/dev/null 2>&1; then
+      service "$service" stop >/dev/null 2>&1 || true
+      update-rc.d "$service" disable >/dev/null 2>&1 || true
+    fi
+  done
 fi
 
 # Operator-side checkers (issue 14): promtool, chromium (Debian), openapi-spec-validator and

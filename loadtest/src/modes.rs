@@ -117,7 +117,7 @@ fn window(row: &mut Row, a: &Snapshot, b: &Snapshot) -> f64 {
     row.put("ingest_msg_s", ingested);
     row.put("sent_msg_s", rate(a.accepted as f64, b.accepted as f64));
     row.put("fleet_errors", b.fleet_errors - a.fleet_errors);
-    if let (Some(x), Some(y)) = (a.hubcast, b.hubcast) {
+    if let (Some(x), Some(y)) = (&a.hubcast, &b.hubcast) {
         let cores = x.cores_used(&y);
         row.put("hubcast_cpu", cores);
         row.put("hubcast_runq_ms_s", x.run_queue_ms_per_s(&y));
@@ -140,7 +140,7 @@ fn window(row: &mut Row, a: &Snapshot, b: &Snapshot) -> f64 {
         row.put("amqp_handoffs_s", handoffs / secs);
         row.put("msgs_per_handoff", received / handoffs);
     }
-    if let (Some(x), Some(y)) = (a.harness, b.harness) {
+    if let (Some(x), Some(y)) = (&a.harness, &b.harness) {
         row.put("harness_cpu", x.cores_used(&y));
         row.put("harness_runq_ms_s", x.run_queue_ms_per_s(&y));
     }

@@ -313,7 +313,7 @@ impl Metrics {
 }
 
 /// CPU time (user + system) and resident memory of a process at one moment.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ProcSample {
     pub at: Instant,
     pub cpu_secs: f64,
@@ -327,8 +327,14 @@ pub struct ProcSample {
     /// Involuntary context switches of hubcast's AMQP consumer thread (`hubcast-amqp`): how
     /// often it was preempted (on a shared CPU, by a core it woke).
     pub amqp_nvcsw: u64,
-    /// Time its threads spent runnable but waiting for a CPU, ns (`task/*/schedstat`).
-    pub run_delay_ns: u64,
+    /// Time each of its threads spent runnable but waiting for a CPU so far, ns
+    /// (`task/*/schedstat`), by thread (tid, start time in clock ticks), sorted. Kept per
+    /// thread, not summed: the kernel keeps no per-process sum of it (an exited thread's CPU
+    /// time is added to the process's `stat`, its run delay to nothing, and
+    /// `/proc/PID/schedstat` is the main thread's alone), so a sum over the threads alive at
+    /// each sample lost a thread that exited in between, with all it had waited before the
+    /// first (the difference could even go below 0). See [`ProcSample::run_queue_ms_per_s`].
+    pub run_delay: Vec<((u32, u64), u64)>,
 }
 
 fn clock_ticks() -> f64 {
@@ -341,16 +347,23 @@ fn clock_ticks() -> f64 {
     }
 }
 
-/// Per-thread figures of the process in `dir`, from `task/*/status` and `task/*/schedstat`:
-/// (voluntary switches summed over the `hubcast-core-*` threads, involuntary switches of the
-/// `hubcast-amqp` thread, time every thread spent runnable but waiting for a CPU, ns).
-fn thread_stats(dir: &str) -> (u64, u64, u64) {
-    let (mut core_vcsw, mut amqp_nvcsw, mut run_delay) = (0, 0, 0);
-    let Ok(tasks) = std::fs::read_dir(format!("{dir}/task")) else { return (0, 0, 0) };
+/// Per-thread figures of the process in `dir`, from `task/*/status`, `task/*/stat` and
+/// `task/*/schedstat`: (voluntary switches summed over the `hubcast-core-*` threads,
+/// involuntary switches of the `hubcast-amqp` thread, the time each thread spent runnable but
+/// waiting for a CPU, ns, as [`ProcSample::run_delay`]).
+fn thread_stats(dir: &str) -> (u64, u64, Vec<((u32, u64), u64)>) {
+    let (mut core_vcsw, mut amqp_nvcsw, mut run_delay) = (0, 0, Vec::new());
+    let Ok(tasks) = std::fs::read_dir(format!("{dir}/task")) else { return (0, 0, run_delay) };
     for task in tasks.flatten() {
-        // schedstat: time on a CPU, time waiting on a run queue (ns), timeslices.
-        if let Ok(sched) = std::fs::read_to_string(task.path().join("schedstat")) {
-            run_delay += sched.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        // schedstat: time on a CPU, time waiting on a run queue (ns), timeslices. The thread
+        // is named by its tid and start time (stat's field 22): a tid can be reused.
+        let tid: Option<u32> = task.file_name().to_str().and_then(|t| t.parse().ok());
+        let started = std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse::<u64>().ok());
+        let delay = std::fs::read_to_string(task.path().join("schedstat")).ok().and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok());
+        if let (Some(tid), Some(started), Some(delay)) = (tid, started, delay) {
+            run_delay.push(((tid, started), delay));
         }
         let Ok(status) = std::fs::read_to_string(task.path().join("status")) else { continue };
         let field = |key: &str| -> u64 {
@@ -363,6 +376,7 @@ fn thread_stats(dir: &str) -> (u64, u64, u64) {
             amqp_nvcsw += field("nonvoluntary_ctxt_switches:");
         }
     }
+    run_delay.sort_unstable();
     (core_vcsw, amqp_nvcsw, run_delay)
 }
 
@@ -391,7 +405,7 @@ impl ProcSample {
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
                 .unwrap_or(0)
         };
-        let (core_vcsw, amqp_nvcsw, run_delay_ns) = thread_stats(dir);
+        let (core_vcsw, amqp_nvcsw, run_delay) = thread_stats(dir);
         Some(Self {
             at,
             cpu_secs: (utime + stime) as f64 / clock_ticks(),
@@ -400,20 +414,25 @@ impl ProcSample {
             peak_rss_kb: kb("VmHWM:"),
             core_vcsw,
             amqp_nvcsw,
-            run_delay_ns,
+            run_delay,
         })
     }
 
     /// Milliseconds per second (of wall time) the process's threads spent runnable but
     /// waiting for a CPU between two samples, summed over threads: on a machine shared with
-    /// other work, what the latency of a pinned server owes to its CPU being taken.
+    /// other work, what the latency of a pinned server owes to its CPU being taken. Each
+    /// thread alive at `later` counts what it waited since `self` (all it waited, if it started
+    /// since); a thread that exited in between counts nothing, so its wait between `self` and
+    /// its exit is missing (the kernel keeps it nowhere): an undercount by at most that, where
+    /// a difference of sums also took off all it had waited before `self`.
     pub fn run_queue_ms_per_s(&self, later: &ProcSample) -> f64 {
         let wall = later.at.duration_since(self.at).as_secs_f64();
         if wall <= 0.0 {
-            0.0
-        } else {
-            later.run_delay_ns.saturating_sub(self.run_delay_ns) as f64 / 1e6 / wall
+            return 0.0;
         }
+        let before = |thread: &(u32, u64)| self.run_delay.binary_search_by(|(t, _)| t.cmp(thread)).map_or(0, |i| self.run_delay[i].1);
+        let waited: u64 = later.run_delay.iter().map(|(thread, ns)| ns.saturating_sub(before(thread))).sum();
+        waited as f64 / 1e6 / wall
     }
 
     /// Per-thread context switches between two samples: (core threads' voluntary, the AMQP
@@ -461,6 +480,31 @@ mod tests {
         let s = ProcSample::this_process().expect("/proc is readable");
         assert!(s.rss_kb > 0);
         assert!(s.cpu_secs >= 0.0);
+    }
+
+    /// A thread that exited between two samples takes nothing off the others' wait (a
+    /// difference of sums took off all it had waited before: here 0 ms/s); a thread started
+    /// since counts all it waited.
+    #[test]
+    fn a_thread_that_exits_between_two_samples_takes_nothing_off_the_run_queue_wait() {
+        let at = Instant::now();
+        let sample = |at: Instant, run_delay: Vec<((u32, u64), u64)>| ProcSample {
+            at,
+            cpu_secs: 0.0,
+            sys_secs: 0.0,
+            rss_kb: 0,
+            peak_rss_kb: 0,
+            core_vcsw: 0,
+            amqp_nvcsw: 0,
+            run_delay,
+        };
+        let ms = 1_000_000;
+        // Thread 10 waits 10 ms more; 11 (had waited 1 s) exits; 12 starts and waits 5 ms; tid
+        // 13 is reused by a thread started later (its count starts again).
+        let before = sample(at, vec![((10, 1), 10 * ms), ((11, 1), 1000 * ms), ((13, 1), 500 * ms)]);
+        let after = sample(at + Duration::from_secs(1), vec![((10, 1), 20 * ms), ((12, 7), 5 * ms), ((13, 9), 2 * ms)]);
+        let waited = before.run_queue_ms_per_s(&after);
+        assert!((waited - 17.0).abs() < 1e-9, "{waited} ms/s");
     }
 
     #[test]
