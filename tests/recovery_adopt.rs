@@ -78,8 +78,6 @@ fn failed_elsewhere(server: &Server) {
     assert_eq!(server.metric("hubcast_recovery_replayed_frames_total"), Some(0.0));
 }
 
-const HANDED: &str = "recovery histories handed to other instances";
-
 /// The client, brought to `to`: its `connect` event, once it has been checked not to be
 /// recovered, with live data at once: the next event is the live message `from` ingests,
 /// nothing of what it missed (no replay with a hole), and nothing twice. `from` (instance
@@ -98,22 +96,12 @@ fn not_recovered_and_live(cutter: &Cutter, client: &SioClient, to: &Server, from
     back
 }
 
-/// Hand-over flags for the tests that keep the adopter stopped while A waits for its verdict:
-/// the wait (`--recovery-handoff-wait`, 4 s by default) and the stop's deadline long enough
-/// that the steps in between (a `MONITOR` line, a POST) fit on a loaded machine (a CI run
-/// under load passed A's 4 s, and the other instance, with no watcher left, published nothing).
-const HANDOFF_PAUSED: [&str; 6] = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
-
 /// A's SIGTERM with the adopter stopped (SIGSTOP): A hands the history over, `msg` from the
 /// other instance is in Redis (`MONITOR`) before the adopter goes on (SIGCONT) and
 /// subscribes, so A's copy takes it and the adopter does not; A exits having logged `line`.
 fn grows_during_the_hand_over(w: &mut Away, msg: serde_json::Value, line: &str) {
     let monitor = Monitor::start(w.redis.port);
-    w.adopter.signal(libc::SIGSTOP);
-    w.a.signal(libc::SIGTERM);
-    w.a.wait_for_stderr(WAIT, |l| l.contains(HANDED)).expect("A hands the history over");
-    // Sent to the adopter, which is stopped: nothing can answer before it goes on.
-    monitor.wait_past(&format!("\"PUBLISH\" \"t:adopt:{}\"", w.adopter_id), 0);
+    handed_to_a_stopped_adopter(&w.a, &w.adopter, &monitor, &format!("t:adopt:{}", w.adopter_id));
     let publish = "\"PUBLISH\" \"t:device:dev-1\"";
     let published = monitor.count(publish);
     w.other.ingest(msg);

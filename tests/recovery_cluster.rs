@@ -210,21 +210,11 @@ fn on_a_cluster_a_client_landing_on_a_third_instance_takes_its_history_from_the_
 /// the control master), and only then does the adopter go on and subscribe.
 #[test]
 fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_client_recovers_every_message() {
-    let engine = Engine::cluster();
-    let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
-    // The wait for the verdict long enough for the steps while the adopter is stopped on a
-    // loaded machine (tests/recovery_adopt.rs's HANDOFF_PAUSED).
-    let flags = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
-    let mut a = engine.instance("a", &flags);
-    let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
+    let (engine, mut a, b, c) = three_for_a_stopped_adopter();
     let AwayFromA { adopter, adopter_id, other, cutter, client, .. } = away_from_a(&a, b, c, "websocket");
-    let master_of = |key: &str| nodes.port(nodes.owner_of(nodes.slot_of(key)));
-    let control = Monitor::start(master_of("{t}"));
-    let device = Monitor::start(master_of("t:device:dev-1"));
-    adopter.signal(libc::SIGSTOP);
-    a.signal(libc::SIGTERM);
-    a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances")).expect("A hands the history over");
-    control.wait_past(&format!("\"PUBLISH\" \"{{t}}:adopt:{adopter_id}\""), 0);
+    let control = monitor_of(&engine, "{t}");
+    let device = monitor_of(&engine, "t:device:dev-1");
+    handed_to_a_stopped_adopter(&a, &adopter, &control, &format!("{{t}}:adopt:{adopter_id}"));
     ingested_past(&device, &other, "dev-1", 10);
     let lines = stitched_after_a_exits(&mut a, &adopter, adopter_id);
     assert!(lines.contains("deliveries reached the history after it was handed over"), "{lines}");
@@ -248,12 +238,7 @@ fn on_a_cluster_a_history_that_grew_after_the_hand_over_is_stitched_and_the_clie
 /// `tail_sent`, stitched, the client recovers every message once, in order.
 #[test]
 fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every_device_is_marked() {
-    let engine = Engine::cluster();
-    let Engine::Cluster(nodes) = &engine else { unreachable!("a cluster") };
-    // The adopter is stopped through several steps: a verdict wait that fits them under load.
-    let flags = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
-    let mut a = engine.instance("a", &flags);
-    let (b, c) = (engine.instance("b", &flags), engine.instance("c", &flags));
+    let (engine, mut a, b, c) = three_for_a_stopped_adopter();
     a.wait_for_metric("hubcast_redis_instances{instance=\"a\"}", WAIT, Want::Eq(3.0));
     let session = d2c_session_of(&a, &["dev-1", "dev-2"]);
     let cutter = Cutter::start(a.port);
@@ -266,13 +251,9 @@ fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every
     other.wait_for_metric(&format!("hubcast_redis_watched_elsewhere_devices{{instance=\"{other_id}\"}}"), WAIT, Want::Eq(2.0));
     other.ingest(json!((0..5).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
     a.wait_for_metric("hubcast_messages_in_total{source=\"Telemetry\"}", WAIT, Want::AtLeast(6.0));
-    let master_of = |key: &str| nodes.port(nodes.owner_of(nodes.slot_of(key)));
-    let control = Monitor::start(master_of("{t}"));
-    let dev2 = Monitor::start(master_of("t:device:dev-2"));
-    adopter.signal(libc::SIGSTOP);
-    a.signal(libc::SIGTERM);
-    a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances")).expect("A hands the history over");
-    control.wait_past(&format!("\"PUBLISH\" \"{{t}}:adopt:{adopter_id}\""), 0);
+    let control = monitor_of(&engine, "{t}");
+    let dev2 = monitor_of(&engine, "t:device:dev-2");
+    handed_to_a_stopped_adopter(&a, &adopter, &control, &format!("{{t}}:adopt:{adopter_id}"));
     // dev-1's mark, twice: `0x55`, to "a", the session, 2 marks expected (adopt.rs).
     let id = {
         use base64::Engine as _;
@@ -297,6 +278,22 @@ fn on_a_cluster_a_mark_that_comes_twice_does_not_decide_the_verdict_before_every
     want.push(("dev-2".to_string(), 10));
     want.push(("dev-1".to_string(), 1002));
     assert_eq!(got, want, "every message once, in order, dev-2's stitched in, then live");
+}
+
+/// Three instances on a fresh cluster with the hand-over flags of the tests that keep the
+/// adopter stopped through several steps ([`HANDOFF_PAUSED`]: a verdict wait that fits them
+/// under load).
+fn three_for_a_stopped_adopter() -> (Engine, Server, Server, Server) {
+    let engine = Engine::cluster();
+    let a = engine.instance("a", &HANDOFF_PAUSED);
+    let (b, c) = (engine.instance("b", &HANDOFF_PAUSED), engine.instance("c", &HANDOFF_PAUSED));
+    (engine, a, b, c)
+}
+
+/// A [`Monitor`] of the master serving `key`.
+fn monitor_of(engine: &Engine, key: &str) -> Monitor {
+    let Engine::Cluster(nodes) = engine else { unreachable!("a cluster") };
+    Monitor::start(nodes.port(nodes.owner_of(nodes.slot_of(key))))
 }
 
 /// `other` takes in `device`'s message `n`, once `monitor` (on the device's master) has seen

@@ -6,12 +6,8 @@
 # last column is messages per hubcast CPU-second.
 #   docs/benchmarks/issue25-compact-cpu.sh HUBCAST_LOAD ROUNDS LABEL=HUBCAST...
 L=$1; ROUNDS=$2; shift 2
-http() { # LABEL BIN STORE
-  local args=()
-  [ "$3" = off ] && args=(--hubcast-arg=--data-dir=none)
-  echo "=== round $round $1 http store=$3"; uptime
-  $L --spawn "$2" --cores 1 --pin --warmup 1 --duration 5 "${args[@]}" ingest --devices 10000 --batch 500 --fleet-conns 4 2>&1 | tail -n 2
-}
+. "$(dirname "$0")/shapes.sh"
+http() { ingest_store "$1 http store=$3" "$2" "$3"; } # LABEL BIN STORE
 amqp() { # LABEL BIN
   echo "=== round $round $1 amqp store=on"; uptime
   $L --spawn "$2" --cores 1 --pin --duration 5 ingest --fleet amqp --devices 10000 --partitions 4 2>&1 | tail -n 2

@@ -6,11 +6,7 @@
 # and ws (plain /ws: no history either way, the control).
 #   L=target/release/hubcast-load H=target/release/hubcast ROUNDS=5 bash docs/benchmarks/recovery-cost.sh
 . "$(dirname "$0")/shapes.sh"
-run() { # LABEL WINDOW TRANSPORT
-  echo "=== round $round $1 window=$2 transport=$3"; uptime
-  $L --spawn "$H" --cores 1 --pin --warmup 1 --duration 4 --hubcast-arg=--data-dir=none --hubcast-arg=--recovery-window="$2" \
-    fanout --clients 1000 --subs 10 --devices 1000 --batch 64 --fleet-conns 4 --pipeline 16 --rate 0 --transport "$3" 2>&1 | tail -n 3
-}
+run() { recovery_fanout "$1" "$H" "$2" "$3"; } # LABEL WINDOW TRANSPORT
 for round in $(seq "${ROUNDS:-5}"); do
   run on 120 socketio; run off 0 socketio
   run on 120 ws; run off 0 ws

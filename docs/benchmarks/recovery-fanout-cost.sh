@@ -13,21 +13,14 @@ set -u
 D=$(dirname "$0")
 export RATE=${RATE:-500} CACHE=1
 REDIS_A=${REDIS_A:-6397} REDIS_B=${REDIS_B:-6398}
-cg() { # LABEL BIN WINDOW [hubcast args]
-  local label=$1 bin=$2 w=$3; shift 3
-  bash "$D/recovery-instructions.sh" "$bin" "$w" "$L" "$@" 2>&1 | grep -v '^sending command' | sed "s/^/[$label] /"
-}
+. "$D/shapes.sh"
 echo "=== callgrind, RATE=$RATE msgs/s, $(date -u +%H:%M) UTC"; uptime
 for w in 120 0; do
-  cg "old w=$w" "$OLD" $w > /tmp/cg-old.$$ & cg "new w=$w" "$NEW" $w > /tmp/cg-new.$$; wait
-  cat /tmp/cg-old.$$ /tmp/cg-new.$$
+  pair "w=$w" $w
 done
 echo "=== callgrind with --redis-url (one instance each, its own redis-server), $(date -u +%H:%M) UTC"; uptime
 for w in 120 0; do
-  redis-cli -p "$REDIS_A" flushall > /dev/null; redis-cli -p "$REDIS_B" flushall > /dev/null
-  cg "old w=$w redis" "$OLD" $w --redis-url "redis://127.0.0.1:$REDIS_A" > /tmp/cg-old.$$ &
-  cg "new w=$w redis" "$NEW" $w --redis-url "redis://127.0.0.1:$REDIS_B" > /tmp/cg-new.$$; wait
-  cat /tmp/cg-old.$$ /tmp/cg-new.$$
+  redis_pair "w=$w redis" $w
 done
 rm -f /tmp/cg-old.$$ /tmp/cg-new.$$
 echo "=== CPU time, $(date -u +%H:%M) UTC"

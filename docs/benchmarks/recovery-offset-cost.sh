@@ -15,22 +15,7 @@ set -u
 D=$(dirname "$0")
 export RATE=${RATE:-500} CACHE=1
 REDIS_A=${REDIS_A:-6397} REDIS_B=${REDIS_B:-6398}
-cg() { # LABEL BIN WINDOW [hubcast args]
-  local label=$1 bin=$2 w=$3; shift 3
-  bash "$D/recovery-instructions.sh" "$bin" "$w" "$L" "$@" 2>&1 | grep -v '^sending command' | sed "s/^/[$label] /"
-}
-pair() { # LABEL WINDOW [hubcast args]: OLD and NEW at once
-  local label=$1 w=$2; shift 2
-  cg "old $label" "$OLD" "$w" "$@" > /tmp/cg-old.$$ & cg "new $label" "$NEW" "$w" "$@" > /tmp/cg-new.$$; wait
-  cat /tmp/cg-old.$$ /tmp/cg-new.$$
-}
-redis_pair() { # LABEL WINDOW: each build on its own redis-server
-  local label=$1 w=$2
-  redis-cli -p "$REDIS_A" flushall > /dev/null; redis-cli -p "$REDIS_B" flushall > /dev/null
-  cg "old $label" "$OLD" "$w" --redis-url "redis://127.0.0.1:$REDIS_A" > /tmp/cg-old.$$ &
-  cg "new $label" "$NEW" "$w" --redis-url "redis://127.0.0.1:$REDIS_B" > /tmp/cg-new.$$; wait
-  cat /tmp/cg-old.$$ /tmp/cg-new.$$
-}
+. "$D/shapes.sh"
 echo "=== 1. callgrind, default core bound, RATE=$RATE msgs/s, $(date -u +%H:%M) UTC"; uptime
 CORE_BYTES=67108864 OUT_BEFORE=450000 pair "w=120 64MiB" 120
 pair "w=0" 0

@@ -24,20 +24,6 @@ valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.out" "$BIN" --bind 127.0
   --iot-hub-event-hub-connection-string "Endpoint=amqp://127.0.0.1:$APORT/;SharedAccessKeyName=load;SharedAccessKey=bG9hZC10ZXN0LWtleQ==;EntityPath=load-hub" \
   > "$OUT/hubcast.log" 2>&1 &
 VG=$!
-messages_in() {
-  curl -s -H "shared-access-key: $KEY" "http://127.0.0.1:$PORT/metrics" | awk '/^hubcast_messages_in_total/ {s += $2} END {print s + 0}'
-}
-for _ in $(seq 1 120); do
-  [ "$(messages_in)" -gt 3000 ] && break
-  sleep 1
-done
-callgrind_control -z "$VG" > /dev/null
-a=$(messages_in)
-sleep "$WINDOW"
-b=$(messages_in)
-callgrind_control -d "$VG" > /dev/null
-sleep 2
-kill "$VG"
-wait "$LOADPID" || true
-IR=$(awk '/^totals:/ {print $2}' "$OUT/cg.out.1")
+. "$(dirname "$0")/callgrind-window.sh"
+counted_window 3000
 echo "$(basename "$BIN"): $((b - a)) messages, $IR instructions, $((IR / (b - a))) per message (callgrind output in $OUT)"

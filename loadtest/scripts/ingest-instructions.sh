@@ -29,22 +29,8 @@ valgrind --tool=callgrind "${CG[@]}" --callgrind-out-file="$OUT/cg.out" "$BIN" -
   --primary-admin-secret "$KEY" --log-level warn --cores 1 --io-driver epoll --data-dir "$DATA" \
   > "$OUT/hubcast.log" 2>&1 &
 VG=$!
-messages_in() {
-  curl -s -H "shared-access-key: $KEY" "http://127.0.0.1:$PORT/metrics" | awk '/^hubcast_messages_in_total/ {s += $2} END {print s + 0}'
-}
-for _ in $(seq 1 120); do
-  [ "$(messages_in)" -gt 20000 ] && break
-  sleep 1
-done
-callgrind_control -z "$VG" > /dev/null
-a=$(messages_in)
-sleep "$WINDOW"
-b=$(messages_in)
-callgrind_control -d "$VG" > /dev/null
-sleep 2
-kill "$VG"
-wait "$LOADPID" || true
-IR=$(awk '/^totals:/ {print $2}' "$OUT/cg.out.1")
+. "$(dirname "$0")/callgrind-window.sh"
+counted_window 20000
 echo "$(basename "$BIN") data-dir=${DATA##*/}: $((b - a)) messages, $IR instructions, $((IR / (b - a))) per message (callgrind output in $OUT)"
 if [ "${CACHE:-0}" = 1 ]; then
   # events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw

@@ -226,34 +226,79 @@ pub async fn connect_sockets(
     started.elapsed()
 }
 
+/// What one read of a subscriber's socket took in (`fanout`'s readers and `peer`'s): data
+/// messages counted and, in the measurement window, each one's `arrival − sentAt`, the
+/// arrival time and whether the window is open both taken at the read's first message
+/// (after the read returned), once per read.
+pub struct Tally {
+    count: u64,
+    untimed: u64,
+    now: u64,
+    measuring: Option<bool>,
+    latencies: Vec<u64>,
+}
+
+impl Tally {
+    pub fn new() -> Self {
+        Self { count: 0, untimed: 0, now: 0, measuring: None, latencies: Vec::with_capacity(64) }
+    }
+
+    /// Whether this read's messages are timed (the window was open at its first one).
+    fn timing(&mut self, stats: &LiveStats) -> bool {
+        let timing = *self.measuring.get_or_insert_with(|| stats.measuring.load(Ordering::Relaxed));
+        if timing && self.now == 0 {
+            self.now = now_micros();
+        }
+        timing
+    }
+
+    /// One data message, its `sentAt` read from `payload`.
+    pub fn message(&mut self, stats: &LiveStats, payload: &[u8]) {
+        self.count += 1;
+        if self.timing(stats) {
+            match sent_at(payload) {
+                Some(t) => self.latencies.push(self.now.saturating_sub(t)),
+                None => self.untimed += 1,
+            }
+        }
+    }
+
+    /// The read is over: what it took in goes to `stats` (subscriber `index`'s stripe), and
+    /// the next read starts afresh.
+    pub fn record(&mut self, stats: &LiveStats, index: usize) {
+        if self.count > 0 {
+            stats.delivered.fetch_add(self.count, Ordering::Relaxed);
+        }
+        if self.untimed > 0 {
+            stats.without_time.fetch_add(self.untimed, Ordering::Relaxed);
+        }
+        stats.latency.record_all(index, &self.latencies);
+        self.latencies.clear();
+        (self.count, self.untimed, self.now, self.measuring) = (0, 0, 0, None);
+    }
+}
+
 /// Reads one socket until it closes: counts data messages, records latencies, answers pings.
 async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: &LiveStats) {
-    let mut latencies: Vec<u64> = Vec::with_capacity(64);
+    let mut tally = Tally::new();
     let mut replies: Vec<(u8, Vec<u8>)> = Vec::new();
     loop {
-        let mut count = 0u64;
-        let mut untimed = 0u64;
         let mut closed = false;
-        // Both taken at the first frame of a read (after the read returned), once per read.
-        let mut now = 0;
-        let mut measuring = None;
         let read = ws
             .read_frames(|op, payload| match op {
                 OP_TEXT if transport == Transport::WsBatch => {
-                    let timing = *measuring.get_or_insert_with(|| stats.measuring.load(Ordering::Relaxed));
-                    if timing && now == 0 {
-                        now = now_micros();
-                    }
+                    let timing = tally.timing(stats);
                     let mut timed = 0;
+                    let now = tally.now;
                     let n = batched(payload, |t| {
                         if timing {
-                            latencies.push(now.saturating_sub(t));
+                            tally.latencies.push(now.saturating_sub(t));
                             timed += 1;
                         }
                     });
-                    count += n;
+                    tally.count += n;
                     if timing {
-                        untimed += n.saturating_sub(timed);
+                        tally.untimed += n.saturating_sub(timed);
                     }
                 }
                 OP_TEXT => {
@@ -267,16 +312,7 @@ async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: 
                         }
                     };
                     if data {
-                        count += 1;
-                        if *measuring.get_or_insert_with(|| stats.measuring.load(Ordering::Relaxed)) {
-                            if now == 0 {
-                                now = now_micros();
-                            }
-                            match sent_at(payload) {
-                                Some(t) => latencies.push(now.saturating_sub(t)),
-                                None => untimed += 1,
-                            }
-                        }
+                        tally.message(stats, payload);
                     }
                 }
                 OP_PING => replies.push((OP_PONG, payload.to_vec())),
@@ -284,14 +320,7 @@ async fn read_loop(mut ws: WsClient, transport: Transport, index: usize, stats: 
                 _ => {}
             })
             .await;
-        if count > 0 {
-            stats.delivered.fetch_add(count, Ordering::Relaxed);
-        }
-        if untimed > 0 {
-            stats.without_time.fetch_add(untimed, Ordering::Relaxed);
-        }
-        stats.latency.record_all(index, &latencies);
-        latencies.clear();
+        tally.record(stats, index);
         for (op, payload) in replies.drain(..) {
             if ws.send(op, &payload).await.is_err() {
                 return;

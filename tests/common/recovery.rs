@@ -170,6 +170,24 @@ impl Monitor {
     }
 }
 
+/// Hand-over flags for the tests that keep the adopter stopped while A waits for its verdict
+/// (tests/recovery_adopt.rs, tests/recovery_cluster.rs): the wait (`--recovery-handoff-wait`,
+/// 4 s by default) and the stop's deadline long enough that the steps in between (a `MONITOR`
+/// line, a POST) fit on a loaded machine (a CI run under load passed A's 4 s, and the other
+/// instance, with no watcher left, published nothing).
+pub const HANDOFF_PAUSED: [&str; 6] = ["--recovery-handoff", "true", "--recovery-handoff-wait", "30", "--shutdown-timeout", "60"];
+
+/// A's SIGTERM with the adopter stopped (SIGSTOP) first: returns once A has logged the
+/// hand-over and `control` (a [`Monitor`] of the one Redis, or of the cluster's master of the
+/// control channels, started before) has seen it published on the adopter's `adopt` channel
+/// (`channel`): the adopter, stopped, cannot have answered it.
+pub fn handed_to_a_stopped_adopter(a: &Server, adopter: &Server, control: &Monitor, channel: &str) {
+    adopter.signal(libc::SIGSTOP);
+    a.signal(libc::SIGTERM);
+    a.wait_for_stderr(WAIT, |l| l.contains("recovery histories handed to other instances")).expect("A hands the history over");
+    control.wait_past(&format!("\"PUBLISH\" \"{channel}\""), 0);
+}
+
 // ---- design step 11, shared by tests/recovery_cross.rs (one Redis) and
 // tests/recovery_cluster.rs (a Redis Cluster): the same scenarios on either engine ----------
 

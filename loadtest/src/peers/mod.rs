@@ -36,7 +36,7 @@ use tokio::task::JoinSet;
 use tokio::time::{sleep, Instant};
 
 use crate::cli::{Global, PeerArgs};
-use crate::clients::{devices_of, LiveStats};
+use crate::clients::{devices_of, LiveStats, Tally};
 use crate::fleet::{device_id, now_micros, FleetStats, Pacer};
 use crate::hist::Histogram;
 use crate::report::{Results, Row};
@@ -330,35 +330,17 @@ async fn connect_subscribers(broker: &Broker, args: &PeerArgs, topics: &Arc<Vec<
 /// Reads one subscriber until it closes: counts messages and records `arrival − sentAt`
 /// (the arrival time taken once per read, as `fanout`'s readers do).
 async fn subscriber(mut conn: Conn<tokio::net::TcpStream>, index: usize, stats: &LiveStats) {
-    let mut latencies: Vec<u64> = Vec::with_capacity(64);
+    let mut tally = Tally::new();
     let mut replies = Vec::new();
     loop {
-        let (mut count, mut untimed, mut now) = (0u64, 0u64, 0u64);
-        let mut measuring = None;
         let read = conn
             .read(&mut replies, |e| {
                 if let Event::Message(payload) = e {
-                    count += 1;
-                    if *measuring.get_or_insert_with(|| stats.measuring.load(Ordering::Relaxed)) {
-                        if now == 0 {
-                            now = now_micros();
-                        }
-                        match crate::ws::sent_at(payload) {
-                            Some(t) => latencies.push(now.saturating_sub(t)),
-                            None => untimed += 1,
-                        }
-                    }
+                    tally.message(stats, payload);
                 }
             })
             .await;
-        if count > 0 {
-            stats.delivered.fetch_add(count, Ordering::Relaxed);
-        }
-        if untimed > 0 {
-            stats.without_time.fetch_add(untimed, Ordering::Relaxed);
-        }
-        stats.latency.record_all(index, &latencies);
-        latencies.clear();
+        tally.record(stats, index);
         if !replies.is_empty() && conn.ws.send(OP_BINARY, &replies).await.is_err() {
             return;
         }
