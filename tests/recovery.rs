@@ -256,91 +256,101 @@ fn away_longer_than_the_window_is_not_recovered_and_live_data_flows() {
     );
 }
 
+/// Past `--recovery-core-bytes` the core keeps the most recent deliveries (oldest first, one
+/// horizon for every session, as Socket.IO's adapters and Centrifugo): sessions cut off early,
+/// with small histories, lose what they missed and fail `bound`, while sessions cut off late,
+/// with the largest histories, recover exactly what they missed (within the horizon); the
+/// history stays within the bound. (Largest-first, before, cut the late ones instead.)
 #[test]
 fn past_the_core_bound_history_stays_under_it_and_only_the_trimmed_fail() {
-    const SESSIONS: usize = 8;
+    const GROUP: usize = 4;
     const BOUND: f64 = 16384.0;
+    // The early group (dev-2) misses 3 messages; the late group (dev-1) takes in 40 live,
+    // which passes the bound (4 sessions share each frame: about 4 × 160 charged bytes), then
+    // misses 3, well within the horizon (about the last 20 messages).
+    const LIVE: u64 = 40;
+    const MISSED: u64 = 3;
     let server = Server::start(&["--cores", "1", "--recovery-core-bytes", "16384"]);
-    let sessions: Vec<String> = (0..SESSIONS)
-        .map(|_| d2c_session(&server, "dev-1"))
-        .collect();
-    let ids: Vec<&str> = sessions.iter().map(String::as_str).collect();
-    let cutter = Cutter::start(server.port);
-    let clients = socketio_at(&cutter.base(), &ids, "websocket", true, &[PRINT, FAST]);
-    let mut connected = 0;
-    while connected < SESSIONS {
-        let e = clients.next(WAIT).expect("every client connects");
-        connected += usize::from(e["event"] == "connect");
-    }
-    server.ingest(message("dev-1", 1000));
-    let mut first = 0;
-    while first < SESSIONS {
-        let e = clients
-            .next(WAIT)
-            .expect("every client gets the first message");
-        first += usize::from(e["event"] == "data");
-    }
-    cutter.cut();
-    server.wait_for_metric(WS_GAUGE, WAIT, Want::Eq(0.0));
-    server.ingest(json!((0..20)
-        .map(|n| message("dev-1", n))
-        .collect::<Vec<_>>()));
-    let held = server.metric("hubcast_recovery_history_bytes").unwrap();
-    assert!(
-        held > 0.0 && held <= BOUND,
-        "history held within the core bound: {held}"
-    );
-    assert!(
-        server
-            .metric("hubcast_recovery_trimmed_bytes_total{cause=\"core_bound\"}")
-            .unwrap()
-            > 0.0
-    );
-    assert!(cutter.wait(WAIT, |c| c.refused() >= 1));
-    cutter.release();
-    // Per client: recovered or not, then what it receives until the live message.
-    let mut recovered: Vec<Option<bool>> = vec![None; SESSIONS];
-    let mut got: Vec<Vec<u64>> = vec![Vec::new(); SESSIONS];
-    while recovered.iter().any(Option::is_none) {
-        let e = clients.next(WAIT).expect("every client reconnects");
-        let i = e["index"].as_u64().unwrap() as usize;
-        match e["event"].as_str() {
-            Some("connect") => recovered[i] = Some(e["recovered"] == true),
-            Some("data") => got[i].push(e["data"]["message"]["n"].as_u64().unwrap()),
-            _ => {}
+    let early_ids: Vec<String> = (0..GROUP).map(|_| d2c_session(&server, "dev-2")).collect();
+    let late_ids: Vec<String> = (0..GROUP).map(|_| d2c_session(&server, "dev-1")).collect();
+    let (early_cut, late_cut) = (Cutter::start(server.port), Cutter::start(server.port));
+    let ids = |v: &[String]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let (e, l) = (ids(&early_ids), ids(&late_ids));
+    let early = socketio_at(&early_cut.base(), &e.iter().map(String::as_str).collect::<Vec<_>>(), "websocket", true, &[PRINT, FAST]);
+    let late = socketio_at(&late_cut.base(), &l.iter().map(String::as_str).collect::<Vec<_>>(), "websocket", true, &[PRINT, FAST]);
+    for (clients, device) in [(&early, "dev-2"), (&late, "dev-1")] {
+        let mut connected = 0;
+        while connected < GROUP {
+            let e = clients.next(WAIT).expect("every client connects");
+            connected += usize::from(e["event"] == "connect");
+        }
+        server.ingest(message(device, 1000));
+        let mut first = 0;
+        while first < GROUP {
+            let e = clients.next(WAIT).expect("every client gets the first message");
+            first += usize::from(e["event"] == "data");
         }
     }
-    server.ingest(message("dev-1", 999));
-    while got.iter().any(|g| g.last() != Some(&999)) {
-        let e = clients
-            .next(WAIT)
-            .unwrap_or_else(|| panic!("the live message reaches every client: {got:?}"));
+    early_cut.cut();
+    server.wait_for_metric(WS_GAUGE, WAIT, Want::Eq(GROUP as f64));
+    server.ingest(json!((0..MISSED).map(|n| message("dev-2", n)).collect::<Vec<_>>()));
+    for n in 0..LIVE {
+        server.ingest(message("dev-1", n));
+    }
+    let mut live = [0u64; GROUP];
+    while live.iter().any(|n| *n < LIVE) {
+        let e = late.next(WAIT).expect("the late group gets its messages live");
         if e["event"] == "data" {
-            got[e["index"].as_u64().unwrap() as usize]
-                .push(e["data"]["message"]["n"].as_u64().unwrap());
+            live[e["index"].as_u64().unwrap() as usize] += 1;
         }
     }
-    let (ok, failed): (Vec<usize>, Vec<usize>) =
-        (0..SESSIONS).partition(|i| recovered[*i] == Some(true));
-    assert!(
-        !ok.is_empty() && !failed.is_empty(),
-        "some recover, the trimmed do not: {recovered:?}"
-    );
-    let mut all: Vec<u64> = (0..20).collect();
+    late_cut.cut();
+    server.wait_for_metric(WS_GAUGE, WAIT, Want::Eq(0.0));
+    server.ingest(json!((LIVE..LIVE + MISSED).map(|n| message("dev-1", n)).collect::<Vec<_>>()));
+    let held = server.metric("hubcast_recovery_history_bytes").unwrap();
+    assert!(held > 0.0 && held <= BOUND, "history held within the core bound: {held}");
+    assert!(server.metric("hubcast_recovery_trimmed_bytes_total{cause=\"core_bound\"}").unwrap() > 0.0);
+    // Per client: recovered or not, then what it receives until the live message.
+    let mut outcome = Vec::new();
+    for (cutter, clients) in [(&early_cut, &early), (&late_cut, &late)] {
+        assert!(cutter.wait(WAIT, |c| c.refused() >= 1));
+        cutter.release();
+        let mut recovered: Vec<Option<bool>> = vec![None; GROUP];
+        let mut got: Vec<Vec<u64>> = vec![Vec::new(); GROUP];
+        while recovered.iter().any(Option::is_none) {
+            let e = clients.next(WAIT).expect("every client reconnects");
+            let i = e["index"].as_u64().unwrap() as usize;
+            match e["event"].as_str() {
+                Some("connect") => recovered[i] = Some(e["recovered"] == true),
+                Some("data") => got[i].push(e["data"]["message"]["n"].as_u64().unwrap()),
+                _ => {}
+            }
+        }
+        outcome.push((recovered, got));
+    }
+    server.ingest(json!([message("dev-2", 999), message("dev-1", 999)]));
+    for ((_, got), clients) in outcome.iter_mut().zip([&early, &late]) {
+        while got.iter().any(|g| g.last() != Some(&999)) {
+            let e = clients
+                .next(WAIT)
+                .unwrap_or_else(|| panic!("the live message reaches every client: {got:?}"));
+            if e["event"] == "data" {
+                got[e["index"].as_u64().unwrap() as usize].push(e["data"]["message"]["n"].as_u64().unwrap());
+            }
+        }
+    }
+    let (early_out, late_out) = (&outcome[0], &outcome[1]);
+    assert_eq!(early_out.0, vec![Some(false); GROUP], "what the early group missed was the oldest: trimmed");
+    for got in &early_out.1 {
+        assert_eq!(got, &[999], "an early client got live data only");
+    }
+    assert_eq!(late_out.0, vec![Some(true); GROUP], "what the late group missed is within the horizon");
+    let mut all: Vec<u64> = (LIVE..LIVE + MISSED).collect();
     all.push(999);
-    for i in ok {
-        assert_eq!(
-            got[i], all,
-            "client {i} recovered everything, once, in order"
-        );
+    for got in &late_out.1 {
+        assert_eq!(got, &all, "a late client recovered everything, once, in order");
     }
-    for i in &failed {
-        assert_eq!(got[*i], [999], "client {i} got live data only");
-    }
-    assert_eq!(
-        server.metric("hubcast_recovery_failed_total{reason=\"bound\"}"),
-        Some(failed.len() as f64)
-    );
+    assert_eq!(server.metric("hubcast_recovery_failed_total{reason=\"bound\"}"), Some(GROUP as f64));
 }
 
 fn telemetry_session(server: &Server) -> String {

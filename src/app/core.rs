@@ -474,8 +474,10 @@ impl Core {
             }
         }
         drop(sessions);
-        if now.is_some() {
-            self.recovery_after_batch(trimmed);
+        if let Some(batch) = now {
+            let at = batch.clock.now;
+            drop(batch);
+            self.recovery_after_batch(trimmed, at);
         }
         // Before any writer runs: the appended frames and the count taken in (design step 7).
         self.recovery_taken_in(deliveries.len());
@@ -662,7 +664,7 @@ impl Core {
             mesh_conflated: self.mesh.conflated.get(),
             timer_wakeups: self.clock.wakeups.get(),
             socket_writes_held: self.linger.holds.get(),
-            recovery_history_bytes: self.recovery.total.get() as u64,
+            recovery_history_bytes: self.recovery.history.held() as u64,
             ingest_rereads: self.devices.borrow().rereads(),
         };
         self.metrics.snapshot(state)

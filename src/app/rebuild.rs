@@ -544,7 +544,7 @@ impl Core {
         let (epoch, seq) = parse_offset(offset).ok_or("not an offset")?;
         let part = device_part(offset).ok_or("not an offset")?;
         let now = Instant::now();
-        let mut stream = SessionStream::continuing(epoch, seq, self.recovery.total.clone(), now);
+        let mut stream = SessionStream::continuing(epoch, seq, self.recovery.history.clone(), now);
         stream.cuts = crate::push::cut::Cuts::from_part(&part);
         let mut trimmed = Trimmed::default();
         for d in &frames {

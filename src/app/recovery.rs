@@ -8,9 +8,10 @@
 //! the replay and the queue (live frames get later seqs and wait behind the replay).
 //!
 //! Bounds: each stream by age and `--recovery-session-bytes` (push/stream.rs); all streams of
-//! the core by `--recovery-core-bytes`: when a delivery batch leaves the core's total above it,
-//! the largest streams are trimmed from the front until the total is 7/8 of the bound (so the
-//! scan over streamed sessions runs once per eighth of the bound, not per delivery). A pid away
+//! the core by `--recovery-core-bytes`, oldest first: when a delivery batch leaves the core's
+//! log above it, the log's oldest frames go until it counts 7/8 of the bound and every stream
+//! drops the entries naming them (so the sweep over streamed sessions runs once per eighth of
+//! the bound, not per delivery). The log is borrowed once per delivery batch. A pid away
 //! longer than the window has its stream dropped by the core's clock ([`Core::expire_recovery`]).
 //!
 //! Durable (`--recovery-durable` with a data dir, design step 7): the frames a delivery batch
@@ -34,7 +35,7 @@ use crate::app::Core;
 use crate::ids::SessionId;
 use crate::push::outlet::{CloseReason, Outlet};
 use crate::push::stitch::{Noted, TailFrame};
-use crate::push::stream::{cut_largest_first, Failure, PushClock, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
+use crate::push::stream::{Failure, History, PushBatch, PushClock, SessionRecovery, StoredRecovery, TrimCause, Trimmed};
 use crate::store::Change;
 
 /// The shutdown writes the streams in commits of about this many bytes, apart from the state's
@@ -52,8 +53,9 @@ pub struct CoreRecovery {
     pub window: Option<Duration>,
     pub session_bytes: usize,
     pub core_bytes: usize,
-    /// Charged bytes of every stream of this core (kept by the streams themselves).
-    pub total: Rc<Cell<usize>>,
+    /// The core's log of frames its streams name, and the charged bytes of every stream
+    /// (kept by the streams themselves).
+    pub history: Rc<History>,
     /// Sessions of this core that have a stream (what the core bound's trim looks at).
     pub(crate) streamed: RefCell<HashSet<SessionId>>,
     /// When a session's stream may go (its last pid left a window before); stale entries are
@@ -141,7 +143,7 @@ impl CoreRecovery {
             window: settings.recovery_window(),
             session_bytes: c.recovery_session_bytes as usize,
             core_bytes: c.recovery_core_bytes as usize,
-            total: Rc::default(),
+            history: Rc::default(),
             streamed: RefCell::default(),
             deadlines: RefCell::default(),
             last_bound_log: Cell::new(None),
@@ -228,7 +230,7 @@ impl Core {
             if created {
                 self.recovery.streamed.borrow_mut().insert(session);
             }
-            let stream = recovery.stream_or_new(&self.recovery.total, now);
+            let stream = recovery.stream_or_new(&self.recovery.history, now);
             stream.trim_age(now, window, &mut aged);
             let prefix = stream.prefix().clone();
             let restored = restore
@@ -334,7 +336,7 @@ impl Core {
             if created {
                 self.recovery.streamed.borrow_mut().insert(session);
             }
-            let stream = recovery.stream_or_new(&self.recovery.total, now);
+            let stream = recovery.stream_or_new(&self.recovery.history, now);
             stream.trim_age(now, window, &mut aged);
             outlet.set_offsets(Some(stream.prefix().clone()));
             // The device part too, exactly when a Socket.IO socket gets it (design step 10).
@@ -535,14 +537,16 @@ impl Core {
     }
 
     /// The recovery step of a delivery to a session with a stream: its seq (0: no stream).
-    /// `clock` is read once per delivery batch, at its first streamed delivery.
+    /// `batch` is made once per delivery batch, at its first streamed delivery: the clock read
+    /// and the core's log borrowed for all of the batch's pushes (dropped before
+    /// [`Core::recovery_after_batch`]).
     #[inline]
-    pub(crate) fn recovery_push(
-        &self,
+    pub(crate) fn recovery_push<'a>(
+        &'a self,
         session: SessionId,
         record: &mut crate::shard::sessions::SessionRecord,
         d: &crate::push::Delivery,
-        clock: &mut Option<PushClock>,
+        batch: &mut Option<PushBatch<'a>>,
         trimmed: &mut Trimmed,
     ) -> (u64, Option<crate::push::cut::Cuts>) {
         let Some(stream) = record
@@ -552,11 +556,12 @@ impl Core {
         else {
             return (0, None);
         };
-        let clock = clock.get_or_insert_with(|| {
-            PushClock::new(Instant::now(), self.recovery.window.unwrap_or_default())
+        let batch = batch.get_or_insert_with(|| PushBatch {
+            clock: PushClock::new(Instant::now(), self.recovery.window.unwrap_or_default()),
+            log: self.recovery.history.log.borrow_mut(),
         });
         let frame = &d.frame;
-        let seq = stream.push_at(frame, clock, self.recovery.session_bytes, trimmed);
+        let seq = stream.push_at(frame, &batch.clock, &mut batch.log, self.recovery.session_bytes, trimmed);
         if self.recovery.noting.get() {
             if let Some(noted) = self.recovery.noted.borrow_mut().get_mut(&session) {
                 noted.note(&d.device, d.key);
@@ -577,10 +582,14 @@ impl Core {
         (seq, part)
     }
 
-    /// After a delivery batch: count what was trimmed, and hold the core bound.
-    pub(crate) fn recovery_after_batch(&self, trimmed: Trimmed) {
+    /// After a delivery batch (its log borrow dropped): count what was trimmed, age the log,
+    /// and hold the core bound.
+    pub(crate) fn recovery_after_batch(&self, trimmed: Trimmed, now: Instant) {
         self.count_trimmed(trimmed);
-        if self.recovery.total.get() > self.recovery.core_bytes {
+        if let Some(window) = self.recovery.window {
+            self.recovery.history.trim_age(now, window);
+        }
+        if self.recovery.history.counted() > self.recovery.core_bytes {
             self.trim_to_core_bound();
         }
     }
@@ -595,34 +604,28 @@ impl Core {
         }
     }
 
-    /// Trims the largest streams until the core's total is 7/8 of `--recovery-core-bytes`.
+    /// Holds the core bound, oldest first: the log's oldest frames go until what it counts is
+    /// 7/8 of `--recovery-core-bytes` (so the sweep over streamed sessions runs once per
+    /// eighth of the bound, not per delivery), then every stream drops its entries naming
+    /// them. A client whose missed frames went gets `bound`; one away for less than the
+    /// history's horizon recovers (push/stream.rs [`History::cut`]).
     fn trim_to_core_bound(&self) {
         let bound = self.recovery.core_bytes;
         let target = bound - bound / 8;
-        let before = self.recovery.total.get();
+        let before = self.recovery.history.held();
+        let first = self.recovery.history.cut(target);
+        let mut freed = 0;
         let mut sessions = self.sessions.borrow_mut();
-        let mut streamed = self.recovery.streamed.borrow_mut();
-        let mut sizes: Vec<(usize, SessionId)> = Vec::with_capacity(streamed.len());
-        streamed.retain(|id| {
-            let size = sessions
-                .get(*id)
-                .and_then(|r| r.recovery.as_ref())
-                .and_then(|r| r.stream.as_ref())
-                .map(|s| s.bytes());
-            if let Some(size) = size {
-                sizes.push((size, *id));
+        self.recovery.streamed.borrow_mut().retain(|id| {
+            match sessions.get_mut(*id).and_then(|r| r.recovery.as_deref_mut()).and_then(|r| r.stream.as_mut()) {
+                Some(stream) => {
+                    freed += stream.drop_before(first, TrimCause::CoreBound);
+                    true
+                }
+                None => false,
             }
-            size.is_some()
         });
-        // Largest first, each cut by what is still over (push/stream.rs).
-        let freed = cut_largest_first(sizes, &self.recovery.total, target, |id, keep| {
-            sessions
-                .get_mut(id)
-                .and_then(|r| r.recovery.as_deref_mut())
-                .and_then(|r| r.stream.as_mut())
-                .map_or(0, |stream| stream.trim_to(keep, TrimCause::CoreBound))
-        });
-        drop((sessions, streamed));
+        drop(sessions);
         let mut trimmed = Trimmed::default();
         trimmed.0[TrimCause::CoreBound.index()] = freed;
         self.count_trimmed(trimmed);
@@ -637,9 +640,9 @@ impl Core {
             tracing::info!(
                 core = self.index,
                 before,
-                after = self.recovery.total.get(),
+                after = self.recovery.history.held(),
                 bound,
-                "recovery history over its core bound: largest histories trimmed"
+                "recovery history over its core bound: the oldest trimmed"
             );
         }
     }
@@ -650,6 +653,7 @@ impl Core {
         let Some(window) = self.recovery.window else {
             return;
         };
+        self.recovery.history.trim_age(now, window);
         let mut trimmed = Trimmed::default();
         loop {
             let due = {
@@ -782,7 +786,7 @@ impl Core {
             let mut trimmed = Trimmed::default();
             for (id, stored) in &streams {
                 let Some(record) = sessions.get_mut(*id) else { continue };
-                let mut recovery = SessionRecovery::from_stored(stored.clone(), self.recovery.total.clone(), now, now_ms);
+                let mut recovery = SessionRecovery::from_stored(stored.clone(), self.recovery.history.clone(), now, now_ms);
                 let t = recovery.sweep(now, window);
                 for (all, part) in trimmed.0.iter_mut().zip(t.0) {
                     *all += part;
@@ -800,7 +804,7 @@ impl Core {
             }
             drop(sessions);
             self.count_trimmed(trimmed);
-            if self.recovery.total.get() > self.recovery.core_bytes {
+            if self.recovery.history.counted() > self.recovery.core_bytes {
                 self.trim_to_core_bound();
             }
         }
@@ -1076,7 +1080,7 @@ impl Core {
             if record.recovery.as_ref().is_some_and(|r| r.stream.is_some()) {
                 return Err("the session has a history here already");
             }
-            let mut recovery = SessionRecovery::from_stored(stored, self.recovery.total.clone(), now, now_ms);
+            let mut recovery = SessionRecovery::from_stored(stored, self.recovery.history.clone(), now, now_ms);
             let trimmed = recovery.sweep(now, window);
             if recovery.stream.is_none() {
                 self.count_trimmed(trimmed);
@@ -1092,7 +1096,7 @@ impl Core {
         };
         self.count_trimmed(trimmed);
         self.recovery_write(session, written);
-        if self.recovery.total.get() > self.recovery.core_bytes {
+        if self.recovery.history.counted() > self.recovery.core_bytes {
             self.trim_to_core_bound();
         }
         if self.sessions.borrow().get(session).is_some_and(|r| r.sockets.is_empty()) {
@@ -1151,7 +1155,7 @@ impl Core {
                 // A socket may have attached while the verdict was awaited (its CONNECT waited
                 // at most TAKE_WAIT, then got a new pid on this stream): its outlet writes the
                 // new epoch from now on, or its next restore would fail `history_lost`.
-                let prefix = recovery.void_history(&self.recovery.total, now);
+                let prefix = recovery.void_history(&self.recovery.history, now);
                 for outlet in record.sockets.iter().filter(|o| o.offsets().is_some()) {
                     outlet.set_offsets(Some(prefix.clone()));
                 }
@@ -1167,7 +1171,7 @@ impl Core {
             (self.durable_record(recovery, verdict != Verdict::Kept, now), verdict)
         };
         self.recovery_write(session, written);
-        if self.recovery.total.get() > self.recovery.core_bytes {
+        if self.recovery.history.counted() > self.recovery.core_bytes {
             self.trim_to_core_bound();
         }
         // Its deadline may be the core's earliest now.
@@ -1239,10 +1243,10 @@ fn stitch_in(recovery: &mut SessionRecovery, noted: Option<Noted>, tail: &[u8], 
     }
     let mine = stream.take_after(noted.head).ok_or("frames here were trimmed")?;
     for &i in &insert {
-        stream.push_at(&tail[i].frame, clock, session_bytes, trimmed);
+        stream.push_clocked(&tail[i].frame, clock, session_bytes, trimmed);
     }
     for frame in &mine {
-        stream.push_at(frame, clock, session_bytes, trimmed);
+        stream.push_clocked(frame, clock, session_bytes, trimmed);
     }
     // A device's cut is its last frame's: this instance's own, else the tail's.
     let here: HashSet<&str> = noted.keys.iter().map(|(d, _)| &**d).collect();

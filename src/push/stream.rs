@@ -13,15 +13,19 @@
 //! partial replay:
 //! - **age**: entries older than the window (`--recovery-window`);
 //! - **session bytes**: `--recovery-session-bytes` per stream (it also caps one replay);
-//! - **core bytes**: every stream of a core together (`--recovery-core-bytes`): the core trims
-//!   its largest streams first ([`SessionStream::trim_to`]), counted in one shared cell.
+//! - **core bytes**: every stream of a core together (`--recovery-core-bytes`): the core keeps
+//!   its most recent deliveries, the oldest cut first whichever sessions kept them
+//!   ([`History::cut`]): one horizon for all, as Socket.IO's adapters and Centrifugo.
 //!
-//! An entry is charged `frame.len() + ENTRY_OVERHEAD` bytes; a frame shared by many sessions
-//! is charged to each (an upper bound, simple to reason about). The pids of a session are
+//! The frames are the core's, in one log ([`CoreLog`]), each held once however many sessions
+//! it went to; a stream's entry is the frame's position in it (16 bytes, no reference count),
+//! so neither a delivery nor an entry's exit touches the frame: the frame leaves once, with
+//! the log's oldest. An entry is charged `frame.len() + ENTRY_OVERHEAD` bytes; a frame shared
+//! by many sessions is charged to each (an upper bound, simple to reason about). The pids of a session are
 //! bounded too ([`MAX_PIDS`]): a client that reconnects without recovering adds one each time;
 //! the oldest away pid goes first.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -107,12 +111,25 @@ impl Failure {
     }
 }
 
-/// 24 bytes: its seq is implied (`first_seq` + its position), so a history of ~450,000
-/// entries at the default core bound is ~3.6 MB smaller and each cache line holds more.
+/// 16 bytes: where the frame is in the core's log ([`CoreLog`]), when it was delivered and its
+/// length (for the session bound). Its seq is implied (`first_seq` + its position). The frame
+/// itself is the log's: an entry holds no reference count, so neither its push nor its exit
+/// touches the frame (the exit of a frame delivered ~1 s earlier was a locked decrement of a
+/// line long out of cache, once per delivery).
+#[derive(Clone, Copy)]
 struct Entry {
+    /// The frame's position in the core's log.
+    pos: u64,
     /// Milliseconds since the stream started (wrapping: entries never live 49 days).
     at_ms: u32,
-    frame: Arc<str>,
+    /// The frame's length in bytes (a frame is at most `--max-message-bytes` and a bit).
+    len: u32,
+}
+
+impl Entry {
+    fn charged(&self) -> usize {
+        self.len as usize + ENTRY_OVERHEAD
+    }
 }
 
 /// Bytes trimmed by one operation, per [`TrimCause`] (for metrics).
@@ -142,6 +159,12 @@ fn nanos_from_base(t: Instant) -> i64 {
     }
 }
 
+/// Nanoseconds from [`BASE`] as the log's milliseconds ([`LogEntry::at_ms`]: wrapping, so
+/// differences hold either side of the base).
+fn log_ms(nanos: i64) -> u32 {
+    nanos.div_euclid(1_000_000) as u32
+}
+
 /// The time of one delivery batch and the window, read and converted once for every push of
 /// the batch ([`SessionStream::push_at`]): per push, the entry's age is then a subtraction
 /// and a division by a constant (callgrind: `Instant` arithmetic and `Duration::as_millis`
@@ -151,16 +174,149 @@ pub struct PushClock {
     pub now: Instant,
     nanos: i64,
     window_ms: u32,
+    /// `now` as the log's milliseconds ([`log_ms`]).
+    log_ms: u32,
 }
 
 impl PushClock {
     pub fn new(now: Instant, window: Duration) -> Self {
+        let nanos = nanos_from_base(now);
         Self {
             now,
-            nanos: nanos_from_base(now),
+            nanos,
             window_ms: window.as_millis().min(u32::MAX as u128) as u32,
+            log_ms: log_ms(nanos),
         }
     }
+}
+
+/// A delivery batch's recovery context: its clock, and the core's log borrowed once for all
+/// of its pushes (made at the batch's first streamed delivery, dropped at its end).
+pub struct PushBatch<'a> {
+    pub clock: PushClock,
+    pub log: std::cell::RefMut<'a, CoreLog>,
+}
+
+/// A frame of the core's log: held once however many streams name it.
+struct LogEntry {
+    frame: Arc<str>,
+    /// When it was appended ([`log_ms`]).
+    at_ms: u32,
+    /// What the entries naming it were charged when pushed, in all (`len + ENTRY_OVERHEAD`
+    /// each): an upper bound of what they still hold, since an entry may have left its stream
+    /// since (age, session bound, a dropped stream) without touching the log.
+    counted: usize,
+}
+
+/// The frames a core's streams name, oldest first, each once per delivery batch (a fan-out
+/// gives one frame to many sessions in a row: they share one log entry), under positions that
+/// count up. Trimmed from the front only: by age (older than the window) and by the core bound
+/// ([`History::cut`]); a stream's entry whose position is below [`CoreLog::first`] has lost
+/// its frame and leaves at the stream's next push or the cut's sweep.
+#[derive(Default)]
+pub struct CoreLog {
+    frames: VecDeque<LogEntry>,
+    /// The position of `frames[0]` (the next position when empty).
+    first: u64,
+    /// The entries' `counted`, summed.
+    counted: usize,
+}
+
+impl CoreLog {
+    /// Appends `frame` (or names the last entry again when it is the same frame of the same
+    /// millisecond: a fan-out); returns its position.
+    #[inline(always)]
+    fn append(&mut self, frame: &Arc<str>, at_ms: u32, charged: usize) -> u64 {
+        self.counted += charged;
+        if let Some(back) = self.frames.back_mut() {
+            if std::ptr::addr_eq(Arc::as_ptr(&back.frame), Arc::as_ptr(frame)) && back.at_ms == at_ms {
+                back.counted += charged;
+                return self.first + self.frames.len() as u64 - 1;
+            }
+        }
+        self.frames.push_back(LogEntry {
+            frame: frame.clone(),
+            at_ms,
+            counted: charged,
+        });
+        self.first + self.frames.len() as u64 - 1
+    }
+
+    /// The frame at `pos`, if still held.
+    fn get(&self, pos: u64) -> Option<&Arc<str>> {
+        let i = usize::try_from(pos.checked_sub(self.first)?).ok()?;
+        self.frames.get(i).map(|e| &e.frame)
+    }
+
+    /// Drops the frames from the front while `over` says so; the new first position.
+    fn trim_front(&mut self, mut over: impl FnMut(&LogEntry, usize) -> bool) -> u64 {
+        let mut n = 0;
+        let mut counted = self.counted;
+        for e in &self.frames {
+            if !over(e, counted) {
+                break;
+            }
+            // The frame's counts are touched once more, when it is dropped below: asked for
+            // now, the misses of the frames cut together overlap.
+            prefetch_count(&e.frame);
+            counted -= e.counted;
+            n += 1;
+        }
+        if n > 0 {
+            self.frames.drain(..n);
+            self.first += n as u64;
+            self.counted = counted;
+        }
+        self.first
+    }
+}
+
+/// A core's recovery history: the log of frames its streams name and the charged bytes of
+/// every stream (shared by the streams of the core: each adds and removes its own).
+#[derive(Default)]
+pub struct History {
+    /// The charged bytes of every stream of the core (kept exact: a stream's are removed when
+    /// it is dropped). What `hubcast_recovery_history_bytes` says.
+    total: Cell<usize>,
+    /// [`CoreLog::first`], readable while a delivery batch holds the log.
+    first: Cell<u64>,
+    /// Borrowed mutably for a whole delivery batch (app/recovery.rs), and briefly elsewhere.
+    pub log: RefCell<CoreLog>,
+}
+
+impl History {
+    /// The charged bytes of every stream.
+    pub fn held(&self) -> usize {
+        self.total.get()
+    }
+
+    /// What the log counts (at least [`History::held`]): past the core bound, the core cuts.
+    pub fn counted(&self) -> usize {
+        self.log.borrow().counted
+    }
+
+    /// Drops the log's frames older than the window (a quiet core ages too).
+    pub fn trim_age(&self, now: Instant, window: Duration) {
+        let now_ms = log_ms(nanos_from_base(now));
+        // One millisecond more than a stream's own test: a stream's entry and its frame get
+        // their milliseconds from different starts, and the stream's age test must come first
+        // (an entry that ages out is `window`, not `bound`).
+        let window_ms = (window.as_millis().min(u32::MAX as u128 - 1) as u32).saturating_add(1);
+        let first = self.log.borrow_mut().trim_front(|e, _| now_ms.wrapping_sub(e.at_ms) > window_ms);
+        self.first.set(first);
+    }
+
+    /// The core bound's cut (`--recovery-core-bytes`, app/recovery.rs): the log's oldest
+    /// frames go until what it counts is at most `target`; every stream then drops its
+    /// entries below the returned position ([`SessionStream::drop_before`]), which leaves
+    /// [`History::held`] at most `target` too. Oldest first, as Socket.IO's adapters and
+    /// Centrifugo trim their histories: one horizon for every session of the core.
+    pub fn cut(&self, target: usize) -> u64 {
+        let first = self.log.borrow_mut().trim_front(|_, counted| counted > target);
+        self.first.set(first);
+        first
+    }
+
 }
 
 /// One session's stream of delivered frames.
@@ -178,27 +334,28 @@ pub struct SessionStream {
     /// The oldest seq still held (`next_seq` when empty); an offset below `first_seq - 1` has
     /// lost what followed it, for the reason in `cut_by`. The entries' seqs follow each other:
     /// entry `i` has seq `first_seq + i`, so `first_seq + entries.len() == next_seq` always.
+    /// Their log positions count up too, so when one entry's frame is still in the log, every
+    /// later one's is.
     first_seq: u64,
     cut_by: Option<TrimCause>,
-    /// The charged bytes of every stream of the core (kept exact: this stream's are removed
-    /// when it is dropped).
-    core_total: Rc<Cell<usize>>,
+    /// The core's log and the charged bytes of every stream of the core.
+    history: Rc<History>,
     /// This epoch's device part (with `--redis-url` only: [`super::cut`]).
     pub cuts: super::cut::Cuts,
 }
 
 impl Drop for SessionStream {
     fn drop(&mut self) {
-        self.core_total.set(self.core_total.get() - self.bytes);
+        self.history.total.set(self.history.total.get() - self.bytes);
     }
 }
 
 impl SessionStream {
-    pub fn new(core_total: Rc<Cell<usize>>, now: Instant) -> Self {
-        Self::with_epoch(fastrand::u32(1..), core_total, now)
+    pub fn new(history: Rc<History>, now: Instant) -> Self {
+        Self::with_epoch(fastrand::u32(1..), history, now)
     }
 
-    fn with_epoch(epoch: u32, core_total: Rc<Cell<usize>>, now: Instant) -> Self {
+    fn with_epoch(epoch: u32, history: Rc<History>, now: Instant) -> Self {
         let mut prefix = String::from("h1.");
         push_base36(&mut prefix, u64::from(epoch));
         prefix.push('.');
@@ -212,7 +369,7 @@ impl SessionStream {
             bytes: 0,
             first_seq: 1,
             cut_by: None,
-            core_total,
+            history,
             cuts: Default::default(),
         }
     }
@@ -223,8 +380,8 @@ impl SessionStream {
 
     /// A stream that continues a client's `h1.<epoch>.<seq>` (design step 11: rebuilt on
     /// another instance): its next frame gets `seq + 1`, and `seq` itself is where it starts.
-    pub fn continuing(epoch: u32, seq: u64, core_total: Rc<Cell<usize>>, now: Instant) -> Self {
-        let mut s = Self::with_epoch(epoch, core_total, now);
+    pub fn continuing(epoch: u32, seq: u64, history: Rc<History>, now: Instant) -> Self {
+        let mut s = Self::with_epoch(epoch, history, now);
         s.next_seq = seq.saturating_add(1);
         s.first_seq = s.next_seq;
         s
@@ -263,7 +420,7 @@ impl SessionStream {
     }
 
     /// Appends a delivered frame; returns its seq. Trims by age and by the session bound
-    /// (`trimmed` gets the bytes); the core bound is the caller's ([`SessionStream::trim_to`]).
+    /// (`trimmed` gets the bytes); the core bound is the caller's ([`History::cut`]).
     pub fn push(
         &mut self,
         frame: &Arc<str>,
@@ -272,18 +429,27 @@ impl SessionStream {
         session_bytes: usize,
         trimmed: &mut Trimmed,
     ) -> u64 {
-        self.push_at(frame, &PushClock::new(now, window), session_bytes, trimmed)
+        self.push_clocked(frame, &PushClock::new(now, window), session_bytes, trimmed)
     }
 
-    /// [`SessionStream::push`] with the batch's clock read once ([`PushClock`]). The hot
-    /// path: an `Arc` clone, a deque push, two adds and a front check. Inlined into the
-    /// delivery loop always (a call per delivery was ~28 instructions more when a build left
-    /// it out of line).
+    /// [`SessionStream::push`] with a batch's clock, the log borrowed for this push alone.
+    pub fn push_clocked(&mut self, frame: &Arc<str>, clock: &PushClock, session_bytes: usize, trimmed: &mut Trimmed) -> u64 {
+        let history = self.history.clone();
+        let mut log = history.log.borrow_mut();
+        self.push_at(frame, clock, &mut log, session_bytes, trimmed)
+    }
+
+    /// [`SessionStream::push`] with the batch's clock read once ([`PushClock`]) and the core's
+    /// log borrowed once (`log`: this stream's [`History::log`]). The hot path: a log append
+    /// (most often a count added to its last entry), a deque push, two adds and a front check.
+    /// Inlined into the delivery loop always (a call per delivery was ~28 instructions more
+    /// when a build left it out of line).
     #[inline(always)]
     pub fn push_at(
         &mut self,
         frame: &Arc<str>,
         clock: &PushClock,
+        log: &mut CoreLog,
         session_bytes: usize,
         trimmed: &mut Trimmed,
     ) -> u64 {
@@ -291,17 +457,22 @@ impl SessionStream {
         self.next_seq += 1;
         // Exactly `self.ms(clock.now)`: whole milliseconds since the start, wrapping.
         let at_ms = ((clock.nanos - self.started_nanos).max(0) as u64 / 1_000_000) as u32;
-        let charged = frame.len() + ENTRY_OVERHEAD;
+        let len = frame.len();
+        let charged = len + ENTRY_OVERHEAD;
+        let pos = log.append(frame, clock.log_ms, charged);
         self.entries.push_back(Entry {
+            pos,
             at_ms,
-            frame: frame.clone(),
+            len: len as u32,
         });
         self.bytes += charged;
-        self.core_total.set(self.core_total.get() + charged);
-        let window_ms = clock.window_ms;
+        self.history.total.set(self.history.total.get() + charged);
+        let (window_ms, first) = (clock.window_ms, log.first);
         while let Some(front) = self.entries.front() {
             let cause = if at_ms.wrapping_sub(front.at_ms) > window_ms {
                 TrimCause::Window
+            } else if front.pos < first {
+                TrimCause::CoreBound
             } else if self.bytes > session_bytes {
                 TrimCause::SessionBound
             } else {
@@ -312,7 +483,8 @@ impl SessionStream {
         seq
     }
 
-    /// Trims entries older than the window (a quiet stream ages too).
+    /// Trims entries older than the window (a quiet stream ages too), then those whose frame
+    /// the core's log no longer holds (cut by the core bound).
     pub fn trim_age(&mut self, now: Instant, window: Duration, trimmed: &mut Trimmed) {
         let at_ms = self.ms(now);
         let window_ms = window.as_millis().min(u32::MAX as u128) as u32;
@@ -323,33 +495,42 @@ impl SessionStream {
         {
             trimmed.add(TrimCause::Window, self.pop_front(TrimCause::Window));
         }
+        trimmed.add(TrimCause::CoreBound, self.drop_before(self.history.first.get(), TrimCause::CoreBound));
     }
 
-    /// Trims from the front until at most `bytes` are held (the core bound); returns the bytes
-    /// freed. The entries to cut are counted first and removed in one `drain`, the totals
-    /// updated once.
+    /// Drops the entries whose frame is before log position `first` (the core bound's cut:
+    /// [`History::cut`]); returns the bytes freed. Touches this stream's own entries only.
+    pub fn drop_before(&mut self, first: u64, cause: TrimCause) -> usize {
+        let n = self.entries.iter().take_while(|e| e.pos < first).count();
+        self.drop_front(n, cause)
+    }
+
+    /// Trims from the front until at most `bytes` are held; returns the bytes freed.
     pub fn trim_to(&mut self, bytes: usize, cause: TrimCause) -> usize {
         let mut freed = 0;
-        let mut n = 0;
-        for e in &self.entries {
-            if self.bytes - freed <= bytes {
-                break;
-            }
-            // Each entry's exit decrements its frame's count, a line last touched when the
-            // frame was delivered (~0.5 s ago at the default core bound on a firehose): a
-            // locked decrement of a line not in cache waits the whole miss. Asked for here,
-            // as the entries are counted, the misses overlap before `drain` drops them.
-            prefetch_count(&e.frame);
-            freed += e.frame.len() + ENTRY_OVERHEAD;
-            n += 1;
-        }
+        let n = self
+            .entries
+            .iter()
+            .take_while(|e| {
+                let over = self.bytes - freed > bytes;
+                if over {
+                    freed += e.charged();
+                }
+                over
+            })
+            .count();
+        self.drop_front(n, cause)
+    }
+
+    /// Drops the first `n` entries in one go, the totals updated once; returns their bytes.
+    fn drop_front(&mut self, n: usize, cause: TrimCause) -> usize {
         if n == 0 {
             return 0;
         }
+        let freed: usize = self.entries.drain(..n).map(|e| e.charged()).sum();
         self.first_seq += n as u64;
-        self.entries.drain(..n);
         self.bytes -= freed;
-        self.core_total.set(self.core_total.get() - freed);
+        self.history.total.set(self.history.total.get() - freed);
         self.cut_by = Some(cause);
         freed
     }
@@ -358,21 +539,18 @@ impl SessionStream {
         let Some(e) = self.entries.pop_front() else {
             return 0;
         };
-        // The next to leave (at this stream's next push, most likely): its frame's count is
-        // asked for now, so that exit does not wait a whole miss ([`SessionStream::trim_to`]).
-        if let Some(next) = self.entries.front() {
-            prefetch_count(&next.frame);
-        }
-        let charged = e.frame.len() + ENTRY_OVERHEAD;
+        let charged = e.charged();
         self.bytes -= charged;
-        self.core_total.set(self.core_total.get() - charged);
+        self.history.total.set(self.history.total.get() - charged);
         self.first_seq += 1;
         self.cut_by = Some(cause);
         charged
     }
 
-    /// The frames after `seq` (exclusive), in order, when the stream still holds all of them.
-    pub fn after(&self, seq: u64) -> Result<Vec<(Arc<str>, u64)>, Failure> {
+    /// The index of the entry of `seq + 1`, when the stream still holds every frame after
+    /// `seq` (its entries and, for the first of them, its frame in the log: positions count
+    /// up, so the later ones' too).
+    fn held_after(&self, seq: u64, log: &CoreLog) -> Result<usize, Failure> {
         if seq > self.head() {
             return Err(Failure::UnknownOffset);
         }
@@ -382,13 +560,23 @@ impl SessionStream {
                 _ => Failure::Bound,
             });
         }
-        let skip = (seq + 1 - self.first_seq.min(seq + 1)) as usize;
+        let skip = (seq + 1 - self.first_seq) as usize;
+        match self.entries.get(skip) {
+            Some(e) if e.pos < log.first => Err(Failure::Bound),
+            _ => Ok(skip),
+        }
+    }
+
+    /// The frames after `seq` (exclusive), in order, when the stream still holds all of them.
+    pub fn after(&self, seq: u64) -> Result<Vec<(Arc<str>, u64)>, Failure> {
+        let log = self.history.log.borrow();
+        let skip = self.held_after(seq, &log)?;
         Ok(self
             .entries
             .iter()
             .skip(skip)
             .zip(seq + 1..)
-            .map(|(e, seq)| (e.frame.clone(), seq))
+            .filter_map(|(e, seq)| Some((log.get(e.pos)?.clone(), seq)))
             .collect())
     }
 
@@ -396,14 +584,20 @@ impl SessionStream {
     /// `seq + 1` again (a hand-over's stitch inserts frames there: [`super::stitch`]).
     /// `None`, and nothing changed, unless the stream holds every frame after `seq`.
     pub fn take_after(&mut self, seq: u64) -> Option<Vec<Arc<str>>> {
-        if seq > self.head() || seq + 1 < self.first_seq {
-            return None;
-        }
-        let keep = (seq + 1 - self.first_seq) as usize;
-        let taken: Vec<Arc<str>> = self.entries.drain(keep..).map(|e| e.frame).collect();
-        let charged: usize = taken.iter().map(|f| f.len() + ENTRY_OVERHEAD).sum();
+        let history = self.history.clone();
+        let log = history.log.borrow();
+        let keep = self.held_after(seq, &log).ok()?;
+        let mut charged = 0;
+        let taken: Vec<Arc<str>> = self
+            .entries
+            .drain(keep..)
+            .filter_map(|e| {
+                charged += e.charged();
+                log.get(e.pos).cloned()
+            })
+            .collect();
         self.bytes -= charged;
-        self.core_total.set(self.core_total.get() - charged);
+        self.history.total.set(self.history.total.get() - charged);
         self.next_seq = seq + 1;
         Some(taken)
     }
@@ -426,31 +620,6 @@ fn prefetch_count(frame: &Arc<str>) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = frame;
-}
-
-/// The core bound's cut (`--recovery-core-bytes`, app/recovery.rs): the largest streams
-/// first, each trimmed by what is still over `target`, until `total` (the core's shared cell)
-/// is at most `target`; a few histories lose their past, the others keep all of theirs
-/// (cutting every one a little would fail every recovery). `sizes` are the streams' charged
-/// bytes; `trim(key, keep)` trims one to at most `keep` bytes and returns what it freed.
-/// A heap, not a sort: only the streams that are cut are ordered (heapify is linear).
-/// Returns the bytes freed.
-pub fn cut_largest_first<K: Ord + Copy>(
-    sizes: Vec<(usize, K)>,
-    total: &Cell<usize>,
-    target: usize,
-    mut trim: impl FnMut(K, usize) -> usize,
-) -> usize {
-    let mut heap = std::collections::BinaryHeap::from(sizes);
-    let mut freed = 0;
-    while let Some((size, key)) = heap.pop() {
-        let over = total.get().saturating_sub(target);
-        if over == 0 {
-            break;
-        }
-        freed += trim(key, size.saturating_sub(over));
-    }
-    freed
 }
 
 /// `<prefix><seq in base 36>`.
@@ -479,6 +648,31 @@ const PAIRS: [[u8; 2]; 1296] = {
     t
 };
 
+/// Writes `n` in base 36 into `buf`, its last digit at `end - 1`, from the last digit back
+/// two per division by a constant ([`PAIRS`]); returns where the digits start. [`Base36`] and
+/// [`OffsetText`] both write with it (`buf` must hold the digits before `end`).
+#[inline(always)]
+fn write_base36(buf: &mut [u8], end: usize, mut n: u64) -> usize {
+    let mut i = end;
+    while n >= 1296 {
+        let pair = PAIRS[(n % 1296) as usize];
+        n /= 1296;
+        i -= 2;
+        buf[i] = pair[0];
+        buf[i + 1] = pair[1];
+    }
+    let pair = PAIRS[n as usize];
+    if n >= 36 {
+        i -= 2;
+        buf[i] = pair[0];
+        buf[i + 1] = pair[1];
+    } else {
+        i -= 1;
+        buf[i] = pair[1];
+    }
+    i
+}
+
 /// `n` in base 36 (lower case), on the stack, optionally followed by a short suffix: the
 /// writer appends an offset's seq to every event (`Base36::with_suffix(seq, b"\"]")`, the
 /// digits and what closes the event in one slice). Two digits per step from a table: a seq
@@ -498,29 +692,13 @@ impl Base36 {
 
     /// The digits of `n`, then `suffix` (at most 3 bytes).
     #[inline]
-    pub fn with_suffix(mut n: u64, suffix: &[u8]) -> Self {
+    pub fn with_suffix(n: u64, suffix: &[u8]) -> Self {
         let mut buf = [0u8; 16];
         // 13 digits at most (36^13 > 2^64), then the suffix.
         debug_assert!(suffix.len() <= 3, "a suffix of at most 3 bytes");
         let end = 13 + suffix.len().min(3);
         buf[13..end].copy_from_slice(&suffix[..end - 13]);
-        let mut i = 13;
-        while n >= 1296 {
-            let pair = PAIRS[(n % 1296) as usize];
-            n /= 1296;
-            i -= 2;
-            buf[i] = pair[0];
-            buf[i + 1] = pair[1];
-        }
-        let pair = PAIRS[n as usize];
-        if n >= 36 {
-            i -= 2;
-            buf[i] = pair[0];
-            buf[i + 1] = pair[1];
-        } else {
-            i -= 1;
-            buf[i] = pair[1];
-        }
+        let i = write_base36(&mut buf, 13, n);
         Self {
             buf,
             start: i as u8,
@@ -577,7 +755,7 @@ impl OffsetText {
 
     /// The lead, `n` in base 36 and `suffix`, as one slice.
     #[inline]
-    pub fn with_seq<const S: usize>(&mut self, mut n: u64, suffix: &[u8; S]) -> &[u8] {
+    pub fn with_seq<const S: usize>(&mut self, n: u64, suffix: &[u8; S]) -> &[u8] {
         const { assert!(S <= 3, "a suffix of at most 3 bytes") };
         // Most seqs have 1 to 4 digits: compared at once, then the table.
         let digits = match n {
@@ -590,22 +768,7 @@ impl OffsetText {
         let end = self.lead + digits;
         let buf = &mut self.buf[..end + S];
         buf[end..].copy_from_slice(suffix);
-        // From the last digit back, two per division (as [`Base36`]).
-        let mut i = end;
-        while n >= 1296 {
-            let pair = PAIRS[(n % 1296) as usize];
-            n /= 1296;
-            i -= 2;
-            buf[i] = pair[0];
-            buf[i + 1] = pair[1];
-        }
-        let pair = PAIRS[n as usize];
-        if n >= 36 {
-            buf[i - 2] = pair[0];
-            buf[i - 1] = pair[1];
-        } else {
-            buf[i - 1] = pair[1];
-        }
+        write_base36(buf, end, n);
         buf
     }
 }
@@ -683,9 +846,9 @@ impl SessionRecovery {
     /// still queued for such a socket is written with the new epoch at a seq below the new
     /// stream's first, so a restore from it fails `bound`, never replays across the hole.
     /// Returns the new prefix, for those sockets' outlets.
-    pub fn void_history(&mut self, core_total: &Rc<Cell<usize>>, now: Instant) -> Rc<str> {
+    pub fn void_history(&mut self, history: &Rc<History>, now: Instant) -> Rc<str> {
         let next = self.stream.as_ref().map_or(1, |s| s.next_seq);
-        let mut stream = SessionStream::new(core_total.clone(), now);
+        let mut stream = SessionStream::new(history.clone(), now);
         stream.next_seq = next;
         stream.first_seq = next;
         for p in self.pids.iter_mut().filter(|p| p.socket.is_some()) {
@@ -699,11 +862,11 @@ impl SessionRecovery {
     /// The stream, made (with a new epoch) when there is none.
     pub fn stream_or_new(
         &mut self,
-        core_total: &Rc<Cell<usize>>,
+        history: &Rc<History>,
         now: Instant,
     ) -> &mut SessionStream {
         self.stream
-            .get_or_insert_with(|| SessionStream::new(core_total.clone(), now))
+            .get_or_insert_with(|| SessionStream::new(history.clone(), now))
     }
 
     /// Issues a new pid to the socket `outlet` (the stream must exist); returns `(sid, pid)`.
@@ -1027,19 +1190,26 @@ impl SessionRecovery {
     /// What the store keeps of it (`None`: it has no stream, nothing to recover from).
     pub fn to_stored(&self, now: Instant, now_ms: i64) -> Option<StoredRecovery> {
         let stream = self.stream.as_ref()?;
+        let log = stream.history.log.borrow();
+        // Entries whose frame the core bound cut from the log (not yet dropped by their
+        // stream) are not kept: as if the cut had dropped them.
+        let stale = stream.entries.iter().take_while(|e| e.pos < log.first).count();
         Some(StoredRecovery {
             epoch: stream.epoch,
             next_seq: stream.next_seq,
-            first_seq: stream.first_seq,
-            cut_by: stream.cut_by.map_or(0, |c| 1 + c.index() as u8),
+            first_seq: stream.first_seq + stale as u64,
+            cut_by: if stale > 0 { Some(TrimCause::CoreBound) } else { stream.cut_by }.map_or(0, |c| 1 + c.index() as u8),
             lost_epoch: self.lost_epoch.unwrap_or(0),
             entries: stream
                 .entries
                 .iter()
                 .zip(stream.first_seq..)
+                .skip(stale)
                 // Its age now (wrapping: an entry read back from the store may predate the
                 // stream's start), so the time is right whichever way it wrapped.
-                .map(|(e, seq)| (seq, now_ms - i64::from(stream.ms(now).wrapping_sub(e.at_ms)), e.frame.clone()))
+                .filter_map(|(e, seq)| {
+                    Some((seq, now_ms - i64::from(stream.ms(now).wrapping_sub(e.at_ms)), log.get(e.pos)?.clone()))
+                })
                 .collect(),
             pids: self
                 .pids
@@ -1084,20 +1254,21 @@ impl SessionRecovery {
 
     /// Rebuilds it from the store at start: the same epoch and seqs, each pid away since its
     /// wall-clock time (so the time the process was down counts against the window), each
-    /// frame its own allocation again, charged to `core_total`.
+    /// frame its own allocation again, appended to the core's log and charged to it.
     pub fn from_stored(
         stored: StoredRecovery,
-        core_total: Rc<Cell<usize>>,
+        history: Rc<History>,
         now: Instant,
         now_ms: i64,
     ) -> Self {
-        let mut stream = SessionStream::with_epoch(stored.epoch.max(1), core_total, now);
+        let mut stream = SessionStream::with_epoch(stored.epoch.max(1), history, now);
         stream.next_seq = stored.next_seq.max(1);
         stream.first_seq = stored.first_seq;
         stream.cut_by = TrimCause::ALL
             .get(usize::from(stored.cut_by).wrapping_sub(1))
             .copied();
         let mut first = None;
+        let mut kept: Vec<(u32, Arc<str>)> = Vec::new();
         for (seq, at, frame) in stored.entries {
             if seq < stream.first_seq || seq >= stream.next_seq {
                 continue;
@@ -1105,10 +1276,9 @@ impl SessionRecovery {
             // The entries' seqs follow each other (an entry's seq is its position): a gap,
             // which hubcast never writes, drops what came before it, as cut by the session
             // bound (as `apply_append` does).
-            let expected = first.map_or(seq, |f: u64| f + stream.entries.len() as u64);
+            let expected = first.map_or(seq, |f: u64| f + kept.len() as u64);
             if seq != expected {
-                stream.entries.clear();
-                stream.bytes = 0;
+                kept.clear();
                 stream.cut_by = Some(TrimCause::SessionBound);
                 first = Some(seq);
             }
@@ -1116,27 +1286,35 @@ impl SessionRecovery {
             // Milliseconds since the stream's start, which is now: older entries wrap below
             // zero, and every age test subtracts wrapping (entries never live 49 days).
             let age = now_ms.saturating_sub(at).clamp(0, i64::from(u32::MAX)) as u32;
-            let charged = frame.len() + ENTRY_OVERHEAD;
-            stream.entries.push_back(Entry {
-                at_ms: 0u32.wrapping_sub(age),
-                frame,
-            });
-            stream.bytes += charged;
+            kept.push((0u32.wrapping_sub(age), frame));
         }
         // The last entry must be `next_seq - 1` (entry seqs are positions): what follows a
         // gap at the end is lost, as above.
-        if first.is_some_and(|f| f + stream.entries.len() as u64 != stream.next_seq) {
-            stream.entries.clear();
-            stream.bytes = 0;
+        if first.is_some_and(|f| f + kept.len() as u64 != stream.next_seq) {
+            kept.clear();
             stream.cut_by = Some(TrimCause::SessionBound);
         }
-        match first.filter(|_| !stream.entries.is_empty()) {
+        match first.filter(|_| !kept.is_empty()) {
             Some(first) => stream.first_seq = first,
             None => stream.first_seq = stream.next_seq,
         }
-        stream
-            .core_total
-            .set(stream.core_total.get() + stream.bytes);
+        // Into the core's log as of now (the log's age is its own: each entry keeps its
+        // delivery time for the stream's window).
+        let history = stream.history.clone();
+        let mut log = history.log.borrow_mut();
+        let log_now = log_ms(nanos_from_base(now));
+        for (at_ms, frame) in kept {
+            let charged = frame.len() + ENTRY_OVERHEAD;
+            let pos = log.append(&frame, log_now, charged);
+            stream.entries.push_back(Entry {
+                pos,
+                at_ms,
+                len: frame.len() as u32,
+            });
+            stream.bytes += charged;
+        }
+        drop(log);
+        history.total.set(history.total.get() + stream.bytes);
         let pids = stored
             .pids
             .into_iter()
@@ -1171,20 +1349,20 @@ mod tests {
 
     #[test]
     fn take_after_gives_the_frames_back_and_the_seqs_go_on_from_there() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut s = SessionStream::new(total.clone(), t0);
         let mut trimmed = Trimmed::default();
         for n in 0..5 {
             s.push(&frame(&format!("f{n}")), t0, W, usize::MAX, &mut trimmed);
         }
-        let (bytes, held) = (s.bytes(), total.get());
+        let (bytes, held) = (s.bytes(), total.held());
         assert_eq!(s.take_after(6), None, "past the head");
         let taken = s.take_after(3).expect("held");
         assert_eq!(taken, vec![frame("f3"), frame("f4")]);
         assert_eq!((s.head(), s.len()), (3, 3));
         assert_eq!(bytes - s.bytes(), 2 * (2 + ENTRY_OVERHEAD));
-        assert_eq!(total.get(), held - 2 * (2 + ENTRY_OVERHEAD), "the core's total follows");
+        assert_eq!(total.held(), held - 2 * (2 + ENTRY_OVERHEAD), "the core's total follows");
         assert_eq!(s.push(&frame("x"), t0, W, usize::MAX, &mut trimmed), 4);
         assert_eq!(s.after(3).unwrap(), vec![(frame("x"), 4)]);
         // A stream that lost the frames after the seq (trimmed) gives nothing.
@@ -1208,7 +1386,7 @@ mod tests {
 
     #[test]
     fn offsets_encode_and_parse_and_nothing_else_parses() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let s = SessionStream::with_epoch(0x3f9_a2b1, total, Instant::now());
         let text = s.offset(1_000_000);
         assert!(text.starts_with("h1."), "{text}");
@@ -1292,7 +1470,7 @@ mod tests {
 
     #[test]
     fn a_batch_clock_gives_each_entry_the_age_the_instant_arithmetic_gives() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let earlier = t0.checked_sub(Duration::from_millis(1500)).unwrap_or(t0);
         let mut s = SessionStream::new(total, earlier);
@@ -1300,7 +1478,7 @@ mod tests {
         for ms in [0u64, 1, 999, 1000, 1001, 1499, 1500, 1501, 65_537, 3_600_000] {
             for ns in [0u64, 1, 999_999] {
                 let now = t0 + Duration::from_millis(ms) + Duration::from_nanos(ns);
-                s.push_at(&frame("x"), &PushClock::new(now, W), 1 << 20, &mut t);
+                s.push_clocked(&frame("x"), &PushClock::new(now, W), 1 << 20, &mut t);
                 assert_eq!(s.entries.back().unwrap().at_ms, s.ms(now), "{ms} ms {ns} ns");
             }
         }
@@ -1308,7 +1486,7 @@ mod tests {
 
     #[test]
     fn trim_to_cuts_whole_entries_from_the_front_in_one_go() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut s = SessionStream::new(total.clone(), t0);
         let mut t = Trimmed::default();
@@ -1321,22 +1499,23 @@ mod tests {
         // One byte over cuts the first entry whole.
         let first = 1 + ENTRY_OVERHEAD;
         assert_eq!(s.trim_to(held - 1, TrimCause::CoreBound), first);
-        assert_eq!((s.first_seq(), s.len(), s.bytes(), total.get()), (2, 9, held - first, held - first));
+        assert_eq!((s.first_seq(), s.len(), s.bytes(), total.held()), (2, 9, held - first, held - first));
         assert_eq!(s.after(0).err(), Some(Failure::Bound));
         assert_eq!(s.trim_to(0, TrimCause::CoreBound), held - first);
-        assert_eq!((s.first_seq(), s.len(), s.bytes(), total.get()), (11, 0, 0, 0));
+        assert_eq!((s.first_seq(), s.len(), s.bytes(), total.held()), (11, 0, 0, 0));
         assert!(s.after(10).unwrap().is_empty(), "the head's offset still recovers (nothing)");
     }
 
     /// The core bound as the core holds it (app/recovery.rs `recovery_after_batch`): after each
-    /// delivery batch, past `--recovery-core-bytes` the largest streams are cut until 7/8 of it.
-    /// Documented slack: during a batch the total may pass the bound by at most that batch's
-    /// charged bytes; after it, never. And the cut runs about once per eighth of the bound
-    /// pushed, not per batch.
+    /// delivery batch, past `--recovery-core-bytes` the log's oldest frames are cut until what
+    /// it counts is 7/8 of it, and every stream drops the entries naming them. Documented
+    /// slack: during a batch the total may pass the bound by at most that batch's charged
+    /// bytes; after it, never. The log's count is an upper bound of what the streams hold,
+    /// and the cut runs about once per eighth of the bound pushed, not per batch.
     #[test]
     fn the_core_bound_is_passed_only_within_a_batch_and_cut_once_per_eighth_of_it() {
         const BOUND: usize = 64 * 1024;
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut streams: Vec<SessionStream> = (0..50).map(|_| SessionStream::new(total.clone(), t0)).collect();
         let mut t = Trimmed::default();
@@ -1345,51 +1524,99 @@ mod tests {
             let mut batch = 0;
             for _ in 0..rng.usize(1..40) {
                 let f = frame(&"y".repeat(rng.usize(20..400)));
-                let i = if rng.bool() { rng.usize(..5) } else { rng.usize(..streams.len()) };
-                streams[i].push(&f, t0, W, 1 << 20, &mut t);
-                batch += f.len() + ENTRY_OVERHEAD;
-                assert!(total.get() <= BOUND + batch, "within a batch: at most its bytes over");
+                // A fan-out: one frame to a few streams in a row (one log entry).
+                for _ in 0..rng.usize(1..4) {
+                    let i = if rng.bool() { rng.usize(..5) } else { rng.usize(..streams.len()) };
+                    streams[i].push(&f, t0, W, if i == 7 { 2_000 } else { 1 << 20 }, &mut t);
+                    batch += f.len() + ENTRY_OVERHEAD;
+                    assert!(total.held() <= BOUND + batch, "within a batch: at most its bytes over");
+                }
             }
             pushed += batch;
-            if total.get() > BOUND {
+            assert!(total.held() <= total.counted(), "the log counts at least what the streams hold");
+            if total.counted() > BOUND {
                 cuts += 1;
-                let sizes = streams.iter().enumerate().map(|(i, s)| (s.bytes(), i)).collect();
                 let target = BOUND - BOUND / 8;
-                let freed = cut_largest_first(sizes, &total, target, |i, keep| streams[i].trim_to(keep, TrimCause::CoreBound));
+                let first = total.cut(target);
+                let freed: usize = streams.iter_mut().map(|s| s.drop_before(first, TrimCause::CoreBound)).sum();
                 assert!(freed > 0);
-                assert!(total.get() <= target, "after a cut: at most 7/8 of the bound");
+                assert!(total.counted() <= target, "after a cut: the log at most 7/8 of the bound");
+                assert!(total.held() <= target, "after a cut: the streams at most 7/8 of the bound");
             }
-            assert!(total.get() <= BOUND, "after a batch: within the bound");
-            assert_eq!(total.get(), streams.iter().map(SessionStream::bytes).sum::<usize>());
+            assert!(total.held() <= BOUND, "after a batch: within the bound");
+            assert_eq!(total.held(), streams.iter().map(SessionStream::bytes).sum::<usize>());
         }
         assert!(cuts >= 1);
         assert!(cuts <= pushed / (BOUND / 8) + 1, "{cuts} cuts for {pushed} bytes pushed");
     }
 
+    /// Oldest first (the lead's decision, docs/design/recovery.md): the cut drops the log's
+    /// oldest frames whichever streams name them; a stream whose entries after an offset all
+    /// remain replays exactly, one that lost one fails `bound`, and a frame shared by several
+    /// streams is one log entry, held once.
     #[test]
-    fn the_core_cut_takes_the_largest_streams_first_and_leaves_the_others_whole() {
-        let total = Rc::new(Cell::new(0));
+    fn the_core_cut_drops_the_oldest_frames_and_only_offsets_before_them_fail() {
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
-        let mut streams: Vec<SessionStream> = (0..4).map(|_| SessionStream::new(total.clone(), t0)).collect();
+        let (mut a, mut b) = (SessionStream::new(total.clone(), t0), SessionStream::new(total.clone(), t0));
         let mut t = Trimmed::default();
-        for (i, n) in [2usize, 10, 4, 6].into_iter().enumerate() {
-            for _ in 0..n {
-                streams[i].push(&frame("0123456789"), t0, W, 1 << 20, &mut t);
-            }
+        let frames: Vec<Arc<str>> = (0..10).map(|i| frame(&format!("{i:010}"))).collect();
+        for f in &frames {
+            a.push(f, t0, W, 1 << 20, &mut t);
+            b.push(f, t0, W, 1 << 20, &mut t);
         }
         let each = 10 + ENTRY_OVERHEAD;
-        assert_eq!(total.get(), 22 * each);
-        // 12 entries over: the 10 of the largest, then 2 of the next (6).
-        let sizes = streams.iter().enumerate().map(|(i, s)| (s.bytes(), i)).collect();
-        let freed = cut_largest_first(sizes, &total, 10 * each, |i, keep| streams[i].trim_to(keep, TrimCause::CoreBound));
-        assert_eq!(freed, 12 * each);
-        assert_eq!(streams.iter().map(SessionStream::len).collect::<Vec<_>>(), [2, 0, 4, 4]);
-        assert_eq!(total.get(), 10 * each);
+        assert_eq!(total.log.borrow().frames.len(), 10, "a frame pushed to two streams in a row is logged once");
+        assert_eq!((total.held(), total.counted()), (20 * each, 20 * each));
+        // Keep the newest 6 frames' deliveries (12 entries): frames 0..4 go.
+        let first = total.cut(12 * each);
+        assert_eq!(first, 4);
+        assert_eq!(a.after(5).unwrap().iter().map(|(f, s)| (f.to_string(), *s)).collect::<Vec<_>>(),
+            (6..=10).map(|s| (format!("{:010}", s - 1), s)).collect::<Vec<_>>(),
+            "after seq 5 (frame 4), before the stream's own sweep: frames 5..9 exactly");
+        assert_eq!(a.after(3).err(), Some(Failure::Bound), "frame 3 (seq 4) was cut");
+        assert_eq!(a.after(4).unwrap().len(), 6);
+        assert_eq!(a.drop_before(first, TrimCause::CoreBound), 4 * each);
+        assert_eq!((a.first_seq(), a.len()), (5, 6));
+        assert_eq!(a.after(3).err(), Some(Failure::Bound));
+        assert_eq!(a.after(4).unwrap().len(), 6);
+        // `b` drops its own at its next push (or the core's sweep): meanwhile it is counted.
+        assert_eq!(total.held(), 16 * each);
+        b.push(&frame("0123456789"), t0, W, 1 << 20, &mut t);
+        assert_eq!((b.first_seq(), b.len()), (5, 7));
+        assert_eq!(t.0[TrimCause::CoreBound.index()], 4 * each);
+        assert_eq!(total.held(), 13 * each);
+        drop((a, b));
+        assert_eq!(total.held(), 0);
+    }
+
+    /// The log ages on its own (a quiet core's frames go after the window, whatever its
+    /// streams still name), and a stream's entry ages before its frame does: an offset
+    /// before it fails `window`, not `bound`.
+    #[test]
+    fn the_log_ages_out_after_the_window_and_its_streams_fail_window_first() {
+        let total = Rc::new(History::default());
+        let t0 = Instant::now();
+        let w = Duration::from_secs(2);
+        let mut s = SessionStream::new(total.clone(), t0);
+        let mut t = Trimmed::default();
+        s.push(&frame("a"), t0, w, 1 << 20, &mut t);
+        s.push(&frame("b"), t0 + Duration::from_secs(1), w, 1 << 20, &mut t);
+        total.trim_age(t0 + Duration::from_millis(2500), w);
+        assert_eq!(total.log.borrow().frames.len(), 1, "a went from the log");
+        s.trim_age(t0 + Duration::from_millis(2500), w, &mut t);
+        assert_eq!(s.first_seq(), 2);
+        assert_eq!(s.after(0).err(), Some(Failure::Window));
+        assert_eq!(t.0[TrimCause::Window.index()], 1 + ENTRY_OVERHEAD);
+        assert_eq!(s.after(1).unwrap().len(), 1);
+        total.trim_age(t0 + Duration::from_millis(3500), w);
+        assert!(total.log.borrow().frames.is_empty());
+        assert_eq!(total.counted(), 0);
     }
 
     #[test]
     fn seqs_count_up_and_after_gives_what_followed() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let mut s = SessionStream::new(total.clone(), Instant::now());
         let mut t = Trimmed::default();
         let now = Instant::now();
@@ -1402,15 +1629,15 @@ mod tests {
         assert!(s.after(5).unwrap().is_empty());
         assert_eq!(s.after(0).unwrap().len(), 5);
         assert_eq!(s.after(6).err(), Some(Failure::UnknownOffset));
-        assert_eq!(total.get(), s.bytes());
+        assert_eq!(total.held(), s.bytes());
         assert_eq!(s.bytes(), 5 * (2 + ENTRY_OVERHEAD));
         drop(s);
-        assert_eq!(total.get(), 0, "a dropped stream gives its bytes back");
+        assert_eq!(total.held(), 0, "a dropped stream gives its bytes back");
     }
 
     #[test]
     fn the_session_bound_trims_the_front_and_an_offset_below_fails_bound() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut s = SessionStream::new(total.clone(), t0);
         let mut t = Trimmed::default();
@@ -1427,12 +1654,12 @@ mod tests {
             "the offset just before first_seq still recovers"
         );
         assert_eq!(s.after(5).err(), Some(Failure::Bound));
-        assert_eq!(total.get(), 4 * each);
+        assert_eq!(total.held(), 4 * each);
     }
 
     #[test]
     fn age_trims_entries_older_than_the_window_and_fails_window() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let w = Duration::from_secs(2);
         let mut s = SessionStream::new(total, t0);
@@ -1455,7 +1682,7 @@ mod tests {
 
     #[test]
     fn the_core_bound_trims_a_stream_to_a_size_and_counts_the_shared_total() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let (mut a, mut b) = (
             SessionStream::new(total.clone(), t0),
@@ -1467,9 +1694,9 @@ mod tests {
             b.push(&frame(&format!("{i:010}")), t0, W, 1 << 20, &mut t);
         }
         let each = 10 + ENTRY_OVERHEAD;
-        assert_eq!(total.get(), 20 * each);
+        assert_eq!(total.held(), 20 * each);
         assert_eq!(a.trim_to(3 * each, TrimCause::CoreBound), 7 * each);
-        assert_eq!(total.get(), 13 * each);
+        assert_eq!(total.held(), 13 * each);
         assert_eq!(a.first_seq(), 8);
         assert_eq!(a.after(1).err(), Some(Failure::Bound));
         assert_eq!(b.after(0).unwrap().len(), 10);
@@ -1477,7 +1704,7 @@ mod tests {
 
     #[test]
     fn a_pid_restores_once_away_within_the_window_and_fails_after() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut r = SessionRecovery::default();
         r.stream_or_new(&total, t0);
@@ -1534,7 +1761,7 @@ mod tests {
     /// replayed to it.
     #[test]
     fn a_voided_history_fails_the_old_epoch_and_keeps_a_connected_socket_recoverable() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut r = SessionRecovery::default();
         r.stream_or_new(&total, t0);
@@ -1547,7 +1774,7 @@ mod tests {
         let old = r.stream.as_ref().unwrap().offset(2);
         assert!(r.left(1, t0));
         let prefix = r.void_history(&total, t0);
-        assert_eq!(total.get(), 0, "nothing held after the void");
+        assert_eq!(total.held(), 0, "nothing held after the void");
         let stream = r.stream.as_mut().unwrap();
         assert_eq!(stream.prefix(), &prefix);
         assert_eq!(stream.head(), 3, "seqs go on");
@@ -1567,7 +1794,7 @@ mod tests {
 
     #[test]
     fn bad_offsets_and_lost_epochs_fail_with_their_reason() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut r = SessionRecovery::default();
         r.stream_or_new(&total, t0);
@@ -1598,7 +1825,7 @@ mod tests {
 
     #[test]
     fn a_plain_resume_names_its_stream_by_epoch_and_a_dropped_one_fails_window() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut r = SessionRecovery::default();
         let stream = r.stream_or_new(&total, t0);
@@ -1622,7 +1849,7 @@ mod tests {
 
     #[test]
     fn the_stream_goes_a_window_after_the_last_pid_left_and_the_pids_stay_bounded() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut r = SessionRecovery::default();
         r.stream_or_new(&total, t0);
@@ -1641,12 +1868,12 @@ mod tests {
         let t = r.sweep(t0 + Duration::from_secs(19) + W, W);
         assert_eq!(t.0[TrimCause::Window.index()], 1 + ENTRY_OVERHEAD);
         assert!(r.stream.is_none());
-        assert_eq!(total.get(), 0);
+        assert_eq!(total.held(), 0);
     }
 
     #[test]
     fn a_stored_recovery_comes_back_with_its_epoch_seqs_frames_and_away_time() {
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let t0 = Instant::now();
         let mut r = SessionRecovery::default();
         r.stream_or_new(&total, t0);
@@ -1669,11 +1896,11 @@ mod tests {
             [3, 4, 5]
         );
         drop(r);
-        assert_eq!(total.get(), 0);
+        assert_eq!(total.held(), 0);
         let later = Instant::now();
         let mut back =
             SessionRecovery::from_stored(stored.clone(), total.clone(), later, now_ms + 20_000);
-        assert_eq!(total.get(), 3 * (2 + ENTRY_OVERHEAD));
+        assert_eq!(total.held(), 3 * (2 + ENTRY_OVERHEAD));
         assert_eq!(
             back.to_stored(later, now_ms + 20_000)
                 .unwrap()
@@ -1713,7 +1940,7 @@ mod tests {
     fn a_stored_stream_with_a_gap_keeps_only_what_follows_it_and_seqs_stay_positions() {
         // An entry's seq is its position (`first_seq` + index): a stored stream hubcast never
         // writes, with a hole at 3, keeps 4..=5 only, cut as by the session bound.
-        let total = Rc::new(Cell::new(0));
+        let total = Rc::new(History::default());
         let now = Instant::now();
         let now_ms = 1_700_000_000_000;
         let stored = StoredRecovery {
@@ -1728,7 +1955,7 @@ mod tests {
         let back = SessionRecovery::from_stored(stored.clone(), total.clone(), now, now_ms);
         let stream = back.stream.as_ref().unwrap();
         assert_eq!((stream.first_seq(), stream.head(), stream.len()), (4, 5, 2));
-        assert_eq!(total.get(), 2 * (2 + ENTRY_OVERHEAD));
+        assert_eq!(total.held(), 2 * (2 + ENTRY_OVERHEAD));
         let got: Vec<(String, u64)> = stream.after(3).unwrap().iter().map(|(f, s)| (f.to_string(), *s)).collect();
         assert_eq!(got, [("f4".to_string(), 4), ("f5".to_string(), 5)]);
         assert_eq!(stream.after(1).err(), Some(Failure::Bound));
