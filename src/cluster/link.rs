@@ -134,8 +134,13 @@ pub struct Options {
 impl Options {
     /// Heartbeats renew leases and the instance key three times per TTL (at most every 2 s).
     pub(super) fn heartbeat(&self) -> Duration {
-        (self.lease_ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(2))
+        heartbeat_of(self.lease_ttl)
     }
+}
+
+/// The heartbeat of an instance whose `--lease-ttl` is `ttl`.
+pub(super) fn heartbeat_of(ttl: Duration) -> Duration {
+    (ttl / 3).clamp(Duration::from_millis(100), Duration::from_secs(2))
 }
 
 /// What every task of the link reads and never changes.
@@ -172,12 +177,17 @@ impl Ctx {
     /// This instance's presence, renewed every heartbeat: its `instance` key with a TTL on
     /// one Redis; on a cluster its member of the `instances` sorted set, scored with when it
     /// expires by Redis's own clock (the script reads `TIME`), so no instance's clock counts.
+    /// Either way its `instance` key holds `<time> <TTL ms>` (the time by this instance's
+    /// clock on one Redis, Redis's on a cluster; only the TTL is read): how long ago an
+    /// instance renewed is its own TTL less what is left, so an instance started with another
+    /// `--lease-ttl` is judged by its own ([`staleness`]).
     pub fn presence(&self, pipe: &mut redis::Pipeline) {
         let (me, ttl) = (&*self.o.instance, self.o.lease_ttl.as_millis() as u64);
         if self.is_cluster() {
-            pipe.cmd("EVAL").arg(PRESENT).arg(1).arg(self.o.names.instances()).arg(me).arg(ttl).ignore();
+            pipe.cmd("EVAL").arg(PRESENT).arg(2).arg(self.o.names.instances()).arg(self.key("instance", me)).arg(me).arg(ttl).ignore();
         } else {
-            pipe.cmd("SET").arg(self.key("instance", me)).arg(crate::timefmt::now_millis()).arg("PX").arg(ttl).ignore();
+            let value = format!("{} {ttl}", crate::timefmt::now_millis());
+            pipe.cmd("SET").arg(self.key("instance", me)).arg(value).arg("PX").arg(ttl).ignore();
         }
     }
 
@@ -185,9 +195,8 @@ impl Ctx {
     pub fn absence(&self, pipe: &mut redis::Pipeline) {
         if self.is_cluster() {
             pipe.cmd("ZREM").arg(self.o.names.instances()).arg(&*self.o.instance).ignore();
-        } else {
-            pipe.cmd("DEL").arg(self.key("instance", &self.o.instance)).ignore();
         }
+        pipe.cmd("DEL").arg(self.key("instance", &self.o.instance)).ignore();
     }
 
     /// A session change's publication on `ops`: in the change's transaction on one Redis.
@@ -210,15 +219,18 @@ impl Ctx {
 }
 
 /// A cluster's presence: this instance's member of the `instances` sorted set, scored with
-/// when it expires by Redis's clock; answers that time.
-const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) return now";
+/// when it expires by Redis's clock, and its `instance` key (`<time> <TTL ms>`, the TTL on
+/// it: both in the control slot); answers that time.
+const PRESENT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) redis.call('SET', KEYS[2], now .. ' ' .. ARGV[2], 'PX', ARGV[2]) return now";
 /// A cluster's live instances: expired members dropped, the rest answered.
 const LIVE: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) return redis.call('ZRANGE', KEYS[1], 0, -1)";
 
 /// A cluster's presence probe (design step 11, "who is dead"): every member of the
 /// `instances` sorted set with the milliseconds left before its score (its expiry, by Redis's
-/// clock), -1 for one already expired (as `PTTL` of a key gone); `[member, left]` each.
-const PRESENCE_LEFT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES') local out = {} for i = 1, #m, 2 do local left = tonumber(m[i + 1]) - now if left < 0 then left = -1 end out[#out + 1] = {m[i], left} end return out";
+/// clock), -1 for one already expired (as `PTTL` of a key gone), and its `instance` key
+/// (`ARGV[1]` and the member: in the control slot, as `KEYS[1]`; `false` when gone or
+/// never written, by an older build); `[member, left, value]` each.
+const PRESENCE_LEFT: &str = "local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000) local m = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES') local out = {} for i = 1, #m, 2 do local left = tonumber(m[i + 1]) - now if left < 0 then left = -1 end out[#out + 1] = {m[i], left, redis.call('GET', ARGV[1] .. m[i])} end return out";
 
 /// What the link's tasks share. One thread: a `RefCell`, never borrowed across an await.
 pub(super) struct Shared {
@@ -555,22 +567,54 @@ async fn connect(ctx: &Ctx, state: &State) -> Result<Conns, Failed> {
 /// for one whose presence is gone: what the probe of who is dead reads (design step 11 c,
 /// recovery.md; `Command::Staleness`) and the publisher's (cluster/resend.rs). One Redis:
 /// the instance keys' `PTTL`; a cluster: the `instances` sorted set's scores, one script.
+///
+/// Each instance is judged by its own `--lease-ttl` (its `instance` key names it; an older
+/// build's does not, and is taken to have this instance's): renewed `its TTL − left` ago,
+/// reported as if it renewed on this instance's heartbeat (`+ this heartbeat − its
+/// heartbeat`), so the rule both readers apply, "not renewed for a heartbeat and a second"
+/// by this instance's heartbeat, holds for its own. Before, every instance was judged by
+/// the reader's TTL: one with a shorter TTL than the reader's looked long dead while alive
+/// (not asked for its rings, not waited for as a watcher), one with a longer TTL alive long
+/// after it died.
 pub(super) async fn staleness(ctx: &Ctx, conn: &mut Conn) -> Result<Vec<(Box<str>, Option<i64>)>, Failed> {
-    let ttl = ctx.o.lease_ttl.as_millis() as i64;
+    let mine = ctx.o.lease_ttl;
+    let ago = |left: i64, value: Option<&str>| -> Option<i64> {
+        (left >= 0).then(|| {
+            let ttl = value.and_then(ttl_of).unwrap_or(mine);
+            let shift = ctx.o.heartbeat().as_millis() as i64 - heartbeat_of(ttl).as_millis() as i64;
+            ttl.as_millis() as i64 - left + shift
+        })
+    };
     if ctx.is_cluster() {
         // Presence is a member of the `instances` sorted set scored with when it expires
         // (Redis's clock): what is left of it, as `PTTL` answers on one Redis.
-        let left: Vec<(String, i64)> = within("presence left", redis::cmd("EVAL").arg(PRESENCE_LEFT).arg(1).arg(ctx.o.names.instances()).query_async(conn)).await?;
+        let prefix = ctx.key("instance", "");
+        let left: Vec<(String, i64, Option<String>)> = within("presence left", redis::cmd("EVAL").arg(PRESENCE_LEFT).arg(1).arg(ctx.o.names.instances()).arg(prefix).query_async(conn)).await?;
         let me = &*ctx.o.instance;
-        return Ok(left.into_iter().filter(|(id, _)| id != me).map(|(id, p)| (id.into_boxed_str(), (p >= 0).then(|| ttl - p))).collect());
+        return Ok(left.into_iter().filter(|(id, ..)| id != me).map(|(id, p, v)| (id.into_boxed_str(), ago(p, v.as_deref()))).collect());
     }
     let others: Vec<Arc<str>> = live_instances(ctx, conn).await?.into_iter().collect();
     let mut pipe = redis::pipe();
     for id in &others {
         pipe.cmd("PTTL").arg(ctx.key("instance", id));
+        pipe.cmd("GET").arg(ctx.key("instance", id));
     }
-    let left: Vec<i64> = if others.is_empty() { Vec::new() } else { within("PTTL instances", pipe.query_async(conn)).await? };
-    Ok(others.iter().zip(left).map(|(id, p)| (Box::from(&**id), (p >= 0).then(|| ttl - p))).collect())
+    let left: Vec<(i64, Option<String>)> = if others.is_empty() {
+        Vec::new()
+    } else {
+        let flat: Vec<redis::Value> = within("PTTL instances", pipe.query_async(conn)).await?;
+        flat.chunks(2)
+            .map(|pair| (redis::from_redis_value_ref(&pair[0]).unwrap_or(-2), redis::from_redis_value_ref(&pair[1]).unwrap_or(None)))
+            .collect()
+    };
+    Ok(others.iter().zip(left).map(|(id, (p, v))| (Box::from(&**id), ago(p, v.as_deref()))).collect())
+}
+
+/// The TTL an `instance` key's value (`<time> <TTL ms>`) names; `None` for an older build's
+/// (`<time>` alone) or anything else.
+fn ttl_of(value: &str) -> Option<Duration> {
+    let ms: u64 = value.split(' ').nth(1)?.parse().ok()?;
+    (ms > 0).then(|| Duration::from_millis(ms))
 }
 
 /// Tells the others this instance watches `devices` (its `watching` set and the `watch`
