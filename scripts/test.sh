@@ -37,13 +37,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   policy=/usr/sbin/policy-rc.d
   own_policy=
   if [ ! -e "$policy" ]; then
+    # Removed however the script ends (an interrupted apt too), not only on the normal path.
+    trap 'rm -f "$policy"' EXIT
     printf '#!/bin/sh\n# scripts/test.sh: no service starts while it installs its packages\nexit 101\n' >"$policy"
     chmod 755 "$policy"
     own_policy=1
   fi
   installed=0
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } || installed=$?
-  [ -z "$own_policy" ] || rm -f "$policy"
+  if [ -n "$own_policy" ]; then
+    rm -f "$policy"
+    trap - EXIT
+  fi
   [ "$installed" -eq 0 ] || exit "$installed"
   for service in "${missing[@]}"; do
     if [ -d /run/systemd/system ]; then

@@ -310,6 +310,7 @@ fn a_paused_instances_master_holds_no_publication(engine: Engine) {
     let _wd = d.live(&on_d);
     a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(2.0));
     let pending = "hubcast_redis_dead_probe_pending{instance=\"a\"}";
+    let asked = "hubcast_redis_dead_probes_total{instance=\"a\"}";
     let mut n = 0;
     // One round: the pump's message (it waits for D: A keeps asking who is dead); then, if a
     // query is pending, the valve's, which B must get: `Some(true)` if that one query was
@@ -317,14 +318,16 @@ fn a_paused_instances_master_holds_no_publication(engine: Engine) {
     let mut round = |wb: &mut common::ws::Live| {
         n += 1;
         a.ingest(json!({"deviceId": pump, "body": {"n": n}}));
-        let before = (metric(&a, "hubcast_redis_dead_probes_total", "a"), a.metric(pending));
-        if before.1 != Some(1.0) {
+        // Both series from one scrape: read apart, a query ending and the next starting in
+        // between would pass for the same one still pending.
+        let probes = || a.metrics(&[asked, pending]);
+        let before = probes();
+        if before[1] != Some(1.0) {
             return None;
         }
         a.ingest(json!({"deviceId": valve, "body": {"n": n}}));
         assert_eq!(next(wb, "the valve's message"), (valve.clone(), n));
-        let after = (metric(&a, "hubcast_redis_dead_probes_total", "a"), a.metric(pending));
-        Some(before == after)
+        Some(probes() == before)
     };
     d.signal(libc::SIGKILL);
     d.wait_exit(WAIT).expect("D killed");

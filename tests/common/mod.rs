@@ -405,9 +405,15 @@ impl Server {
     /// One sample of `GET /metrics` (with the admin key): the value of the series whose name
     /// and labels are exactly `series` (e.g. `hubcast_sockets{transport="websocket"}`).
     pub fn metric(&self, series: &str) -> Option<f64> {
+        self.metrics(&[series])[0]
+    }
+
+    /// Several series from one sample of `GET /metrics` (so they are read at one moment),
+    /// each as [`Server::metric`] reads it.
+    pub fn metrics(&self, series: &[&str]) -> Vec<Option<f64>> {
         let (status, text, _) = self.call_on(&new_agent(), "GET", "/metrics", &[ADMIN], None);
         assert_eq!(status, 200, "GET /metrics answered {status}: {text}");
-        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+        series.iter().map(|series| text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())).collect()
     }
 
     /// Polls `GET /metrics` until `series` is what `want` says; returns that value. Panics
@@ -448,7 +454,12 @@ impl Server {
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let status = process::wait_exit(&mut self.child, timeout)?;
         let deadline = Instant::now() + Duration::from_secs(5);
-        while self.drains.iter().any(|d| !d.is_finished()) && Instant::now() < deadline {
+        while self.drains.iter().any(|d| !d.is_finished()) {
+            if Instant::now() >= deadline {
+                // A child of the server holding its pipes open: its lines may be incomplete.
+                eprintln!("harness: the server exited ({status}) but its output is still open after 5 s: its last log lines may be missing");
+                break;
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
         Some(status)
