@@ -831,7 +831,7 @@ fn a_kill_9_and_a_restart_on_the_same_data_dir_replay_what_was_committed() {
 /// (`history_lost`), gets live data at once, and nothing twice.
 #[test]
 fn deliveries_posted_and_never_appended_before_a_crash_are_never_claimed_as_replayed() {
-    use hubcast::store::format::{begin_frame, encode, end_frame, Change};
+    use hubcast::store::format::{begin_log_frame, encode, end_log_frame, Change};
     let (dir, mut server, port, cutter, client) = cut_off_on_a_data_dir(1000);
     let start = |port: &str| durable(&dir, port);
     ingest_range(&server, 0, 5);
@@ -845,12 +845,14 @@ fn deliveries_posted_and_never_appended_before_a_crash_are_never_claimed_as_repl
         .collect();
     logs.sort();
     let newest = logs.last().expect("core 0 has a log");
+    // A frame of that log (its generation is the number in its name).
+    let gen: u64 = newest.file_stem().unwrap().to_string_lossy().rsplit('-').next().unwrap().parse().unwrap();
     let mut frame = Vec::new();
-    let at = begin_frame(&mut frame);
+    let at = begin_log_frame(&mut frame);
     for to in 0..2 {
         encode(&mut frame, Change::Posted { to, n: 1 << 40 });
     }
-    end_frame(&mut frame, at);
+    end_log_frame(&mut frame, at, gen);
     std::fs::OpenOptions::new().append(true).open(newest).unwrap().write_all(&frame).unwrap();
     server = start(&port);
     assert!(

@@ -155,9 +155,10 @@ fn a_damaged_commit_inside_a_log_stops_the_start_and_with_the_flag_only_that_com
     drop(server); // kill -9
     let log = files(&dir, "log").pop().expect("a log with commits");
     let mut bytes = std::fs::read(&log).unwrap();
-    let first = 16 + 8 + u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
+    let head = hubcast::store::format::LOG_FRAME_HEAD;
+    let first = 16 + head + u32::from_le_bytes(bytes[16..20].try_into().unwrap()) as usize;
     assert!(first < bytes.len(), "more commits follow the first");
-    bytes[16 + 8 + 3] ^= 0x40;
+    bytes[16 + head + 3] ^= 0x40;
     std::fs::write(&log, &bytes).unwrap();
 
     let stderr = refused(&dir);

@@ -16,6 +16,24 @@
 //! damage in the middle (skipped, reported), none means the file ends there (a log's write cut
 //! by a crash, or a cut-off snapshot).
 //!
+//! **Logs are written over again (version 6).** A log a snapshot replaced is not deleted but
+//! kept as its core's spare and used as a later log (src/store/log.rs): writing over a file's
+//! allocated, cached pages costs the kernel about half of an append, and nothing is freed
+//! (issue 25 item 4, docs/benchmarks/2026-11-28-store-reuse.md). So a log of version 6 may hold
+//! an older log's frames past its own, and its frames say whose they are: `len: u32 LE`,
+//! `crc32(gen ‖ payload): u32 LE`, `gen: u32 LE` (the low half of the log's generation, from
+//! its name), `payload` ([`LOG_FRAME_HEAD`]). A frame of another generation is never one of
+//! this log's. Where older bytes follow the last commit, the commit's write ends with an
+//! **end mark** (a frame of the log's generation and no payload, [`log_end_mark`]), which the
+//! next commit overwrites: a start stops there without looking at the older bytes. A log
+//! read to its end mark or to the end of the file ended cleanly; anything else is a bad frame,
+//! and only frames of the log's own generation after it make it damage in the middle (an older
+//! frame is cheap to tell: its generation field differs, no checksum is computed). Each log's
+//! first commit begins with [`TAG_LOG_START`]: the generation and end offset of the log before
+//! it, which a start checks (a finished log's lost tail under a newer log's commits is a hole,
+//! not the cut-off end a crash leaves). Snapshots are written once (never over an older file)
+//! and keep the plain frames.
+//!
 //! Records are states, not operations: a device record carries the device's whole data,
 //! an access record one session's grants and subscriptions on one device. Replaying them
 //! in order is idempotent, and the newest record of a key wins.
@@ -34,11 +52,17 @@ pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// delivery counts of the crash rule ([`TAG_POSTED`], [`TAG_RECEIVED`]): design step 7.
 /// Version 4 added the device record with its read mark ([`TAG_DEVICE_KEYED`]): step 9.
 /// Version 5 writes devices as compact records ([`TAG_DEVICE_COMPACT`]: varint lengths, one
-/// time per record); the records of versions 1-4 are still read, in any file.
-pub const VERSION: u32 = 5;
+/// time per record); the records of versions 1-4 are still read, in any file. Version 6 logs
+/// are written over again: their frames carry the log's generation, end marks and the start
+/// record ([`Framing::Log`], the module docs); version 6 snapshots are version 5's.
+pub const VERSION: u32 = 6;
 /// The versions this hubcast reads (it writes [`VERSION`]). An older hubcast refuses a
 /// newer file by name: a downgrade is not supported once one was written.
-pub const READS: [u32; 5] = [1, 2, 3, 4, 5];
+pub const READS: [u32; 6] = [1, 2, 3, 4, 5, 6];
+/// The first version whose logs use [`Framing::Log`].
+pub const LOG_FRAMING_SINCE: u32 = 6;
+/// A log frame's header from version 6 on: length, CRC-32 of generation and payload, generation.
+pub const LOG_FRAME_HEAD: usize = 12;
 pub const HEADER_LEN: usize = 16;
 pub const KIND_LOG: u8 = 1;
 pub const KIND_SNAPSHOT: u8 = 2;
@@ -89,6 +113,10 @@ const HAS_CONNECTION: u8 = 2;
 const CONNECTED: u8 = 4;
 const HAS_SEQUENCE: u8 = 8;
 const HAS_MARK: u8 = 16;
+/// The first record of a log's first commit (version 6): the generation (`u64 LE`, 0: none)
+/// and end offset (`u64 LE`) of the core's log before it that held commits, as its writer
+/// left it. A start checks it against that log as read (src/store/log.rs, "Recovery").
+const TAG_LOG_START: u8 = 16;
 pub const TAG_END: u8 = 0xFF;
 
 /// A device record: with or without its read mark, or compact.
@@ -127,14 +155,91 @@ pub enum Record {
     /// Deliveries taken in, in all.
     Received(u64),
     End,
+    /// [`TAG_LOG_START`]: the log before this one, `(generation, end offset)`.
+    LogStart(u64, u64),
 }
 
 pub fn header(kind: u8) -> [u8; HEADER_LEN] {
+    header_of(kind, VERSION)
+}
+
+/// A file header of an older `version` (tests write data dirs as older hubcasts did).
+pub fn header_of(kind: u8, version: u32) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[..8].copy_from_slice(MAGIC);
-    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     h[12] = kind;
     h
+}
+
+/// How a file's frames are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// `len, crc32(payload), payload`: snapshots, and logs before version 6 (files written
+    /// once, appended to).
+    Plain,
+    /// `len, crc32(gen ‖ payload), gen, payload`, and an end mark where older bytes follow:
+    /// logs of version 6 and later, of generation `gen` (see the module docs).
+    Log { gen: u32 },
+}
+
+impl Framing {
+    /// The framing of a file whose header was checked: a log of version 6 or later named
+    /// with generation `gen` is [`Framing::Log`].
+    pub fn of(bytes: &[u8], gen: u64) -> Framing {
+        let version = bytes.get(8..12).map_or(0, |v| u32::from_le_bytes(v.try_into().expect("4 bytes")));
+        if version >= LOG_FRAMING_SINCE && bytes.get(12) == Some(&KIND_LOG) {
+            Framing::Log { gen: gen as u32 }
+        } else {
+            Framing::Plain
+        }
+    }
+
+    fn head(self) -> usize {
+        match self {
+            Framing::Plain => 8,
+            Framing::Log { .. } => LOG_FRAME_HEAD,
+        }
+    }
+}
+
+/// Starts a log frame in `buf` ([`Framing::Log`]): room for its header, filled in by [`end_log_frame`].
+pub fn begin_log_frame(buf: &mut Vec<u8>) -> usize {
+    let at = buf.len();
+    buf.extend_from_slice(&[0u8; LOG_FRAME_HEAD]);
+    at
+}
+
+fn log_crc(gen: u32, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&gen.to_le_bytes());
+    h.update(payload);
+    h.finalize()
+}
+
+/// Closes the log frame begun at `at` for the log of generation `gen`.
+pub fn end_log_frame(buf: &mut [u8], at: usize, gen: u64) {
+    let gen = gen as u32;
+    let payload = &buf[at + LOG_FRAME_HEAD..];
+    let len = payload.len() as u32;
+    let crc = log_crc(gen, payload);
+    buf[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    buf[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
+    buf[at + 8..at + 12].copy_from_slice(&gen.to_le_bytes());
+}
+
+/// The end mark of the log of generation `gen`: a frame of no payload (see the module docs).
+pub fn log_end_mark(gen: u64) -> [u8; LOG_FRAME_HEAD] {
+    let mut m = [0u8; LOG_FRAME_HEAD];
+    end_log_frame(&mut m, 0, gen);
+    m
+}
+
+/// The start record of a log ([`TAG_LOG_START`]).
+pub fn encode_log_start(buf: &mut Vec<u8>, gen: u64, end: u64) {
+    buf.push(TAG_LOG_START);
+    buf.extend_from_slice(&gen.to_le_bytes());
+    buf.extend_from_slice(&end.to_le_bytes());
 }
 
 /// Writes a snapshot's device count into its header (see the module docs).
@@ -217,31 +322,45 @@ fn put_vstr(buf: &mut Vec<u8>, s: &str) {
 /// Writes a record into room reserved beforehand: no capacity check per field, short strings
 /// copied without a call (most keys, values and ids are under 16 bytes). A record's fields
 /// took ~600 instructions pushed one at a time (a capacity check and a `memcpy` call each),
-/// once per message under a steady load (issue 25 item 4).
+/// once per message under a steady load (issue 25 item 4). Each write checks first that it
+/// fits before `end` (one compare, never a write past the room: a wrong estimate of the room
+/// panics before it could write out of bounds).
 struct Room {
     at: *mut u8,
+    end: *mut u8,
 }
 
 impl Room {
-    /// Safety (every writer): the room reserved holds what is written.
+    /// Panics unless `n` more bytes fit.
+    #[inline(always)]
+    fn fits(&self, n: usize) {
+        assert!(n <= (self.end as usize).wrapping_sub(self.at as usize) && self.at <= self.end, "a device record past its reserved room");
+    }
+
+    /// Safety (every writer): `at..end` is reserved, writable room (checked per write).
     #[inline(always)]
     unsafe fn byte(&mut self, v: u8) {
+        self.fits(1);
         *self.at = v;
         self.at = self.at.add(1);
     }
 
     #[inline(always)]
     unsafe fn varint(&mut self, mut v: u64) {
+        self.fits(VARINT_MAX);
         while v >= 0x80 {
-            self.byte(v as u8 | 0x80);
+            *self.at = v as u8 | 0x80;
+            self.at = self.at.add(1);
             v >>= 7;
         }
-        self.byte(v as u8);
+        *self.at = v as u8;
+        self.at = self.at.add(1);
     }
 
     #[inline(always)]
     unsafe fn vstr(&mut self, s: &str) {
         let (src, len) = (s.as_ptr(), s.len());
+        self.fits(VARINT_MAX.saturating_add(len));
         self.varint(len as u64);
         let dst = self.at;
         if len >= 16 {
@@ -296,11 +415,11 @@ fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device)
         + 2 * VARINT_MAX;
     buf.reserve(most);
     let start = buf.len();
-    // Safety: `most` bytes are reserved past `start` and every write below is counted in it
-    // (each string's bytes and a varint's most for each number); `set_len` covers only bytes
-    // written.
+    // Safety: `most` bytes are reserved past `start` (`end`), every write checks it fits before
+    // it writes (`Room::fits`), and `set_len` covers only bytes written.
     unsafe {
-        let mut w = Room { at: buf.as_mut_ptr().add(start) };
+        let at = buf.as_mut_ptr().add(start);
+        let mut w = Room { at, end: at.add(most) };
         w.byte(TAG_DEVICE_COMPACT);
         w.vstr(id);
         w.byte(flags);
@@ -326,7 +445,6 @@ fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device)
             w.varint(mark.n);
         }
         let written = w.at.offset_from(buf.as_ptr().add(start)) as usize;
-        assert!(written <= most, "a device record past its reserved room");
         buf.set_len(start + written);
     }
 }
@@ -812,6 +930,10 @@ fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
                 Record::Posted(to, r.u64()?)
             }
             TAG_RECEIVED => Record::Received(r.u64()?),
+            TAG_LOG_START => {
+                let gen = r.u64()?;
+                Record::LogStart(gen, r.u64()?)
+            }
             TAG_END => Record::End,
             t => return Err(format!("unknown record tag {t}")),
         };
@@ -910,17 +1032,38 @@ pub struct NewestFirst {
     snapshot_streams: Vec<Record>,
 }
 
+/// A log's frames checked whole ([`NewestFirst::check_log`]), not applied yet.
+#[derive(Debug, Default)]
+pub struct CheckedLog {
+    /// (record start, its frame's end) of every record of the valid frames.
+    records: Vec<(usize, usize)>,
+    pub scan: Scan,
+    /// Where the log's commits end: its end mark, the end of the file, or its bad tail.
+    pub end: usize,
+    /// Its start record ([`TAG_LOG_START`]): the log before it, `(generation, end)`.
+    pub start: Option<(u64, u64)>,
+    /// Commits (valid frames) it holds.
+    pub commits: usize,
+}
+
 impl NewestFirst {
     /// One log file (header checked), newest record first. Its frames are checked whole
     /// first: the valid frames are applied (a damaged span skipped, see [`scan`]), the rest is
     /// reported.
     pub fn apply_log(&mut self, bytes: &[u8], into: &mut super::Loaded) -> Scan {
-        // (record start, its frame's end) of every record of the valid frames.
+        let checked = Self::check_log(bytes, Framing::Plain);
+        self.apply_checked(bytes, checked, into)
+    }
+
+    /// Checks a log's frames whole (header checked) and notes its records, its end and its
+    /// start record, applying nothing: a start checks the logs' order before any is applied.
+    pub fn check_log(bytes: &[u8], framing: Framing) -> CheckedLog {
         let mut records: Vec<(usize, usize)> = Vec::new();
-        let mut at = HEADER_LEN;
-        let mut scan = scan(bytes, &mut |payload| {
+        let mut start = None;
+        let mut commits = 0;
+        let (scan, end) = scan_framed(bytes, framing, &mut |payload| {
             let base = payload.as_ptr() as usize - bytes.as_ptr() as usize;
-            at = base + payload.len();
+            let at = base + payload.len();
             let first = records.len();
             let mut r = Reader { bytes: payload, at: 0 };
             let checked = (|| {
@@ -930,18 +1073,29 @@ impl NewestFirst {
                     if is_device(tag) {
                         r.device_id(tag)?;
                         skip_device(&mut r, tag)?;
-                    } else {
-                        decode_one(&mut r, tag)?;
+                    } else if let Record::LogStart(gen, end) = decode_one(&mut r, tag)? {
+                        // Only the first record of the first commit is the log's (the writer
+                        // puts it nowhere else).
+                        if commits == 0 && records.len() - first == 1 {
+                            start = Some((gen, end));
+                        }
                     }
                 }
                 Ok(())
             })();
-            if checked.is_err() {
-                records.truncate(first);
+            match &checked {
+                Ok(()) => commits += 1,
+                Err(_) => records.truncate(first),
             }
             checked
         });
-        for &(start, end) in records.iter().rev() {
+        CheckedLog { records, scan, end, start, commits }
+    }
+
+    /// Applies a log [`NewestFirst::check_log`] checked, newest record first.
+    pub fn apply_checked(&mut self, bytes: &[u8], checked: CheckedLog, into: &mut super::Loaded) -> Scan {
+        let mut scan = checked.scan;
+        for &(start, end) in checked.records.iter().rev() {
             let mut r = Reader { bytes: &bytes[..end], at: start };
             if let Err(e) = self.apply_one(&mut r, into) {
                 // Checked above: cannot happen; never trust what follows.
@@ -1076,23 +1230,44 @@ pub fn read_frames(bytes: &[u8], out: &mut impl FnMut(Record)) -> Scan {
     })
 }
 
-/// The payload of the frame at `at`, its length and CRC checked.
-fn frame_at(bytes: &[u8], at: usize) -> Result<&[u8], String> {
-    if bytes.len() - at < 8 {
+/// What is at a frame's place.
+enum Framed<'a> {
+    Payload(&'a [u8]),
+    /// A log's end mark ([`log_end_mark`]).
+    End,
+}
+
+/// The frame at `at`, its length and CRC (and in a log, its generation) checked.
+fn frame_at(bytes: &[u8], at: usize, framing: Framing) -> Result<Framed<'_>, String> {
+    let head = framing.head();
+    if bytes.len() - at < head {
         return Err("truncated frame header".into());
     }
     let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
     let crc = u32::from_le_bytes(bytes[at + 4..at + 8].try_into().expect("4 bytes"));
+    if let Framing::Log { gen } = framing {
+        let of = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes"));
+        if of != gen {
+            return Err(format!("a frame of another log (generation {of}, this log's is {gen})"));
+        }
+    }
     if len > MAX_FRAME {
         return Err(format!("frame length {len} is beyond the limit"));
     }
-    let Some(payload) = bytes.get(at + 8..at + 8 + len) else {
-        return Err(format!("truncated frame ({len} bytes announced, {} present)", bytes.len() - at - 8));
+    let Some(payload) = bytes.get(at + head..at + head + len) else {
+        return Err(format!("truncated frame ({len} bytes announced, {} present)", bytes.len() - at - head));
     };
-    if crc32fast::hash(payload) != crc {
+    let ok = match framing {
+        Framing::Plain => crc32fast::hash(payload) == crc,
+        Framing::Log { gen } => log_crc(gen, payload) == crc,
+    };
+    if !ok {
         return Err("checksum mismatch".into());
     }
-    Ok(payload)
+    Ok(match framing {
+        Framing::Log { .. } if len == 0 => Framed::End,
+        _ => Framed::Payload(payload),
+    })
 }
 
 /// A damaged span in the middle of a file: valid frames follow it.
@@ -1125,51 +1300,71 @@ impl Scan {
 /// length announces first, then byte by byte) and reading goes on there, the span between
 /// reported as damaged. Only when no valid frame follows is the bad frame the file's tail.
 pub fn scan(bytes: &[u8], each: &mut impl FnMut(&[u8]) -> Result<(), String>) -> Scan {
+    scan_framed(bytes, Framing::Plain, each).0
+}
+
+/// [`scan`] in a file's `framing`; also returns where its commits end (a log's end mark, the
+/// end of the file, or the bad tail). A log ([`Framing::Log`]) ends at its end mark: the bytes
+/// after it are an older log's; after a bad frame only its own generation's frames are looked
+/// for (an older log's are skipped on their generation field, without a checksum).
+pub fn scan_framed(bytes: &[u8], framing: Framing, each: &mut impl FnMut(&[u8]) -> Result<(), String>) -> (Scan, usize) {
     let mut out = Scan::default();
     let mut at = HEADER_LEN;
+    let head = framing.head();
     // Candidates looked for byte by byte are at most this long (each costs a CRC of its length).
     let mut longest = 1 << 20;
     while at < bytes.len() {
-        let why = match frame_at(bytes, at) {
-            Ok(payload) => match each(payload) {
+        let why = match frame_at(bytes, at, framing) {
+            Ok(Framed::End) => return (out, at),
+            Ok(Framed::Payload(payload)) => match each(payload) {
                 Ok(()) => {
                     longest = longest.max(payload.len());
-                    at += 8 + payload.len();
+                    at += head + payload.len();
                     continue;
                 }
                 Err(e) => format!("undecodable frame: {e}"),
             },
             Err(why) => why,
         };
-        match next_valid_frame(bytes, at, longest) {
+        match next_valid_frame(bytes, at, longest, framing) {
             Some(next) => {
                 out.damaged.push(Skipped { offset: at, len: next - at, why });
                 at = next;
             }
             None => {
                 out.tail = Tail::Bad { offset: at, why };
-                break;
+                return (out, at);
             }
         }
     }
-    out
+    (out, at.min(bytes.len()))
 }
 
 /// The first offset after the bad frame at `bad` where a whole valid frame starts: a length
-/// within bounds and not zero (a zero-filled span is not a frame), a matching CRC, records
-/// that decode. Looked for byte by byte, a candidate is at most `longest` bytes long.
-fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize) -> Option<usize> {
+/// within bounds and not zero (a zero-filled span is not a frame, nor is an end mark), a
+/// matching CRC (and generation), records that decode. Looked for byte by byte, a candidate
+/// is at most `longest` bytes long.
+fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize, framing: Framing) -> Option<usize> {
+    let head = framing.head();
+    let gen = match framing {
+        Framing::Log { gen } => Some(gen.to_le_bytes()),
+        Framing::Plain => None,
+    };
     let valid = |at: usize, most: usize| {
-        let Some(head) = bytes.get(at..at + 8) else { return false };
-        let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
-        len > 0 && len <= most && frame_at(bytes, at).is_ok_and(|p| walk(p, None).is_ok())
+        let Some(h) = bytes.get(at..at + head) else { return false };
+        // In a log, the generation first: an older log's frames are told on it alone.
+        if gen.is_some_and(|g| h[8..12] != g) {
+            return false;
+        }
+        let len = u32::from_le_bytes(h[..4].try_into().expect("4 bytes")) as usize;
+        len > 0 && len <= most && matches!(frame_at(bytes, at, framing), Ok(Framed::Payload(p)) if walk(p, None).is_ok())
     };
     // A damaged payload leaves its length right: the announced next frame first.
-    let announced = bytes.get(bad..bad + 4).map(|b| bad + 8 + u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize);
+    let announced = bytes.get(bad..bad + 4).map(|b| bad + head + u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize);
     if let Some(next) = announced.filter(|&n| n < bytes.len() && valid(n, MAX_FRAME)) {
         return Some(next);
     }
-    (bad + 1..bytes.len().saturating_sub(8)).find(|&at| valid(at, longest))
+    (bad + 1..bytes.len().saturating_sub(head)).find(|&at| valid(at, longest))
 }
 
 #[cfg(test)]
@@ -1475,7 +1670,7 @@ mod tests {
         };
         let (old, new) = (write(true), write(false));
         assert_eq!(check_header(&old, KIND_LOG), Ok(()), "version 4 is read");
-        assert_eq!(u32::from_le_bytes(new[8..12].try_into().unwrap()), 5);
+        assert_eq!(u32::from_le_bytes(new[8..12].try_into().unwrap()), VERSION);
         let view = |l: &super::super::Loaded| {
             let mut v: Vec<_> = l.devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
             v.sort_by(|a, b| a.0.cmp(&b.0));
@@ -1521,6 +1716,34 @@ mod tests {
     /// The encoder writing into reserved room gives the bytes of a push per field, for every
     /// length of a short string's copy (0 to 40 bytes), times far from the base, a twin, a
     /// sequence, a read mark, and after whatever the buffer held.
+    /// The encoder checks that each write fits its room before writing (review): a room too
+    /// small panics, and nothing is written past it, nor anything at all by the write that
+    /// would not fit.
+    #[test]
+    fn the_encoder_checks_its_room_before_each_write() {
+        for (room, s) in [(8usize, "0123456789abcdef"), (11, "0123456789"), (3, "abc")] {
+            let mut buf = [0u8; 64];
+            let at = buf.as_mut_ptr();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Safety: the room is inside `buf`.
+                let mut w = Room { at, end: unsafe { at.add(room) } };
+                unsafe {
+                    w.byte(1);
+                    w.vstr(s);
+                }
+            }));
+            assert!(r.is_err(), "room {room}, {s:?}");
+            assert_eq!(buf[0], 1);
+            assert!(buf[1..].iter().all(|&b| b == 0), "room {room}, {s:?}: {buf:?}");
+        }
+        let mut buf = [0u8; 16];
+        let at = buf.as_mut_ptr();
+        // Safety: as above; exactly enough room for a varint's most and "abc".
+        let mut w = Room { at, end: unsafe { at.add(VARINT_MAX + 3) } };
+        unsafe { w.vstr("abc") };
+        assert_eq!(&buf[..4], b"\x03abc");
+    }
+
     #[test]
     fn the_device_encoder_writes_what_a_push_per_field_writes() {
         use crate::ingest::{MsgKey, ReadMark};

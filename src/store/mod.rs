@@ -118,7 +118,8 @@ impl Loaded {
                 *mark = (*mark).max(n);
             }
             Record::Received(n) => self.received = self.received.max(n),
-            Record::End => {}
+            // Read by the start's check of the logs' order (src/store/log.rs), no state.
+            Record::End | Record::LogStart(..) => {}
         }
     }
 
