@@ -1713,9 +1713,6 @@ mod tests {
         }
     }
 
-    /// The encoder writing into reserved room gives the bytes of a push per field, for every
-    /// length of a short string's copy (0 to 40 bytes), times far from the base, a twin, a
-    /// sequence, a read mark, and after whatever the buffer held.
     /// The encoder checks that each write fits its room before writing (review): a room too
     /// small panics, and nothing is written past it, nor anything at all by the write that
     /// would not fit.
@@ -1744,6 +1741,9 @@ mod tests {
         assert_eq!(&buf[..4], b"\x03abc");
     }
 
+    /// The encoder writing into reserved room gives the bytes of a push per field, for every
+    /// length of a short string's copy (0 to 40 bytes), times far from the base, a twin, a
+    /// sequence, a read mark, and after whatever the buffer held.
     #[test]
     fn the_device_encoder_writes_what_a_push_per_field_writes() {
         use crate::ingest::{MsgKey, ReadMark};

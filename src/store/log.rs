@@ -141,7 +141,7 @@ impl StoreStats {
             ),
             (
                 "hubcast_store_damaged_files",
-                "Damaged or missing store files this start went past (--store-start-damaged); each kept aside as <name>.damaged-<time>.",
+                "Damaged or missing store files this start went past (--store-start-damaged), and logs it did not load after a hole a power loss left; each kept aside as <name>.damaged-<time>.",
                 get(&self.damaged_files),
             ),
             ("hubcast_store_dropped_bytes", "Bytes of damaged store files left out at this start.", get(&self.dropped_bytes)),
@@ -759,8 +759,15 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
     if !damages.is_empty() && !options.start_damaged {
         return Err(refusal(&damages));
     }
-    // Logs after a hole ([`load_core`]): kept aside, never read again.
+    // With a sync per commit no power loss leaves a hole: it is damage like any other.
+    if !cut.is_empty() && fsync_interval.is_zero() && !options.start_damaged {
+        let d: Vec<Damage> = cut.iter().map(|(p, why)| Damage::new(p, &[(0, fs::metadata(p).map_or(0, |m| m.len() as usize), why.clone())], 0)).collect();
+        return Err(refusal(&d));
+    }
+    // Logs after a hole ([`load_core`]): kept aside, never read again, counted.
     for (path, why) in &cut {
+        STATS.damaged_files.fetch_add(1, Ordering::Relaxed);
+        STATS.dropped_bytes.fetch_add(fs::metadata(path).map_or(0, |m| m.len()), Ordering::Relaxed);
         let aside = keep_aside(path);
         tracing::error!(
             file = %path.display(),
@@ -818,6 +825,15 @@ pub fn open_locked(dir: &Path, lock: DirLock, cores: usize, options: Options) ->
         ms = started.elapsed().as_millis() as u64,
         "stored state loaded"
     );
+    // The logs read are on disk before a new log names where they end: after a kill -9 their
+    // last commits may be in the page cache only, and a power loss after the new log's commits
+    // were synced would otherwise cut those (a hole the next start would cut at).
+    for f in files.iter().filter(|f| f.2 == "log" && f.3.exists()) {
+        if let Err(e) = File::open(&f.3).and_then(|l| l.sync_data()) {
+            return Err(format!("data dir {}: cannot sync {} to disk: {e}", dir.display(), f.3.display()));
+        }
+    }
+    sync_dir(dir);
     let epoch = manifest.epoch;
     let manifest = Arc::new(Mutex::new(manifest));
     let slots: Vec<Arc<SyncSlot>> = (0..cores).map(|_| Arc::new(SyncSlot::default())).collect();
@@ -846,6 +862,17 @@ fn holds_no_commit(path: &Path, gen: u64) -> bool {
         return false;
     }
     format::Framing::of(&head, gen) != format::Framing::Plain && head[format::HEADER_LEN..] == format::log_end_mark(gen)
+}
+
+/// Whether `path` is a log of the framing with generations (format 6 on): only such a log is
+/// written over, so that whatever header a power loss keeps, an older log's frames in it are
+/// never read as the new log's (their generations differ).
+fn is_log_framed(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; format::HEADER_LEN];
+    File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok()
+        && format::check_header(&head, KIND_LOG).is_ok()
+        && format::Framing::of(&head, 0) != format::Framing::Plain
 }
 
 /// The size of a core's newest snapshot (0: none).
@@ -1072,6 +1099,10 @@ impl LogStore {
         let path = self.dir.join(file_name(self.epoch, self.core, self.gen, "log"));
         let spare = self.dir.join(spare_name(self.epoch, self.core));
         let reused = match OpenOptions::new().read(true).write(true).open(&spare) {
+            Ok(_) if !is_log_framed(&spare) => {
+                let _ = fs::remove_file(&spare);
+                None
+            }
             Ok(f) => {
                 let mut start = format::header(KIND_LOG).to_vec();
                 start.extend_from_slice(&format::log_end_mark(self.gen));
@@ -1265,6 +1296,13 @@ impl StateStore for LogStore {
         self.commit();
         let (prev, size, len, commits) = (self.prev, self.file_size, self.file_len, self.log_commits);
         let old = self.finish_log();
+        // The old log must be on disk before anything that replaces it is: the sync thread or
+        // the snapshot thread syncs it, whichever comes first ([`SyncSlot::retired`]). Handed
+        // over before the new log takes the sync slot, so that no sync round counts the old
+        // log's commits as synced without it. With a sync per commit it is on disk already.
+        if let Some(old) = old.as_ref().filter(|_| !self.fsync_each).and_then(|f| f.try_clone().ok()) {
+            self.retire(old);
+        }
         self.gen += 1;
         // The new log's name is synced with the finished log, by whoever syncs that.
         if let Err(e) = self.open_log(old.is_none() || self.fsync_each) {
@@ -1274,14 +1312,7 @@ impl StateStore for LogStore {
             (self.prev, self.file_size, self.file_len, self.log_commits) = (prev, size, len, commits);
             return;
         }
-        // The old log must be on disk before anything that replaces it is: the sync thread or
-        // the snapshot thread syncs it, whichever comes first ([`SyncSlot::retired`]). With a
-        // sync per commit it is on disk already.
-        if let Some(old) = old {
-            if !self.fsync_each {
-                self.retire(old);
-            }
-        }
+        drop(old);
         self.log_bytes = 0;
         tracing::debug!(core = self.core, log = self.gen, "store snapshot point: a new log begun");
         let mut buf = Vec::from(format::header(KIND_SNAPSHOT));
@@ -1365,7 +1396,9 @@ impl StateStore for LogStore {
                         }
                         replaced_logs.sort();
                         if let Some((_, newest)) = replaced_logs.pop() {
-                            if fs::rename(&newest, dir.join(spare_name(epoch, core))).is_err() {
+                            // Only a log of the framing with generations: an older log's frames
+                            // would read as commits under a header a power loss kept.
+                            if !is_log_framed(&newest) || fs::rename(&newest, dir.join(spare_name(epoch, core))).is_err() {
                                 let _ = fs::remove_file(&newest);
                             }
                         }
@@ -2196,7 +2229,13 @@ mod tests {
         let len = fs::metadata(&finished).unwrap().len();
         // c's commit did not reach the disk; log 2's did.
         OpenOptions::new().write(true).open(&finished).unwrap().set_len(len - 5).unwrap();
-        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        // With a sync per commit no power loss leaves this: damage, refused without the flag.
+        let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
+        assert!(err.contains("e1-c0-0000000002.log") && err.contains("--store-start-damaged"), "{err}");
+        let interval = || Options::new(Duration::from_secs(3600));
+        let damaged_before = STATS.damaged_files.load(Ordering::Relaxed);
+        let o = open(&dir, 1, interval()).unwrap();
+        assert!(STATS.damaged_files.load(Ordering::Relaxed) > damaged_before, "counted");
         let names: Vec<_> = all_devices(&o).into_iter().map(|(k, _)| k.to_string()).collect();
         assert_eq!(names, ["a", "b"], "the state at the hole, no later commit over it");
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
@@ -2204,7 +2243,7 @@ mod tests {
         assert!(!log_of(&dir, 2).exists());
         let aside = fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("e1-c0-0000000002.log.damaged-")).count();
         assert_eq!(aside, 1, "log 2 kept aside");
-        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        let o = open(&dir, 1, interval()).unwrap();
         assert_eq!(all_devices(&o).len(), 2);
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
         drop(o);
@@ -2218,7 +2257,7 @@ mod tests {
         o.stores[0].commit();
         drop(o);
         fs::remove_file(log_of(&dir2, 1)).unwrap();
-        let o = open(&dir2, 1, Options::new(Duration::ZERO)).unwrap();
+        let o = open(&dir2, 1, interval()).unwrap();
         assert!(all_devices(&o).is_empty());
         drop(o);
         let _ = fs::remove_dir_all(&dir);
