@@ -589,7 +589,7 @@ impl Core {
         if let Some(window) = self.recovery.window {
             self.recovery.history.trim_age(now, window);
         }
-        if self.recovery.history.counted() > self.recovery.core_bytes {
+        if self.recovery.history.over(self.recovery.core_bytes) {
             self.trim_to_core_bound();
         }
     }
@@ -613,23 +613,25 @@ impl Core {
         let bound = self.recovery.core_bytes;
         let target = bound - bound / 8;
         let before = self.recovery.history.held();
-        let first = self.recovery.history.cut(target);
-        let mut freed = 0;
+        self.recovery.history.cut(target);
+        let now = Instant::now();
+        let window = self.recovery.window.unwrap_or_default();
+        let mut trimmed = Trimmed::default();
         let mut sessions = self.sessions.borrow_mut();
+        // Each stream ages (entries past the window: `window`) and drops its entries whose
+        // frames the log no longer holds (`core_bound`), so what they hold is within what the
+        // log counts again.
         self.recovery.streamed.borrow_mut().retain(|id| {
             match sessions.get_mut(*id).and_then(|r| r.recovery.as_deref_mut()).and_then(|r| r.stream.as_mut()) {
                 Some(stream) => {
-                    freed += stream.drop_before(first, TrimCause::CoreBound);
+                    stream.trim_age(now, window, &mut trimmed);
                     true
                 }
                 None => false,
             }
         });
         drop(sessions);
-        let mut trimmed = Trimmed::default();
-        trimmed.0[TrimCause::CoreBound.index()] = freed;
         self.count_trimmed(trimmed);
-        let now = Instant::now();
         if self
             .recovery
             .last_bound_log
@@ -804,7 +806,7 @@ impl Core {
             }
             drop(sessions);
             self.count_trimmed(trimmed);
-            if self.recovery.history.counted() > self.recovery.core_bytes {
+            if self.recovery.history.over(self.recovery.core_bytes) {
                 self.trim_to_core_bound();
             }
         }
@@ -1096,7 +1098,7 @@ impl Core {
         };
         self.count_trimmed(trimmed);
         self.recovery_write(session, written);
-        if self.recovery.history.counted() > self.recovery.core_bytes {
+        if self.recovery.history.over(self.recovery.core_bytes) {
             self.trim_to_core_bound();
         }
         if self.sessions.borrow().get(session).is_some_and(|r| r.sockets.is_empty()) {
@@ -1171,7 +1173,7 @@ impl Core {
             (self.durable_record(recovery, verdict != Verdict::Kept, now), verdict)
         };
         self.recovery_write(session, written);
-        if self.recovery.history.counted() > self.recovery.core_bytes {
+        if self.recovery.history.over(self.recovery.core_bytes) {
             self.trim_to_core_bound();
         }
         // Its deadline may be the core's earliest now.

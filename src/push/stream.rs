@@ -290,9 +290,17 @@ impl History {
         self.total.get()
     }
 
-    /// What the log counts (at least [`History::held`]): past the core bound, the core cuts.
+    /// What the log counts: at least what the streams hold of the frames it holds (a quiet
+    /// stream may still hold entries whose frames aged out of the log: [`History::over`]).
     pub fn counted(&self) -> usize {
         self.log.borrow().counted
+    }
+
+    /// Whether the core must cut ([`History::cut`], then a sweep of its streams): what the
+    /// log counts or what the streams hold is past `bound`. Both, since the log ages on its
+    /// own: after its age trim it may count less than quiet streams still hold.
+    pub fn over(&self, bound: usize) -> bool {
+        self.counted() > bound || self.held() > bound
     }
 
     /// Drops the log's frames older than the window (a quiet core ages too).
@@ -571,13 +579,15 @@ impl SessionStream {
     pub fn after(&self, seq: u64) -> Result<Vec<(Arc<str>, u64)>, Failure> {
         let log = self.history.log.borrow();
         let skip = self.held_after(seq, &log)?;
-        Ok(self
-            .entries
+        // Every frame is there (positions count up from one held); were one not, `bound`
+        // rather than a replay with a hole.
+        self.entries
             .iter()
             .skip(skip)
             .zip(seq + 1..)
-            .filter_map(|(e, seq)| Some((log.get(e.pos)?.clone(), seq)))
-            .collect())
+            .map(|(e, seq)| Some((log.get(e.pos)?.clone(), seq)))
+            .collect::<Option<Vec<_>>>()
+            .ok_or(Failure::Bound)
     }
 
     /// Takes the frames after `seq` out of the stream, in order, so the next frame gets
@@ -587,15 +597,9 @@ impl SessionStream {
         let history = self.history.clone();
         let log = history.log.borrow();
         let keep = self.held_after(seq, &log).ok()?;
-        let mut charged = 0;
-        let taken: Vec<Arc<str>> = self
-            .entries
-            .drain(keep..)
-            .filter_map(|e| {
-                charged += e.charged();
-                log.get(e.pos).cloned()
-            })
-            .collect();
+        // Every frame first (nothing changed unless all are there), then the entries go.
+        let taken: Vec<Arc<str>> = self.entries.range(keep..).map(|e| log.get(e.pos).cloned()).collect::<Option<_>>()?;
+        let charged: usize = self.entries.drain(keep..).map(|e| e.charged()).sum();
         self.bytes -= charged;
         self.history.total.set(self.history.total.get() - charged);
         self.next_seq = seq + 1;
@@ -1604,7 +1608,10 @@ mod tests {
         s.push(&frame("b"), t0 + Duration::from_secs(1), w, 1 << 20, &mut t);
         total.trim_age(t0 + Duration::from_millis(2500), w);
         assert_eq!(total.log.borrow().frames.len(), 1, "a went from the log");
+        assert!(total.held() > total.counted(), "the quiet stream still holds a's entry");
+        assert!(total.over(total.counted()), "the core cuts on what its streams hold too");
         s.trim_age(t0 + Duration::from_millis(2500), w, &mut t);
+        assert_eq!(total.held(), total.counted());
         assert_eq!(s.first_seq(), 2);
         assert_eq!(s.after(0).err(), Some(Failure::Window));
         assert_eq!(t.0[TrimCause::Window.index()], 1 + ENTRY_OVERHEAD);
