@@ -12,7 +12,8 @@
 //! **Pieces.** A snapshot's records are cut into frames of about [`SNAPSHOT_FRAME`] bytes
 //! (a few devices to a few dozen small ones), so a damaged spot costs the devices of one frame, not a core's
 //! (snapshots written before this were cut every 4 MiB: same format, still read). A reader
-//! that meets a bad frame looks for the next valid one ([`scan`]): valid frames after it mean
+//! that meets a bad frame looks for the next valid one ([`scan`]; in a log of version 6, within
+//! [`LOG_RESYNC_BYTES`]): valid frames after it mean
 //! damage in the middle (skipped, reported), none means the file ends there (a log's write cut
 //! by a crash, or a cut-off snapshot).
 //!
@@ -1340,10 +1341,28 @@ pub fn scan_framed(bytes: &[u8], framing: Framing, each: &mut impl FnMut(&[u8]) 
     (out, at.min(bytes.len()))
 }
 
+/// How far past a bad frame a log of [`Framing::Log`] is searched byte by byte for a frame of
+/// its own generation: this many bytes, or twice the longest frame read in it before, if more.
+///
+/// Why a bound: such a log may be written over an older one (a spare), so after a crash (the
+/// damage a start expects) its torn commit is followed by the older log's bytes to the end of
+/// the file, 64 MiB by default and as much as `--snapshot-log-bytes` says: every start after a
+/// crash searched all of them for a frame that is not there (an older log's frames differ in
+/// their generation), in proportion to the file, not to what was lost. Why this one: frames
+/// of the log's own generation follow a bad one only when the damage is in the middle of its
+/// commits (at rest: a sector or a page, or a frame's length field). A frame whose length
+/// field is intact is checked where it says the next frame is, at any distance; a damaged
+/// length field leaves the next frame within the damaged frame's real length, and the frames
+/// hubcast writes are well under 8 MiB (a `POST /ingest` batch of 500 messages ~38 KB, the
+/// recovery streams' commits at a shutdown about 4 MiB). Past the window the bad frame is the
+/// log's cut-off end (the start's WARN). Plain framing (snapshots, logs before version 6) is
+/// searched to the end of the file, which ends at its last write.
+pub const LOG_RESYNC_BYTES: usize = 8 << 20;
+
 /// The first offset after the bad frame at `bad` where a whole valid frame starts: a length
 /// within bounds and not zero (a zero-filled span is not a frame, nor is an end mark), a
-/// matching CRC (and generation), records that decode. Looked for byte by byte, a candidate
-/// is at most `longest` bytes long.
+/// matching CRC (and generation), records that decode. Looked for byte by byte (in a log,
+/// within [`LOG_RESYNC_BYTES`]), a candidate is at most `longest` bytes long.
 fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize, framing: Framing) -> Option<usize> {
     let head = framing.head();
     let gen = match framing {
@@ -1364,7 +1383,11 @@ fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize, framing: Framing) 
     if let Some(next) = announced.filter(|&n| n < bytes.len() && valid(n, MAX_FRAME)) {
         return Some(next);
     }
-    (bad + 1..bytes.len().saturating_sub(head)).find(|&at| valid(at, longest))
+    let last = match framing {
+        Framing::Log { .. } => bad.saturating_add(LOG_RESYNC_BYTES.max(longest.saturating_mul(2))),
+        Framing::Plain => usize::MAX,
+    };
+    (bad + 1..bytes.len().saturating_sub(head).min(last)).find(|&at| valid(at, longest))
 }
 
 #[cfg(test)]
@@ -1398,6 +1421,57 @@ mod tests {
         for cut in 1..buf.len() {
             assert!(decode(&buf[..cut], &mut |_| {}).is_err() || cut == buf.len() - 17, "cut at {cut}");
         }
+    }
+
+    /// A log frame of generation `gen` holding one device record.
+    fn log_frame(gen: u64, id: &str) -> Vec<u8> {
+        let d = device(&[("t", "1", 1)], None, None);
+        let mut f = Vec::new();
+        let at = begin_log_frame(&mut f);
+        encode(&mut f, Change::Device { id, device: Some(&d) });
+        end_log_frame(&mut f, at, gen);
+        f
+    }
+
+    /// After a bad frame, a log (which may be written over an older one) is searched for a
+    /// frame of its own generation within [`LOG_RESYNC_BYTES`] only: a torn commit followed
+    /// by an older log's bytes is not searched to the end of the file. Damage within the
+    /// window is still damage in the middle.
+    #[test]
+    fn a_logs_search_past_a_bad_frame_is_bounded() {
+        let framing = Framing::Log { gen: 7 };
+        let with_frame_after = |gap: usize| {
+            let mut bytes = header(KIND_LOG).to_vec();
+            bytes.extend(log_frame(7, "a"));
+            let bad = bytes.len();
+            let torn = log_frame(7, "torn");
+            bytes.extend_from_slice(&torn[..torn.len() / 2]);
+            // Older bytes (no frame of generation 7), then one that is.
+            bytes.resize(bad + gap, 0);
+            bytes.extend(log_frame(7, "b"));
+            (bytes, bad)
+        };
+        let (near, bad) = with_frame_after(1 << 20);
+        let (scan, _) = scan_framed(&near, framing, &mut |_| Ok(()));
+        assert_eq!(scan.damaged.len(), 1, "a frame of its own within the window: damage in the middle");
+        assert_eq!((scan.damaged[0].offset, scan.damaged[0].len), (bad, 1 << 20));
+        let (far, bad) = with_frame_after(LOG_RESYNC_BYTES + 4096);
+        let (scan, end) = scan_framed(&far, framing, &mut |_| Ok(()));
+        assert!(scan.damaged.is_empty(), "{:?}", scan.damaged);
+        assert!(matches!(scan.tail, Tail::Bad { offset, .. } if offset == bad), "{:?}", scan.tail);
+        assert_eq!(end, bad, "the torn frame is the log's end");
+        // Snapshots and logs before version 6 end at their last write: searched to the end.
+        let mut plain = header(KIND_SNAPSHOT).to_vec();
+        let at = begin_frame(&mut plain);
+        encode(&mut plain, Change::Device { id: "a", device: Some(&device(&[("t", "1", 1)], None, None)) });
+        end_frame(&mut plain, at);
+        let bad = plain.len();
+        plain.extend_from_slice(&[0xFF; 8]);
+        plain.resize(bad + LOG_RESYNC_BYTES + 4096, 0);
+        let at = begin_frame(&mut plain);
+        encode(&mut plain, Change::Device { id: "b", device: Some(&device(&[("t", "1", 1)], None, None)) });
+        end_frame(&mut plain, at);
+        assert_eq!(super::scan(&plain, &mut |_| Ok(())).damaged.len(), 1);
     }
 
     fn file(frames: &[Vec<Change<'_>>]) -> Vec<u8> {

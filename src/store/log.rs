@@ -939,6 +939,11 @@ struct SyncSlot {
     retired: Mutex<Option<File>>,
 }
 
+/// Test hook: the next [`LogStore::open_log`] in each of these data dirs fails once its file
+/// is in place under the new log's name (as a refused `dup` or `fstat` would).
+#[cfg(test)]
+static FAIL_NEXT_OPEN: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
 /// Test hook: the data dir of each finished log synced and the name of the thread that did it.
 #[cfg(test)]
 static FINISHED_LOG_SYNCS: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
@@ -1125,13 +1130,25 @@ impl LogStore {
         let f = match reused {
             Some(f) => f,
             None => {
-                let f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path)?;
-                if f.metadata()?.len() == 0 {
-                    f.write_all_at(&format::header(KIND_LOG), 0)?;
-                }
+                // No commit was ever written under this generation: a start opens the one
+                // after every log it listed, a snapshot point the one after the current log.
+                // A file already there is what a failed open of the same generation left (a
+                // snapshot point rolled back and retried): a header, or the spare's older
+                // frames behind this generation's end mark, where commits appended after the
+                // mark would never be read. So it is cut and begun anew, never appended to.
+                let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
+                f.write_all_at(&format::header(KIND_LOG), 0)?;
                 f
             }
         };
+        #[cfg(test)]
+        {
+            let mut fail = FAIL_NEXT_OPEN.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = fail.iter().position(|d| *d == self.dir) {
+                fail.remove(i);
+                return Err(io::Error::other("the new log's descriptor cannot be cloned (test)"));
+            }
+        }
         self.file_size = f.metadata()?.len();
         // A new file's commits are appended; a spare's are written from its start.
         self.file_len = if !was_spare { self.file_size } else { format::HEADER_LEN as u64 };
@@ -2186,6 +2203,47 @@ mod tests {
         let o = open(&dir, 1, Options::new(Duration::ZERO)).expect("no damage");
         let names: Vec<_> = all_devices(&o).into_iter().map(|(k, _)| k.to_string()).collect();
         assert!(names.iter().any(|n| n == "new-2") && !names.iter().any(|n| n == "torn"), "{names:?}");
+        drop(o);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A snapshot point whose new log fails to open once the spare took its name (a refused
+    /// `dup` or `fstat`) goes on in the log it had; the next snapshot point opens the same
+    /// generation again, a file now holding the spare's older frames behind that generation's
+    /// end mark. It is begun anew: appended after the end mark, its commits were never read
+    /// back (the start read the log as holding none and deleted it).
+    #[test]
+    fn a_snapshot_point_retried_after_a_failed_open_does_not_write_behind_an_end_mark() {
+        let dir = temp_dir("retry-open");
+        let mut o = open(&dir, 1, Options::new(Duration::from_secs(3600))).unwrap();
+        let store = &mut o.stores[0];
+        let ids: Vec<String> = (0..50).map(|n| format!("old-{n}")).collect();
+        for (n, id) in ids.iter().enumerate() {
+            store.put(Change::Device { id, device: Some(&device(n as f64, "01")) });
+            store.commit();
+        }
+        snapshot_and_wait_for_the_spare(&dir, store, &ids);
+        store.put(Change::Device { id: "during", device: Some(&device(1.0, "02")) });
+        store.commit();
+        FAIL_NEXT_OPEN.lock().unwrap().push(dir.clone());
+        let failures = STATS.write_errors.load(Ordering::Relaxed);
+        store.begin_snapshot();
+        assert!(STATS.write_errors.load(Ordering::Relaxed) > failures, "the failed open is counted");
+        assert!(!dir.join(spare_name(1, 0)).exists() && log_of(&dir, 3).exists(), "the spare took log 3's name before the open failed");
+        store.put(Change::Device { id: "still-in-2", device: Some(&device(2.0, "03")) });
+        store.commit();
+        // The retry: log 3 again, no spare now.
+        store.begin_snapshot();
+        store.put(Change::Device { id: "in-3", device: Some(&device(3.0, "04")) });
+        store.commit();
+        let c = checked(&log_of(&dir, 3), 3);
+        assert_eq!(c.commits, 1, "{:?}", c.scan);
+        drop(o); // a crash during the snapshot
+        let o = open(&dir, 1, Options::new(Duration::ZERO)).unwrap();
+        let names: Vec<_> = all_devices(&o).into_iter().map(|(k, _)| k.to_string()).collect();
+        for id in ["during", "still-in-2", "in-3", "old-49"] {
+            assert!(names.iter().any(|n| n == id), "{id} missing: {names:?}");
+        }
         drop(o);
         let _ = fs::remove_dir_all(&dir);
     }
