@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use amqp_support::{FakeAuth, FakeHub, NewEvent};
 use common::redis::Engine;
-use common::{Server, Want, ADMIN};
+use common::{log_field, Server, Want, ADMIN};
 use serde_json::{json, Value};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -181,10 +181,10 @@ fn partitions_are_divided_taken_over_after_kill_9_and_shared_with_a_joining_inst
         .iter()
         .map(|p| {
             let taken: Vec<&String> =
-                since_kill.iter().filter(|l| l.contains("partition lease taken") && field(l, "partition") == Some(p.as_str())).collect();
+                since_kill.iter().filter(|l| l.contains("partition lease taken") && log_field(l, "partition") == Some(p.as_str())).collect();
             assert_eq!(taken.len(), 1, "partition {p} taken over once: {taken:?}");
             let line = taken[0];
-            let seq = field(line, "after_sequence_number").and_then(|v| v.strip_prefix("Some(")?.strip_suffix(')')?.parse().ok());
+            let seq = log_field(line, "after_sequence_number").and_then(|v| v.strip_prefix("Some(")?.strip_suffix(')')?.parse().ok());
             (p.clone(), seq.unwrap_or_else(|| panic!("partition {p} taken over without a checkpoint: {line}")))
         })
         .collect();
@@ -300,11 +300,6 @@ fn a_survivor_reads_on_while_a_peer_dies_and_restarts_moving_links_on_its_open_c
     for (p, s) in seen.iter().enumerate() {
         assert_eq!(s, &vec![1, 2, 3], "{}: every event once, in order, through the kill and the restart", device(p));
     }
-}
-
-/// The `key=value` field of a log line (the value up to the next space).
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split(&format!(" {key}=")).nth(1)?.split_whitespace().next()
 }
 
 /// The checkpoints in Redis (prefix `t`): partition → sequence number.
@@ -563,8 +558,8 @@ fn a_blocked_core_keeps_the_leases_then_past_three_ttls_gives_them_up_cleanly_an
     let a_url = a.url("");
     let blocked = std::thread::spawn(move || stall(a_url, 0, 8_000));
     let line = a.wait_for_stderr(WAIT, |l| l.contains("core stalled: no answer")).expect("the stall is logged");
-    assert!(line.contains("ERROR") && field(&line, "core") == Some("0"), "at error level, naming the core: {line}");
-    let silent: u64 = field(&line, "silent_ms").and_then(|v| v.parse().ok()).expect("for how long");
+    assert!(line.contains("ERROR") && log_field(&line, "core") == Some("0"), "at error level, naming the core: {line}");
+    let silent: u64 = log_field(&line, "silent_ms").and_then(|v| v.parse().ok()).expect("for how long");
     assert!(silent > 6_000, "declared past 3 x --lease-ttl: {line}");
     // Given up cleanly (released, not expired): B takes them all over at once.
     b.wait_for_metric("hubcast_redis_partition_leases{instance=\"b\"}", WAIT, Want::Eq(PARTITIONS.len() as f64));

@@ -23,12 +23,6 @@ fn round(n: u64) -> Value {
     Value::Array((0..DEVICES).map(|d| json!({"deviceId": format!("dev-{d}"), "body": {"n": n}})).collect())
 }
 
-/// The `key=value` field of a log line, as a number.
-fn field(line: &str, key: &str) -> Option<u64> {
-    let at = line.find(&format!("{key}="))? + key.len() + 1;
-    line[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-}
-
 #[test]
 fn a_kill_9_while_commits_are_written_over_an_older_log_keeps_every_answered_commit() {
     let dir = TempDir::new();
@@ -51,7 +45,7 @@ fn a_kill_9_while_commits_are_written_over_an_older_log_keeps_every_answered_com
             }
         });
         // Two logs written over spares (the first is log 3): the stream now writes over older frames.
-        let reused = |l: &str| l.contains("store log written over the spare") && field(l, "log").is_some_and(|g| g >= 4);
+        let reused = |l: &str| l.contains("store log written over the spare") && log_number(l, "log").is_some_and(|g| g >= 4);
         server.wait_for_stderr(WAIT, reused).expect("a second log written over the spare");
         let commits = server.metric("hubcast_store_commits_total").unwrap();
         server.wait_for_metric("hubcast_store_commits_total", WAIT, Want::AtLeast(commits + 3.0));

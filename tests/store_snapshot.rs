@@ -36,12 +36,6 @@ fn round(half: usize, round: u64) -> Value {
     Value::Array((half..DEVICES).step_by(2).map(|d| json!({"deviceId": format!("dev-{d}"), "body": {"n": round}})).collect())
 }
 
-/// The `key=value` field of a log line, as a number.
-fn field(line: &str, key: &str) -> Option<u64> {
-    let at = line.find(&format!("{key}="))? + key.len() + 1;
-    line[at..].split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
-}
-
 #[test]
 fn a_snapshot_taken_while_messages_stream_loses_and_doubles_nothing() {
     let dir = TempDir::new();
@@ -101,14 +95,14 @@ fn a_snapshot_taken_while_messages_stream_loses_and_doubles_nothing() {
             })
             .collect();
         let encoded = server.wait_for_stderr(Duration::from_secs(120), |l| {
-            l.contains("store snapshot encoded") && field(l, "commits_during").is_some_and(|c| c > 0)
+            l.contains("store snapshot encoded") && log_number(l, "commits_during").is_some_and(|c| c > 0)
         });
         stop.store(true, Ordering::Release);
         let rounds: Vec<u64> = streamers.into_iter().map(|s| s.join().unwrap()).collect();
         (rounds, encoded.expect("a snapshot written while commits went on"))
     });
     println!("{encoded}");
-    assert!(field(&encoded, "slices").unwrap() > 10, "written in many slices: {encoded}");
+    assert!(log_number(&encoded, "slices").unwrap() > 10, "written in many slices: {encoded}");
     streaming.store(false, Ordering::Release);
     let last = u64::MAX >> 12; // exactly representable in JSON numbers
     server.ingest(json!({"deviceId": "dev-0", "body": {"n": last}}));
@@ -123,7 +117,7 @@ fn a_snapshot_taken_while_messages_stream_loses_and_doubles_nothing() {
     let slices = server.metric("hubcast_store_snapshot_slices_total").unwrap();
     assert!(slices > 10.0, "slices {slices}");
     assert!(server.metric("hubcast_store_snapshot_slow_slices_total").is_some());
-    assert!(field(&encoded, "longest_slice_us").is_some(), "the longest slice is logged: {encoded}");
+    assert!(log_number(&encoded, "longest_slice_us").is_some(), "the longest slice is logged: {encoded}");
     let snapshots = std::fs::read_dir(&dir.0).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".snap")).count();
     assert!(snapshots >= 1, "a snapshot is on disk");
     drop(server); // kill -9

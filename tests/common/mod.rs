@@ -696,6 +696,20 @@ pub fn try_send(
     Ok((status, text, Headers(pairs)))
 }
 
+// ---- log lines ---------------------------------------------------------------------------------
+
+/// The `key=value` field of a log line in the text format (tracing's: ` key=value` after the
+/// message), the value up to the next space. The space before the key is required, so `log`
+/// does not match inside `prev_log=`.
+pub fn log_field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split(&format!(" {key}=")).nth(1)?.split_whitespace().next()
+}
+
+/// [`log_field`] as a whole number.
+pub fn log_number(line: &str, key: &str) -> Option<u64> {
+    log_field(line, key)?.parse().ok()
+}
+
 // ---- JSON helpers ------------------------------------------------------------------------------
 
 /// Parse a response body as JSON; an empty body is `Null`.
