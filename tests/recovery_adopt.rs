@@ -191,7 +191,8 @@ fn no_verdict_in_time_voids_the_history_and_a_client_already_back_still_recovers
     let mut w = away(&["--recovery-handoff", "true"], &["--recovery-handoff", "true"]);
     w.adopter.signal(libc::SIGSTOP);
     sigterm(&mut w.a);
-    assert!(w.a.stderr_lines().iter().any(|l| l.contains("handed over without a verdict in time")));
+    let lines = w.a.stderr_lines();
+    assert!(lines.iter().any(|l| l.contains("handed over without a verdict in time")), "{}", lines.join("\n"));
     assert_stop_outcomes(&w.a, &["sent=1", "kept=0", "voided=0"]);
     w.adopter.signal(libc::SIGCONT);
     let id = w.adopter_id;

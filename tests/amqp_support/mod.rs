@@ -186,11 +186,10 @@ impl Server {
         self.wait_for("/status", Duration::from_secs(10), |s, _| s == 200);
     }
 
-    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the process: a gateway that takes nothing.
+    /// Stops (`SIGSTOP`, returning once every thread has stopped) or resumes (`SIGCONT`) the
+    /// process: a gateway that takes nothing.
     pub fn freeze(&self, frozen: bool) {
-        let signal = if frozen { "-STOP" } else { "-CONT" };
-        let status = Command::new("kill").args([signal, &self.child.id().to_string()]).status().unwrap();
-        assert!(status.success());
+        process::signal(&self.child, if frozen { libc::SIGSTOP } else { libc::SIGCONT });
     }
 
     pub fn stderr_lines(&self) -> Vec<String> {
