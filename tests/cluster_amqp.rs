@@ -410,7 +410,10 @@ fn redis_restarted_mid_stream_each_instance_takes_its_partitions_back_and_nothin
     assert_eq!(partitions_of(&b), of_b, "B took none of A's partitions while A was away");
     assert_eq!(b.metric(b_leases), Some(of_b.len() as f64));
     // The settle time is --lease-ttl (2 s) + 5 s from B's reconnect: past it, B may take A's.
-    assert!(settling.elapsed() < Duration::from_secs(7), "checked within the settle time: {:?}", settling.elapsed());
+    // Checked within it: B has not logged its end (an event; before, 7 s of the test's wall
+    // time from the restart, which a loaded machine's slow reconnect or heartbeats can pass).
+    let settled = "the instances settled after the Redis outage";
+    assert!(!b.stderr_lines().iter().any(|l| l.contains(settled)), "B's settle time was over before the check ({:?} after the restart)", settling.elapsed());
     a.signal(libc::SIGCONT);
     wait_balanced(&[(&a, "a"), (&b, "b")]);
     assert_eq!((partitions_of(&a), partitions_of(&b)), (of_a, of_b), "each instance reads its partitions again");
