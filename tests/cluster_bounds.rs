@@ -138,8 +138,11 @@ fn publications_past_the_command_queue_byte_bound_are_dropped_not_queued() {
     }
     let refused = a.wait_for_metric("hubcast_redis_commands_refused_total{instance=\"a\"}", WAIT, Want::AtLeast(1.0));
     let waiting = a.metric("hubcast_redis_command_bytes{instance=\"a\"}").unwrap_or(-1.0);
-    assert!(paused.elapsed() < Duration::from_millis(4000), "still paused when read (took {:?})", paused.elapsed());
-    assert!(waiting > 0.0 && waiting <= 65536.0, "what waits stays within the bound: {waiting}");
+    // Read while Redis still held the queue: commands wait (once it answers again they drain
+    // within milliseconds). An event, not the wall time since the pause (before, `< 4 s`,
+    // which a loaded machine's 16 ingests can pass while the queue still waits).
+    assert!(waiting > 0.0, "commands still wait for Redis when read ({:?} after the pause)", paused.elapsed());
+    assert!(waiting <= 65536.0, "what waits stays within the bound: {waiting}");
     let dropped = a.metric("hubcast_redis_dropped_total{instance=\"a\"}").unwrap_or(0.0);
     assert!(dropped >= refused, "each refused publication is dropped and counted: {dropped} < {refused}");
 
