@@ -22,10 +22,15 @@ pub fn signal(child: &Child, signal: i32) {
 }
 
 /// Whether every thread of process `pid` is stopped (or gone): the state letter of each
-/// `/proc/<pid>/task/<tid>/stat`, after the command name in parentheses.
+/// `/proc/<pid>/task/<tid>/stat`, after the command name in parentheses. Seen right after
+/// `kill -STOP` of an idle server: one thread of four in `T`, the others still `R` and `S`.
+/// io_uring's workers (`iou-*`) are left out: they run none of the program's code.
 fn stopped(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
     tasks.flatten().all(|task| {
+        if std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c.starts_with("iou-")) {
+            return true;
+        }
         // A thread that exited meanwhile has no stat to read: it runs no more.
         let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { return true };
         let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
