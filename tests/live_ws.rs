@@ -265,7 +265,10 @@ fn zero_ttl_never_expires() {
     server.ingest(json!({"deviceId": "dev-1", "body": {"n": 1}}));
     let frames = [live.next_json(WAIT).unwrap(), live.next_json(WAIT).unwrap()];
     assert!(frames.iter().any(|f| f["connectionState"] == json!(true)), "{frames:?}");
-    // "Never" cannot be awaited: let a few TTL sweeps (every 250 ms) pass, then the sentinel.
+    // "Never" cannot be awaited. There is no periodic sweep (the core's clock wakes at the
+    // earliest deadline, app/clock.rs): with the TTL off no deadline exists, while a 0 taken
+    // as a TTL of 0 ms would make the device due at once. 800 ms let such a deadline fire
+    // (the time passing is the check), then the sentinel.
     std::thread::sleep(Duration::from_millis(800));
     server.ingest(json!({"deviceId": "dev-1", "body": {"n": 2}}));
     let first = live.next_json(WAIT).expect("the sentinel's telemetry");
