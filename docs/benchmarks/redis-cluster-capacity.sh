@@ -25,16 +25,18 @@ if [ "${1:-}" = hook ]; then
   now=$(date +%s.%N)
   pub=$(curl -s -H "Shared-Access-Key: $KEY" "$URL_A/metrics" | awk '$1=="hubcast_redis_published_total{instance=\"a\"}" {print $2}')
   rec=$(curl -s -H "Shared-Access-Key: $KEY" "$URL_B/metrics" | awk '$1=="hubcast_redis_received_total{instance=\"b\"}" {print $2}')
+  # A's pipelines (messages per pipeline = how much the publisher gathered) and its drops.
+  pipes=$(curl -s -H "Shared-Access-Key: $KEY" "$URL_A/metrics" | awk '$1=="hubcast_redis_publish_pipelines_total{instance=\"a\"}" {p=$2} $1=="hubcast_redis_dropped_total{instance=\"a\"}" {d=$2} END {printf "%d %d", p, d}')
   ticks() { awk '{print $14+$15}' /proc/$1/stat; }   # utime+stime, clock ticks
   ta=$(ticks $A_PID); tb=$(ticks $B_PID)
   for p in $NODES; do
     info=$(redis-cli -p "$p" info all | tr -d '\r')
     bus=$(redis-cli -p "$p" cluster info 2>/dev/null | tr -d '\r' | awk -F: '$1=="cluster_stats_messages_sent"{s=$2} $1=="cluster_stats_messages_received"{r=$2} END{printf "%d %d", s, r}')
-    echo "$info" | awk -v e="$HUBCAST_LOAD_STEP" -v r="$HUBCAST_LOAD_RATE" -v p="$p" -v pub="$pub" -v rec="$rec" -v ta="$ta" -v tb="$tb" -v now="$now" -v bus="$bus" -F'[:,=]' '
+    echo "$info" | awk -v e="$HUBCAST_LOAD_STEP" -v r="$HUBCAST_LOAD_RATE" -v p="$p" -v pub="$pub" -v rec="$rec" -v ta="$ta" -v tb="$tb" -v now="$now" -v bus="$bus" -v pipes="$pipes" -F'[:,=]' '
       $1=="used_cpu_sys" {s=$2} $1=="used_cpu_user" {u=$2} $1=="total_reads_processed" {rd=$2}
       $1=="cmdstat_spublish" {sp=$3; us+=$5} $1=="cmdstat_publish" {pp=$3; us+=$5}
       $1=="total_net_input_bytes" {ib=$2} $1=="total_net_output_bytes" {ob=$2} $1=="total_writes_processed" {wr=$2}
-      END {split(bus, b, " "); printf "%s %s %s cpu=%.6f spublish=%d publish=%d published=%d received=%d reads=%d a_ticks=%d b_ticks=%d usec=%d in=%d out=%d writes=%d t=%s bus_sent=%d bus_recv=%d\n", e, r, p, s+u, sp, pp, pub, rec, rd, ta, tb, us, ib, ob, wr, now, b[1], b[2]}'
+      END {split(bus, b, " "); split(pipes, pd, " "); printf "%s %s %s pipes=%d dropped=%d cpu=%.6f spublish=%d publish=%d published=%d received=%d reads=%d a_ticks=%d b_ticks=%d usec=%d in=%d out=%d writes=%d t=%s bus_sent=%d bus_recv=%d\n", e, r, p, pd[1], pd[2], s+u, sp, pp, pub, rec, rd, ta, tb, us, ib, ob, wr, now, b[1], b[2]}'
     echo "$info" | awk -v e="$HUBCAST_LOAD_STEP" -v r="$HUBCAST_LOAD_RATE" -v p="$p" -F'[:,=]' '/^cmdstat_/ {print "CMD", e, r, p, substr($1, 9), $3, $5}' >> "$CMD_LOG"
   done >> "$HOOK_LOG"
   exit 0
@@ -55,6 +57,21 @@ trap cleanup EXIT
 
 . "$(dirname "$0")/redis-cluster-common.sh"
 redis_up
+# CAP=P: each Redis server (the single one and each master) in a cgroup of its own limited to P %
+# of one CPU (cgroup v1 `cpu` controller, 20 ms periods; the kernel's smallest quota is 1 ms, so
+# below 5 % the period grows to 100/P ms), so that Redis, not this 2-core
+# machine's hubcast instances and harness, is the limit: the highest rate each engine carries
+# through hubcast is its capacity at that CPU, and capacity per master is what the goal means.
+if [ -n "${CAP:-}" ]; then
+  CG=/sys/fs/cgroup/cpu/hubcast-bench-$$
+  period=$(( CAP >= 5 ? 20000 : 100000 / CAP )); quota=$(( CAP * period / 100 )); i=0
+  for p in $RP $CPORTS; do
+    mkdir -p "$CG-$p"; echo $period > "$CG-$p/cpu.cfs_period_us"; echo $quota > "$CG-$p/cpu.cfs_quota_us"
+    echo "${pids[$i]}" > "$CG-$p/cgroup.procs"; i=$((i + 1))
+  done
+  trap 'cleanup; sleep 0.5; for p in $RP $CPORTS; do rmdir "$CG-$p" 2>/dev/null; done' EXIT
+  echo "each Redis server limited to $CAP % of one CPU (cgroup $CG-<port>, quota $quota us per $period us)"
+fi
 echo "redis: $(redis-server --version | cut -d' ' -f3); single on $RP; cluster masters on $CPORTS; hz $HZ, cluster-node-timeout $NODE_TIMEOUT"
 echo "hubcast: $H ($($H --version 2>/dev/null | head -1)); traffic: rates $RATES msg/s, $BATCH per post, $CLIENTS clients x $SUBS_EACH devices on B"
 nodes_report
@@ -89,8 +106,8 @@ traffic() { # engine round
       for (x in f) d[k, x] = f[x] - b0[k, x]; keys[k] = 1 }
     END { for (k in keys) { split(k, a, " "); n = d[k, "published"] ? d[k, "published"] : 1; secs = d[k, "t"]
             net = d[k, "cpu"] * 1000 - bg[a[2]] * secs
-            printf "RESULT %s round=%s rate=%s node=%s secs=%.2f published=%d received=%d cpu_ms=%.2f cpu_ms_per_1000=%.4f bg_ms_per_s=%.3f net_ms_per_1000=%.4f spublish=%d publish=%d reads_per_1000=%.2f writes_per_1000=%.2f cmd_ms_per_1000=%.4f in_bytes_per_msg=%.1f out_bytes_per_msg=%.1f bus_sent_per_1000=%.2f bus_recv_per_1000=%.2f a_cpu_ms_per_1000=%.3f b_cpu_ms_per_1000=%.3f\n",
-              eng, round, a[1], a[2], secs, n, d[k, "received"], d[k, "cpu"] * 1000, d[k, "cpu"] * 1e6 / n, bg[a[2]], net * 1000 / n,
+            printf "RESULT %s round=%s rate=%s node=%s secs=%.2f published=%d received=%d dropped=%d msgs_per_pipeline=%.1f cpu_ms=%.2f cpu_ms_per_1000=%.4f bg_ms_per_s=%.3f net_ms_per_1000=%.4f spublish=%d publish=%d reads_per_1000=%.2f writes_per_1000=%.2f cmd_ms_per_1000=%.4f in_bytes_per_msg=%.1f out_bytes_per_msg=%.1f bus_sent_per_1000=%.2f bus_recv_per_1000=%.2f a_cpu_ms_per_1000=%.3f b_cpu_ms_per_1000=%.3f\n",
+              eng, round, a[1], a[2], secs, n, d[k, "received"], d[k, "dropped"], n / (d[k, "pipes"] ? d[k, "pipes"] : 1), d[k, "cpu"] * 1000, d[k, "cpu"] * 1e6 / n, bg[a[2]], net * 1000 / n,
               d[k, "spublish"], d[k, "publish"], d[k, "reads"] * 1000 / n, d[k, "writes"] * 1000 / n, d[k, "usec"] / n, d[k, "in"] / n, d[k, "out"] / n,
               d[k, "bus_sent"] * 1000 / n, d[k, "bus_recv"] * 1000 / n, d[k, "a_ticks"] * 1e6 / tick / n, d[k, "b_ticks"] * 1e6 / tick / n } }' "$HOOK_LOG" | sort
   # Every command each node ran in the window: calls per 1,000 messages, usec per call.
@@ -143,6 +160,7 @@ for rate in sorted({d["rate"] for _, d in res}, key=float):
         first = [d for d in ds if d["node"] == (single if e == "single" else masters[0])]
         print(f"  {e}: published/s {med([int(d['published']) / float(d['secs']) for d in first])}, received on B / published {med([int(d['received']) / max(1, int(d['published'])) for d in first])}; "
               f"hubcast A CPU ms per 1,000 {med([float(d['a_cpu_ms_per_1000']) for d in first])}, B {med([float(d['b_cpu_ms_per_1000']) for d in first])}")
+        print(f"  {e}: messages per pipeline (A to one server) {med([float(d['msgs_per_pipeline']) for d in first])}, dropped by A {med([int(d['dropped']) for d in first])}")
         ls = [d for x, d in lat if x == e and d["rate"] == rate]
         if ls:
             print(f"  {e}: delivered/s {med([float(d['delivered_msg_s']) for d in ls])}, p50 ms {med([float(d['p50_ms']) for d in ls])}, p99 ms {med([float(d['p99_ms']) for d in ls])}")
