@@ -2,7 +2,7 @@
 //! (`--redis-inbound-bytes`), on both engines: a core stalled while another instance
 //! publishes a flood of its devices' messages makes the link drop its subscriber (counted, as
 //! an outage), never hold the flood in memory; live data resumes on the same socket once the
-//! core is back. What waits on the way to Redis is bounded in bytes too
+//! core is back; below the bytes, a burst of any count is taken whole. What waits on the way to Redis is bounded in bytes too
 //! (`--redis-command-bytes`): past it publications are dropped at once, never queued. On a cluster, thousands of device channels subscribed at once each reach
 //! their master once, with no subscriber out of step.
 
@@ -17,7 +17,10 @@ use serde_json::{json, Value};
 const WAIT: Duration = Duration::from_secs(10);
 const STALL_MS: u64 = 5_000;
 
-both_engines!(cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes);
+both_engines!(
+    cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resumes,
+    a_burst_below_the_byte_bound_is_taken_whole_whatever_its_count
+);
 
 /// Reads frames until one carries telemetry `n == want` (others are kept), or `within` ends.
 fn read_until(ws: &mut common::ws::Live, want: i64, within: Duration, seen: &mut Vec<i64>) -> bool {
@@ -86,6 +89,51 @@ fn cores_behind_redis_past_the_byte_bound_drop_the_subscriber_and_live_data_resu
     sorted.dedup();
     assert_eq!(seen, sorted, "what arrived came once each and in order");
     assert!(seen.len() < 42, "not every message of the flood can have arrived: {seen:?}");
+}
+
+/// What waits between Redis and the cores is bounded by its bytes (`--redis-inbound-bytes`,
+/// 64 MiB), on both engines; a count only caps tiny pushes. B is frozen (SIGSTOP) while A
+/// publishes 15,000 small messages of 30 devices B watches (~3 MB, Redis holds them in B's
+/// connections); once B runs again its subscribers take the whole burst at once: every
+/// message reaches the cores, no subscriber is rebuilt or dropped, the socket gets the last
+/// one. On a cluster this failed with the shard subscribers' queue of 4,096 pushes (one
+/// master's connection alone delivers ~5,000 at once): the subscriber was rebuilt and what
+/// it held was lost, as a capped-CPU run of the cluster showed at 80,000 msg/s
+/// (docs/benchmarks/2026-11-28-redis-cluster-capacity.md, "capped").
+fn a_burst_below_the_byte_bound_is_taken_whole_whatever_its_count(redis: Engine) {
+    const DEVICES: usize = 30;
+    const BURST: usize = 15_000;
+    let a = redis.instance("a", &[]);
+    let b = redis.instance("b", &[]);
+    let devices: Vec<String> = (0..DEVICES).map(|i| format!("burst-{i}")).collect();
+    let session = b.telemetry_session(&devices);
+    let mut ws = b.live(&session);
+    a.wait_for_metric("hubcast_redis_watched_elsewhere_devices{instance=\"a\"}", WAIT, Want::Eq(DEVICES as f64));
+    a.ingest(json!({"deviceId": devices[0], "body": {"n": 0}}));
+    let mut seen = Vec::new();
+    assert!(read_until(&mut ws, 0, WAIT, &mut seen), "a message ingested on A reaches B's socket first: {seen:?}");
+
+    b.signal(libc::SIGSTOP);
+    let numbers: Vec<usize> = (1..=BURST).collect();
+    for chunk in numbers.chunks(500) {
+        let body: Vec<Value> = chunk.iter().map(|n| json!({"deviceId": devices[n % DEVICES], "body": {"n": n}})).collect();
+        a.ingest(Value::Array(body));
+    }
+    a.wait_for_metric("hubcast_redis_published_total{instance=\"a\"}", WAIT, Want::AtLeast((BURST + 1) as f64));
+    b.signal(libc::SIGCONT);
+
+    let received = b.wait_for_metric("hubcast_redis_received_total{instance=\"b\"}", WAIT, Want::AtLeast((BURST + 1) as f64));
+    assert_eq!(received, (BURST + 1) as f64, "every message once");
+    for (name, what) in [
+        ("hubcast_redis_resubscribes_total{instance=\"b\",reason=\"full\"}", "no subscriber rebuilt for a full queue"),
+        ("hubcast_redis_overruns_total{instance=\"b\"}", "nothing past the byte bound"),
+        ("hubcast_redis_reconnects_total{instance=\"b\"}", "no reconnect"),
+    ] {
+        assert_eq!(b.metric(name).unwrap_or(0.0), 0.0, "{what} ({name})");
+    }
+    assert!(read_until(&mut ws, BURST as i64, WAIT, &mut seen), "the burst's last message reaches the socket");
+    assert_eq!(ws.closed, None);
+    b.wait_for_metric("hubcast_redis_inbound_bytes{instance=\"b\"}", WAIT, Want::Eq(0.0));
 }
 
 /// A socket on B makes B watch 2,000 devices at once: about 650 slots per master, each its

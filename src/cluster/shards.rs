@@ -18,16 +18,17 @@
 //!   50 ms apart). A subscriber connection lost (`Disconnection` push): its channels are
 //!   placed again by the new map. The map is also read every 30 s (a failover nobody here
 //!   saw), moving channels whose master changed and closing subscribers of former masters.
-//! - Bounds: pushes wait in one queue of [`PUSHES`]; when it is full the push is dropped
-//!   and that subscriber is rebuilt (`reason="full"`; its messages meanwhile are lost, as
-//!   with any pub/sub outage).
+//! - Bounds: pushes wait in one queue of at most [`PUSHES`] and `--redis-inbound-bytes`
+//!   (the bytes charged as for one Redis); past either the push is dropped and that
+//!   subscriber is rebuilt (`reason="full"`; its messages meanwhile are lost, as with any
+//!   pub/sub outage).
 //!
 //! A message published while a slot moves is published again until every watcher got it
 //! (cluster/resend.rs, step 7).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,8 +40,14 @@ use super::conn::Conn;
 use super::link::{within, Ctx, Failed, State};
 use super::Engine;
 
-/// Pushes (device messages and confirmations) waiting for the shard task, all subscribers.
-const PUSHES: usize = 4096;
+/// Pushes (device messages and confirmations) waiting for the shard task, all subscribers
+/// together. The bytes bound (`--redis-inbound-bytes`, 64 MiB, every push charged its
+/// strings + 64) is the one meant to bind, as on one Redis; this count only caps the
+/// per-push overhead of tiny pushes (2^18 of 256 bytes is the default 64 MiB). It was 4,096
+/// (~1 MB of device messages): three masters answering after a 20 ms stall passed it, the
+/// subscribers were rebuilt while the bursts went on and B received < 1 % of the messages
+/// (docs/benchmarks/2026-11-28-redis-cluster-capacity.md, "capped").
+const PUSHES: usize = 1 << 18;
 /// How often the slot map is read when nothing asked for it.
 const REFRESH: Duration = Duration::from_secs(30);
 /// Tries of one subscription when `MOVED` answers it.
@@ -122,6 +129,8 @@ struct Shards<'a> {
     /// Every device channel this instance receives.
     want: HashSet<String>,
     tx: async_channel::Sender<Push>,
+    /// Pushes sent and not yet taken (at most [`PUSHES`]).
+    waiting: Arc<AtomicUsize>,
 }
 
 /// A push from a subscriber, with the bytes charged for it to `Stats::inbound_bytes`.
@@ -139,13 +148,17 @@ fn push_bytes(info: &PushInfo) -> u64 {
 /// `initial`: the devices this instance watches (after a reconnect), subscribed and then
 /// announced to the others, so none of their messages is published before it receives them.
 pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_channel::Receiver<Req>, initial: Vec<Box<str>>) -> Failed {
-    let (tx, rx) = async_channel::bounded(PUSHES);
-    let mut s = Shards { ctx, state, conn, map: SlotMap::default(), subs: HashMap::new(), want: HashSet::new(), tx };
+    // Unbounded as a channel (a bounded one allocates its whole capacity up front), bounded
+    // by `waiting` and the bytes in the push sender (`Shards::sub`).
+    let (tx, rx) = async_channel::unbounded();
+    let waiting = Arc::new(AtomicUsize::new(0));
+    let mut s = Shards { ctx, state, conn, map: SlotMap::default(), subs: HashMap::new(), want: HashSet::new(), tx, waiting };
     let result = s.serve(&reqs, &rx, initial).await;
     ctx.stats.shard_connections.store(0, Ordering::Relaxed);
     // Pushes not taken go with the subscribers.
     while let Ok((_, _, bytes)) = rx.try_recv() {
         ctx.stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        s.waiting.fetch_sub(1, Ordering::Relaxed);
     }
     match result {
         Ok(()) => "stopped".to_string(),
@@ -260,8 +273,8 @@ impl Shards<'_> {
         let client = node_client(self.ctx, a, "shard subscriber")?;
         let overflow = Arc::new(AtomicBool::new(false));
         let (tx, addr, full) = (self.tx.clone(), a.clone(), overflow.clone());
-        let (stats, bound) = (self.ctx.stats.clone(), self.ctx.o.inbound_bytes);
-        // Never blocks the connection: a full queue, or more than `--redis-inbound-bytes`
+        let (stats, bound, waiting) = (self.ctx.stats.clone(), self.ctx.o.inbound_bytes, self.waiting.clone());
+        // Never blocks the connection: [`PUSHES`] waiting, or more than `--redis-inbound-bytes`
         // waiting between Redis and the cores (charged here, released once the cores took
         // it: see `link::pubsub`), drops the push and marks the subscriber for a rebuild
         // (messages meanwhile lost, as in an outage; counted in `overruns` when it is bytes).
@@ -269,8 +282,10 @@ impl Shards<'_> {
             let bytes = push_bytes(&info);
             let before = stats.inbound_bytes.fetch_add(bytes, Ordering::Relaxed);
             let over = before > 0 && before + bytes > bound;
-            if over || tx.try_send((addr.clone(), info, bytes)).is_err() {
+            let many = waiting.fetch_add(1, Ordering::Relaxed) >= PUSHES;
+            if over || many || tx.try_send((addr.clone(), info, bytes)).is_err() {
                 stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                waiting.fetch_sub(1, Ordering::Relaxed);
                 if !full.swap(true, Ordering::Relaxed) && over {
                     stats.overruns.fetch_add(1, Ordering::Relaxed);
                 }
@@ -395,6 +410,7 @@ impl Shards<'_> {
 
     async fn on_pushes(&mut self, pushes: Vec<Push>) -> Result<(), Failed> {
         let charged: u64 = pushes.iter().map(|p| p.2).sum();
+        self.waiting.fetch_sub(pushes.len(), Ordering::Relaxed);
         let result = self.take_pushes(pushes).await;
         self.ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
         result
