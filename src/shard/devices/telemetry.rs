@@ -104,6 +104,24 @@ impl Telemetry {
         self.entries.iter().map(|e| (self.str_at(e.key, e.key_len), self.str_at(e.key + e.key_len, e.len), e.at))
     }
 
+    /// Every value as its key's and value's bytes back to back (`key‖value`, as they sit in
+    /// the text), the key's length and the value's time, in the order of [`Self::iter`]: for a
+    /// writer that copies each value out with one bounds check and no `&str` built (the
+    /// store's device record, src/store/format.rs).
+    #[inline]
+    pub fn pairs(&self) -> impl Iterator<Item = (&[u8], usize, Millis)> + '_ {
+        self.entries.iter().map(|e| {
+            let key = e.key as usize;
+            (&self.text[key..key + e.key_len as usize + e.len as usize], e.key_len as usize, e.at)
+        })
+    }
+
+    /// The time of the first value in the order of [`Self::iter`].
+    #[inline]
+    pub fn first_at(&self) -> Option<Millis> {
+        self.entries.first().map(|e| e.at)
+    }
+
     /// The newest time of any value.
     pub fn newest(&self) -> Option<Millis> {
         self.entries.iter().map(|e| e.at).max()
