@@ -35,6 +35,15 @@
 //! not the cut-off end a crash leaves). Snapshots are written once (never over an older file)
 //! and keep the plain frames.
 //!
+//! **Device records share their frame's keys (version 7).** Most of a log's bytes are device
+//! records, one per telemetry message, and the kernel's part of the store's cost (copying
+//! each commit into the page cache) goes with the bytes (issue 25 item 4,
+//! docs/benchmarks/2026-11-28-store-frame-keys.md). In a log frame a device record
+//! ([`TAG_DEVICE_FRAMED`]) writes each key once, the first time the frame has it, and its
+//! index after that, and its base time as the difference from the frame's first record's
+//! ([`FrameKeys`]). The table lives within one frame: a frame is read alone, as before, and
+//! a damaged frame costs only its own records. Snapshots keep [`TAG_DEVICE_COMPACT`].
+//!
 //! Records are states, not operations: a device record carries the device's whole data,
 //! an access record one session's grants and subscriptions on one device. Replaying them
 //! in order is idempotent, and the newest record of a key wins.
@@ -55,11 +64,13 @@ pub const MAGIC: &[u8; 8] = b"HUBCASTS";
 /// Version 5 writes devices as compact records ([`TAG_DEVICE_COMPACT`]: varint lengths, one
 /// time per record); the records of versions 1-4 are still read, in any file. Version 6 logs
 /// are written over again: their frames carry the log's generation, end marks and the start
-/// record ([`Framing::Log`], the module docs); version 6 snapshots are version 5's.
-pub const VERSION: u32 = 6;
+/// record ([`Framing::Log`], the module docs); version 6 snapshots are version 5's. Version
+/// 7 logs write devices as records that share their frame's keys and base time
+/// ([`TAG_DEVICE_FRAMED`]); version 7 snapshots are version 5's.
+pub const VERSION: u32 = 7;
 /// The versions this hubcast reads (it writes [`VERSION`]). An older hubcast refuses a
 /// newer file by name: a downgrade is not supported once one was written.
-pub const READS: [u32; 6] = [1, 2, 3, 4, 5, 6];
+pub const READS: [u32; 7] = [1, 2, 3, 4, 5, 6, 7];
 /// The first version whose logs use [`Framing::Log`].
 pub const LOG_FRAMING_SINCE: u32 = 6;
 /// A log frame's header from version 6 on: length, CRC-32 of generation and payload, generation.
@@ -118,11 +129,26 @@ const HAS_MARK: u8 = 16;
 /// and end offset (`u64 LE`) of the core's log before it that held commits, as its writer
 /// left it. A start checks it against that log as read (src/store/log.rs, "Recovery").
 const TAG_LOG_START: u8 = 16;
+/// A device record of a log frame (version 7; issue 25 item 4: the kernel's part of the
+/// store's cost, copying each commit into the page cache, goes with the bytes written): a
+/// [`TAG_DEVICE_COMPACT`] record whose keys and base time are its frame's ([`FrameKeys`]).
+/// The same fields but: `flags` may hold [`FRAME_BASE`]: `base` is the frame's base time
+/// (the frame's first such record has it; no other), else `base` is the difference from it;
+/// each value's key is `k: varint`, `0` followed by the key (`vstr`, added to the frame's
+/// table when it has room: fewer than [`FRAME_KEYS`] keys, at most [`FRAME_KEY_BYTES`] bytes
+/// long), or the table's key `k - 1`. ~49 bytes for the harness's device of three values
+/// where [`TAG_DEVICE_COMPACT`] took 77. A frame is read alone, as before: its records refer
+/// to nothing outside it.
+const TAG_DEVICE_FRAMED: u8 = 17;
+const FRAME_BASE: u8 = 32;
+/// The most keys a frame's table holds ([`TAG_DEVICE_FRAMED`]), and the longest key it takes.
+pub const FRAME_KEYS: usize = 64;
+pub const FRAME_KEY_BYTES: usize = 64;
 pub const TAG_END: u8 = 0xFF;
 
 /// A device record: with or without its read mark, or compact.
 fn is_device(tag: u8) -> bool {
-    tag == TAG_DEVICE || tag == TAG_DEVICE_KEYED || tag == TAG_DEVICE_COMPACT
+    tag == TAG_DEVICE || tag == TAG_DEVICE_KEYED || tag == TAG_DEVICE_COMPACT || tag == TAG_DEVICE_FRAMED
 }
 
 pub use crate::shard::change::Change;
@@ -397,8 +423,80 @@ impl Room {
 /// The most bytes a varint of a `u64` takes.
 const VARINT_MAX: usize = 10;
 
-/// A device's compact record ([`TAG_DEVICE_COMPACT`]).
-fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device) {
+/// What the device records of one log frame share ([`TAG_DEVICE_FRAMED`]): its keys, each
+/// written out once (by the first record that has it; later ones give its index), and its
+/// base time (the first record's). Begun anew with each frame ([`FrameKeys::clear`]), so a
+/// frame still reads alone.
+/// Bound: at most [`FRAME_KEYS`] keys of at most [`FRAME_KEY_BYTES`] bytes each (4 KiB); a
+/// longer key, or one past a full table, is written out in every record that has it (the
+/// reader keeps its table by the same rule).
+#[derive(Default)]
+pub struct FrameKeys {
+    /// The keys' bytes back to back; key `i` is `spans[i]` (start, length) of them.
+    text: Vec<u8>,
+    spans: Vec<(u32, u32)>,
+    base: Option<i64>,
+    /// The index the key at each place of a device's values had in the record before: the
+    /// devices of a fleet send their keys in the same order, so one comparison finds most.
+    hints: [u8; 16],
+}
+
+impl FrameKeys {
+    /// A new frame: no key, no base.
+    pub fn clear(&mut self) {
+        self.text.clear();
+        self.spans.clear();
+        self.base = None;
+    }
+
+    /// Whether key `span` of the table is `key`.
+    #[inline(always)]
+    fn is(&self, (start, len): (u32, u32), key: &[u8]) -> bool {
+        len as usize == key.len() && crate::shard::devices::same_bytes(&self.text[start as usize..(start + len) as usize], key)
+    }
+
+    /// The index of `key` (at place `at` of its device's values), if the table has it.
+    #[inline]
+    fn find(&self, key: &[u8], at: usize) -> Option<usize> {
+        let hint = self.hints[at % self.hints.len()] as usize;
+        if let Some(&span) = self.spans.get(hint) {
+            if self.is(span, key) {
+                return Some(hint);
+            }
+        }
+        self.spans.iter().position(|&span| self.is(span, key))
+    }
+
+    /// Notes that the key at place `at` has index `i`.
+    #[inline]
+    fn hint(&mut self, at: usize, i: usize) {
+        let n = self.hints.len();
+        self.hints[at % n] = i as u8;
+    }
+
+    /// Adds `key` (just written out) when the table has room for it; its index, if so.
+    fn add(&mut self, key: &[u8]) -> Option<usize> {
+        if self.spans.len() >= FRAME_KEYS || key.len() > FRAME_KEY_BYTES {
+            return None;
+        }
+        self.spans.push((self.text.len() as u32, key.len() as u32));
+        self.text.extend_from_slice(key);
+        Some(self.spans.len() - 1)
+    }
+}
+
+/// Appends one record for `change` to a log frame: a device as [`TAG_DEVICE_FRAMED`] (sharing
+/// `frame`'s keys and base time), the others as [`encode`] writes them.
+pub fn encode_framed(buf: &mut Vec<u8>, change: Change<'_>, frame: &mut FrameKeys) {
+    match change {
+        Change::Device { id, device: Some(d) } => encode_device(buf, id, d, Some(frame)),
+        other => encode(buf, other),
+    }
+}
+
+/// A device's compact record: [`TAG_DEVICE_COMPACT`], or in a log frame [`TAG_DEVICE_FRAMED`]
+/// (its keys and base time shared through `frame`).
+fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device, mut frame: Option<&mut FrameKeys>) {
     let mark = d.mark.key();
     let base = match d.telemetry.first_at() {
         Some(at) => at,
@@ -415,12 +513,25 @@ fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device)
     if !mark.is_none() {
         flags |= HAS_MARK;
     }
-    // At most: tag, flags; id; base and count; per value two lengths and a time besides its
-    // bytes (the telemetry's text holds every key and value); twin; connection; mark.
+    // In a frame: the base as the difference from the frame's (the first record gives it).
+    let (tag, written_base) = match frame.as_deref_mut() {
+        None => (TAG_DEVICE_COMPACT, base),
+        Some(f) => match f.base {
+            Some(b) => (TAG_DEVICE_FRAMED, base.wrapping_sub(b)),
+            None => {
+                f.base = Some(base);
+                flags |= FRAME_BASE;
+                (TAG_DEVICE_FRAMED, base)
+            }
+        },
+    };
+    // At most: tag, flags; id; base and count; per value its key's index, two lengths and a
+    // time besides its bytes (the telemetry's text holds every key and value); twin;
+    // connection; mark.
     let most = 2
         + VARINT_MAX + id.len()
         + 2 * VARINT_MAX
-        + d.telemetry.text_bytes() + 3 * VARINT_MAX * d.telemetry.len()
+        + d.telemetry.text_bytes() + 4 * VARINT_MAX * d.telemetry.len()
         + twin.as_ref().map_or(0, |(doc, _)| doc.len() + 2 * VARINT_MAX)
         + d.connection.as_ref().map_or(0, |c| 2 * VARINT_MAX + c.sequence.as_ref().map_or(0, |s| s.len()))
         + 2 * VARINT_MAX;
@@ -433,20 +544,49 @@ fn encode_device(buf: &mut Vec<u8>, id: &str, d: &crate::shard::devices::Device)
         let at = buf.as_mut_ptr().add(start);
         let mut w = Room { at, end: at.add(most) };
         w.fits(2 + 3 * VARINT_MAX + id.len());
-        w.byte(TAG_DEVICE_COMPACT);
+        w.byte(tag);
         w.vstr(id.as_bytes());
         w.byte(flags);
-        w.varint(zigzag(base));
+        w.varint(zigzag(written_base));
         w.varint(d.telemetry.len() as u64);
-        for (pair, key, at) in d.telemetry.pairs() {
-            // `key‖value`: the key's bytes, then the value's (`key <= pair.len()`).
-            w.fits(3 * VARINT_MAX + pair.len());
-            let value = pair.len() - key;
-            w.varint(key as u64);
-            w.bytes(pair.as_ptr(), key);
-            w.varint(value as u64);
-            w.bytes(pair.as_ptr().add(key), value);
-            w.varint(zigzag(at.wrapping_sub(base)));
+        // Each value: `key‖value` is the key's bytes, then the value's (`key <= pair.len()`).
+        match frame {
+            None => {
+                for (pair, key, at) in d.telemetry.pairs() {
+                    w.fits(3 * VARINT_MAX + pair.len());
+                    w.varint(key as u64);
+                    w.bytes(pair.as_ptr(), key);
+                    let value = pair.len() - key;
+                    w.varint(value as u64);
+                    w.bytes(pair.as_ptr().add(key), value);
+                    w.varint(zigzag(at.wrapping_sub(base)));
+                }
+            }
+            Some(f) => {
+                for (place, (pair, key, at)) in d.telemetry.pairs().enumerate() {
+                    w.fits(4 * VARINT_MAX + pair.len());
+                    // `key <= pair.len()` (`Telemetry::pairs`).
+                    let k = pair.get_unchecked(..key);
+                    match f.find(k, place) {
+                        Some(i) => {
+                            w.varint(i as u64 + 1);
+                            f.hint(place, i);
+                        }
+                        None => {
+                            w.byte(0);
+                            w.varint(key as u64);
+                            w.bytes(pair.as_ptr(), key);
+                            if let Some(i) = f.add(k) {
+                                f.hint(place, i);
+                            }
+                        }
+                    }
+                    let value = pair.len() - key;
+                    w.varint(value as u64);
+                    w.bytes(pair.as_ptr().add(key), value);
+                    w.varint(zigzag(at.wrapping_sub(base)));
+                }
+            }
         }
         if let Some((doc, at)) = &twin {
             w.fits(2 * VARINT_MAX + doc.len());
@@ -569,7 +709,7 @@ fn put_keys(buf: &mut Vec<u8>, k: &KeySet) {
 /// Appends one record for `change`.
 pub fn encode(buf: &mut Vec<u8>, change: Change<'_>) {
     match change {
-        Change::Device { id, device: Some(d) } => encode_device(buf, id, d),
+        Change::Device { id, device: Some(d) } => encode_device(buf, id, d, None),
         Change::Device { id, device: None } => {
             buf.push(TAG_DEVICE_GONE);
             put_str(buf, id);
@@ -758,6 +898,19 @@ struct DeviceParts<'a> {
 struct Reader<'a> {
     bytes: &'a [u8],
     at: usize,
+    /// The frame's keys and base time so far ([`TAG_DEVICE_FRAMED`]).
+    keys: Keys<'a>,
+}
+
+/// A frame's table of keys and base time as its [`TAG_DEVICE_FRAMED`] records build it when
+/// read in order; `fixed`: the whole frame's, taken from [`NewestFirst::check_log`] to read
+/// one record of it alone (records refer only to keys given before them, so the indexes are
+/// the same; nothing is added).
+#[derive(Default)]
+struct Keys<'a> {
+    table: Vec<&'a str>,
+    base: Option<i64>,
+    fixed: bool,
 }
 
 type R<T> = Result<T, String>;
@@ -809,6 +962,20 @@ impl<'a> Reader<'a> {
         }
         Err("a varint past 64 bits".into())
     }
+    /// A key of a [`TAG_DEVICE_FRAMED`] record: written out (and added to the frame's table by
+    /// the writer's rule), or the table's.
+    fn frame_key(&mut self) -> R<&'a str> {
+        match self.varint()? {
+            0 => {
+                let key = self.vstr()?;
+                if !self.keys.fixed && self.keys.table.len() < FRAME_KEYS && key.len() <= FRAME_KEY_BYTES {
+                    self.keys.table.push(key);
+                }
+                Ok(key)
+            }
+            k => self.keys.table.get(k as usize - 1).copied().ok_or_else(|| format!("key {k} of a frame that gave {}", self.keys.table.len())),
+        }
+    }
     /// A zigzag varint added to `base` (wrapping, as it was taken from it).
     fn time(&mut self, base: i64) -> R<i64> {
         Ok(base.wrapping_add(unzigzag(self.varint()?)))
@@ -819,7 +986,7 @@ impl<'a> Reader<'a> {
     }
     /// A device record's id (after its tag).
     fn device_id(&mut self, tag: u8) -> R<&'a str> {
-        if tag == TAG_DEVICE_COMPACT {
+        if tag == TAG_DEVICE_COMPACT || tag == TAG_DEVICE_FRAMED {
             self.vstr()
         } else {
             self.str()
@@ -828,18 +995,31 @@ impl<'a> Reader<'a> {
     /// The rest of a device record (after its id), borrowed from the payload.
     fn device(&mut self, tag: u8) -> R<DeviceParts<'a>> {
         let mut d = DeviceParts::default();
-        if tag == TAG_DEVICE_COMPACT {
+        if tag == TAG_DEVICE_COMPACT || tag == TAG_DEVICE_FRAMED {
+            let framed = tag == TAG_DEVICE_FRAMED;
             let flags = self.u8()?;
-            if flags & !(HAS_TWIN | HAS_CONNECTION | CONNECTED | HAS_SEQUENCE | HAS_MARK) != 0
-                || (flags & HAS_CONNECTION == 0 && flags & (CONNECTED | HAS_SEQUENCE) != 0)
-            {
+            let known = HAS_TWIN | HAS_CONNECTION | CONNECTED | HAS_SEQUENCE | HAS_MARK | if framed { FRAME_BASE } else { 0 };
+            if flags & !known != 0 || (flags & HAS_CONNECTION == 0 && flags & (CONNECTED | HAS_SEQUENCE) != 0) {
                 return Err(format!("device record flags {flags:#x}"));
             }
-            let base = unzigzag(self.varint()?);
+            let mut base = unzigzag(self.varint()?);
+            if framed {
+                if flags & FRAME_BASE != 0 {
+                    if !self.keys.fixed {
+                        if self.keys.base.is_some() {
+                            return Err("a second base time in one frame".into());
+                        }
+                        self.keys.base = Some(base);
+                    }
+                } else {
+                    base = self.keys.base.ok_or("a time relative to a frame's base before the frame gives it")?.wrapping_add(base);
+                }
+            }
             let n = self.varint()?;
             d.values.reserve(n.min(1 << 16) as usize);
             for _ in 0..n {
-                d.values.push((self.vstr()?, self.vstr()?, self.time(base)?));
+                let key = if framed { self.frame_key()? } else { self.vstr()? };
+                d.values.push((key, self.vstr()?, self.time(base)?));
             }
             if flags & HAS_TWIN != 0 {
                 d.twin = Some((self.vstr()?, self.time(base)?));
@@ -886,7 +1066,7 @@ impl<'a> Reader<'a> {
 
 /// Decodes every record of one frame payload.
 pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String> {
-    let mut r = Reader { bytes: payload, at: 0 };
+    let mut r = Reader { bytes: payload, at: 0, keys: Keys::default() };
     while r.at < payload.len() {
         let tag = r.u8()?;
         out(decode_one(&mut r, tag)?);
@@ -898,7 +1078,7 @@ pub fn decode(payload: &[u8], out: &mut impl FnMut(Record)) -> Result<(), String
 fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
     {
         let record = match tag {
-            TAG_DEVICE | TAG_DEVICE_KEYED | TAG_DEVICE_COMPACT => {
+            TAG_DEVICE | TAG_DEVICE_KEYED | TAG_DEVICE_COMPACT | TAG_DEVICE_FRAMED => {
                 let id = r.device_id(tag)?.into();
                 let d = r.device(tag)?;
                 let data = DeviceData {
@@ -967,7 +1147,7 @@ fn decode_one(r: &mut Reader<'_>, tag: u8) -> Result<Record, String> {
 /// device already loaded in place (keys, key map and entry kept; only changed values are
 /// allocated), so replaying a log over a snapshot builds no second device.
 fn walk(payload: &[u8], mut into: Option<&mut super::Loaded>) -> Result<(), String> {
-    let mut r = Reader { bytes: payload, at: 0 };
+    let mut r = Reader { bytes: payload, at: 0, keys: Keys::default() };
     while r.at < payload.len() {
         let tag = r.u8()?;
         if !is_device(tag) {
@@ -1056,8 +1236,12 @@ pub struct NewestFirst {
 /// A log's frames checked whole ([`NewestFirst::check_log`]), not applied yet.
 #[derive(Debug, Default)]
 pub struct CheckedLog {
-    /// (record start, its frame's end) of every record of the valid frames.
-    records: Vec<(usize, usize)>,
+    /// (record start, its frame's end, its frame in `frames`, `u32::MAX`: none) of every
+    /// record of the valid frames.
+    records: Vec<(usize, usize, u32)>,
+    /// Per valid frame, what its [`TAG_DEVICE_FRAMED`] records share: its keys (offset and
+    /// length in the file) and base time (none for frames without such records).
+    frames: Vec<(Vec<(u32, u32)>, Option<i64>)>,
     pub scan: Scan,
     /// Where the log's commits end: its end mark, the end of the file, or its bad tail.
     pub end: usize,
@@ -1079,17 +1263,19 @@ impl NewestFirst {
     /// Checks a log's frames whole (header checked) and notes its records, its end and its
     /// start record, applying nothing: a start checks the logs' order before any is applied.
     pub fn check_log(bytes: &[u8], framing: Framing) -> CheckedLog {
-        let mut records: Vec<(usize, usize)> = Vec::new();
+        let mut records: Vec<(usize, usize, u32)> = Vec::new();
+        let mut frames: Vec<(Vec<(u32, u32)>, Option<i64>)> = Vec::new();
         let mut start = None;
         let mut commits = 0;
         let (scan, end) = scan_framed(bytes, framing, &mut |payload| {
             let base = payload.as_ptr() as usize - bytes.as_ptr() as usize;
             let at = base + payload.len();
             let first = records.len();
-            let mut r = Reader { bytes: payload, at: 0 };
+            let mut r = Reader { bytes: payload, at: 0, keys: Keys::default() };
+            let frame = frames.len() as u32;
             let checked = (|| {
                 while r.at < payload.len() {
-                    records.push((base + r.at, at));
+                    records.push((base + r.at, at, frame));
                     let tag = r.u8()?;
                     if is_device(tag) {
                         r.device_id(tag)?;
@@ -1105,20 +1291,44 @@ impl NewestFirst {
                 Ok(())
             })();
             match &checked {
-                Ok(()) => commits += 1,
+                Ok(()) if r.keys.table.is_empty() && r.keys.base.is_none() => {
+                    commits += 1;
+                    // Nothing shared (no framed device record): no table kept.
+                    records[first..].iter_mut().for_each(|r| r.2 = u32::MAX);
+                }
+                Ok(()) => {
+                    commits += 1;
+                    let keys = r.keys.table.iter().map(|k| ((k.as_ptr() as usize - bytes.as_ptr() as usize) as u32, k.len() as u32)).collect();
+                    frames.push((keys, r.keys.base));
+                }
                 Err(_) => records.truncate(first),
             }
             checked
         });
-        CheckedLog { records, scan, end, start, commits }
+        CheckedLog { records, frames, scan, end, start, commits }
     }
 
     /// Applies a log [`NewestFirst::check_log`] checked, newest record first.
     pub fn apply_checked(&mut self, bytes: &[u8], checked: CheckedLog, into: &mut super::Loaded) -> Scan {
         let mut scan = checked.scan;
-        for &(start, end) in checked.records.iter().rev() {
-            let mut r = Reader { bytes: &bytes[..end], at: start };
-            if let Err(e) = self.apply_one(&mut r, into) {
+        // The frame's keys, as `check_log` found them (the frames' records are in order).
+        let mut keys = Keys::default();
+        let mut keys_of = None;
+        for &(start, end, frame) in checked.records.iter().rev() {
+            if keys_of != Some(frame) {
+                keys = match checked.frames.get(frame as usize) {
+                    Some((table, base)) => {
+                        let table = table.iter().map(|&(at, len)| std::str::from_utf8(&bytes[at as usize..(at + len) as usize]).unwrap_or(""));
+                        Keys { table: table.collect(), base: *base, fixed: true }
+                    }
+                    None => Keys { fixed: true, ..Keys::default() },
+                };
+                keys_of = Some(frame);
+            }
+            let mut r = Reader { bytes: &bytes[..end], at: start, keys: std::mem::take(&mut keys) };
+            let applied = self.apply_one(&mut r, into);
+            keys = std::mem::take(&mut r.keys);
+            if let Err(e) = applied {
                 // Checked above: cannot happen; never trust what follows.
                 scan.tail = Tail::Bad { offset: start, why: format!("undecodable after checking: {e}") };
                 break;
@@ -1155,7 +1365,7 @@ impl NewestFirst {
         let mut devices = 0;
         let scan = scan(bytes, &mut |payload| {
             ended |= is_end_only(payload);
-            let mut r = Reader { bytes: payload, at: 0 };
+            let mut r = Reader { bytes: payload, at: 0, keys: Keys::default() };
             while r.at < payload.len() {
                 devices += is_device(payload[r.at]) as usize;
                 self.apply_one(&mut r, into)?;
@@ -1492,6 +1702,88 @@ mod tests {
         encode(&mut plain, Change::Device { id: "b", device: Some(&device(&[("t", "1", 1)], None, None)) });
         end_frame(&mut plain, at);
         assert_eq!(super::scan(&plain, &mut |_| Ok(())).damaged.len(), 1);
+    }
+
+    /// Device records of a log frame share its keys and base time ([`TAG_DEVICE_FRAMED`],
+    /// version 7): read in order (a start's check, `decode`) and each alone newest first (a
+    /// start's apply), a frame gives every device as written: keys in any order, a key too
+    /// long for the table, more keys than the table holds, twins, connections, read marks,
+    /// times far apart; a second frame begins its table anew. The harness's device takes
+    /// about two thirds of its compact record's bytes.
+    #[test]
+    fn a_log_frames_device_records_share_its_keys_and_base_time() {
+        use crate::ingest::{MsgKey, ReadMark};
+        let long = "k".repeat(FRAME_KEY_BYTES + 1);
+        let mut devices: Vec<(String, Device)> = Vec::new();
+        for n in 0..(FRAME_KEYS + 30) {
+            let at = 1_764_300_000_000 + (n as i64 % 7) * 1_000_003 - if n == 5 { 1 << 40 } else { 0 };
+            let own = format!("own-{n}");
+            let mut values = vec![("sentAt", "1764300000123456", at), ("temperature", "21.5", at), ("seq", "42", at + 1)];
+            if n % 3 == 1 {
+                values.reverse();
+            }
+            if n % 4 == 2 {
+                values.push((&own, "\"x\"", at - 5));
+            }
+            if n % 9 == 3 {
+                values.push((&long, "1", at));
+            }
+            let mut d = device(&values, (n % 5 == 0).then_some(r#"{"v":1}"#), (n % 2 == 0).then_some(n % 4 == 0));
+            if n % 6 == 1 {
+                d.mark = ReadMark::from_key(MsgKey { ms: at + 9, n: n as u64 });
+            }
+            devices.push((format!("dev-{n:06}"), d));
+        }
+        let expected = |ds: &[(String, Device)]| {
+            let mut v: Vec<_> = ds.iter().map(|(id, d)| (id.clone(), super::super::data_of_device(d))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        let view = |l: &super::super::Loaded| {
+            let mut v: Vec<_> = l.devices.iter().map(|(id, d)| (id.to_string(), super::super::data_of_device(d))).collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        };
+        // Two frames: the devices split between them, each frame's table its own.
+        let (a, b) = devices.split_at(50);
+        let mut log = header(KIND_LOG).to_vec();
+        let mut payloads = Vec::new();
+        let mut keys = FrameKeys::default();
+        for part in [a, b] {
+            keys.clear();
+            let at = begin_log_frame(&mut log);
+            for (id, d) in part {
+                encode_framed(&mut log, Change::Device { id, device: Some(d) }, &mut keys);
+            }
+            payloads.push(log[at + LOG_FRAME_HEAD..].to_vec());
+            end_log_frame(&mut log, at, 3);
+        }
+        assert!(keys.spans.len() <= FRAME_KEYS, "the table is bounded");
+        // In order.
+        let mut whole = super::super::Loaded::default();
+        for p in &payloads {
+            decode(p, &mut |r| whole.apply(r)).unwrap();
+        }
+        assert_eq!(view(&whole), expected(&devices));
+        // Checked whole, then each record alone, newest first.
+        let c = NewestFirst::check_log(&log, Framing::Log { gen: 3 });
+        assert!(c.scan.is_clean() && c.commits == 2, "{:?}", c.scan);
+        let mut newest = super::super::Loaded::default();
+        assert!(NewestFirst::default().apply_checked(&log, c, &mut newest).is_clean());
+        assert_eq!(view(&newest), expected(&devices));
+        // A record does not read without its frame's table.
+        let mut second = Vec::new();
+        let mut keys = FrameKeys::default();
+        encode_framed(&mut second, Change::Device { id: "a", device: Some(&devices[0].1) }, &mut keys);
+        let alone = second.len();
+        encode_framed(&mut second, Change::Device { id: "b", device: Some(&devices[0].1) }, &mut keys);
+        assert!(decode(&second[alone..], &mut |_| {}).is_err(), "keys and base of a frame not read");
+        assert_eq!(decode(&second, &mut |_| {}), Ok(()));
+        // The harness's device: a later record of a frame against its compact record.
+        let mut compact = Vec::new();
+        encode(&mut compact, Change::Device { id: "dev-000042", device: Some(&devices[0].1) });
+        let framed = second.len() - alone;
+        assert!(framed * 100 <= compact.len() * 70, "framed {framed} vs compact {} bytes", compact.len());
     }
 
     fn file(frames: &[Vec<Change<'_>>]) -> Vec<u8> {
@@ -1858,13 +2150,13 @@ mod tests {
             let id = format!("dev-{s}");
             for before in [0usize, 3, 61] {
                 let (mut fast, mut pushed) = (vec![7u8; before], vec![7u8; before]);
-                encode_device(&mut fast, &id, &d);
+                encode_device(&mut fast, &id, &d, None);
                 encode_device_pushes(&mut pushed, &id, &d);
                 assert_eq!(fast, pushed, "length {len}, {before} bytes before");
             }
         }
         let mut empty = Vec::new();
-        encode_device(&mut empty, "", &Device::default());
+        encode_device(&mut empty, "", &Device::default(), None);
         let mut pushed = Vec::new();
         encode_device_pushes(&mut pushed, "", &Device::default());
         assert_eq!(empty, pushed);
@@ -1889,7 +2181,7 @@ mod tests {
         for v in [0, 1, -1, i64::MIN, i64::MAX, 1_764_300_000_123] {
             let mut b = Vec::new();
             put_varint(&mut b, zigzag(v));
-            let mut r = Reader { bytes: &b, at: 0 };
+            let mut r = Reader { bytes: &b, at: 0, keys: Keys::default() };
             assert_eq!(r.time(0).unwrap(), v);
             assert_eq!(r.at, b.len());
         }

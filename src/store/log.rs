@@ -939,6 +939,11 @@ struct SyncSlot {
     retired: Mutex<Option<File>>,
 }
 
+/// Test hook: the logs of these data dirs are written with the device records of format
+/// versions 5 and 6 ([`format::encode`]), as an older hubcast wrote them.
+#[cfg(test)]
+static COMPACT_RECORDS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
 /// Test hook: the next [`LogStore::open_log`] in each of these data dirs fails once its file
 /// is in place under the new log's name (as a refused `dup` or `fstat` would).
 #[cfg(test)]
@@ -1018,6 +1023,8 @@ pub struct LogStore {
     file: Option<File>,
     /// The unit being built: a frame header and records.
     pending: Vec<u8>,
+    /// The keys and base time the device records of the frame being built share.
+    keys: format::FrameKeys,
     frame_at: Option<usize>,
     log_bytes: u64,
     /// Length of the current log up to its last whole frame: where the next commit is written.
@@ -1071,6 +1078,7 @@ impl LogStore {
             gen,
             file: None,
             pending: Vec::with_capacity(64 << 10),
+            keys: format::FrameKeys::default(),
             frame_at: None,
             log_bytes: 0,
             file_len: 0,
@@ -1223,12 +1231,17 @@ impl StateStore for LogStore {
     fn put(&mut self, change: Change<'_>) {
         if self.frame_at.is_none() {
             self.frame_at = Some(format::begin_log_frame(&mut self.pending));
+            self.keys.clear();
             // A log's first commit names the log before it (checked at start).
             if self.log_commits == 0 {
                 format::encode_log_start(&mut self.pending, self.prev.0, self.prev.1);
             }
         }
-        format::encode(&mut self.pending, change);
+        #[cfg(test)]
+        if COMPACT_RECORDS.lock().unwrap_or_else(|e| e.into_inner()).contains(&self.dir) {
+            return format::encode(&mut self.pending, change);
+        }
+        format::encode_framed(&mut self.pending, change, &mut self.keys);
     }
 
     fn commit(&mut self) {
@@ -1701,10 +1714,10 @@ mod tests {
         write_some(&dir, 1);
         let log = log_files(&dir).pop().unwrap();
         let mut bytes = fs::read(&log).unwrap();
-        bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
+        bytes[8..12].copy_from_slice(&8u32.to_le_bytes());
         fs::write(&log, bytes).unwrap();
         let err = open(&dir, 1, Options::new(Duration::ZERO)).err().expect("refused");
-        assert!(err.contains("store format version 7") && err.contains("versions [1, 2, 3, 4, 5, 6]"), "{err}");
+        assert!(err.contains("store format version 8") && err.contains("versions [1, 2, 3, 4, 5, 6, 7]"), "{err}");
         let _ = fs::remove_dir_all(&dir);
     }
 
@@ -1718,7 +1731,9 @@ mod tests {
                 assert_eq!(bytes[8..12], format::VERSION.to_le_bytes());
                 let gen = parse_name(&name).unwrap().2;
                 if let format::Framing::Log { .. } = format::Framing::of(&bytes, gen) {
-                    bytes = log_as_version(&bytes, gen, version);
+                    if version < format::LOG_FRAMING_SINCE {
+                        bytes = log_as_version(&bytes, gen, version);
+                    }
                 }
                 bytes[8..12].copy_from_slice(&version.to_le_bytes());
                 fs::write(e.path(), bytes).unwrap();
@@ -1753,7 +1768,10 @@ mod tests {
     /// Returns the dir, what was opened, and the devices as written.
     fn read_as_written_by_version(name: &str, version: u32) -> (PathBuf, Opened, Vec<(Box<str>, DeviceData)>) {
         let dir = temp_dir(name);
+        // The device records those versions wrote (no frame's keys shared).
+        COMPACT_RECORDS.lock().unwrap().push(dir.clone());
         write_some(&dir, 2);
+        COMPACT_RECORDS.lock().unwrap().retain(|d| *d != dir);
         let expected = all_devices(&open(&dir, 2, Options::new(Duration::ZERO)).unwrap());
         as_written_by_version(&dir, version);
         let o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
@@ -2067,11 +2085,22 @@ mod tests {
     }
 
     /// A data dir of format version 5 (what main's hubcast wrote before logs were used
-    /// again): read as before, and writing goes on in version 6 logs after it; the next
-    /// start reads both, and a snapshot replaces them.
+    /// again): read as before, and writing goes on in logs of this version after it; the
+    /// next start reads both, and a snapshot replaces them.
     #[test]
     fn a_data_dir_of_format_version_5_is_read_and_written_on() {
-        let (dir, mut o, mut expected) = read_as_written_by_version("version-5", 5);
+        read_and_written_on(5);
+    }
+
+    /// The same for version 6 (logs written over again, device records not sharing their
+    /// frame's keys): what main's hubcast wrote before version 7.
+    #[test]
+    fn a_data_dir_of_format_version_6_is_read_and_written_on() {
+        read_and_written_on(6);
+    }
+
+    fn read_and_written_on(version: u32) {
+        let (dir, mut o, mut expected) = read_as_written_by_version(&format!("version-{version}"), version);
         assert_eq!(o.resume_positions().get("p0"), Some(&2));
         let home = core_of_device("later", 2);
         o.stores[home].put(Change::Device { id: "later", device: Some(&device(5.0, "09")) });
@@ -2084,7 +2113,7 @@ mod tests {
             v.sort();
             v
         };
-        assert_eq!(versions(&dir), [5, 5, 6], "the old logs and the new one");
+        assert_eq!(versions(&dir), [version, version, format::VERSION], "the old logs and the new one");
         let mut o = open(&dir, 2, Options::new(Duration::ZERO)).unwrap();
         assert_eq!(all_devices(&o), expected);
         // A snapshot of the core with both kinds of logs replaces them.

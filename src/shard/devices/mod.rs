@@ -39,7 +39,7 @@ pub use replay::{quiet, Decided, Kept, Lead};
 mod ingest;
 mod telemetry;
 mod twin;
-pub use telemetry::Telemetry;
+pub use telemetry::{same_bytes, Telemetry};
 pub use id::{DeviceId, Lookup};
 pub use twin::merge_patch;
 

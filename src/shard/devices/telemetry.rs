@@ -197,7 +197,7 @@ impl Telemetry {
 /// (1 to 16 bytes: two overlapping loads of each), `memcmp` beyond. Each message compares
 /// each of its keys once, and the call was most of the comparison (issue 25 item 4).
 #[inline]
-fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+pub fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     let n = a.len();
     if n != b.len() {
         return false;
