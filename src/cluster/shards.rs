@@ -18,17 +18,19 @@
 //!   50 ms apart). A subscriber connection lost (`Disconnection` push): its channels are
 //!   placed again by the new map. The map is also read every 30 s (a failover nobody here
 //!   saw), moving channels whose master changed and closing subscribers of former masters.
-//! - Bounds: pushes wait in one queue of at most [`PUSHES`] and `--redis-inbound-bytes`
-//!   (the bytes charged as for one Redis); past either the push is dropped and that
-//!   subscriber is rebuilt (`reason="full"`; its messages meanwhile are lost, as with any
-//!   pub/sub outage).
+//! - Bounds: pushes wait in one queue bounded by `--redis-inbound-bytes`, as one Redis's
+//!   link is, each push charged what it holds (its strings and its own size, see
+//!   [`push_bytes`]), so at most that bound ÷ 200-odd bytes of them; past it the push is
+//!   dropped and that subscriber is rebuilt (`reason="full"`, counted in
+//!   `hubcast_redis_overruns_total`; its messages meanwhile are lost, as with any pub/sub
+//!   outage).
 //!
 //! A message published while a slot moves is published again until every watcher got it
 //! (cluster/resend.rs, step 7).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,14 +42,6 @@ use super::conn::Conn;
 use super::link::{within, Ctx, Failed, State};
 use super::Engine;
 
-/// Pushes (device messages and confirmations) waiting for the shard task, all subscribers
-/// together. The bytes bound (`--redis-inbound-bytes`, 64 MiB, every push charged its
-/// strings + 64) is the one meant to bind, as on one Redis; this count only caps the
-/// per-push overhead of tiny pushes (2^18 of 256 bytes is the default 64 MiB). It was 4,096
-/// (~1 MB of device messages): three masters answering after a 20 ms stall passed it, the
-/// subscribers were rebuilt while the bursts went on and B received < 1 % of the messages
-/// (docs/benchmarks/2026-11-28-redis-cluster-capacity.md, "capped").
-const PUSHES: usize = 1 << 18;
 /// How often the slot map is read when nothing asked for it.
 const REFRESH: Duration = Duration::from_secs(30);
 /// Tries of one subscription when `MOVED` answers it.
@@ -129,36 +123,36 @@ struct Shards<'a> {
     /// Every device channel this instance receives.
     want: HashSet<String>,
     tx: async_channel::Sender<Push>,
-    /// Pushes sent and not yet taken (at most [`PUSHES`]).
-    waiting: Arc<AtomicUsize>,
 }
 
 /// A push from a subscriber, with the bytes charged for it to `Stats::inbound_bytes`.
-type Push = (Addr, PushInfo, u64);
+type Push = (Arc<Addr>, PushInfo, u64);
 
-/// What a push is charged: its strings and a fixed part.
+/// What a push is charged: its strings, its values and itself, so that the byte bound is also
+/// a bound on how many wait (a device message: ~200 bytes of strings + ~250 of its own).
 fn push_bytes(info: &PushInfo) -> u64 {
-    info.data.iter().map(|v| match v {
+    let strings: u64 = info.data.iter().map(|v| match v {
         Value::BulkString(b) => b.len() as u64,
-        _ => 16,
-    }).sum::<u64>() + 64
+        _ => 0,
+    }).sum();
+    strings + (std::mem::size_of::<Push>() + info.data.len() * std::mem::size_of::<Value>()) as u64 + 64
 }
 
 /// The shard task: until a Redis call fails (the link then reconnects everything).
 /// `initial`: the devices this instance watches (after a reconnect), subscribed and then
 /// announced to the others, so none of their messages is published before it receives them.
 pub(super) async fn run(ctx: &Rc<Ctx>, state: &State, conn: Conn, reqs: async_channel::Receiver<Req>, initial: Vec<Box<str>>) -> Failed {
-    // Unbounded as a channel (a bounded one allocates its whole capacity up front), bounded
-    // by `waiting` and the bytes in the push sender (`Shards::sub`).
+    // Unbounded as a channel, bounded in the push sender by the bytes it holds (`Shards::sub`).
+    // It was `bounded(4096)` pushes (~1 MB of device messages): three masters answering after
+    // a 20 ms stall passed it, the subscribers were rebuilt while the bursts went on and B
+    // received < 1 % (docs/benchmarks/2026-11-28-redis-cluster-capacity.md §4).
     let (tx, rx) = async_channel::unbounded();
-    let waiting = Arc::new(AtomicUsize::new(0));
-    let mut s = Shards { ctx, state, conn, map: SlotMap::default(), subs: HashMap::new(), want: HashSet::new(), tx, waiting };
+    let mut s = Shards { ctx, state, conn, map: SlotMap::default(), subs: HashMap::new(), want: HashSet::new(), tx };
     let result = s.serve(&reqs, &rx, initial).await;
     ctx.stats.shard_connections.store(0, Ordering::Relaxed);
     // Pushes not taken go with the subscribers.
     while let Ok((_, _, bytes)) = rx.try_recv() {
         ctx.stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
-        s.waiting.fetch_sub(1, Ordering::Relaxed);
     }
     match result {
         Ok(()) => "stopped".to_string(),
@@ -272,20 +266,19 @@ impl Shards<'_> {
         }
         let client = node_client(self.ctx, a, "shard subscriber")?;
         let overflow = Arc::new(AtomicBool::new(false));
-        let (tx, addr, full) = (self.tx.clone(), a.clone(), overflow.clone());
-        let (stats, bound, waiting) = (self.ctx.stats.clone(), self.ctx.o.inbound_bytes, self.waiting.clone());
-        // Never blocks the connection: [`PUSHES`] waiting, or more than `--redis-inbound-bytes`
-        // waiting between Redis and the cores (charged here, released once the cores took
-        // it: see `link::pubsub`), drops the push and marks the subscriber for a rebuild
-        // (messages meanwhile lost, as in an outage; counted in `overruns` when it is bytes).
+        let (tx, addr, full) = (self.tx.clone(), Arc::new(a.clone()), overflow.clone());
+        let (stats, bound) = (self.ctx.stats.clone(), self.ctx.o.inbound_bytes);
+        // Never blocks the connection: more than `--redis-inbound-bytes` waiting between
+        // Redis and the cores (charged here, released once the cores took it: see
+        // `link::pubsub`) drops the push and marks the subscriber for a rebuild (messages
+        // meanwhile lost, as in an outage; counted in `overruns`). One `Arc` of the address
+        // per subscriber, not a `String` per push.
         let sender = move |info: PushInfo| -> Result<(), ()> {
             let bytes = push_bytes(&info);
             let before = stats.inbound_bytes.fetch_add(bytes, Ordering::Relaxed);
             let over = before > 0 && before + bytes > bound;
-            let many = waiting.fetch_add(1, Ordering::Relaxed) >= PUSHES;
-            if over || many || tx.try_send((addr.clone(), info, bytes)).is_err() {
+            if over || tx.try_send((addr.clone(), info, bytes)).is_err() {
                 stats.inbound_bytes.fetch_sub(bytes, Ordering::Relaxed);
-                waiting.fetch_sub(1, Ordering::Relaxed);
                 if !full.swap(true, Ordering::Relaxed) && over {
                     stats.overruns.fetch_add(1, Ordering::Relaxed);
                 }
@@ -410,7 +403,6 @@ impl Shards<'_> {
 
     async fn on_pushes(&mut self, pushes: Vec<Push>) -> Result<(), Failed> {
         let charged: u64 = pushes.iter().map(|p| p.2).sum();
-        self.waiting.fetch_sub(pushes.len(), Ordering::Relaxed);
         let result = self.take_pushes(pushes).await;
         self.ctx.stats.inbound_bytes.fetch_sub(charged, Ordering::Relaxed);
         result
@@ -425,7 +417,7 @@ impl Shards<'_> {
                 PushKind::SMessage => messages.extend(redis::Msg::from_push_info(info)),
                 PushKind::SUnsubscribe => {
                     let Some(channel) = info.data.first().and_then(|v| redis::from_redis_value_ref::<String>(v).ok()) else { continue };
-                    if let Some(sub) = self.subs.get_mut(&a) {
+                    if let Some(sub) = self.subs.get_mut(&*a) {
                         sub.channels.remove(&channel);
                     }
                     // Not asked for: the slot moved away from that master.
@@ -435,7 +427,7 @@ impl Shards<'_> {
                     }
                 }
                 PushKind::Disconnection => {
-                    lost.insert(a);
+                    lost.insert((*a).clone());
                 }
                 _ => {}
             }
