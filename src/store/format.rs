@@ -1236,12 +1236,14 @@ pub struct NewestFirst {
 /// A log's frames checked whole ([`NewestFirst::check_log`]), not applied yet.
 #[derive(Debug, Default)]
 pub struct CheckedLog {
-    /// (record start, its frame's end, its frame in `frames`, `u32::MAX`: none) of every
+    /// (record start, its frame's end, its frame in `frames`, `usize::MAX`: none) of every
     /// record of the valid frames.
-    records: Vec<(usize, usize, u32)>,
-    /// Per valid frame, what its [`TAG_DEVICE_FRAMED`] records share: its keys (offset and
-    /// length in the file) and base time (none for frames without such records).
-    frames: Vec<(Vec<(u32, u32)>, Option<i64>)>,
+    records: Vec<(usize, usize, usize)>,
+    /// Per valid frame whose [`TAG_DEVICE_FRAMED`] records share something: its keys (a range
+    /// of `keys`) and base time.
+    frames: Vec<(std::ops::Range<usize>, Option<i64>)>,
+    /// Every such frame's keys, one after another: offset and length in the file.
+    keys: Vec<(usize, usize)>,
     pub scan: Scan,
     /// Where the log's commits end: its end mark, the end of the file, or its bad tail.
     pub end: usize,
@@ -1263,8 +1265,9 @@ impl NewestFirst {
     /// Checks a log's frames whole (header checked) and notes its records, its end and its
     /// start record, applying nothing: a start checks the logs' order before any is applied.
     pub fn check_log(bytes: &[u8], framing: Framing) -> CheckedLog {
-        let mut records: Vec<(usize, usize, u32)> = Vec::new();
-        let mut frames: Vec<(Vec<(u32, u32)>, Option<i64>)> = Vec::new();
+        let mut records: Vec<(usize, usize, usize)> = Vec::new();
+        let mut frames: Vec<(std::ops::Range<usize>, Option<i64>)> = Vec::new();
+        let mut keys: Vec<(usize, usize)> = Vec::new();
         let mut start = None;
         let mut commits = 0;
         let (scan, end) = scan_framed(bytes, framing, &mut |payload| {
@@ -1272,7 +1275,7 @@ impl NewestFirst {
             let at = base + payload.len();
             let first = records.len();
             let mut r = Reader { bytes: payload, at: 0, keys: Keys::default() };
-            let frame = frames.len() as u32;
+            let frame = frames.len();
             let checked = (|| {
                 while r.at < payload.len() {
                     records.push((base + r.at, at, frame));
@@ -1294,18 +1297,19 @@ impl NewestFirst {
                 Ok(()) if r.keys.table.is_empty() && r.keys.base.is_none() => {
                     commits += 1;
                     // Nothing shared (no framed device record): no table kept.
-                    records[first..].iter_mut().for_each(|r| r.2 = u32::MAX);
+                    records[first..].iter_mut().for_each(|r| r.2 = usize::MAX);
                 }
                 Ok(()) => {
                     commits += 1;
-                    let keys = r.keys.table.iter().map(|k| ((k.as_ptr() as usize - bytes.as_ptr() as usize) as u32, k.len() as u32)).collect();
-                    frames.push((keys, r.keys.base));
+                    let from = keys.len();
+                    keys.extend(r.keys.table.iter().map(|k| (k.as_ptr() as usize - bytes.as_ptr() as usize, k.len())));
+                    frames.push((from..keys.len(), r.keys.base));
                 }
                 Err(_) => records.truncate(first),
             }
             checked
         });
-        CheckedLog { records, frames, scan, end, start, commits }
+        CheckedLog { records, frames, keys, scan, end, start, commits }
     }
 
     /// Applies a log [`NewestFirst::check_log`] checked, newest record first.
@@ -1316,18 +1320,27 @@ impl NewestFirst {
         let mut keys_of = None;
         for &(start, end, frame) in checked.records.iter().rev() {
             if keys_of != Some(frame) {
-                keys = match checked.frames.get(frame as usize) {
-                    Some((table, base)) => {
-                        let table = table.iter().map(|&(at, len)| std::str::from_utf8(&bytes[at as usize..(at + len) as usize]).unwrap_or(""));
-                        Keys { table: table.collect(), base: *base, fixed: true }
+                keys = Keys { fixed: true, ..Keys::default() };
+                if let Some((range, base)) = checked.frames.get(frame) {
+                    keys.base = *base;
+                    for &(at, len) in &checked.keys[range.clone()] {
+                        // Read as UTF-8 when checked: a failure here is a bug, never read past.
+                        match bytes.get(at..at + len).map(std::str::from_utf8) {
+                            Some(Ok(key)) => keys.table.push(key),
+                            _ => keys.fixed = false,
+                        }
                     }
-                    None => Keys { fixed: true, ..Keys::default() },
-                };
+                }
                 keys_of = Some(frame);
             }
-            let mut r = Reader { bytes: &bytes[..end], at: start, keys: std::mem::take(&mut keys) };
-            let applied = self.apply_one(&mut r, into);
-            keys = std::mem::take(&mut r.keys);
+            let applied = if keys.fixed {
+                let mut r = Reader { bytes: &bytes[..end], at: start, keys: std::mem::take(&mut keys) };
+                let applied = self.apply_one(&mut r, into);
+                keys = std::mem::take(&mut r.keys);
+                applied
+            } else {
+                Err("a frame's key unreadable after checking".to_string())
+            };
             if let Err(e) = applied {
                 // Checked above: cannot happen; never trust what follows.
                 scan.tail = Tail::Bad { offset: start, why: format!("undecodable after checking: {e}") };
@@ -1539,6 +1552,11 @@ pub fn scan(bytes: &[u8], each: &mut impl FnMut(&[u8]) -> Result<(), String>) ->
 /// after it are an older log's; after a bad frame only its own generation's frames are looked
 /// for (an older log's are skipped on their generation field, without a checksum).
 pub fn scan_framed(bytes: &[u8], framing: Framing, each: &mut impl FnMut(&[u8]) -> Result<(), String>) -> (Scan, usize) {
+    scan_framed_within(bytes, framing, each, LOG_RESYNC_BYTES)
+}
+
+/// [`scan_framed`], a log searched `window` bytes past a bad frame (tests use a smaller one).
+fn scan_framed_within(bytes: &[u8], framing: Framing, each: &mut impl FnMut(&[u8]) -> Result<(), String>, window: usize) -> (Scan, usize) {
     let mut out = Scan::default();
     let mut at = HEADER_LEN;
     let head = framing.head();
@@ -1557,7 +1575,7 @@ pub fn scan_framed(bytes: &[u8], framing: Framing, each: &mut impl FnMut(&[u8]) 
             },
             Err(why) => why,
         };
-        match next_valid_frame(bytes, at, longest, framing) {
+        match next_valid_frame(bytes, at, longest, framing, window) {
             Some(next) => {
                 out.damaged.push(Skipped { offset: at, len: next - at, why });
                 at = next;
@@ -1571,29 +1589,30 @@ pub fn scan_framed(bytes: &[u8], framing: Framing, each: &mut impl FnMut(&[u8]) 
     (out, at.min(bytes.len()))
 }
 
-/// How far past a bad frame a log of [`Framing::Log`] is searched byte by byte for a frame of
-/// its own generation: this many bytes, or twice the longest frame read in it before, if more.
+/// How far past a bad frame a log of [`Framing::Log`] is searched for a frame of its own
+/// generation: one frame of the longest length a reader takes ([`MAX_FRAME`]) and its header.
 ///
 /// Why a bound: such a log may be written over an older one (a spare), so after a crash (the
 /// damage a start expects) its torn commit is followed by the older log's bytes to the end of
-/// the file, 64 MiB by default and as much as `--snapshot-log-bytes` says: every start after a
-/// crash searched all of them for a frame that is not there (an older log's frames differ in
-/// their generation), in proportion to the file, not to what was lost. Why this one: frames
-/// of the log's own generation follow a bad one only when the damage is in the middle of its
-/// commits (at rest: a sector or a page, or a frame's length field). A frame whose length
-/// field is intact is checked where it says the next frame is, at any distance; a damaged
-/// length field leaves the next frame within the damaged frame's real length, and the frames
-/// hubcast writes are well under 8 MiB (a `POST /ingest` batch of 500 messages ~38 KB, the
-/// recovery streams' commits at a shutdown about 4 MiB). Past the window the bad frame is the
-/// log's cut-off end (the start's WARN). Plain framing (snapshots, logs before version 6) is
-/// searched to the end of the file, which ends at its last write.
-pub const LOG_RESYNC_BYTES: usize = 8 << 20;
+/// the file, as long as `--snapshot-log-bytes` says (no upper limit): a search to the end of
+/// the file grew with the file, not with what was lost. Why this one (review of a first bound
+/// of 8 MiB, which a damaged length field of a longer frame, a recovery stream's commit say,
+/// could hide the next frame behind, turning damage in the middle into a silent cut-off end):
+/// no frame is longer than [`MAX_FRAME`] (a reader refuses a longer one as damage), so the
+/// next frame after one damaged frame, whatever its length field says, starts within this
+/// window and is found; damage is still refused. The search itself looks only where the
+/// log's generation sits at a frame header's place (a SIMD search for its four bytes; an
+/// older log's frames carry another one), so a start after a crash reads the older bytes
+/// once, at memory speed. Plain framing (snapshots, logs before version 6) is searched to
+/// the end of the file, which ends at its last write.
+pub const LOG_RESYNC_BYTES: usize = MAX_FRAME + LOG_FRAME_HEAD;
 
 /// The first offset after the bad frame at `bad` where a whole valid frame starts: a length
 /// within bounds and not zero (a zero-filled span is not a frame, nor is an end mark), a
 /// matching CRC (and generation), records that decode. Looked for byte by byte (in a log,
-/// within [`LOG_RESYNC_BYTES`]), a candidate is at most `longest` bytes long.
-fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize, framing: Framing) -> Option<usize> {
+/// where its generation sits, within `window`: [`LOG_RESYNC_BYTES`]), a candidate is at most
+/// `longest` bytes long.
+fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize, framing: Framing, window: usize) -> Option<usize> {
     let head = framing.head();
     let gen = match framing {
         Framing::Log { gen } => Some(gen.to_le_bytes()),
@@ -1613,11 +1632,19 @@ fn next_valid_frame(bytes: &[u8], bad: usize, longest: usize, framing: Framing) 
     if let Some(next) = announced.filter(|&n| n < bytes.len() && valid(n, MAX_FRAME)) {
         return Some(next);
     }
-    let last = match framing {
-        Framing::Log { .. } => bad.saturating_add(LOG_RESYNC_BYTES.max(longest.saturating_mul(2))),
-        Framing::Plain => usize::MAX,
-    };
-    (bad + 1..bytes.len().saturating_sub(head).min(last)).find(|&at| valid(at, longest))
+    let (from, last) = (bad + 1, bytes.len().saturating_sub(head));
+    match gen {
+        // Only where the generation sits 8 bytes into a candidate header.
+        Some(g) => {
+            let last = last.min(bad.saturating_add(window));
+            if from >= last {
+                return None;
+            }
+            let hay = &bytes[from + 8..(last + 11).min(bytes.len())];
+            memchr::memmem::find_iter(hay, &g).map(|p| from + p).take_while(|&at| at < last).find(|&at| valid(at, longest))
+        }
+        None => (from..last).find(|&at| valid(at, longest)),
+    }
 }
 
 #[cfg(test)]
@@ -1664,12 +1691,15 @@ mod tests {
     }
 
     /// After a bad frame, a log (which may be written over an older one) is searched for a
-    /// frame of its own generation within [`LOG_RESYNC_BYTES`] only: a torn commit followed
-    /// by an older log's bytes is not searched to the end of the file. Damage within the
-    /// window is still damage in the middle.
+    /// frame of its own generation within a window only ([`LOG_RESYNC_BYTES`], here a smaller
+    /// one): a torn commit followed by an older log's bytes is not searched to the end of the
+    /// file. Damage within the window is still damage in the middle, and with the real window
+    /// a frame longer than 8 MiB whose length field is damaged (review of the first, 8 MiB
+    /// window) still has the frame after it found: damage, not a cut-off end.
     #[test]
     fn a_logs_search_past_a_bad_frame_is_bounded() {
         let framing = Framing::Log { gen: 7 };
+        let window = 2 << 20;
         let with_frame_after = |gap: usize| {
             let mut bytes = header(KIND_LOG).to_vec();
             bytes.extend(log_frame(7, "a"));
@@ -1682,14 +1712,30 @@ mod tests {
             (bytes, bad)
         };
         let (near, bad) = with_frame_after(1 << 20);
-        let (scan, _) = scan_framed(&near, framing, &mut |_| Ok(()));
+        let (scan, _) = scan_framed_within(&near, framing, &mut |_| Ok(()), window);
         assert_eq!(scan.damaged.len(), 1, "a frame of its own within the window: damage in the middle");
         assert_eq!((scan.damaged[0].offset, scan.damaged[0].len), (bad, 1 << 20));
-        let (far, bad) = with_frame_after(LOG_RESYNC_BYTES + 4096);
-        let (scan, end) = scan_framed(&far, framing, &mut |_| Ok(()));
+        let (far, bad) = with_frame_after(window + 4096);
+        let (scan, end) = scan_framed_within(&far, framing, &mut |_| Ok(()), window);
         assert!(scan.damaged.is_empty(), "{:?}", scan.damaged);
         assert!(matches!(scan.tail, Tail::Bad { offset, .. } if offset == bad), "{:?}", scan.tail);
         assert_eq!(end, bad, "the torn frame is the log's end");
+        // A 9 MiB frame (longer than any before it) whose length field is damaged, then a
+        // frame: found with the real window.
+        let mut big = header(KIND_LOG).to_vec();
+        big.extend(log_frame(7, "a"));
+        let bad = big.len();
+        let mut frame = Vec::new();
+        let at = begin_log_frame(&mut frame);
+        encode(&mut frame, Change::Applied { key: &"x".repeat(9 << 20), seq: 1 });
+        end_log_frame(&mut frame, at, 7);
+        frame[3] ^= 0x40;
+        big.extend(frame);
+        let after = big.len();
+        big.extend(log_frame(7, "b"));
+        let (scan, _) = scan_framed(&big, framing, &mut |_| Ok(()));
+        assert_eq!(scan.damaged.iter().map(|d| (d.offset, d.len)).collect::<Vec<_>>(), [(bad, after - bad)], "{:?}", scan.tail);
+        assert_eq!(scan.tail, Tail::Clean);
         // Snapshots and logs before version 6 end at their last write: searched to the end.
         let mut plain = header(KIND_SNAPSHOT).to_vec();
         let at = begin_frame(&mut plain);
@@ -1697,7 +1743,7 @@ mod tests {
         end_frame(&mut plain, at);
         let bad = plain.len();
         plain.extend_from_slice(&[0xFF; 8]);
-        plain.resize(bad + LOG_RESYNC_BYTES + 4096, 0);
+        plain.resize(bad + window + 4096, 0);
         let at = begin_frame(&mut plain);
         encode(&mut plain, Change::Device { id: "b", device: Some(&device(&[("t", "1", 1)], None, None)) });
         end_frame(&mut plain, at);
