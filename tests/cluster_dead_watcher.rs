@@ -46,8 +46,9 @@ fn beside_pump(engine: &Engine) -> String {
 
 /// Whether `id`'s presence still stands on the cluster: its member of the instances sorted
 /// set is scored with when it expires, compared with the clock of the master holding it.
+/// Only a cluster keeps presence that way: on one Redis there is nothing to read here.
 fn presence_stands(engine: &Engine, id: &str) -> bool {
-    let Engine::Cluster(nodes) = engine else { return true };
+    let Engine::Cluster(nodes) = engine else { unreachable!("presence_stands reads a cluster's sorted set") };
     let expires = nodes.command(&format!("ZSCORE {{t}}:instances {id}")).unwrap_or_default();
     let Some(expires) = expires.lines().nth(1).and_then(|s| s.trim().parse::<f64>().ok()) else { return false };
     let time = nodes.command_on(nodes.owner_of(nodes.slot_of("{t}:instances")), "TIME").unwrap_or_default();
