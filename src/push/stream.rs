@@ -328,17 +328,30 @@ impl History {
 }
 
 /// One session's stream of delivered frames.
+///
+/// Laid out (`repr(C)`, aligned to a cache line) so that what a push writes and most of what
+/// it reads ([`SessionStream::push_at`]: `next_seq`, `started_nanos`, the deque, `bytes`,
+/// `front_at_ms`) is one line: a delivery to a session touches its stream once per ~1,000
+/// other deliveries on issue 13's fan-out, so each line it spreads over is one more cache
+/// miss per delivery (docs/benchmarks/2026-11-28-recovery-cache-lines.md). Not all of it:
+/// the push also reads `history` (for the core's total), in the second line; passing the
+/// total in as the log is would leave that line out too (not done).
+#[repr(C, align(64))]
 pub struct SessionStream {
+    /// The seq the next frame gets (the first is 1).
+    next_seq: u64,
+    /// `started` in nanoseconds from [`BASE`] (for [`PushClock`]).
+    started_nanos: i64,
+    entries: VecDeque<Entry>,
+    bytes: usize,
+    /// The front entry's `at_ms` while there is one (kept by every push into an empty
+    /// stream and every exit from the front), so a push tests the window without reading
+    /// the front entry, a line ~`len` entries away from the back one.
+    front_at_ms: u32,
     epoch: u32,
     /// `h1.<epoch>.`: what every offset of this stream starts with (shared with its outlets).
     prefix: Rc<str>,
     started: Instant,
-    /// `started` in nanoseconds from [`BASE`] (for [`PushClock`]).
-    started_nanos: i64,
-    /// The seq the next frame gets (the first is 1).
-    next_seq: u64,
-    entries: VecDeque<Entry>,
-    bytes: usize,
     /// The oldest seq still held (`next_seq` when empty); an offset below `first_seq - 1` has
     /// lost what followed it, for the reason in `cut_by`. The entries' seqs follow each other:
     /// entry `i` has seq `first_seq + i`, so `first_seq + entries.len() == next_seq` always.
@@ -375,6 +388,8 @@ impl SessionStream {
             next_seq: 1,
             entries: VecDeque::new(),
             bytes: 0,
+            // Before any entry: a push's at_ms (whole ms since `started`) is never below it.
+            front_at_ms: 0,
             first_seq: 1,
             cut_by: None,
             history,
@@ -468,6 +483,10 @@ impl SessionStream {
         let len = frame.len();
         let charged = len + ENTRY_OVERHEAD;
         let pos = log.append(frame, clock.log_ms, charged);
+        if self.entries.is_empty() {
+            self.front_at_ms = at_ms;
+        }
+        debug_assert!(self.entries.front().is_none_or(|f| f.at_ms == self.front_at_ms));
         self.entries.push_back(Entry {
             pos,
             at_ms,
@@ -475,7 +494,20 @@ impl SessionStream {
         });
         self.bytes += charged;
         self.history.total.set(self.history.total.get() + charged);
-        let (window_ms, first) = (clock.window_ms, log.first);
+        // Nothing to trim unless over the session bound or the front is past the window.
+        // An entry whose frame the core's log cut is dropped by the cut's sweep of every
+        // stream (app/recovery.rs), or, aged out of the log, is past the window here too
+        // ([`History::trim_age`] waits a millisecond more).
+        if self.bytes > session_bytes || at_ms.wrapping_sub(self.front_at_ms) > clock.window_ms {
+            self.trim_front_at(at_ms, clock.window_ms, log.first, session_bytes, trimmed);
+        }
+        seq
+    }
+
+    /// [`SessionStream::push_at`]'s trims, when its test says there are some: past the
+    /// window, cut from the core's log, over the session bound.
+    #[inline(never)]
+    fn trim_front_at(&mut self, at_ms: u32, window_ms: u32, first: u64, session_bytes: usize, trimmed: &mut Trimmed) {
         while let Some(front) = self.entries.front() {
             let cause = if at_ms.wrapping_sub(front.at_ms) > window_ms {
                 TrimCause::Window
@@ -488,7 +520,6 @@ impl SessionStream {
             };
             trimmed.add(cause, self.pop_front(cause));
         }
-        seq
     }
 
     /// Trims entries older than the window (a quiet stream ages too), then those whose frame
@@ -536,6 +567,9 @@ impl SessionStream {
             return 0;
         }
         let freed: usize = self.entries.drain(..n).map(|e| e.charged()).sum();
+        if let Some(f) = self.entries.front() {
+            self.front_at_ms = f.at_ms;
+        }
         self.first_seq += n as u64;
         self.bytes -= freed;
         self.history.total.set(self.history.total.get() - freed);
@@ -547,6 +581,9 @@ impl SessionStream {
         let Some(e) = self.entries.pop_front() else {
             return 0;
         };
+        if let Some(f) = self.entries.front() {
+            self.front_at_ms = f.at_ms;
+        }
         let charged = e.charged();
         self.bytes -= charged;
         self.history.total.set(self.history.total.get() - charged);
@@ -1318,6 +1355,8 @@ impl SessionRecovery {
             stream.bytes += charged;
         }
         drop(log);
+        // Its entries are older than its start (their at_ms wrap below zero).
+        stream.front_at_ms = stream.entries.front().map_or(0, |f| f.at_ms);
         history.total.set(history.total.get() + stream.bytes);
         let pids = stored
             .pids
@@ -1584,9 +1623,16 @@ mod tests {
         assert_eq!((a.first_seq(), a.len()), (5, 6));
         assert_eq!(a.after(3).err(), Some(Failure::Bound));
         assert_eq!(a.after(4).unwrap().len(), 6);
-        // `b` drops its own at its next push (or the core's sweep): meanwhile it is counted.
+        // `b` drops its own at the core's sweep (app/recovery.rs runs it right after every
+        // cut): meanwhile it is counted, and a push tests only the window and the session
+        // bound (it reads no front entry: docs/benchmarks/2026-11-28-recovery-cache-lines.md),
+        // while a replay from before the cut still fails `bound`.
         assert_eq!(total.held(), 16 * each);
         b.push(&frame("0123456789"), t0, W, 1 << 20, &mut t);
+        assert_eq!((b.first_seq(), b.len()), (1, 11));
+        assert_eq!(b.after(3).err(), Some(Failure::Bound));
+        assert_eq!(b.after(4).unwrap().len(), 7);
+        b.trim_age(t0, W, &mut t);
         assert_eq!((b.first_seq(), b.len()), (5, 7));
         assert_eq!(t.0[TrimCause::CoreBound.index()], 4 * each);
         assert_eq!(total.held(), 13 * each);

@@ -832,6 +832,9 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
     let mut run: Vec<[&[u8]; 5]> = Vec::new();
     let mut run_len = 0;
     for (i, item) in items.iter().enumerate() {
+        if let Some(Out::Envelope(next, _)) = items.get(i + 1) {
+            prefetch_text(next.as_bytes());
+        }
         match (kind, item) {
             (SocketKind::Plain { .. }, Out::Envelope(e, seq)) if batch => {
                 let parts = plain_parts(e.as_bytes(), *seq, plain_offsets.map(|_| &lead[..]), digits.get(i), part_of(parts, i));
@@ -878,6 +881,31 @@ fn encode(kind: &SocketKind, items: &[Out], offsets: Option<&str>, parts: &[Opti
         frames += frame::write_text_array(buf, &run, run_len + 1);
     }
     frames
+}
+
+/// Asks the CPU for the first 3 lines of the next envelope's text (an envelope of issue 13's
+/// fan-out spans 2 to 3) while this one is copied: a fan-out frame is copied into each of its
+/// sockets' writes some milliseconds after it was made, often from lines evicted meanwhile,
+/// and a write copies one frame after another (the copies were among the largest on − off
+/// differences of recovery's fan-out in cpu-clock samples:
+/// docs/benchmarks/2026-11-28-recovery-cache-lines.md). A hint only: 3 instructions, no
+/// branch; past a short text's end it asks for lines nothing reads.
+#[inline(always)]
+fn prefetch_text(text: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = text.as_ptr() as *const i8;
+        // SAFETY: a prefetch reads nothing the program sees and cannot fault, whatever the
+        // address (`wrapping_add`: no pointer is dereferenced or required in bounds).
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(p);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(128));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = text;
 }
 
 /// The device part of item `i`, if it has one (`parts` is empty when none has).
