@@ -561,7 +561,7 @@ impl Core {
             log: self.recovery.history.log.borrow_mut(),
         });
         let frame = &d.frame;
-        let seq = stream.push_at(frame, &batch.clock, &mut batch.log, self.recovery.session_bytes, trimmed);
+        let seq = stream.push_at(frame, &batch.clock, &self.recovery.history, &mut batch.log, self.recovery.session_bytes, trimmed);
         if self.recovery.noting.get() {
             if let Some(noted) = self.recovery.noted.borrow_mut().get_mut(&session) {
                 noted.note(&d.device, d.key);

@@ -333,9 +333,9 @@ impl History {
 /// it reads ([`SessionStream::push_at`]: `next_seq`, `started_nanos`, the deque, `bytes`,
 /// `front_at_ms`) is one line: a delivery to a session touches its stream once per ~1,000
 /// other deliveries on issue 13's fan-out, so each line it spreads over is one more cache
-/// miss per delivery (docs/benchmarks/2026-11-28-recovery-cache-lines.md). Not all of it:
-/// the push also reads `history` (for the core's total), in the second line; passing the
-/// total in as the log is would leave that line out too (not done).
+/// miss per delivery (docs/benchmarks/2026-11-28-recovery-cache-lines.md). The core's total
+/// comes in with the log (`history`), so the push does not read this stream's `history`
+/// pointer, in the second line; a push that trims does.
 #[repr(C, align(64))]
 pub struct SessionStream {
     /// The seq the next frame gets (the first is 1).
@@ -459,12 +459,13 @@ impl SessionStream {
     pub fn push_clocked(&mut self, frame: &Arc<str>, clock: &PushClock, session_bytes: usize, trimmed: &mut Trimmed) -> u64 {
         let history = self.history.clone();
         let mut log = history.log.borrow_mut();
-        self.push_at(frame, clock, &mut log, session_bytes, trimmed)
+        self.push_at(frame, clock, &history, &mut log, session_bytes, trimmed)
     }
 
     /// [`SessionStream::push`] with the batch's clock read once ([`PushClock`]) and the core's
-    /// log borrowed once (`log`: this stream's [`History::log`]). The hot path: a log append
-    /// (most often a count added to its last entry), a deque push, two adds and a front check.
+    /// log borrowed once (`log`: this stream's [`History::log`], `history` its [`History`]).
+    /// The hot path: a log append (most often a count added to its last entry), a deque
+    /// push, two adds and a test of the window and the session bound on the stream's line.
     /// Inlined into the delivery loop always (a call per delivery was ~28 instructions more
     /// when a build left it out of line).
     #[inline(always)]
@@ -472,6 +473,7 @@ impl SessionStream {
         &mut self,
         frame: &Arc<str>,
         clock: &PushClock,
+        history: &History,
         log: &mut CoreLog,
         session_bytes: usize,
         trimmed: &mut Trimmed,
@@ -493,7 +495,10 @@ impl SessionStream {
             len: len as u32,
         });
         self.bytes += charged;
-        self.history.total.set(self.history.total.get() + charged);
+        // The core's total through the caller's `history` (the stream's own: its pointer is
+        // in the stream's second line, which a push then does not touch).
+        debug_assert!(std::ptr::eq(history, &*self.history));
+        history.total.set(history.total.get() + charged);
         // Nothing to trim unless over the session bound or the front is past the window.
         // An entry whose frame the core's log cut is dropped by the cut's sweep of every
         // stream (app/recovery.rs), or, aged out of the log, is past the window here too
