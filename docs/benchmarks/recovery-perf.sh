@@ -20,7 +20,7 @@ for round in $(seq "${ROUNDS:-1}"); do
     echo "=== round $round $label window=$w transport=socketio perf"; uptime
     # begin: perf record and perf stat on hubcast (the harness's child); end: stop both.
     hook="if [ \"\$HUBCAST_LOAD_STEP\" = begin ]; then
-      p=\$(pgrep -P \$PPID -x hubcast | head -n 1); echo \$p > $tag.pid
+      p=\$(pgrep -P \$PPID | grep -vx \$\$ | head -n 1); echo \$p > $tag.pid
       perf record -F $FREQ -e cpu-clock -p \$p -o $tag.data > /dev/null 2>&1 & echo \$! > $tag.rec
       perf stat -e task-clock,context-switches,raw_syscalls:sys_enter,syscalls:sys_enter_write,syscalls:sys_enter_writev,syscalls:sys_enter_sendmsg,syscalls:sys_enter_read,syscalls:sys_enter_recvfrom,syscalls:sys_enter_epoll_wait,page-faults -p \$p -o $tag.stat > /dev/null 2>&1 & echo \$! > $tag.st
       sleep 0.2
