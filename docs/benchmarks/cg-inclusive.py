@@ -1,13 +1,9 @@
 #!/usr/bin/env python3
-import sys,re,collections
+import sys,collections
 # inclusive cost per delivery of call edges into functions whose name contains NEEDLE (excluding recursive edges)
 path=sys.argv[1]; div=float(sys.argv[2]); needles=sys.argv[3:]
-names={}; fn=None; cfn=None; expect=False; agg=collections.Counter()
-def name(v):
-    m=re.match(r'\((\d+)\)(?: (.*))?',v)
-    if not m: return v
-    if m.group(2) is not None: names[m.group(1)]=m.group(2)
-    return names.get(m.group(1),v)
+from cgfile import Names
+name=Names(); fn=None; cfn=None; expect=False; agg=collections.Counter()
 for line in open(path,errors='replace'):
     line=line.rstrip('\n')
     if line.startswith('fn='): fn=name(line[3:]); continue

@@ -3,35 +3,15 @@
 #   cg-misses.py FILE [N] [DIVISOR]
 # Columns: D1 misses (read + write), LL misses (read + write), Ir; each divided by DIVISOR
 # (deliveries in the counted window), the N functions with the most D1 misses first.
-import sys, re, collections
+import sys, collections
+from cgfile import self_costs
 path = sys.argv[1]; N = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 div = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
-names = {}; cost = collections.defaultdict(lambda: [0] * 9); fn = None; skip = False; events = None
-def name(v):
-    m = re.match(r'\((\d+)\)(?: (.*))?', v)
-    if not m: return v
-    if m.group(2) is not None: names[m.group(1)] = m.group(2)
-    return names.get(m.group(1), v)
-for line in open(path, errors='replace'):
-    line = line.rstrip('\n')
-    if not line: continue
-    if line.startswith('events:'):
-        events = line.split()[1:]; continue
-    if line.startswith('fn='):
-        fn = name(line[3:]); continue
-    if line.startswith(('cfn=', 'cfi=', 'cfl=', 'cob=')):
-        if line.startswith('cfn='): name(line[4:])
-        continue
-    if line.startswith('calls='):
-        skip = True; continue
-    c = line[0]
-    if c.isdigit() or c in '+-*':
-        if skip: skip = False; continue
-        parts = line.split()[1:]
-        if fn is not None:
-            row = cost[fn]
-            for i, v in enumerate(parts[:9]):
-                row[i] += int(v)
+cost = collections.defaultdict(lambda: [0] * 9); events = None
+for events, fn, counts in self_costs(path):
+    row = cost[fn]
+    for i, v in enumerate(counts[:9]):
+        row[i] += int(v)
 ix = {e: i for i, e in enumerate(events or [])}
 def get(row, e): return row[ix[e]] if e in ix else 0
 rows = [(get(r, 'D1mr') + get(r, 'D1mw'), get(r, 'DLmr') + get(r, 'DLmw'), get(r, 'Ir'), f) for f, r in cost.items()]
